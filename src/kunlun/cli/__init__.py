@@ -1,0 +1,1 @@
+"""Command-line interfaces: ``kunlun-cli`` and ``kunlun-device-probe``."""

@@ -1,0 +1,1 @@
+"""Device discovery: vendor plugins, operator declarations, device profiles, inventory."""

@@ -1,0 +1,133 @@
+"""One error hierarchy for all of Kunlun, with stable codes.
+
+Every error the project raises on purpose is a :class:`KunlunError`. Each class carries a
+stable ``code`` (what scripts and clients match on), the CLI exit status and the HTTP status
+it maps to. The CLI and (later) the gateway map errors to exit codes and HTTP responses in one
+place each, by reading these attributes; nothing else decides them.
+
+    KunlunError                      kunlun.error          exit 1   http 500
+    ├── ConfigError                  config.invalid        exit 2   http 400
+    ├── DeviceError                  device.error          exit 1   http 500
+    │   └── ToolError                device.tool_failed    exit 1   http 500
+    ├── ModelError                   model.error           exit 1   http 400
+    │   ├── UnsupportedArchitecture  model.unsupported_architecture
+    │   ├── ModelFileMissing         model.file_missing
+    │   └── CorruptWeights           model.corrupt_weights
+    ├── RequestError                 request.invalid       exit 2   http 400
+    │   └── PromptTooLong            request.prompt_too_long
+    └── EngineError                  engine.error          exit 1   http 500
+        └── RequestAborted           engine.aborted
+
+Messages name the value, the field and, when there is one, the place (``file:line``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a bad input sits: a file and, when known, a line and a field."""
+
+    path: str
+    line: int | None = None
+    field: str | None = None
+
+    def __str__(self) -> str:
+        text = self.path if self.line is None else f"{self.path}:{self.line}"
+        return f"{text} ({self.field})" if self.field else text
+
+
+class KunlunError(Exception):
+    """Base of every error Kunlun raises on purpose.
+
+    ``message`` says what is wrong, naming the offending value; ``location`` says where;
+    ``hint`` says what to do about it.
+    """
+
+    code = "kunlun.error"
+    exit_code = 1
+    http_status = 500
+
+    def __init__(
+        self, message: str, *, location: Location | None = None, hint: str | None = None
+    ) -> None:
+        self.message = message
+        self.location = location
+        self.hint = hint
+        super().__init__(self.__str__())
+
+    def __str__(self) -> str:
+        text = f"{self.location}: {self.message}" if self.location else self.message
+        return f"{text} (hint: {self.hint})" if self.hint else text
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready form, used by ``--json`` outputs and (later) API error bodies."""
+        return {
+            "code": self.code,
+            "message": self.message,
+            "location": str(self.location) if self.location else None,
+            "hint": self.hint,
+        }
+
+
+class ConfigError(KunlunError):
+    """A configuration file or CLI argument is invalid."""
+
+    code = "config.invalid"
+    exit_code = 2
+    http_status = 400
+
+
+class DeviceError(KunlunError):
+    """A device could not be discovered or used."""
+
+    code = "device.error"
+
+
+class ToolError(DeviceError):
+    """A vendor tool failed, timed out, or printed output that could not be parsed."""
+
+    code = "device.tool_failed"
+
+
+class ModelError(KunlunError):
+    """A model could not be loaded."""
+
+    code = "model.error"
+    http_status = 400
+
+
+class UnsupportedArchitecture(ModelError):
+    code = "model.unsupported_architecture"
+
+
+class ModelFileMissing(ModelError):
+    code = "model.file_missing"
+
+
+class CorruptWeights(ModelError):
+    code = "model.corrupt_weights"
+
+
+class RequestError(KunlunError):
+    """A request (to the engine or the API) has an invalid parameter."""
+
+    code = "request.invalid"
+    exit_code = 2
+    http_status = 400
+
+
+class PromptTooLong(RequestError):
+    code = "request.prompt_too_long"
+
+
+class EngineError(KunlunError):
+    """The engine failed while serving a request."""
+
+    code = "engine.error"
+
+
+class RequestAborted(EngineError):
+    code = "engine.aborted"
