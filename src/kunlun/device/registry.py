@@ -1,0 +1,152 @@
+"""Finding device plugins and running them in isolation.
+
+Plugins are found through the entry-point group ``kunlun.device_plugins``; each entry point
+names a :class:`~kunlun.device.plugin.DevicePlugin` subclass. Running them is isolated: a
+plugin that cannot be loaded, raises, or hangs past its time limit becomes a
+:class:`PluginReport` with an error, and every other plugin still reports its devices.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from kunlun.device.plugin import DevicePlugin, Discovery, ProbedDevice
+from kunlun.device.tools import DEFAULT_TIMEOUT_S, CommandRecord, ToolRunner
+from kunlun.errors import KunlunError
+
+ENTRY_POINT_GROUP = "kunlun.device_plugins"
+#: A plugin gets this long in all (several tool calls) before it is reported as hung.
+PLUGIN_TIMEOUT_S = 3 * DEFAULT_TIMEOUT_S
+
+
+@dataclass
+class PluginReport:
+    """What one plugin produced: devices, notes, the commands it ran, or its error."""
+
+    device_type: str
+    devices: list[ProbedDevice] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    commands: list[CommandRecord] = field(default_factory=list)
+    tool_found: bool = False
+    error: str | None = None
+    duration_ms: float = 0.0
+    plugin: DevicePlugin | None = None
+
+
+@dataclass
+class LoadedPlugins:
+    """Plugins by device type, plus entry points that failed to load."""
+
+    plugins: dict[str, DevicePlugin]
+    load_errors: dict[str, str]
+
+
+def load_plugins() -> LoadedPlugins:
+    """Instantiate every plugin registered in ``kunlun.device_plugins``."""
+    plugins: dict[str, DevicePlugin] = {}
+    errors: dict[str, str] = {}
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        try:
+            cls = ep.load()
+            if not (isinstance(cls, type) and issubclass(cls, DevicePlugin)):
+                raise TypeError(f"{ep.value} is not a DevicePlugin subclass")
+            plugin = cls()
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not stop the others
+            errors[ep.name] = f"cannot load plugin '{ep.name}' ({ep.value}): {exc!r}"
+            continue
+        plugins.setdefault(plugin.device_type, plugin)
+    return LoadedPlugins(plugins, errors)
+
+
+def known_device_types() -> list[str]:
+    """Device types of every registered plugin (what declarations may name)."""
+    return sorted(load_plugins().plugins)
+
+
+def run_plugin(
+    plugin: DevicePlugin,
+    replay_dir: Path | None = None,
+    timeout_s: float = PLUGIN_TIMEOUT_S,
+    tool_timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> PluginReport:
+    """Run one plugin's discovery in a worker thread, bounded by ``timeout_s``."""
+    runner = ToolRunner(replay_dir=replay_dir, timeout_s=tool_timeout_s)
+    report = PluginReport(device_type=plugin.device_type, plugin=plugin)
+    box: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            box["result"] = plugin.discover(runner)
+        except KunlunError as exc:
+            box["error"] = exc.message
+        except Exception as exc:  # noqa: BLE001 - isolate plugin bugs
+            box["error"] = f"plugin raised {exc!r}"
+
+    start = time.monotonic()
+    thread = threading.Thread(target=work, name=f"plugin-{plugin.device_type}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    report.duration_ms = (time.monotonic() - start) * 1000
+    report.commands = list(runner.records)
+    if thread.is_alive():
+        report.error = f"plugin did not finish within {timeout_s:g}s; its devices are not listed"
+        return report
+    if "error" in box:
+        report.error = str(box["error"])
+        report.tool_found = True
+        return report
+    result = box["result"]
+    assert isinstance(result, Discovery)
+    report.devices, report.notes, report.tool_found = (
+        result.devices,
+        result.notes,
+        result.tool_found,
+    )
+    if replay_dir is None and not report.devices:
+        _add_torch_source(plugin, report)
+    return report
+
+
+def _add_torch_source(plugin: DevicePlugin, report: PluginReport) -> None:
+    """When the tool found nothing but the vendor's torch extension sees devices, use those."""
+    try:
+        devices = plugin.torch_devices()
+    except Exception as exc:  # noqa: BLE001 - the second source is best effort
+        report.notes.append(f"{plugin.torch_module} present but failed: {exc!r}")
+        return
+    if devices:
+        report.devices = devices
+        report.notes.append(f"devices from {plugin.torch_module} (vendor tool gave none)")
+
+
+def discover_all(
+    replay_dir: Path | None = None, plugin_timeout_s: float = PLUGIN_TIMEOUT_S
+) -> list[PluginReport]:
+    """Run every registered plugin concurrently; one report per plugin, failures included."""
+    loaded = load_plugins()
+    reports: list[PluginReport] = [
+        PluginReport(device_type=name, error=err) for name, err in loaded.load_errors.items()
+    ]
+    results: dict[str, PluginReport] = {}
+
+    def one(plugin: DevicePlugin) -> None:
+        results[plugin.device_type] = run_plugin(plugin, replay_dir, plugin_timeout_s)
+
+    threads = [
+        threading.Thread(target=one, args=(p,), daemon=True) for p in loaded.plugins.values()
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + plugin_timeout_s + 1.0
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    for name, plugin in sorted(loaded.plugins.items()):
+        reports.append(
+            results.get(name)
+            or PluginReport(device_type=name, plugin=plugin, error="plugin did not finish")
+        )
+    return sorted(reports, key=lambda r: r.device_type)
