@@ -79,16 +79,17 @@ class FakeTools:
         if isinstance(out, str):
             out = FakeOutput(stdout=out)
         self._count += 1
-        stem = self.bin_dir / f".{tool}.{self._count}"
+        out_path = self.bin_dir / f".{tool}.{self._count}.out"
+        err_path = self.bin_dir / f".{tool}.{self._count}.err"
         body: list[str] = []
         if out.sleep_s:
             body.append(f"sleep {out.sleep_s:g}")
         if out.stdout:
-            stem.with_suffix(".out").write_text(out.stdout)
-            body.append(f"cat {shlex.quote(str(stem.with_suffix('.out')))}")
+            out_path.write_text(out.stdout)
+            body.append(f"cat {shlex.quote(str(out_path))}")
         if out.stderr:
-            stem.with_suffix(".err").write_text(out.stderr)
-            body.append(f"cat {shlex.quote(str(stem.with_suffix('.err')))} >&2")
+            err_path.write_text(out.stderr)
+            body.append(f"cat {shlex.quote(str(err_path))} >&2")
         body.append(f"exit {out.exit_code}")
         return body
 
