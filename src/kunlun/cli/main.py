@@ -1,0 +1,48 @@
+"""``kunlun-cli``: the operator's command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kunlun import __version__
+from kunlun.cli import device
+from kunlun.cli.output import console, handle_errors, print_json
+
+app = typer.Typer(
+    help="Kunlun Platform: chip-agnostic LLM inference.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(device.app, name="device")
+
+
+@app.command()
+@handle_errors
+def doctor(
+    replay: Annotated[
+        Path | None, typer.Option("--replay", help="Check a recorded node instead of this one.")
+    ] = None,
+    json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Check this machine's environment: kernel, vendor tools, drivers, container, ports."""
+    from kunlun.device.doctor import render, run_doctor
+
+    report = run_doctor(replay=replay)
+    if json:
+        print_json(report.to_dict())
+    else:
+        render(report, console)
+    raise SystemExit(report.exit_code())
+
+
+@app.command()
+def version() -> None:
+    """Print the Kunlun version."""
+    console.print(__version__)
+
+
+def main() -> None:
+    app()
