@@ -8,6 +8,7 @@ plugin that cannot be loaded, raises, or hangs past its time limit becomes a
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -16,11 +17,27 @@ from pathlib import Path
 
 from kunlun.device.plugin import DevicePlugin, Discovery, ProbedDevice
 from kunlun.device.tools import DEFAULT_TIMEOUT_S, CommandRecord, ToolRunner
-from kunlun.errors import KunlunError
+from kunlun.errors import ConfigError, KunlunError
 
 ENTRY_POINT_GROUP = "kunlun.device_plugins"
-#: A plugin gets this long in all (several tool calls) before it is reported as hung.
+#: A plugin gets this long in all (several tool calls) before it is reported as hung;
+#: ``KUNLUN_PLUGIN_TIMEOUT_S`` overrides it.
 PLUGIN_TIMEOUT_S = 3 * DEFAULT_TIMEOUT_S
+TIMEOUT_ENV = "KUNLUN_PLUGIN_TIMEOUT_S"
+
+
+def plugin_timeout_s() -> float:
+    """The per-plugin time limit: ``$KUNLUN_PLUGIN_TIMEOUT_S`` or :data:`PLUGIN_TIMEOUT_S`."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return PLUGIN_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ConfigError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds")
+    return value
 
 
 @dataclass
@@ -70,10 +87,12 @@ def known_device_types() -> list[str]:
 def run_plugin(
     plugin: DevicePlugin,
     replay_dir: Path | None = None,
-    timeout_s: float = PLUGIN_TIMEOUT_S,
+    timeout_s: float | None = None,
     tool_timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> PluginReport:
     """Run one plugin's discovery in a worker thread, bounded by ``timeout_s``."""
+    timeout_s = plugin_timeout_s() if timeout_s is None else timeout_s
+    tool_timeout_s = min(tool_timeout_s, timeout_s)
     runner = ToolRunner(replay_dir=replay_dir, timeout_s=tool_timeout_s)
     report = PluginReport(device_type=plugin.device_type, plugin=plugin)
     box: dict[str, object] = {}
@@ -124,9 +143,10 @@ def _add_torch_source(plugin: DevicePlugin, report: PluginReport) -> None:
 
 
 def discover_all(
-    replay_dir: Path | None = None, plugin_timeout_s: float = PLUGIN_TIMEOUT_S
+    replay_dir: Path | None = None, timeout_s: float | None = None
 ) -> list[PluginReport]:
     """Run every registered plugin concurrently; one report per plugin, failures included."""
+    timeout_s = plugin_timeout_s() if timeout_s is None else timeout_s
     loaded = load_plugins()
     reports: list[PluginReport] = [
         PluginReport(device_type=name, error=err) for name, err in loaded.load_errors.items()
@@ -134,14 +154,14 @@ def discover_all(
     results: dict[str, PluginReport] = {}
 
     def one(plugin: DevicePlugin) -> None:
-        results[plugin.device_type] = run_plugin(plugin, replay_dir, plugin_timeout_s)
+        results[plugin.device_type] = run_plugin(plugin, replay_dir, timeout_s)
 
     threads = [
         threading.Thread(target=one, args=(p,), daemon=True) for p in loaded.plugins.values()
     ]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + plugin_timeout_s + 1.0
+    deadline = time.monotonic() + timeout_s + 1.0
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     for name, plugin in sorted(loaded.plugins.items()):
