@@ -1,0 +1,1 @@
+"""Serving: engine worker processes, the replica set, and the OpenAI-compatible gateway."""

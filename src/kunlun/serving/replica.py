@@ -1,0 +1,70 @@
+"""Replicas as the gateway sees them, and the set the node agent keeps up to date.
+
+A replica is one engine worker process serving one workload's model on its devices. The
+node agent (in the daemon) starts workers and registers them here; the gateway only reads:
+it asks for the ready replicas of a model and sends requests to their ``base_url``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Replica:
+    """One running engine worker."""
+
+    replica_id: str
+    workload_id: str
+    model: str
+    """The served model name clients use (the workload's alias)."""
+    device: str
+    """The device it runs on, e.g. ``cpu:0``."""
+    base_url: str
+    """The worker's own OpenAI-compatible endpoint, e.g. ``http://127.0.0.1:41234``."""
+    max_queue: int = 64
+    """Requests in flight or waiting at this replica before the gateway answers 429."""
+    priority: str = "normal"
+    ready: bool = False
+    in_flight: int = 0
+    """Maintained by the gateway: requests sent and not yet finished."""
+    pid: int | None = None
+
+
+@dataclass
+class ReplicaSet:
+    """Thread-safe registry of replicas, written by the node agent, read by the gateway."""
+
+    _replicas: dict[str, Replica] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def upsert(self, replica: Replica) -> None:
+        with self._lock:
+            self._replicas[replica.replica_id] = replica
+
+    def remove(self, replica_id: str) -> None:
+        with self._lock:
+            self._replicas.pop(replica_id, None)
+
+    def get(self, replica_id: str) -> Replica | None:
+        with self._lock:
+            return self._replicas.get(replica_id)
+
+    def all(self) -> list[Replica]:
+        with self._lock:
+            return list(self._replicas.values())
+
+    def ready(self, model: str) -> list[Replica]:
+        """Ready replicas serving ``model``."""
+        with self._lock:
+            return [r for r in self._replicas.values() if r.model == model and r.ready]
+
+    def models(self) -> list[str]:
+        """Every model name with at least one replica (ready or starting)."""
+        with self._lock:
+            return sorted({r.model for r in self._replicas.values()})
+
+    def any_ready(self) -> bool:
+        with self._lock:
+            return any(r.ready for r in self._replicas.values())
