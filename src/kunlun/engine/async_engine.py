@@ -1,0 +1,200 @@
+"""Serve the engine to asyncio code: the step loop runs in a background thread.
+
+The event loop never waits on the model. :meth:`AsyncLLMEngine.add_request` validates the
+request in the caller (bad input raises there, at once), hands it to the engine thread and
+returns an async iterator of :class:`RequestOutputDelta`. The engine thread takes new
+requests and aborts between steps, runs a step, and passes each delta back with
+``loop.call_soon_threadsafe`` into the request's own :class:`asyncio.Queue`. A consumer that
+stops listening (its task cancelled, the client gone) aborts its request; :meth:`abort`
+returns once the request's blocks are free. A request that fails raises its
+:class:`EngineError` from the iterator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kunlun.engine.llm_engine import LLMEngine, Prompt, Request
+from kunlun.engine.outputs import EngineStats, RequestOutputDelta
+from kunlun.engine.sampling_params import SamplingParams
+from kunlun.errors import EngineError, RequestError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutputDelta | BaseException]
+
+
+class AsyncLLMEngine:
+    """An :class:`LLMEngine` driven by a background thread, for asyncio servers."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._new: list[Request] = []
+        self._aborts: list[tuple[str, concurrent.futures.Future[None] | None]] = []
+        self._streams: dict[str, _Stream] = {}
+        self._stats = engine.stats()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        """Start the engine thread (done on the first request if not called)."""
+        with self._lock:
+            if self._thread is None:
+                self._stopping = False
+                self._thread = threading.Thread(target=self._run, name="kunlun-engine", daemon=True)
+                self._thread.start()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Stop the engine thread after its current step; unfinished streams get an error."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._stopping = True
+        self._wake.set()
+        if thread is not None:
+            thread.join(timeout)
+        self._fail_all(EngineError("the engine was shut down"))
+
+    async def __aenter__(self) -> AsyncLLMEngine:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    # ---- requests ----
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutputDelta]:
+        """Queue a request; iterate the result for its deltas (the last has ``final`` set).
+
+        Must be called from a running event loop. Raises :class:`RequestError` at once for
+        bad input or a request id already in use.
+        """
+        loop = asyncio.get_running_loop()
+        request = self.engine.make_request(prompt, params, request_id)
+        stream = _Stream(loop, asyncio.Queue())
+        with self._lock:
+            if request.request_id in self._streams:
+                raise RequestError(f"request_id {request.request_id!r} is already in use")
+            self._streams[request.request_id] = stream
+            self._new.append(request)
+        self.start()
+        self._wake.set()
+        return self._iterate(request.request_id, stream)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; returns once its blocks are free (a no-op for unknown ids)."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            self._aborts.append((request_id, done))
+        self.start()
+        self._wake.set()
+        await asyncio.wrap_future(done)
+
+    def stats(self) -> EngineStats:
+        """The engine's statistics as of its last step (safe from any thread)."""
+        return self._stats
+
+    # ---- consumer side ----
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutputDelta]:
+        done = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item.final is not None:
+                    done = True
+                    if item.error is not None:
+                        raise item.error
+                yield item
+                if done:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+                if not done:  # the consumer left early: stop generating for nobody
+                    self._aborts.append((request_id, None))
+            if not done:
+                self._wake.set()
+
+    # ---- engine thread ----
+    def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            with self._lock:
+                if self._stopping:
+                    return
+                new, self._new = self._new, []
+                aborts, self._aborts = self._aborts, []
+            try:
+                self._step(new, aborts)
+            except Exception as exc:  # a bug outside the model step: fail all, keep serving
+                logger.exception("engine loop failed")
+                self._recover(EngineError(f"engine loop failed: {type(exc).__name__}: {exc}"))
+                _resolve(aborts)
+            if not self.engine.has_unfinished():
+                self._wake.wait()
+
+    def _step(
+        self, new: list[Request], aborts: list[tuple[str, concurrent.futures.Future[None] | None]]
+    ) -> None:
+        deltas: list[RequestOutputDelta] = []
+        for request in new:
+            self.engine.add(request)
+        for request_id, _ in aborts:
+            deltas += self.engine.abort_request(request_id)
+        self._stats = self.engine.stats()
+        _resolve(aborts)
+        if self.engine.has_unfinished():
+            deltas += self.engine.step()
+            self._stats = self.engine.stats()
+        self._deliver(deltas)
+
+    def _deliver(self, items: list[RequestOutputDelta]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutputDelta]]] = {}
+        with self._lock:
+            for item in items:
+                stream = self._streams.get(item.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, pairs in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                loop.call_soon_threadsafe(_put_all, pairs)
+
+    def _recover(self, error: EngineError) -> None:
+        self.engine.abort_all()
+        self._stats = self.engine.stats()
+        self._fail_all(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            with contextlib.suppress(RuntimeError):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+
+
+def _resolve(aborts: list[tuple[str, concurrent.futures.Future[None] | None]]) -> None:
+    for _, done in aborts:
+        if done is not None and not done.done():
+            done.set_result(None)
+
+
+def _put_all(pairs: list[tuple[_Stream, RequestOutputDelta]]) -> None:
+    for stream, item in pairs:
+        stream.queue.put_nowait(item)
