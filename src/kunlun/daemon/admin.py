@@ -1,0 +1,108 @@
+"""The admin API under ``/api/v1``: devices, workloads, models, API keys.
+
+What ``kunlun-cli`` calls when a daemon runs. Every error is a :class:`KunlunError`, turned
+into JSON with its HTTP status by the app's one exception handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Body, Query
+
+from kunlun import catalog
+from kunlun.errors import ConfigError, Location
+from kunlun.state.api_keys import create_key, revoke_key
+from kunlun.workload.spec import parse_spec
+
+if TYPE_CHECKING:
+    from kunlun.daemon.app import Platform
+
+MAX_LOG_CHUNK = 1 << 20
+
+
+def admin_router(platform: Platform) -> APIRouter:
+    router = APIRouter()
+    manager = platform.manager
+
+    @router.get("/devices")
+    async def devices() -> list[dict[str, Any]]:
+        inventory = await asyncio.to_thread(platform.inventory)
+        return inventory.to_list()
+
+    @router.get("/workloads")
+    async def list_workloads() -> list[dict[str, Any]]:
+        out = []
+        for w in platform.store.list_workloads():
+            ready = sum(1 for r in platform.replicas.all() if r.workload_id == w.workload_id and r.ready)
+            out.append({
+                "workload_id": w.workload_id, "name": w.name, "state": w.state,
+                "model": w.spec.get("model"), "target_device": w.target_device,
+                "replicas": w.spec.get("replicas", 1), "ready_replicas": ready,
+                "priority": w.spec.get("priority"), "reason": w.reason, "created": w.created,
+            })
+        return out
+
+    @router.post("/workloads")
+    async def submit(spec: dict[str, Any] = Body(...), dry_run: bool = Query(False)) -> dict[str, Any]:  # noqa: B008
+        parsed = parse_spec(spec, "request body")
+        record = await asyncio.to_thread(manager.submit, parsed, dry_run)
+        return {"workload_id": record.workload_id, "name": record.name, "state": record.state,
+                "target_device": record.target_device, "placement": record.placement,
+                "dry_run": dry_run}
+
+    @router.get("/workloads/{workload_id}")
+    async def describe(workload_id: str) -> dict[str, Any]:
+        return manager.describe(workload_id)
+
+    @router.get("/workloads/{workload_id}/logs")
+    async def logs(workload_id: str, offset: int = Query(0, ge=0)) -> dict[str, Any]:
+        record = manager.get(workload_id)
+        path = platform.agent.log_path(record.workload_id)
+        if not path.exists():
+            return {"text": "", "offset": 0, "state": record.state}
+        with path.open("rb") as handle:
+            handle.seek(offset)
+            data = handle.read(MAX_LOG_CHUNK)
+        return {"text": data.decode("utf-8", errors="replace"), "offset": offset + len(data),
+                "state": record.state}
+
+    @router.post("/workloads/{workload_id}/stop")
+    async def stop(workload_id: str) -> dict[str, Any]:
+        record = await asyncio.to_thread(manager.stop, workload_id)
+        return {"workload_id": record.workload_id, "state": record.state}
+
+    @router.get("/models")
+    async def models() -> list[dict[str, Any]]:
+        return [vars(m) for m in platform.store.list_models()]
+
+    @router.post("/models/import-gguf")
+    async def import_gguf(body: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
+        if body.get("demo"):
+            record = await asyncio.to_thread(catalog.import_demo, platform.store)
+        else:
+            path = body.get("path")
+            if not isinstance(path, str):
+                raise ConfigError("'path' (a GGUF file on the daemon's machine) is required", location=Location("path"))
+            record = await asyncio.to_thread(catalog.import_gguf, platform.store, path, body.get("name"))
+        return vars(record)
+
+    @router.get("/apikeys")
+    async def list_keys() -> list[dict[str, Any]]:
+        return [{"key_id": k.key_id, "name": k.name, "created": k.created, "revoked": k.revoked}
+                for k in platform.store.list_api_keys()]
+
+    @router.post("/apikeys")
+    async def new_key(body: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
+        record, secret = create_key(platform.store, str(body.get("name", "")))
+        platform.keyring.refresh(force=True)
+        return {"key_id": record.key_id, "name": record.name, "key": secret}
+
+    @router.delete("/apikeys/{key}")
+    async def revoke(key: str) -> dict[str, Any]:
+        record = revoke_key(platform.store, key)
+        platform.keyring.refresh(force=True)
+        return {"key_id": record.key_id, "name": record.name, "revoked": True}
+
+    return router

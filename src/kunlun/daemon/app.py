@@ -1,0 +1,142 @@
+"""The daemon's FastAPI application: health, the admin API, the gateway, API-key auth.
+
+Routes:
+- ``/healthz`` (liveness) and ``/readyz`` (200 once a replica has loaded and warmed up);
+- ``/api/v1/...``: devices, workloads, models and API keys (what ``kunlun-cli`` calls);
+- ``/v1/...``: the OpenAI-compatible gateway (:mod:`kunlun.serving.gateway`).
+
+Once any API key exists, every route but ``/healthz`` and ``/readyz`` needs one
+(``Authorization: Bearer <key>``); the check is a plain ASGI middleware so streaming is not
+slowed down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kunlun import __version__
+from kunlun.daemon.admin import admin_router
+from kunlun.device.inventory import Inventory, build_inventory
+from kunlun.errors import KunlunError
+from kunlun.node.agent import NodeAgent
+from kunlun.serving.gateway import GatewayState, gateway_router
+from kunlun.serving.protocol import error_body
+from kunlun.serving.replica import ReplicaSet
+from kunlun.state.api_keys import KeyRing
+from kunlun.state.sqlite import SQLiteStore
+from kunlun.workload.manager import WorkloadManager
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+@dataclass
+class Platform:
+    """Everything the daemon's routes share."""
+
+    home: Path
+    store: SQLiteStore
+    keyring: KeyRing
+    replicas: ReplicaSet
+    agent: NodeAgent
+    manager: WorkloadManager
+    gateway: GatewayState
+    config: Path | None = None
+    started_at: float = field(default_factory=time.time)
+
+    def inventory(self) -> Inventory:
+        return build_inventory(config=self.config)
+
+
+def make_platform(home: Path, config: Path | None = None) -> Platform:
+    store = SQLiteStore(home / "state.db")
+    replicas = ReplicaSet()
+    holder: dict[str, WorkloadManager] = {}
+    agent = NodeAgent(home, replicas, lambda wid, kind, msg: holder["m"].event(wid, kind, msg))
+    platform_config = config
+    manager = WorkloadManager(store, agent, replicas, lambda: build_inventory(config=platform_config))
+    holder["m"] = manager
+    return Platform(home, store, KeyRing(store), replicas, agent, manager, GatewayState(), config)
+
+
+class ApiKeyMiddleware:
+    """401 for every route but the open ones when keys exist and the request has no valid one."""
+
+    def __init__(self, app: Any, keyring: KeyRing) -> None:
+        self.app = app
+        self.keyring = keyring
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or not self.keyring.enabled:
+            await self.app(scope, receive, send)
+            return
+        key = None
+        for name, value in scope["headers"]:
+            if name == b"authorization" and value[:7].lower() == b"bearer ":
+                key = value[7:].decode("latin-1").strip()
+            elif name == b"x-api-key":
+                key = value.decode("latin-1").strip()
+        if self.keyring.verify(key):
+            await self.app(scope, receive, send)
+            return
+        message = "missing API key" if not key else "invalid API key"
+        body = json.dumps(
+            {"error": {"message": f"{message}; send 'Authorization: Bearer <key>'",
+                       "type": "authentication_error", "param": None, "code": "invalid_api_key"}}
+        ).encode()
+        await send({"type": "http.response.start", "status": 401, "headers": [
+            (b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def create_app(platform: Platform) -> FastAPI:
+    """The daemon's app over ``platform`` (started and stopped by the app's lifespan)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await platform.gateway.start()
+        reaped = platform.agent.reap_leftovers()
+        if reaped:
+            print(f"reaped {len(reaped)} engine worker(s) left by an earlier daemon: {reaped}", flush=True)
+        supervisor = asyncio.create_task(platform.agent.supervise())
+        await asyncio.to_thread(platform.manager.resume_all)
+        try:
+            yield
+        finally:
+            supervisor.cancel()
+            await asyncio.to_thread(platform.agent.stop_all)
+            await platform.gateway.close()
+            platform.store.close()
+
+    app = FastAPI(title="Kunlun Platform", version=__version__, lifespan=lifespan)
+    app.state.platform = platform
+
+    @app.exception_handler(KunlunError)
+    async def kunlun_error(request: Request, exc: KunlunError) -> JSONResponse:
+        return JSONResponse(error_body(exc), status_code=exc.http_status)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "version": __version__, "uptime_s": round(time.time() - platform.started_at, 1)}
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        if platform.gateway.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if platform.replicas.any_ready():
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "no replica has loaded and warmed up yet"}, status_code=503)
+
+    app.include_router(admin_router(platform), prefix="/api/v1")
+    app.include_router(gateway_router(platform.replicas, platform.gateway))
+    app.add_middleware(ApiKeyMiddleware, keyring=platform.keyring)
+    return app

@@ -1,0 +1,194 @@
+"""``kunlun-platform``: start the daemon, or ``kunlun-platform stop`` it.
+
+Binds 127.0.0.1:8470 by default. A non-loopback bind with no API key is refused unless
+``--allow-insecure``. A port already in use is an error naming the port and, where it can be
+found, the process holding it. State lives in ``KUNLUN_HOME``; the pid file
+``KUNLUN_HOME/kunlun-platform.json`` also tells ``kunlun-cli`` where the daemon listens.
+SIGTERM drains: new requests get 503, in-flight ones finish, workers stop, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import psutil
+import typer
+import uvicorn
+
+from kunlun.cli.output import console, handle_errors
+from kunlun.errors import ConfigError, KunlunError, Location
+from kunlun.paths import kunlun_home
+
+DEFAULT_PORT = 8470
+DRAIN_TIMEOUT_S = 120.0
+PID_FILE = "kunlun-platform.json"
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, invoke_without_command=True)
+
+
+class DaemonError(KunlunError):
+    code = "daemon.error"
+    exit_code = 2
+
+
+def pid_info(home: Path) -> dict[str, Any] | None:
+    """The running daemon's pid file, if that process is alive."""
+    path = home / PID_FILE
+    try:
+        info = json.loads(path.read_text())
+        proc = psutil.Process(int(info["pid"]))
+        if abs(proc.create_time() - float(info["create_time"])) < 1.0:
+            return info
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        pass
+    return None
+
+
+def _holder(port: int) -> str:
+    try:
+        for c in psutil.net_connections(kind="inet"):
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+                return f"{psutil.Process(c.pid).name()} (pid {c.pid})"
+    except (psutil.Error, OSError):
+        pass
+    return "another process"
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == 98:  # EADDRINUSE
+            raise DaemonError(
+                f"port {port} on {host} is already in use by {_holder(port)}",
+                location=Location("--port"), hint="stop that process or pass --port",
+            ) from None
+        raise DaemonError(f"cannot bind {host}:{port}: {exc.strerror}", location=Location("--host")) from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but SIGTERM/SIGINT first drain: 503 for new requests, in-flight ones finish."""
+
+    def __init__(self, config: uvicorn.Config, platform: Any) -> None:
+        super().__init__(config)
+        self.platform = platform
+        self.draining = False
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.draining:  # a second signal: stop now
+            self.should_exit = self.force_exit = True
+            return
+        self.draining = True
+        self.platform.gateway.draining = True
+        print(f"received signal {sig}: draining (new requests get 503)", flush=True)
+        asyncio.get_event_loop().call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while time.monotonic() < deadline and sum(r.in_flight for r in self.platform.replicas.all()):
+            await asyncio.sleep(0.05)
+        print("drained; stopping engine workers", flush=True)
+        self.should_exit = True
+
+
+@app.callback()
+@handle_errors
+def serve(
+    ctx: typer.Context,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.", min=1, max=65535)] = DEFAULT_PORT,
+    allow_insecure: Annotated[bool, typer.Option("--allow-insecure", help="Allow a non-loopback bind with no API key.")] = False,
+    config: Annotated[Path | None, typer.Option(help="device-plugin-config.yaml (default: KUNLUN_HOME/device-plugin-config.yaml if present).")] = None,
+    demo: Annotated[bool, typer.Option("--demo", help="Import the demo model and serve it as 'smollm2'.")] = False,
+) -> None:
+    """Run the Kunlun Platform daemon in the foreground."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from kunlun.daemon.app import create_app, make_platform
+
+    home = kunlun_home()
+    running = pid_info(home)
+    if running:
+        raise DaemonError(f"a daemon already runs for {home} (pid {running['pid']}, port {running['port']})",
+                          hint="kunlun-platform stop")
+    if config is None and (home / "device-plugin-config.yaml").exists():
+        config = home / "device-plugin-config.yaml"
+    if config is not None and not config.exists():
+        raise ConfigError("device config not found", location=Location(str(config)))
+    platform = make_platform(home, config)
+    if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:
+        raise DaemonError(f"refusing to listen on {host} with no API key configured",
+                          location=Location("--host"),
+                          hint="kunlun-cli apikey create NAME first, or pass --allow-insecure")
+    sock = bind_socket(host, port)
+    if demo:
+        _ensure_demo(platform)
+    server = DrainingServer(uvicorn.Config(create_app(platform), log_level="warning", timeout_graceful_shutdown=30), platform)
+    pid_path = home / PID_FILE
+    pid_path.write_text(json.dumps({"pid": os.getpid(), "create_time": psutil.Process().create_time(),
+                                    "host": host, "port": port}))
+    console.print(f"Kunlun Platform listening on http://{host}:{port} (KUNLUN_HOME={home})")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        pid_path.unlink(missing_ok=True)
+    raise SystemExit(0)
+
+
+def _ensure_demo(platform: Any) -> None:
+    from kunlun import catalog
+    from kunlun.workload.spec import WorkloadSpec
+
+    if platform.store.get_model(catalog.DEMO_ALIAS) is None:
+        console.print("importing the demo model (SmolLM2-135M-Instruct) ...")
+        catalog.import_demo(platform.store)
+    active = [w for w in platform.store.list_workloads() if w.name == catalog.DEMO_ALIAS and w.state not in ("STOPPED", "FAILED")]
+    if not active:  # created PENDING; the app's start-up starts every active workload
+        platform.manager.create(WorkloadSpec(model=catalog.DEMO_ALIAS))
+
+
+@app.command()
+@handle_errors
+def stop(timeout: Annotated[float, typer.Option(help="Seconds to wait for the drain.")] = 150.0) -> None:
+    """Stop the running daemon (SIGTERM: it drains first)."""
+    home = kunlun_home()
+    info = pid_info(home)
+    if info is None:
+        raise DaemonError(f"no daemon is running for {home}")
+    pid = int(info["pid"])
+    os.kill(pid, signal.SIGTERM)
+    try:
+        psutil.Process(pid).wait(timeout)
+    except psutil.TimeoutExpired:
+        raise DaemonError(f"daemon pid {pid} did not stop within {timeout:g}s") from None
+    except psutil.NoSuchProcess:
+        pass
+    console.print(f"stopped (pid {pid})")
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,209 @@
+"""The node agent's engine supervisor: one worker process per replica, kept alive.
+
+Each replica is a ``python -m kunlun.serving.worker`` process started with its device's
+visibility environment, its output appended to ``KUNLUN_HOME/logs/<workload>.log``. The
+supervisor loop notices a worker's ready file (the worker writes it after loading and a
+warm-up generation), marks the replica ready in the :class:`ReplicaSet`, and restarts a worker
+that dies, with exponential backoff (1 s doubling to 60 s; reset after 60 s of health). Every
+start, readiness, crash and restart is reported through ``on_event``. Worker pid files under
+``KUNLUN_HOME/run/workers`` let a restarted daemon find and reap workers that a crashed daemon
+left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from kunlun.serving.replica import Replica, ReplicaSet
+
+EventSink = Callable[[str, str, str], None]  # (workload_id, kind, message)
+MAX_BACKOFF_S = 60.0
+HEALTHY_RESET_S = 60.0
+
+
+@dataclass
+class Worker:
+    """One supervised worker process and its restart state."""
+
+    replica: Replica
+    args: list[str]
+    env: dict[str, str]
+    log_path: Path
+    ready_file: Path
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    ready_at: float | None = None
+    restarts: int = 0
+    backoff_s: float = 1.0
+    next_start: float | None = field(default_factory=time.monotonic)
+    stopping: bool = False
+    info: dict[str, object] = field(default_factory=dict)
+
+
+class NodeAgent:
+    """Starts, watches, restarts and stops engine workers."""
+
+    def __init__(self, home: Path, replicas: ReplicaSet, on_event: EventSink) -> None:
+        self.home = home
+        self.replicas = replicas
+        self.on_event = on_event
+        self.workers: dict[str, Worker] = {}
+        self.run_dir = home / "run" / "workers"
+        self.log_dir = home / "logs"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    def log_path(self, workload_id: str) -> Path:
+        return self.log_dir / f"{workload_id}.log"
+
+    # ---- starting and stopping ----
+    def launch(self, replica: Replica, worker_args: list[str], env: dict[str, str]) -> Worker:
+        """Register a replica; the supervisor loop starts its process at once."""
+        ready_file = self.run_dir / f"{replica.replica_id}.ready.json"
+        worker = Worker(replica, worker_args, env, self.log_path(replica.workload_id), ready_file)
+        self.workers[replica.replica_id] = worker
+        self.replicas.upsert(replica)
+        return worker
+
+    def stop_workload(self, workload_id: str, timeout_s: float = 15.0) -> None:
+        """Stop every worker of a workload: SIGTERM, then SIGKILL after ``timeout_s``."""
+        targets = [w for w in self.workers.values() if w.replica.workload_id == workload_id]
+        self._stop(targets, timeout_s)
+
+    def stop_all(self, timeout_s: float = 15.0) -> None:
+        self._stop(list(self.workers.values()), timeout_s)
+
+    def _stop(self, workers: list[Worker], timeout_s: float) -> None:
+        for w in workers:
+            w.stopping = True
+            w.replica.ready = False
+            if w.proc and w.proc.poll() is None:
+                w.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for w in workers:
+            if w.proc is not None:
+                try:
+                    w.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    w.proc.kill()
+                    w.proc.wait()
+            self._forget(w)
+
+    def _forget(self, w: Worker) -> None:
+        self.workers.pop(w.replica.replica_id, None)
+        self.replicas.remove(w.replica.replica_id)
+        for path in (self._pid_file(w), w.ready_file):
+            path.unlink(missing_ok=True)
+
+    # ---- supervision ----
+    async def supervise(self, interval_s: float = 0.1) -> None:
+        """Run forever: start due workers, notice readiness, restart crashed ones."""
+        while True:
+            for w in list(self.workers.values()):
+                try:
+                    self._tick(w)
+                except Exception as exc:  # noqa: BLE001 - one bad worker must not stop the loop
+                    self.on_event(w.replica.workload_id, "error", f"supervisor: {exc!r}")
+            await asyncio.sleep(interval_s)
+
+    def _tick(self, w: Worker) -> None:
+        if w.stopping:
+            return
+        now = time.monotonic()
+        if w.proc is None:
+            if w.next_start is not None and now >= w.next_start:
+                self._spawn(w)
+            return
+        code = w.proc.poll()
+        if code is not None:
+            self._crashed(w, code)
+            return
+        if not w.replica.ready and w.ready_file.exists():
+            self._became_ready(w)
+        elif w.ready_at is not None and now - w.ready_at > HEALTHY_RESET_S:
+            w.backoff_s = 1.0
+
+    def _spawn(self, w: Worker) -> None:
+        w.ready_file.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "kunlun.serving.worker", *w.args, "--ready-file", str(w.ready_file)]
+        with w.log_path.open("ab") as log:
+            log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} replica {w.replica.replica_id} starting on {w.replica.device}\n".encode())
+            log.flush()
+            w.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=w.env, start_new_session=True,
+            )
+        w.started_at, w.next_start, w.ready_at = time.monotonic(), None, None
+        w.replica.pid = w.proc.pid
+        create_time = psutil.Process(w.proc.pid).create_time()
+        self._pid_file(w).write_text(json.dumps({"pid": w.proc.pid, "create_time": create_time}))
+        self.on_event(w.replica.workload_id, "started", f"replica {w.replica.replica_id} started (pid {w.proc.pid}) on {w.replica.device}")
+
+    def _became_ready(self, w: Worker) -> None:
+        try:
+            info = json.loads(w.ready_file.read_text())
+            port = int(info["port"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return  # written atomically by the worker; a partial read retries next tick
+        w.info = info
+        w.replica.base_url = f"http://127.0.0.1:{port}"
+        w.replica.in_flight = 0
+        w.replica.ready = True
+        w.ready_at = time.monotonic()
+        self.replicas.upsert(w.replica)
+        self.on_event(w.replica.workload_id, "ready", f"replica {w.replica.replica_id} ready on port {port} (load {info.get('load_time_s')} s, first token {info.get('warmup_ttft_ms')} ms)")
+
+    def _crashed(self, w: Worker, code: int) -> None:
+        was_ready = w.replica.ready
+        w.replica.ready = False
+        w.proc = None
+        how = f"signal {-code}" if code < 0 else f"exit status {code}"
+        w.restarts += 1
+        delay = w.backoff_s
+        w.backoff_s = min(MAX_BACKOFF_S, w.backoff_s * 2)
+        w.next_start = time.monotonic() + delay
+        phase = "while serving" if was_ready else "while loading"
+        self.on_event(w.replica.workload_id, "crashed", f"replica {w.replica.replica_id} died ({how}) {phase}; restart #{w.restarts} in {delay:g} s")
+
+    def _pid_file(self, w: Worker) -> Path:
+        return self.run_dir / f"{w.replica.replica_id}.pid"
+
+    # ---- leftovers of a crashed daemon ----
+    def reap_leftovers(self) -> list[int]:
+        """Kill workers recorded in pid files by an earlier daemon that are still alive."""
+        reaped = []
+        for pid_file in self.run_dir.glob("*.pid"):
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                data = json.loads(pid_file.read_text())
+                pid = int(data["pid"])
+                with contextlib.suppress(psutil.Error):
+                    proc = psutil.Process(pid)
+                    if abs(proc.create_time() - float(data["create_time"])) < 1.0:
+                        proc.kill()
+                        proc.wait(5)
+                        reaped.append(pid)
+            pid_file.unlink(missing_ok=True)
+        for ready in self.run_dir.glob("*.ready.json"):
+            ready.unlink(missing_ok=True)
+        return reaped
+
+    def worker_env(self, visibility_env: str | None, index: int | None, num_threads: int) -> dict[str, str]:
+        """The environment of a worker: ours, plus device visibility and thread count."""
+        env = dict(os.environ)
+        if visibility_env and index is not None:
+            env[visibility_env] = str(index)
+        env["OMP_NUM_THREADS"] = str(num_threads)
+        env["PYTHONUNBUFFERED"] = "1"
+        return env

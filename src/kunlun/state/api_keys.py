@@ -1,0 +1,90 @@
+"""API keys: created once and shown once, stored only as SHA-256 hashes, checked in constant time.
+
+A key looks like ``kl-<key_id>-<secret>``. Once any active key exists, every route but
+``/healthz`` and ``/readyz`` requires one. :class:`KeyRing` is the daemon's view: it re-reads
+the store only when another process (``kunlun-cli apikey ...`` working on ``KUNLUN_HOME``
+directly) has changed it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import threading
+import time
+
+from kunlun.errors import RequestError
+from kunlun.state.store import ApiKeyRecord, StateStore
+
+PREFIX = "kl-"
+
+
+def hash_key(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def create_key(store: StateStore, name: str) -> tuple[ApiKeyRecord, str]:
+    """A new key; returns its record and the secret, which is never stored or shown again."""
+    name = name.strip()
+    if not name or len(name) > 64:
+        raise RequestError(f"key name must be 1-64 characters, got {name!r}")
+    key_id = secrets.token_hex(4)
+    secret = f"{PREFIX}{key_id}-{secrets.token_urlsafe(24)}"
+    record = ApiKeyRecord(key_id=key_id, name=name, key_hash=hash_key(secret), created=time.time())
+    store.put_api_key(record)
+    return record, secret
+
+
+def revoke_key(store: StateStore, key_id_or_name: str) -> ApiKeyRecord:
+    """Revoke by id or name; raises when no active key matches."""
+    active = [k for k in store.list_api_keys() if k.revoked is None]
+    match = [k for k in active if key_id_or_name in (k.key_id, k.name)]
+    if not match:
+        known = ", ".join(f"{k.key_id} ({k.name})" for k in active) or "none"
+        raise RequestError(f"no active API key {key_id_or_name!r}; active keys: {known}")
+    for k in match:
+        store.revoke_api_key(k.key_id, time.time())
+    return match[0]
+
+
+class KeyRing:
+    """The active key hashes, refreshed when the store changes."""
+
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._hashes: list[str] = []
+        self._version: object = object()
+        self._checked = 0.0
+        self.refresh(force=True)
+
+    def refresh(self, force: bool = False) -> None:
+        """Re-read the keys if the store changed (checked at most every 0.25 s)."""
+        now = time.monotonic()
+        if not force and now - self._checked < 0.25:
+            return
+        self._checked = now
+        version = getattr(self._store, "data_version", lambda: None)()
+        if not force and version is not None and version == self._version:
+            return
+        hashes = [k.key_hash for k in self._store.list_api_keys() if k.revoked is None]
+        with self._lock:
+            self._hashes, self._version = hashes, version
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any active key exists (then every protected route needs one)."""
+        self.refresh()
+        return bool(self._hashes)
+
+    def verify(self, secret: str | None) -> bool:
+        """Constant-time check of ``secret`` against every active key."""
+        self.refresh()
+        if not secret:
+            return False
+        digest = hash_key(secret)
+        ok = False
+        for h in self._hashes:
+            ok |= hmac.compare_digest(digest, h)
+        return ok

@@ -1,0 +1,140 @@
+"""SQLite implementation of the state store (one node; WAL mode; one connection, locked)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+from kunlun.errors import ConfigError, Location
+from kunlun.state.store import ApiKeyRecord, EventRecord, ModelRecord, StateStore, WorkloadRecord
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS workloads (
+  workload_id TEXT PRIMARY KEY, name TEXT NOT NULL, spec TEXT NOT NULL, state TEXT NOT NULL,
+  reason TEXT, target_device TEXT, placement TEXT NOT NULL, created REAL, updated REAL);
+CREATE TABLE IF NOT EXISTS events (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, workload_id TEXT NOT NULL, ts REAL NOT NULL,
+  kind TEXT NOT NULL, message TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS events_by_workload ON events(workload_id, id);
+CREATE TABLE IF NOT EXISTS api_keys (
+  key_id TEXT PRIMARY KEY, name TEXT NOT NULL, key_hash TEXT NOT NULL, created REAL NOT NULL,
+  revoked REAL);
+CREATE TABLE IF NOT EXISTS models (
+  alias TEXT PRIMARY KEY, path TEXT NOT NULL, source TEXT NOT NULL, created REAL NOT NULL,
+  meta TEXT NOT NULL);
+"""
+
+
+class SQLiteStore(StateStore):
+    """State in one SQLite file (``KUNLUN_HOME/state.db``)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=10)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            raise ConfigError(
+                f"cannot open the state store: {exc}",
+                location=Location(str(self.path)),
+                hint="move the file aside; Kunlun creates a new one",
+            ) from exc
+        self._lock = threading.Lock()
+
+    def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._lock, self._db:
+            return self._db.execute(sql, args).fetchall()
+
+    # workloads
+    def put_workload(self, record: WorkloadRecord) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO workloads VALUES (?,?,?,?,?,?,?,?,?)",
+            (
+                record.workload_id,
+                record.name,
+                json.dumps(record.spec),
+                record.state,
+                record.reason,
+                record.target_device,
+                json.dumps(record.placement),
+                record.created,
+                record.updated,
+            ),
+        )
+
+    def get_workload(self, workload_id: str) -> WorkloadRecord | None:
+        rows = self._exec("SELECT * FROM workloads WHERE workload_id = ?", (workload_id,))
+        return _workload(rows[0]) if rows else None
+
+    def list_workloads(self) -> list[WorkloadRecord]:
+        return [_workload(r) for r in self._exec("SELECT * FROM workloads ORDER BY created")]
+
+    # events
+    def add_event(self, event: EventRecord) -> None:
+        self._exec(
+            "INSERT INTO events (workload_id, ts, kind, message) VALUES (?,?,?,?)",
+            (event.workload_id, event.ts, event.kind, event.message),
+        )
+
+    def list_events(self, workload_id: str) -> list[EventRecord]:
+        rows = self._exec(
+            "SELECT workload_id, ts, kind, message FROM events WHERE workload_id = ? ORDER BY id",
+            (workload_id,),
+        )
+        return [EventRecord(*r) for r in rows]
+
+    # API keys
+    def put_api_key(self, record: ApiKeyRecord) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO api_keys VALUES (?,?,?,?,?)",
+            (record.key_id, record.name, record.key_hash, record.created, record.revoked),
+        )
+
+    def list_api_keys(self) -> list[ApiKeyRecord]:
+        return [ApiKeyRecord(*r) for r in self._exec("SELECT * FROM api_keys ORDER BY created")]
+
+    def revoke_api_key(self, key_id: str, when: float) -> bool:
+        with self._lock, self._db:
+            cur = self._db.execute(
+                "UPDATE api_keys SET revoked = ? WHERE key_id = ? AND revoked IS NULL",
+                (when, key_id),
+            )
+            return cur.rowcount == 1
+
+    # models
+    def put_model(self, record: ModelRecord) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO models VALUES (?,?,?,?,?)",
+            (record.alias, record.path, record.source, record.created, json.dumps(record.meta)),
+        )
+
+    def get_model(self, alias: str) -> ModelRecord | None:
+        rows = self._exec("SELECT * FROM models WHERE alias = ?", (alias,))
+        return _model(rows[0]) if rows else None
+
+    def list_models(self) -> list[ModelRecord]:
+        return [_model(r) for r in self._exec("SELECT * FROM models ORDER BY alias")]
+
+    def data_version(self) -> int:
+        """Changes whenever another connection commits (cheap change detection)."""
+        return int(self._exec("PRAGMA data_version")[0][0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def _workload(row: tuple[Any, ...]) -> WorkloadRecord:
+    wid, name, spec, state, reason, target, placement, created, updated = row
+    return WorkloadRecord(
+        wid, name, json.loads(spec), state, reason, target, json.loads(placement), created, updated
+    )
+
+
+def _model(row: tuple[Any, ...]) -> ModelRecord:
+    alias, path, source, created, meta = row
+    return ModelRecord(alias, path, source, created, json.loads(meta))

@@ -1,0 +1,1 @@
+"""Workloads: what to serve (the spec), their lifecycle, and where they run."""

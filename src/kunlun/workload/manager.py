@@ -1,0 +1,185 @@
+"""The workload manager: submit, place, start, describe and stop workloads.
+
+A workload moves PENDING -> PLANNING -> LOADING -> RUNNING, or ends FAILED or STOPPED with the
+reason. Submitting resolves the model, chooses devices (:mod:`kunlun.workload.placement`),
+records the decision (``target_device`` and why) and asks the node agent for one worker per
+replica. Workloads are durable: a restarted daemon starts again every workload that was not
+stopped or failed.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kunlun.catalog import resolve
+from kunlun.device.inventory import Inventory
+from kunlun.errors import ConfigError, KunlunError, Location
+from kunlun.node.agent import NodeAgent
+from kunlun.serving.replica import Replica, ReplicaSet
+from kunlun.state.store import EventRecord, StateStore, WorkloadRecord
+from kunlun.workload.placement import Placement, place
+from kunlun.workload.spec import WorkloadSpec, parse_spec
+
+ACTIVE = ("PENDING", "PLANNING", "LOADING", "RUNNING")
+
+
+class WorkloadManager:
+    def __init__(
+        self,
+        store: StateStore,
+        agent: NodeAgent,
+        replicas: ReplicaSet,
+        inventory: Callable[[], Inventory],
+    ) -> None:
+        self.store = store
+        self.agent = agent
+        self.replicas = replicas
+        self.inventory = inventory
+
+    # ---- events ----
+    def event(self, workload_id: str, kind: str, message: str) -> None:
+        self.store.add_event(EventRecord(workload_id, time.time(), kind, message))
+        if kind in ("ready", "crashed"):
+            self._refresh_state(workload_id)
+
+    def _set(self, record: WorkloadRecord, state: str, reason: str | None = None) -> None:
+        record.state, record.reason, record.updated = state, reason, time.time()
+        self.store.put_workload(record)
+        self.event(record.workload_id, "state", f"{state}" + (f": {reason}" if reason else ""))
+
+    def _refresh_state(self, workload_id: str) -> None:
+        record = self.store.get_workload(workload_id)
+        if record is None or record.state not in ("LOADING", "RUNNING"):
+            return
+        mine = [r for r in self.replicas.all() if r.workload_id == workload_id]
+        state = "RUNNING" if mine and any(r.ready for r in mine) else "LOADING"
+        if state != record.state:
+            self._set(record, state)
+
+    # ---- submit ----
+    def plan(self, spec: WorkloadSpec) -> Placement:
+        """Where ``spec`` would run, with the reasons; raises when nowhere fits."""
+        resolve(self.store, spec.model)
+        return place(spec, self.inventory())
+
+    def submit(self, spec: WorkloadSpec, dry_run: bool = False) -> WorkloadRecord:
+        """Create and start a workload (or, with ``dry_run``, only say where it would run)."""
+        if dry_run:
+            record = self._new_record(spec)
+            placement = self.plan(spec)
+            record.state, record.target_device = "PLANNING", placement.target_device
+            record.placement = placement.to_dict()
+            return record
+        record = self.create(spec)
+        self.start(record)
+        return record
+
+    def create(self, spec: WorkloadSpec) -> WorkloadRecord:
+        """Record a new PENDING workload (started by :meth:`start` or :meth:`resume_all`)."""
+        record = self._new_record(spec)
+        self.store.put_workload(record)
+        self.event(record.workload_id, "submitted", f"spec: {spec.model_dump(exclude_defaults=True)}")
+        return record
+
+    def _new_record(self, spec: WorkloadSpec) -> WorkloadRecord:
+        name = spec.served_name
+        for other in self.store.list_workloads():
+            if other.state in ACTIVE and other.name == name:
+                raise ConfigError(
+                    f"a workload already serves {name!r} ({other.workload_id}, {other.state})",
+                    location=Location("name"),
+                    hint=f"stop it first (kunlun-cli workload stop {other.workload_id}) or pass --name",
+                )
+        now = time.time()
+        return WorkloadRecord(
+            workload_id=f"wl-{secrets.token_hex(3)}", name=name,
+            spec=spec.model_dump(), created=now, updated=now,
+        )
+
+    def start(self, record: WorkloadRecord) -> None:
+        """Plan and launch ``record``; a planning error ends it FAILED with the reason."""
+        spec = parse_spec(record.spec, record.workload_id)
+        self._set(record, "PLANNING")
+        started = time.monotonic()
+        try:
+            model = resolve(self.store, spec.model)
+            placement = place(spec, self.inventory())
+        except KunlunError as exc:
+            self._set(record, "FAILED", str(exc))
+            return
+        record.target_device = placement.target_device
+        record.placement = placement.to_dict()
+        record.placement["plan_time_s"] = round(time.monotonic() - started, 3)
+        self.event(record.workload_id, "placed", f"target_device {placement.target_device}: {placement.why}")
+        self._set(record, "LOADING")
+        threads = max(1, (os.cpu_count() or 1) // spec.replicas)
+        for i in range(spec.replicas):
+            device = placement.devices[i % len(placement.devices)]
+            replica = Replica(
+                replica_id=f"{record.workload_id}-r{i}", workload_id=record.workload_id,
+                model=record.name, device=device.id, base_url="", max_queue=spec.max_queue,
+                priority=spec.priority,
+            )
+            env = self.agent.worker_env(device.visibility_env, device.index, threads)
+            local_index = 0 if device.visibility_env else device.index
+            args = [
+                "--model-dir", model.path, "--served-name", record.name,
+                "--device", f"{device.torch_device_type}:{local_index}" if device.torch_device_type != "cpu" else "cpu",
+                "--dtype", placement.dtype, "--max-num-seqs", str(spec.batch_size),
+                "--num-threads", str(threads),
+            ]
+            if spec.max_model_len:
+                args += ["--max-model-len", str(spec.max_model_len)]
+            if spec.kv_cache_memory_mb:
+                args += ["--kv-cache-memory-mb", str(spec.kv_cache_memory_mb)]
+            self.agent.launch(replica, args, env)
+
+    def resume_all(self) -> None:
+        """After a daemon (re)start: start again every workload that was active."""
+        for record in self.store.list_workloads():
+            if record.state in ACTIVE:
+                self.event(record.workload_id, "resumed", "daemon restarted; starting the workload again")
+                self.start(record)
+
+    # ---- queries and stop ----
+    def get(self, workload_id: str) -> WorkloadRecord:
+        record = self.store.get_workload(workload_id)
+        if record is None:
+            record = next((w for w in reversed(self.store.list_workloads()) if w.name == workload_id), None)
+        if record is None:
+            known = ", ".join(w.workload_id for w in self.store.list_workloads()) or "none"
+            raise ConfigError(f"no workload {workload_id!r}; known: {known}", location=Location("JOB"))
+        return record
+
+    def describe(self, workload_id: str) -> dict[str, Any]:
+        record = self.get(workload_id)
+        events = self.store.list_events(record.workload_id)
+        replicas = []
+        for r in self.replicas.all():
+            if r.workload_id == record.workload_id:
+                worker = self.agent.workers.get(r.replica_id)
+                replicas.append({
+                    "replica_id": r.replica_id, "device": r.device, "ready": r.ready,
+                    "pid": r.pid, "base_url": r.base_url, "in_flight": r.in_flight,
+                    "restarts": worker.restarts if worker else 0,
+                    "startup": worker.info if worker else {},
+                })
+        return {
+            "workload_id": record.workload_id, "name": record.name, "state": record.state,
+            "reason": record.reason, "target_device": record.target_device,
+            "placement": record.placement, "spec": record.spec,
+            "created": record.created, "updated": record.updated,
+            "replicas": replicas,
+            "events": [{"ts": e.ts, "kind": e.kind, "message": e.message} for e in events],
+        }
+
+    def stop(self, workload_id: str) -> WorkloadRecord:
+        record = self.get(workload_id)
+        self.agent.stop_workload(record.workload_id)
+        if record.state in ACTIVE:
+            self._set(record, "STOPPED", "stopped by request")
+        return record

@@ -1,0 +1,91 @@
+"""The workload spec: what to serve, read from the CLI, a YAML file or the API."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kunlun.errors import ConfigError, Location
+
+Priority = Literal["high", "normal", "low"]
+
+
+class WorkloadSpec(BaseModel):
+    """One model to serve, and how. Only ``model`` is required."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="Model alias (see `kunlun-cli model list`) or local HF directory.")
+    name: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="The model name clients use; defaults to the model alias.",
+    )
+    device: str | None = Field(None, description="Explicit device, e.g. cpu:0 or ascend:1.")
+    dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
+        None, description="Compute dtype; default: the best the device supports (fp32 on CPU)."
+    )
+    batch_size: int = Field(8, ge=1, le=256, description="Sequences decoded together (max_num_seqs).")
+    priority: Priority = Field("normal", description="Scheduling class: high, normal or low.")
+    preferred_device_types: list[str] = Field(
+        default_factory=list, description="Device types to try first, in order."
+    )
+    replicas: int = Field(1, ge=1, le=16, description="Engine processes serving this workload.")
+    max_queue: int = Field(
+        64, ge=1, le=10000, description="Requests queued or running per replica before 429."
+    )
+    max_model_len: int | None = Field(None, ge=16, description="Context limit; default: the model's.")
+    kv_cache_memory_mb: int | None = Field(None, ge=1, description="KV-cache budget per replica.")
+    engine: Literal["embedded"] = Field("embedded", description="Inference engine.")
+
+    @field_validator("device")
+    @classmethod
+    def _device_form(cls, value: str | None) -> str | None:
+        if value is not None:
+            kind, sep, index = value.partition(":")
+            if not kind or (sep and not index.isdigit()):
+                raise ValueError(f"device must look like TYPE:INDEX (e.g. cpu:0), got {value!r}")
+            if not sep:
+                value = f"{value}:0"
+        return value
+
+    @property
+    def served_name(self) -> str:
+        return self.name or Path(self.model).name
+
+
+def parse_spec(data: object, source: str = "request") -> WorkloadSpec:
+    """Validate ``data``; errors name the field and value (and the file, for YAML)."""
+    if not isinstance(data, dict):
+        raise ConfigError("a workload spec must be a mapping", location=Location(source))
+    try:
+        return WorkloadSpec.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "(spec)"
+            if err["type"] == "extra_forbidden":
+                close = difflib.get_close_matches(field, list(WorkloadSpec.model_fields), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                problems.append(f"{field}: unknown field{hint}")
+            else:
+                problems.append(f"{field}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError("invalid workload spec: " + "; ".join(problems), location=Location(source)) from None
+
+
+def load_spec_file(path: str | Path) -> WorkloadSpec:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read spec: {exc.strerror}", location=Location(str(path))) from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        raise ConfigError(
+            f"not valid YAML: {getattr(exc, 'problem', exc)}",
+            location=Location(str(path), mark.line + 1 if mark else None),
+        ) from None
+    return parse_spec(data, str(path))
