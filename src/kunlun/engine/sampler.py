@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kunlun.engine.sampling_params import SamplingParams
 from kunlun.engine.sequence import Sequence, TopLogprobs
 
 _NEG_INF = float("-inf")
@@ -60,18 +61,7 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     def _sample(self, scores: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> list[int]:
-        params = [s.params for s in seqs]
-        temperatures = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-        warped = (
-            scores / torch.tensor(temperatures, dtype=scores.dtype, device=scores.device)[:, None]
-        )
-        if any(p.top_k is not None for p in params):
-            warped = apply_top_k(warped, [p.top_k for p in params])
-        if any(p.top_p < 1.0 for p in params):
-            warped = apply_top_p(warped, [p.top_p for p in params])
-        if any(p.min_p > 0.0 for p in params):
-            warped = apply_min_p(warped, [p.min_p for p in params])
-        probs = torch.softmax(warped, dim=-1)
+        probs = torch.softmax(warp(scores, [s.params for s in seqs]), dim=-1)
         q = torch.empty_like(probs)
         unseeded = [i for i, s in enumerate(seqs) if s.params.seed is None]
         if unseeded:
@@ -84,6 +74,24 @@ class Sampler:
             mask = torch.tensor(greedy, device=scores.device)
             sampled = torch.where(mask, scores.argmax(dim=-1), sampled)
         return sampled.tolist()
+
+
+def warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, per row (HF's warpers in HF's order).
+
+    Returns new logits where filtered tokens are -inf; rows with temperature 0 are left
+    at temperature 1 (they are decoded greedily anyway).
+    """
+    temperatures = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+    divisor = torch.tensor(temperatures, dtype=scores.dtype, device=scores.device)
+    warped = scores / divisor[:, None]
+    if any(p.top_k is not None for p in params):
+        warped = apply_top_k(warped, [p.top_k for p in params])
+    if any(p.top_p < 1.0 for p in params):
+        warped = apply_top_p(warped, [p.top_p for p in params])
+    if any(p.min_p > 0.0 for p in params):
+        warped = apply_min_p(warped, [p.min_p for p in params])
+    return warped
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
