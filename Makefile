@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup test check lint format typecheck demo clean
+.PHONY: setup run test check lint format typecheck clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,6 +18,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# Set everything up, then serve the demo model (SmolLM2-135M-Instruct) as `smollm2` on
+# http://127.0.0.1:8470 (PORT=... to change). Ctrl-C drains and stops.
+PORT ?= 8470
+run: $(STAMP)
+	$(BIN)/kunlun-platform --demo --port $(PORT)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

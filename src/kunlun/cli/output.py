@@ -12,8 +12,10 @@ from rich.console import Console
 
 from kunlun.errors import KunlunError
 
-console = Console(highlight=False, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+# Wide when piped (rich would assume 80 columns and squeeze the tables).
+_WIDTH = None if sys.stdout.isatty() else 160
+console = Console(highlight=False, soft_wrap=True, width=_WIDTH)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True, width=_WIDTH)
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -92,7 +92,7 @@ def run_plugin(
 ) -> PluginReport:
     """Run one plugin's discovery in a worker thread, bounded by ``timeout_s``."""
     timeout_s = plugin_timeout_s() if timeout_s is None else timeout_s
-    tool_timeout_s = min(tool_timeout_s, timeout_s)
+    tool_timeout_s = min(tool_timeout_s, 0.8 * timeout_s)  # let the tool's own message through
     runner = ToolRunner(replay_dir=replay_dir, timeout_s=tool_timeout_s)
     report = PluginReport(device_type=plugin.device_type, plugin=plugin)
     box: dict[str, object] = {}
