@@ -11,13 +11,14 @@ Three commands, all text:
 - ``npu-smi info -m``: ``NPU ID  Chip ID  Chip Logic ID  Chip Name``. A device's index is its
   Chip Logic ID (what ``ASCEND_RT_VISIBLE_DEVICES`` and torch_npu count); a row whose logic id
   is ``-`` (the board's Mcu) is not a device.
-- ``npu-smi info -t topo`` (optional; training products only): written from Huawei's "npu-smi
+- ``npu-smi info -t topo`` (optional; training products only): format from Huawei's "npu-smi
   command reference" (Atlas 800 training server, npu-smi 24.1.RC2, section "info -t topo"),
-  no recorded sample. A matrix like ``nvidia-smi topo -m``: a header of ``NPU0 .. NPUn`` and
-  ``CPU Affinity``, one row per NPU of ``X`` / ``HCCS`` / ``PIX`` / ``PXB`` / ``PHB`` /
-  ``SYS`` / ``NA`` then a ``Legend:`` block. Distances: 0 self, 5 HCCS, 10 PIX, 20 PXB,
-  30 PHB, 40 NODE, 50 SYS (and NA, unknown, counted as the farthest); peer-to-peer when any
-  link to another NPU is HCCS, PIX or PXB.
+  no recorded sample. The layout of ``nvidia-smi topo -m``: a header of ``NPU0 .. NPUn`` and
+  ``CPU Affinity``, one row per NPU (its Chip Logic ID) of ``X`` / ``HCCS`` / ``PIX`` /
+  ``PXB`` / ``PHB`` / ``SYS`` / ``NA`` then a ``Legend:`` block. Parsed by the shared
+  :mod:`~kunlun.device.plugins.smi_topology`: distances 0 self, 5 HCCS (HCCS_SW, SIO),
+  10 PIX, 20 PXB, 30 PHB, 40 NODE, 50 SYS; peer-to-peer when any link to another NPU is
+  HCCS, PIX or PXB. ``NA`` (unknown relationship) leaves that NPU's row unknown, with a note.
 
 Health: ``OK`` is OK, ``Warning`` Degraded, any other word (``Alarm``, ``Critical``...)
 Unhealthy with the raw word kept. Memory is the HBM total when the table has a non-zero one,
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kunlun.device.plugin import DevicePlugin, Discovery, Health, ProbedDevice
+from kunlun.device.plugins.smi_topology import attach_topology
 from kunlun.device.tools import ToolRunner
 from kunlun.errors import ToolError
 
@@ -42,19 +44,6 @@ TOPO_ARGV = ["npu-smi", "info", "-t", "topo"]
 
 _BUS_ID = re.compile(r"^[0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$")
 _VALUE = re.compile(r"(\S+)\s*/\s*(\S+)|(\S+)")
-_NPU = re.compile(r"^NPU(\d+)$")
-_LINK_DISTANCE = {
-    "X": 0,
-    "HCCS": 5,
-    "HCCS_SW": 5,  # HCCS through a switch (Atlas A3)
-    "SIO": 5,  # die-to-die link inside one package (Atlas A3)
-    "PIX": 10,
-    "PXB": 20,
-    "PHB": 30,
-    "NODE": 40,
-    "SYS": 50,
-    "NA": 50,
-}
 _MISSING = {"NA", "N/A", "-", "--"}
 T = TypeVar("T")
 
@@ -86,7 +75,7 @@ def display_name(chip_name: str | None, table_name: str | None) -> str:
     """``Ascend 910A`` from the mapping, or ``Ascend <model>`` from the main table."""
     if chip_name and chip_name.lower().startswith("ascend"):
         return chip_name
-    if table_name and re.match(r"\d{3}", table_name):
+    if table_name and re.match(r"[0-9]{3}", table_name):
         return f"Ascend {table_name}"
     return chip_name or table_name or "Ascend NPU"
 
@@ -151,12 +140,17 @@ def parse_info(text: str) -> InfoTable:
             table.chips.append(chip)
             continue
         first = cells[0].split()
-        if len(first) >= 1 and first[0].isdigit() and cells[1]:
+        if first and _is_int(first[0]) and cells[1]:
             values, problem = _values(cells[2], names1)
             if problem:
                 values["_problem"] = f"line {number}: {problem}"
             current = (int(first[0]), " ".join(first[1:]), cells[1].split()[0], values)
     return table
+
+
+def _is_int(text: str) -> bool:
+    """ASCII digits only (``str.isdigit`` accepts ``²``, which ``int`` refuses)."""
+    return re.fullmatch(r"[0-9]{1,12}", text) is not None
 
 
 def _is_row(line: str) -> bool:
@@ -187,13 +181,13 @@ def _chip_row(
 ) -> ChipRow | None:
     command = " ".join(INFO_ARGV)
     first = cells[0].split()
-    if current is None or not first or not first[0].isdigit():
+    if current is None or not first or not _is_int(first[0]):
         notes.append(f"'{command}' line {number}: a chip row with no NPU row above it; skipped")
         return None
     npu_id, name, health, values1 = current
     values2, problem = _values(cells[2], names)
     chip = ChipRow(npu_id, int(first[0]), name, health, cells[1], {**values1, **values2})
-    if len(first) > 1 and first[1].isdigit():
+    if len(first) > 1 and _is_int(first[1]):
         chip.values["_device_id"] = first[1]
     for p in (values1.get("_problem"), f"line {number}: {problem}" if problem else None):
         if p:
@@ -231,7 +225,7 @@ def _usage(chip: ChipRow, prefix: str) -> tuple[int, int] | None:
     if found is None:
         return None
     used, _, total = found[1].partition("/")
-    if used.isdigit() and total.isdigit():
+    if _is_int(used.strip()) and _is_int(total.strip()):
         return int(used), int(total)
     chip.problems.append(
         f"'npu-smi info' NPU {chip.npu_id} chip {chip.chip_id}: {found[0]} is {found[1]!r}, "
@@ -282,7 +276,7 @@ def parse_mapping(text: str) -> tuple[list[MappedChip], list[str]]:
         npu, chip, logic = row.get("NPU ID", ""), row.get("Chip ID", ""), row.get("Chip Logic ID")
         if logic == "-":
             continue  # the Mcu: a board controller, not a device
-        if not (npu.isdigit() and chip.isdigit() and logic and logic.isdigit()):
+        if not (_is_int(npu) and _is_int(chip) and logic and _is_int(logic)):
             notes.append(f"'{command}' line {number} did not parse: {line.strip()[:80]!r}")
             continue
         if int(logic) in seen:
@@ -293,37 +287,6 @@ def parse_mapping(text: str) -> tuple[list[MappedChip], list[str]]:
     if not chips:
         raise ToolError(f"'{command}' lists no chip with a logic id")
     return chips, notes
-
-
-# --- npu-smi info -t topo ---------------------------------------------------------------------
-
-
-def parse_topology(text: str) -> dict[int, dict[int, str]]:
-    """``{npu: {npu: link}}`` from the topology matrix (see the module docstring)."""
-    command = " ".join(TOPO_ARGV)
-    columns: list[int] | None = None
-    links: dict[int, dict[int, str]] = {}
-    for line in text.splitlines():
-        tokens = line.split()
-        if not tokens or tokens[0].startswith("Legend"):
-            if links:
-                break
-            continue
-        if columns is None:
-            if line[:1].isspace() and _NPU.match(tokens[0]):
-                columns = [int(m.group(1)) for t in tokens if (m := _NPU.match(t))]
-            continue
-        match = _NPU.match(tokens[0])
-        if not match:
-            continue
-        row = [t.upper() for t in tokens[1 : 1 + len(columns)]]
-        unknown = [t for t in row if t not in _LINK_DISTANCE]
-        if len(row) != len(columns) or unknown:
-            raise ToolError(f"'{command}': row {tokens[0]} is not a row of known links: {row}")
-        links[int(match.group(1))] = dict(zip(columns, row, strict=True))
-    if columns is None or sorted(links) != sorted(columns):
-        raise ToolError(f"'{command}' printed no complete NPU x NPU matrix")
-    return links
 
 
 # --- the plugin -------------------------------------------------------------------------------
@@ -362,7 +325,7 @@ class AscendPlugin(DevicePlugin):
             devices = _by_row_order(table, str(mapping_error))
         if not devices:
             raise ToolError("'npu-smi info' lists no chips and 'npu-smi info -m' gave none")
-        notes += _apply_topology(tools, devices)
+        notes += attach_topology(devices, tools, TOPO_ARGV, prefix="NPU")
         return Discovery(devices, notes)
 
 
@@ -449,24 +412,3 @@ def _device(
         device.attributes["device_id"] = row.values["_device_id"]
     device.problems = row.problems
     return device
-
-
-def _apply_topology(tools: ToolRunner, devices: list[ProbedDevice]) -> list[str]:
-    """Distance rows and P2P from ``npu-smi info -t topo``; a note when it is unusable."""
-    try:
-        links = parse_topology(tools.run(TOPO_ARGV))
-    except ToolError as exc:
-        return [f"topology unknown: {exc.message}"]
-    order = sorted(d.index for d in devices)
-    if sorted(links) != order:
-        return [
-            f"topology unknown: 'npu-smi info -t topo' covers NPUs {sorted(links)}, "
-            f"the devices are {order}"
-        ]
-    for device in devices:
-        row = links[device.index]
-        device.topology = [_LINK_DISTANCE[row[j]] if j != device.index else 0 for j in order]
-        device.p2p_capable = any(
-            row[j] in ("HCCS", "HCCS_SW", "SIO", "PIX", "PXB") for j in order if j != device.index
-        )
-    return []

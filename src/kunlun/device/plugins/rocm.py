@@ -62,12 +62,12 @@ _POWER_KEYS = (
     "average graphics package power (w)",
     "current socket graphics package power (w)",
 )
-_CARD_KEY = re.compile(r"^card(\d+)$", re.IGNORECASE)
-_SMI_LINE = re.compile(r"^\s*(?:GPU|DCU|HCU)\[(\d+)\]\s*:\s*(.*)$")
-_AGENT = re.compile(r"^\s*Agent\s+(\d+)\s*$")
+_CARD_KEY = re.compile(r"^card([0-9]{1,6})$", re.IGNORECASE)
+_SMI_LINE = re.compile(r"^\s*(?:GPU|DCU|HCU)\[([0-9]{1,6})\]\s*:\s*(.*)$")
+_AGENT = re.compile(r"^\s*Agent\s+([0-9]{1,6})\s*$")
 _TOPO_KEY = re.compile(
     r"^\(topology\)\s+(weight|hops|link type)\s+between\s+(?:drm devices|two \w+)\s+"
-    r"(\d+)\s+and\s+(\d+)$",
+    r"([0-9]{1,6})\s+and\s+([0-9]{1,6})$",
     re.IGNORECASE,
 )
 
@@ -88,7 +88,7 @@ def parse_smi_json(text: str, command: str) -> Cards:
         raise ToolError(f"'{command}' printed no JSON object")
     try:
         data, _ = json.JSONDecoder().raw_decode(text, start)
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: also over-long ints
         raise ToolError(f"'{command}' printed invalid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ToolError(f"'{command}' printed JSON that is not an object of cards")
@@ -197,7 +197,7 @@ def bus_id_from_bdfid(value: str | None) -> str | None:
 
 
 def _leading_int(value: str | None) -> int | None:
-    match = re.match(r"\s*(\d+)", value or "")
+    match = re.match(r"\s*([0-9]{1,18})(?![0-9])", value or "")
     return int(match.group(1)) if match else None
 
 
@@ -312,7 +312,7 @@ def _gfx_target(name: str | None) -> str | None:
 
 def _gfx_from_smi(value: str | None) -> str | None:
     """rocm-smi prints ``gfx11001`` for gfx1101: the last two digits are one hex digit."""
-    match = re.fullmatch(r"gfx(\d{2,3})(\d{2})", (value or "").strip().lower())
+    match = re.fullmatch(r"gfx([0-9]{2,3})([0-9]{2})", (value or "").strip().lower())
     if not match:
         return None
     return f"gfx{match.group(1)}{int(match.group(2)):x}"
@@ -333,7 +333,7 @@ def parse_topology_json(
     start = text.find("{")
     try:
         data = json.JSONDecoder().raw_decode(text, start)[0] if start >= 0 else None
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: also over-long ints
         raise ToolError(f"'{command}' printed invalid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ToolError(f"'{command}' printed no JSON object")
