@@ -1,0 +1,282 @@
+"""The OpenAI API as Kunlun serves it: request models, sampling mapping, errors.
+
+Requests are pydantic models that ignore unknown fields (as OpenAI's server does) and turn
+into one :class:`SamplingParams` with :meth:`to_sampling_params`. Every error an endpoint
+answers goes through :func:`error_status_and_body`, the one place that maps a
+:class:`KunlunError` (by its ``http_status``) to the OpenAI error shape::
+
+    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+
+The serving errors below extend the project hierarchy (:mod:`kunlun.errors`)::
+
+    RequestError (400)
+    ├── ModelNotFound            serving.model_not_found        http 404
+    AuthenticationError          serving.invalid_api_key        http 401
+    QueueFull                    serving.queue_full             http 429  (Retry-After)
+    ServiceUnavailable           serving.unavailable            http 503  (Retry-After)
+    WorkerDied                   serving.worker_died            http 502
+
+Response bodies are built in :mod:`kunlun.serving.responses`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kunlun.engine.sampling_params import SamplingParams
+from kunlun.errors import KunlunError, Location, PromptTooLong, RequestError
+
+# ---- serving errors ----
+
+
+class ModelNotFound(RequestError):
+    """The request names a model that nothing here serves."""
+
+    code = "serving.model_not_found"
+    http_status = 404
+
+
+class AuthenticationError(KunlunError):
+    """The API key is missing or wrong."""
+
+    code = "serving.invalid_api_key"
+    exit_code = 2
+    http_status = 401
+
+
+class _RetryLater(KunlunError):
+    def __init__(self, message: str, *, retry_after_s: int = 1, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.retry_after_s = retry_after_s
+        """Seconds a client should wait before retrying (the ``Retry-After`` header)."""
+
+
+class QueueFull(_RetryLater):
+    """Every replica of the model has its queue full."""
+
+    code = "serving.queue_full"
+    http_status = 429
+
+
+class ServiceUnavailable(_RetryLater):
+    """No replica can take the request now (none ready, or the platform is draining)."""
+
+    code = "serving.unavailable"
+    http_status = 503
+
+
+class WorkerDied(KunlunError):
+    """The engine worker serving a request stopped before answering it."""
+
+    code = "serving.worker_died"
+    http_status = 502
+
+
+# ---- errors -> OpenAI shape, in one place ----
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+}
+_CODES: dict[type[KunlunError], str] = {
+    PromptTooLong: "context_length_exceeded",
+    ModelNotFound: "model_not_found",
+    AuthenticationError: "invalid_api_key",
+    QueueFull: "rate_limit_exceeded",
+    ServiceUnavailable: "service_unavailable",
+    WorkerDied: "worker_died",
+}
+
+
+def error_status_and_body(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """The HTTP status, OpenAI-shaped body and extra headers that answer ``exc``.
+
+    A :class:`KunlunError` answers its ``http_status``; anything else is a 500 naming the
+    exception type (it is a bug).
+    """
+    if not isinstance(exc, KunlunError):
+        exc = KunlunError(f"internal error: {type(exc).__name__}: {exc}")
+    status = exc.http_status
+    code = next((c for cls, c in _CODES.items() if isinstance(exc, cls)), exc.code)
+    where = exc.location
+    message = exc.message if where is None or where.path == "request" else f"{where}: {exc.message}"
+    if exc.hint:
+        message = f"{message} (hint: {exc.hint})"
+    body = {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "server_error"),
+            "param": where.field if where is not None else None,
+            "code": code,
+        }
+    }
+    retry_after = getattr(exc, "retry_after_s", None)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
+    return status, body, headers
+
+
+def error_json(exc: BaseException) -> bytes:
+    """The OpenAI-shaped error body of ``exc`` as JSON bytes (for SSE error events)."""
+    return json.dumps(error_status_and_body(exc)[1], ensure_ascii=False).encode()
+
+
+def param_error(param: str, message: str) -> RequestError:
+    """A :class:`RequestError` about one request field (it becomes the error's ``param``)."""
+    return RequestError(message, location=Location("request", field=param))
+
+
+# ---- requests ----
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+    """Send a last chunk with ``choices: []`` and the request's usage."""
+
+
+class _CommonRequest(BaseModel):
+    """Fields shared by chat and text completions (OpenAI ranges, plus vLLM-style extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    user: str | None = None
+    # extras (vLLM names)
+    top_k: Annotated[int, Field(ge=1)] | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
+    ignore_eos: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+                  ) -> SamplingParams:  # fmt: skip
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if any(not s for s in stop):
+            raise param_error("stop", "stop strings must not be empty")
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            seed=self.seed,
+            stop=stop,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the chat template sees it (text parts joined)."""
+        content = self.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                kinds = sorted({part.type for part in content} - {"text"})
+                raise param_error("messages", f"content parts {kinds} are not supported: text only")
+            content = "".join(part.text or "" for part in content)
+        role = "system" if self.role == "developer" else self.role
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_CommonRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise param_error("top_logprobs", "top_logprobs needs logprobs=true")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        return self._sampling(max_tokens, logprobs, None)
+
+
+Prompt = str | TokenIds
+_R = TypeVar("_R", bound=_CommonRequest)
+
+
+class CompletionRequest(_CommonRequest):
+    """``POST /v1/completions``."""
+
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
+
+    def prompts(self) -> list[Prompt]:
+        """The prompts as a list (text or token ids), one per batch entry."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise param_error("prompt", "prompt is empty")
+        if isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
+
+    def to_sampling_params(self) -> SamplingParams:
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self._sampling(self.max_tokens, self.logprobs, prompt_logprobs)
+
+
+def parse_request(model: type[_R], body: bytes) -> _R:
+    """Validate a JSON body into ``model``; raise :class:`RequestError` naming the field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        loc = ".".join(str(part) for part in first["loc"]) or None
+        if first["type"] == "json_invalid":
+            raise RequestError(f"request body is not valid JSON: {first['msg']}") from None
+        value = first.get("input")
+        shown = f"={value!r}" if loc and not isinstance(value, dict | list) else ""
+        raise param_error(
+            loc or "body", f"{loc or 'body'}{shown} is invalid: {first['msg']}"
+        ) from None

@@ -1,0 +1,29 @@
+"""Server-sent events as the OpenAI API streams them: ``data: {json}\\n\\n`` then ``[DONE]``.
+
+A stream that fails ends with one error event in the OpenAI error shape and no ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kunlun.serving.protocol import error_json
+
+MEDIA_TYPE = "text/event-stream"
+DONE = b"data: [DONE]\n\n"
+
+
+def dumps(obj: Any) -> bytes:
+    """Compact UTF-8 JSON, as every Kunlun response body is encoded."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def event(obj: Any) -> bytes:
+    """One ``data:`` event carrying ``obj`` as JSON."""
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+def error_event(exc: BaseException) -> bytes:
+    """The event that ends a failed stream: ``{"error": {...}}`` for ``exc``."""
+    return b"data: " + error_json(exc) + b"\n\n"

@@ -1,0 +1,429 @@
+"""The engine worker's HTTP app: the OpenAI API over one :class:`AsyncLLMEngine`.
+
+Routes: ``POST /v1/chat/completions`` and ``/v1/completions`` (JSON, or SSE with
+``stream``), ``GET /v1/models``, ``GET /health`` and ``GET /stats`` (engine statistics).
+Bad input answers 400 in the OpenAI error shape before anything is queued; a client that
+goes away aborts its generation (the engine frees its KV blocks); a request that fails while
+streaming ends with one SSE error event and no ``[DONE]``. One line per finished request is
+logged through the ``log`` callable (the worker prints it to stdout for the node agent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kunlun.engine.async_engine import AsyncLLMEngine
+from kunlun.engine.outputs import RequestOutput, RequestOutputDelta
+from kunlun.engine.sampling_params import SamplingParams
+from kunlun.errors import EngineError, KunlunError
+from kunlun.serving import responses, sse
+from kunlun.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelNotFound,
+    Prompt,
+    error_status_and_body,
+    parse_request,
+)
+
+_T = TypeVar("_T")
+_CLIENT_GONE = 499
+"""Logged status of a request whose client disconnected (nginx's convention)."""
+
+
+@dataclasses.dataclass
+class _Call:
+    """One API call as the log line reports it."""
+
+    request_id: str
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    status: int = 200
+    num_completion: int = 0
+    num_prompt: dict[int, int] = dataclasses.field(default_factory=dict)
+    num_cached: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def observe(self, prompt_index: int, delta: RequestOutputDelta) -> None:
+        if delta.token_ids:
+            if self.first_token is None:
+                self.first_token = time.perf_counter()
+            self.num_completion += len(delta.token_ids)
+        self.num_prompt[prompt_index] = delta.num_prompt_tokens
+        self.num_cached[prompt_index] = delta.num_cached_tokens
+
+    def usage(self) -> dict[str, Any]:
+        return responses.usage(
+            sum(self.num_prompt.values()), self.num_completion, sum(self.num_cached.values())
+        )
+
+    def log_line(self) -> str:
+        ttft = "-" if self.first_token is None else f"{(self.first_token - self.started) * 1e3:.1f}"
+        e2e = (time.perf_counter() - self.started) * 1e3
+        return (
+            f"Request {self.request_id}: status={self.status} "
+            f"prompt_tokens={sum(self.num_prompt.values())} "
+            f"completion_tokens={self.num_completion} ttft_ms={ttft} e2e_ms={e2e:.1f}"
+        )
+
+
+class WorkerApp:
+    """Handlers over one engine serving one model name."""
+
+    def __init__(
+        self, engine: AsyncLLMEngine, served_name: str, log: Callable[[str], None]
+    ) -> None:
+        self.engine = engine
+        self.served_name = served_name
+        self.tokenizer = engine.engine.tokenizer
+        self.tokens = responses.TokenText(self.tokenizer)
+        self.log = log
+        self.num_active = 0
+        self.created = int(time.time())
+
+    # ---- routes ----
+    async def chat_completions(self, request: Request) -> Response:
+        call = _new_call(request)
+        req = parse_request(ChatCompletionRequest, await request.body())
+        self._check_model(req.model)
+        params = req.to_sampling_params()
+        messages = [m.template_dict() for m in req.messages]
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = self.tokenizer.encode(text, add_special_tokens=False)
+        submitted = await self._submit([prompt], params)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            events = self._chat_events(call, req, response_id, submitted.streams, params.logprobs)
+            return self._sse(call, submitted, events)
+        outputs = await self._collect(request, call, submitted)
+        if outputs is None:
+            return self._finish(call, Response(status_code=_CLIENT_GONE))
+        body = responses.chat_completion(
+            response_id, req.model, outputs[0], self.tokens, params.logprobs
+        )
+        return self._finish(call, _json(call, body))
+
+    async def completions(self, request: Request) -> Response:
+        call = _new_call(request)
+        req = parse_request(CompletionRequest, await request.body())
+        self._check_model(req.model)
+        params = req.to_sampling_params()
+        prompts = req.prompts()
+        echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
+        submitted = await self._submit(prompts, params)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        echo_texts = echo if req.echo else None
+        if req.stream:
+            events = self._completion_events(
+                call, req, response_id, submitted.streams, params.logprobs, echo_texts
+            )
+            return self._sse(call, submitted, events)
+        outputs = await self._collect(request, call, submitted)
+        if outputs is None:
+            return self._finish(call, Response(status_code=_CLIENT_GONE))
+        body = responses.text_completion(
+            response_id, req.model, outputs, self.tokens, params.logprobs, echo_texts
+        )
+        return self._finish(call, _json(call, body))
+
+    async def models(self) -> dict[str, Any]:
+        model = {"id": self.served_name, "object": "model", "created": self.created,
+                 "owned_by": "kunlun"}  # fmt: skip
+        return {"object": "list", "data": [model]}
+
+    async def stats(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self.engine.stats()), "num_active_http": self.num_active}
+
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    def error(self, request: Request, exc: Exception) -> Response:
+        """The one error answer of this app (OpenAI shape), logged like any request."""
+        status, body, headers = error_status_and_body(exc)
+        call = _new_call(request)
+        call.status = status
+        self.log(call.log_line())
+        headers["X-Request-Id"] = call.request_id
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    # ---- internals ----
+    def _check_model(self, model: str) -> None:
+        if model != self.served_name:
+            raise ModelNotFound(
+                f"model {model!r} is not served here; served models: {self.served_name}"
+            )
+
+    async def _submit(self, prompts: Sequence[Prompt], params: SamplingParams) -> _Submitted:
+        """Queue one engine request per prompt; if one is rejected, abort the others."""
+        submitted = _Submitted([], [])
+        try:
+            for prompt in prompts:
+                request_id = uuid.uuid4().hex
+                submitted.streams.append(self.engine.add_request(prompt, params, request_id))
+                submitted.request_ids.append(request_id)
+        except BaseException:
+            await self._abort(submitted)
+            raise
+        return submitted
+
+    async def _abort(self, submitted: _Submitted) -> None:
+        """Abort the requests (a no-op for finished ones): an iterator that was never
+        started would otherwise leave its request running."""
+        for request_id in submitted.request_ids:
+            await self.engine.abort(request_id)
+
+    async def _collect(
+        self, request: Request, call: _Call, submitted: _Submitted
+    ) -> list[RequestOutput] | None:
+        """Every request's final output; None when the client left first (then the
+        generations are aborted)."""
+
+        async def one(index: int, stream: AsyncIterator[RequestOutputDelta]) -> RequestOutput:
+            async for delta in stream:
+                call.observe(index, delta)
+                if delta.final is not None:
+                    return delta.final
+            raise EngineError("the engine ended a request without its output")
+
+        async def every() -> list[RequestOutput]:
+            work = [one(i, s) for i, s in enumerate(submitted.streams)]
+            return [await work[0]] if len(work) == 1 else list(await asyncio.gather(*work))
+
+        self.num_active += 1
+        try:
+            result = await _unless_disconnected(request, every())
+        finally:
+            self.num_active -= 1
+        if result is None:
+            call.status = _CLIENT_GONE
+            await self._abort(submitted)
+        return result
+
+    def _finish(self, call: _Call, response: Response) -> Response:
+        self.log(call.log_line())
+        return response
+
+    def _sse(self, call: _Call, submitted: _Submitted, events: AsyncIterator[bytes]) -> Response:
+        return _EventStream(self, call, submitted, events)
+
+    async def _chat_events(
+        self,
+        call: _Call,
+        req: ChatCompletionRequest,
+        response_id: str,
+        streams: list[AsyncIterator[RequestOutputDelta]],
+        top_k: int | None,
+    ) -> AsyncIterator[bytes]:
+        created, with_usage = int(time.time()), req.include_usage
+        started: set[int] = set()
+        async for _, delta in self._deltas(call, streams):
+            wants_logprobs = top_k is not None and bool(delta.logprobs)
+            if not (delta.text or delta.finish_reason or wants_logprobs):
+                continue  # text held back (partial character or stop string)
+            message = {"content": delta.text}
+            if delta.index not in started:
+                started.add(delta.index)
+                message = {"role": "assistant", "content": delta.text}
+            logprobs = None
+            if wants_logprobs:
+                logprobs = responses.chat_logprobs(
+                    self.tokens, delta.token_ids, delta.logprobs or [], top_k or 0
+                )
+            choice = {"index": delta.index, "delta": message, "logprobs": logprobs,
+                      "finish_reason": delta.finish_reason}  # fmt: skip
+            yield sse.event(responses.chunk(
+                response_id, "chat.completion.chunk", created, req.model, [choice], None, with_usage
+            ))  # fmt: skip
+        if with_usage:
+            body = responses.chunk(response_id, "chat.completion.chunk", created, req.model, [],
+                                   call.usage(), True)  # fmt: skip
+            yield sse.event(body)
+        yield sse.DONE
+
+    async def _completion_events(
+        self,
+        call: _Call,
+        req: CompletionRequest,
+        response_id: str,
+        streams: list[AsyncIterator[RequestOutputDelta]],
+        top_k: int | None,
+        echo_texts: list[str] | None,
+    ) -> AsyncIterator[bytes]:
+        created, with_usage = int(time.time()), req.include_usage
+        offsets: dict[int, int] = {}
+        async for prompt_index, delta in self._deltas(call, streams):
+            index = prompt_index * req.n + delta.index
+            text = delta.text
+            if echo_texts is not None and index not in offsets:
+                text = echo_texts[prompt_index] + text
+            wants_logprobs = top_k is not None and bool(delta.logprobs)
+            if not (text or delta.finish_reason or wants_logprobs):
+                continue
+            offset = offsets.get(index, 0)
+            offsets[index] = offset + len(text)
+            logprobs = None
+            if wants_logprobs:
+                logprobs = responses.completion_logprobs(
+                    self.tokens, delta.token_ids, delta.logprobs or [], top_k or 0,
+                    offset + len(text) - len(delta.text),
+                )  # fmt: skip
+            choice = {"index": index, "text": text, "logprobs": logprobs,
+                      "finish_reason": delta.finish_reason}  # fmt: skip
+            yield sse.event(responses.chunk(
+                response_id, "text_completion", created, req.model, [choice], None, with_usage
+            ))  # fmt: skip
+        if with_usage:
+            yield sse.event(responses.chunk(
+                response_id, "text_completion", created, req.model, [], call.usage(), True
+            ))  # fmt: skip
+        yield sse.DONE
+
+    async def _deltas(
+        self, call: _Call, streams: list[AsyncIterator[RequestOutputDelta]]
+    ) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
+        """Every stream's deltas tagged with its prompt index, as they come; counted in
+        ``call``. Closing this iterator closes the streams (which aborts them)."""
+        self.num_active += 1
+        try:
+            async for index, delta in _merge(streams):
+                call.observe(index, delta)
+                yield index, delta
+        finally:
+            self.num_active -= 1
+
+
+def create_worker_app(
+    engine: AsyncLLMEngine, served_name: str, log: Callable[[str], None] = print
+) -> FastAPI:
+    """The worker's FastAPI app over ``engine``, serving it as model ``served_name``."""
+    worker = WorkerApp(engine, served_name, log)
+    app = FastAPI(title="Kunlun engine worker", docs_url=None, redoc_url=None)
+    app.state.worker = worker
+    app.post("/v1/chat/completions")(worker.chat_completions)
+    app.post("/v1/completions")(worker.completions)
+    app.get("/v1/models")(worker.models)
+    app.get("/health")(worker.health)
+    app.get("/stats")(worker.stats)
+    app.add_exception_handler(KunlunError, worker.error)
+    app.add_exception_handler(Exception, worker.error)
+    return app
+
+
+# ---- helpers ----
+@dataclasses.dataclass
+class _Submitted:
+    """The engine requests of one API call (one per prompt) and their delta streams."""
+
+    request_ids: list[str]
+    streams: list[AsyncIterator[RequestOutputDelta]]
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response over engine requests. However it ends (done, failed, client gone
+    before or during the stream), its requests are ended and the call is logged once."""
+
+    def __init__(
+        self, worker: WorkerApp, call: _Call, submitted: _Submitted, events: AsyncIterator[bytes]
+    ) -> None:
+        headers = {"X-Request-Id": call.request_id, "Cache-Control": "no-cache"}
+        super().__init__(self._relay(events), media_type=sse.MEDIA_TYPE, headers=headers)
+        self.worker, self.call, self.submitted = worker, call, submitted
+        self.completed = False
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.completed:
+                self.call.status = _CLIENT_GONE
+                await self.worker._abort(self.submitted)
+            self.worker.log(self.call.log_line())
+
+    async def _relay(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield event
+            self.completed = True
+        except Exception as exc:  # the engine failed this request: tell the client, go on
+            self.call.status = error_status_and_body(exc)[0]
+            self.completed = True
+            yield sse.error_event(exc)
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
+
+
+def _new_call(request: Request) -> _Call:
+    return _Call(request.headers.get("x-request-id") or uuid.uuid4().hex)
+
+
+def _json(call: _Call, body: dict[str, Any]) -> Response:
+    return Response(sse.dumps(body), media_type="application/json",
+                    headers={"X-Request-Id": call.request_id})  # fmt: skip
+
+
+async def _merge(
+    streams: list[AsyncIterator[RequestOutputDelta]],
+) -> AsyncIterator[tuple[int, RequestOutputDelta]]:
+    """Interleave the streams' items as they arrive, each tagged with its stream's index."""
+    if len(streams) == 1:
+        try:
+            async for delta in streams[0]:
+                yield 0, delta
+        finally:
+            await streams[0].aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutputDelta | None] | BaseException] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutputDelta]) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((index, delta))
+            queue.put_nowait((index, None))
+        except Exception as exc:
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item[1] is None:
+                remaining -= 1
+                continue
+            yield item  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T | None:
+    """Await ``work``, or cancel it and return None as soon as the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # cancelled ourselves
+        task.cancel()
+        watch.cancel()
+        raise
+    watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,149 @@
+"""Fixtures for serving tests: real engine workers and a real gateway on loopback.
+
+``worker`` is ONE engine worker subprocess on the demo model (fp32, cpu, small KV cache,
+``max_num_seqs`` 8), shared by the whole session. ``gateway`` is a uvicorn server in a
+thread serving a FastAPI app that mounts :func:`gateway_router` over a :class:`ReplicaSet`
+holding that worker (ready, as replica ``r1`` of model ``smollm2``). ``start_worker``
+starts extra workers for tests that kill one. Clients are the real ``openai`` SDK.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kunlun.serving.replica import Replica, ReplicaSet
+from kunlun.serving.worker import read_ready_file, worker_command
+
+MODEL = "smollm2"
+MAX_MODEL_LEN = 512
+
+
+@dataclass
+class WorkerProcess:
+    """A running worker: its process, base URL and log file."""
+
+    process: subprocess.Popen[bytes]
+    base_url: str
+    ready: dict[str, object]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stats(self) -> dict[str, int]:
+        return httpx.get(f"{self.base_url}/stats", timeout=10).json()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def launch_worker(folder: Path, served_name: str = MODEL, timeout_s: float = 240) -> WorkerProcess:
+    from kunlun.engine.gguf import demo_model_dir
+    from kunlun.errors import ModelFileMissing
+
+    try:
+        model_dir = demo_model_dir()
+    except ModelFileMissing as exc:
+        pytest.skip(str(exc))
+    folder.mkdir(parents=True, exist_ok=True)
+    ready_file, log_path = folder / "ready.json", folder / "worker.log"
+    command = worker_command(
+        model_dir, served_name, ready_file=ready_file, max_num_seqs=8, kv_cache_memory_mb=64,
+        max_model_len=MAX_MODEL_LEN, num_threads=1,
+    )  # fmt: skip
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while (ready := read_ready_file(ready_file)) is None:
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"worker did not become ready:\n{log_path.read_text()}")
+        time.sleep(0.1)
+    return WorkerProcess(process, f"http://127.0.0.1:{ready['port']}", ready, log_path)
+
+
+@pytest.fixture(scope="session")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    process = launch_worker(tmp_path_factory.mktemp("worker"))
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def start_worker(tmp_path: Path) -> Iterator[Callable[[str], WorkerProcess]]:
+    """Start an extra worker serving the demo model under another name."""
+    started: list[WorkerProcess] = []
+
+    def start(served_name: str) -> WorkerProcess:
+        started.append(launch_worker(tmp_path / served_name, served_name))
+        return started[-1]
+
+    yield start
+    for process in started:
+        process.stop()
+
+
+@dataclass
+class GatewayServer:
+    """The gateway app on loopback, with its replica set and state open to tests."""
+
+    replicas: ReplicaSet
+    state: object
+    base_url: str
+    server: object = field(repr=False)
+
+
+def serve_in_thread(app: object) -> tuple[object, str, threading.Thread]:
+    """Run ``app`` with uvicorn on a free loopback port in a daemon thread."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, log_level="warning", access_log=False)  # type: ignore[arg-type]
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("the gateway server did not start")
+        time.sleep(0.01)
+    return server, f"http://127.0.0.1:{sock.getsockname()[1]}", thread
+
+
+@pytest.fixture(scope="session")
+def gateway(worker: WorkerProcess) -> Iterator[GatewayServer]:
+    from fastapi import FastAPI
+
+    from kunlun.serving.gateway import GatewayState, gateway_router
+
+    replicas, state = ReplicaSet(), GatewayState()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.start()
+        yield
+        await state.close()
+
+    replicas.upsert(Replica("r1", "w1", MODEL, "cpu:0", worker.base_url, ready=True))
+    app = FastAPI(lifespan=lifespan)
+    app.include_router(gateway_router(replicas, state))
+    server, base_url, thread = serve_in_thread(app)
+    yield GatewayServer(replicas, state, base_url, server)
+    server.should_exit = True  # type: ignore[attr-defined]
+    thread.join(10)

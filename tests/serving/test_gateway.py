@@ -1,0 +1,253 @@
+"""The gateway in front of a real worker, driven by the real ``openai`` SDK."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import httpx
+import openai
+import pytest
+
+from kunlun.serving.replica import Replica
+
+if TYPE_CHECKING:
+    from .conftest import GatewayServer, WorkerProcess
+
+MODEL = "smollm2"
+MAX_MODEL_LEN = 512  # as the worker fixture is started with
+PARIS = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture
+def client(gateway: GatewayServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def sse_events(response: httpx.Response) -> Iterator[str]:
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            yield line[len("data: ") :]
+
+
+def test_chat_answers_paris_through_the_gateway(client: openai.OpenAI) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=PARIS,
+        temperature=0,
+        max_tokens=32,
+        extra_headers={"X-Request-Id": "req-paris"},
+    )
+    assert raw.headers["x-kunlun-replica"] == "r1"
+    assert raw.headers["x-kunlun-device"] == "cpu:0"
+    assert raw.headers["x-request-id"] == "req-paris"
+    completion = raw.parse()
+    assert "Paris" in completion.choices[0].message.content
+    assert completion.choices[0].finish_reason == "stop"
+    usage = completion.usage
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.prompt_tokens_details.cached_tokens >= 0
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_streaming_chat(client: openai.OpenAI, include_usage: bool) -> None:
+    options = {"include_usage": True} if include_usage else None
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=PARIS, temperature=0, max_tokens=4, stream=True,
+        stream_options=options,
+    ))  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.startswith("The capital")
+    assert chunks[0].choices[0].delta.role == "assistant"
+    if include_usage:
+        assert chunks[-1].choices == []
+        assert chunks[-1].usage.completion_tokens == 4
+        assert all(c.usage is None for c in chunks[:-1])
+        assert chunks[-2].choices[0].finish_reason == "length"
+    else:
+        assert all(c.usage is None for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_completion_echo_with_logprobs(client: openai.OpenAI) -> None:
+    prompt = "The capital of France is"
+    completion = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2
+    )
+    choice = completion.choices[0]
+    assert choice.text.startswith(prompt + " Paris")
+    logprobs = choice.logprobs
+    num_tokens = completion.usage.prompt_tokens + completion.usage.completion_tokens
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == num_tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs[1:])
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+
+
+def test_n_and_seed(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> list[str]:
+        completion = client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=1, n=2, seed=seed
+        )
+        assert sorted(c.index for c in completion.choices) == [0, 1]
+        return [c.text for c in sorted(completion.choices, key=lambda c: c.index)]
+
+    first = sample(1234)
+    assert sample(1234) == first
+
+
+def test_stop_string(client: openai.OpenAI) -> None:
+    completion = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stop=["."]
+    )
+    assert completion.choices[0].text == " Paris"
+    assert completion.choices[0].finish_reason == "stop"
+
+
+def test_bad_requests_answer_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=PARIS, temperature=-1)
+    assert caught.value.body["param"] == "temperature"
+    assert "temperature=-1" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="hello " * MAX_MODEL_LEN, max_tokens=4)
+    assert caught.value.body["code"] == "context_length_exceeded"
+    assert "max_model_len" in caught.value.body["message"]
+
+
+def test_bad_json_and_missing_model(gateway: GatewayServer) -> None:
+    url = f"{gateway.base_url}/v1/chat/completions"
+    response = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    response = httpx.post(url, json={"messages": PARIS})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "model"
+
+
+def test_unknown_model_404_lists_served_models(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-4", messages=PARIS)
+    assert caught.value.body["code"] == "model_not_found"
+    assert MODEL in caught.value.body["message"]
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_no_ready_replica_and_draining_answer_503(
+    client: openai.OpenAI, gateway: GatewayServer
+) -> None:
+    gateway.replicas.upsert(Replica("cold-1", "w-cold", "cold", "cpu:0", "http://127.0.0.1:9"))
+    try:
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.chat.completions.create(model="cold", messages=PARIS)
+        assert caught.value.status_code == 503
+        assert caught.value.response.headers["retry-after"] == "1"
+    finally:
+        gateway.replicas.remove("cold-1")
+    gateway.state.draining = True
+    try:
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.chat.completions.create(model=MODEL, messages=PARIS)
+        assert caught.value.body["code"] == "service_unavailable"
+    finally:
+        gateway.state.draining = False
+
+
+def test_full_queue_answers_429_with_retry_after(
+    client: openai.OpenAI, gateway: GatewayServer
+) -> None:
+    replica = gateway.replicas.get("r1")
+    replica.max_queue = 1
+    try:
+        with client.completions.create(
+            model=MODEL,
+            prompt="Count:",
+            max_tokens=200,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ) as stream:
+            next(iter(stream))
+            with pytest.raises(openai.RateLimitError) as caught:
+                client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        assert caught.value.response.headers["retry-after"] == "1"
+        assert caught.value.body["code"] == "rate_limit_exceeded"
+    finally:
+        replica.max_queue = 64
+    assert wait_until(lambda: replica.in_flight == 0)
+
+
+def test_client_disconnect_aborts_generation(
+    client: openai.OpenAI, gateway: GatewayServer, worker: WorkerProcess
+) -> None:
+    with client.chat.completions.create(
+        model=MODEL, messages=PARIS, max_tokens=300, stream=True, extra_body={"ignore_eos": True}
+    ) as stream:
+        next(iter(stream))
+        assert worker.stats()["num_unfinished_requests"] == 1
+    # leaving the block closed the connection: the worker aborts and frees the blocks
+
+    def all_free() -> bool:
+        stats = worker.stats()
+        return stats["num_unfinished_requests"] == 0 and (
+            stats["num_blocks_free"] == stats["num_blocks_total"]
+        )
+
+    assert wait_until(all_free, 3.0), worker.stats()
+    assert gateway.replicas.get("r1").in_flight == 0
+
+
+def test_worker_killed_mid_stream_ends_with_error_event(
+    gateway: GatewayServer, client: openai.OpenAI, start_worker: Callable[[str], WorkerProcess]
+) -> None:
+    doomed = start_worker("doomed")
+    replica = Replica("doomed-1", "w-doomed", "doomed", "cpu:0", doomed.base_url, ready=True)
+    gateway.replicas.upsert(replica)
+    body = {"model": "doomed", "prompt": "Count:", "max_tokens": 300, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    try:
+        with httpx.stream("POST", f"{gateway.base_url}/v1/completions", json=body,
+                          timeout=60) as response:  # fmt: skip
+            events = sse_events(response)
+            assert "choices" in json.loads(next(events))
+            os.kill(doomed.process.pid, signal.SIGKILL)
+            rest = list(events)
+        assert rest and "[DONE]" not in rest
+        error = json.loads(rest[-1])["error"]
+        assert error["code"] == "worker_died" and error["type"] == "server_error"
+        assert "stopped" in error["message"]
+        assert wait_until(lambda: replica.in_flight == 0)
+        # the dead worker's next request: 503 (not reachable), and the gateway serves on
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model="doomed", prompt="Hi", max_tokens=2)
+        assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+    finally:
+        gateway.replicas.remove("doomed-1")
+
+
+def test_32_concurrent_streams_complete(client: openai.OpenAI, gateway: GatewayServer) -> None:
+    def one(i: int) -> str | None:
+        stream = client.completions.create(
+            model=MODEL, prompt=f"Number {i}:", max_tokens=3, stream=True, temperature=0
+        )
+        return [c.choices[0].finish_reason for c in stream][-1]
+
+    with ThreadPoolExecutor(32) as pool:
+        reasons = list(pool.map(one, range(32)))
+    assert all(r in ("length", "stop") for r in reasons), reasons
+    assert gateway.replicas.get("r1").in_flight == 0
