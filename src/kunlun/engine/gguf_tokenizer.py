@@ -1,0 +1,149 @@
+"""Rebuild a Hugging Face ``tokenizer.json`` from a GGUF file's ``tokenizer.ggml.*`` metadata.
+
+Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) are supported: the
+vocabulary and merges come from the file, tokens typed control (3) become special added
+tokens and user-defined ones (4) plain added tokens. Text is split before BPE by the regex
+the vocabulary was trained with, named by ``tokenizer.ggml.pre``; a name not in
+:data:`PRE_TOKENIZER_SPLITS` gets GPT-2's byte-level split, as transformers does.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+from kunlun.engine.gguf_reader import GGUFFile
+from kunlun.errors import Location, ModelError
+
+_CONTROL = 3
+_USER_DEFINED = 4
+
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+#: ``tokenizer.ggml.pre`` -> the split regex its merges were learned with.
+PRE_TOKENIZER_SPLITS: dict[str, str] = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "falcon3": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "megrez": _QWEN2_SPLIT,
+}
+
+
+@lru_cache(maxsize=1)
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's map from each byte to the printable character that spells it."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {byte: chr(char) for byte, char in zip(printable, chars, strict=True)}
+
+
+def _spelled(token: str, alphabet: set[str]) -> str:
+    """``token`` in the byte alphabet (a token already spelled that way is kept)."""
+    if set(token) <= alphabet:
+        return token
+    table = byte_alphabet()
+    return "".join(table[byte] for byte in token.encode("utf-8"))
+
+
+def build_tokenizer(gguf: GGUFFile) -> Tokenizer:
+    """The ``tokenizers`` tokenizer the GGUF file's vocabulary describes."""
+    meta = gguf.metadata
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ModelError(
+            f"GGUF tokenizer model {model!r} cannot be imported; supported: gpt2 (byte-level BPE)",
+            location=Location(str(gguf.path), field="tokenizer.ggml.model"),
+        )
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
+    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    alphabet = set(byte_alphabet().values())
+    vocab = {_spelled(token, alphabet): index for index, token in enumerate(tokens)}
+    merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges") or []]
+    tokenizer = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
+    )
+    tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A:0", pair="$A:0 $B:1", special_tokens=[]
+    )
+    control = [
+        AddedToken(token, normalized=False, special=True)
+        for token, kind in zip(tokens, token_types, strict=False)
+        if kind == _CONTROL and set(token) <= alphabet
+    ]
+    tokenizer.add_special_tokens(control)
+    user = [
+        AddedToken(token, normalized=False, special=False)
+        for token, kind in zip(tokens, token_types, strict=False)
+        if kind == _USER_DEFINED and token in vocab
+    ]
+    tokenizer.add_tokens(user)
+    return tokenizer
+
+
+def _pre_tokenizer(name: str | None) -> pre_tokenizers.PreTokenizer:
+    split = PRE_TOKENIZER_SPLITS.get(name or "")
+    if split is None:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+def tokenizer_config(gguf: GGUFFile) -> dict[str, Any]:
+    """``tokenizer_config.json``: special tokens, BOS/EOS flags and the chat template."""
+    meta = gguf.metadata
+    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for name, key in (
+        ("bos_token", "bos_token_id"),
+        ("eos_token", "eos_token_id"),
+        ("unk_token", "unknown_token_id"),
+        ("pad_token", "padding_token_id"),
+    ):
+        index = meta.get(f"tokenizer.ggml.{key}")
+        if index is not None and 0 <= index < len(tokens):
+            config[name] = tokens[index]
+    config["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    config["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    config["clean_up_tokenization_spaces"] = False
+    template = meta.get("tokenizer.chat_template")
+    if isinstance(template, str):
+        config["chat_template"] = template
+    return config

@@ -1,0 +1,167 @@
+"""Load Hugging Face safetensors checkpoints into the engine's models.
+
+A checkpoint is either one ``model.safetensors`` or shards listed by
+``model.safetensors.index.json``. Checkpoint names map onto the model's parameters through
+``model.checkpoint_slot`` (q/k/v and gate/up are fused on the way). When the checkpoint has
+no ``lm_head.weight``, or the config ties embeddings, the LM head shares the embedding.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kunlun.engine.models.layers import FusedLinear
+from kunlun.engine.models.llama import LlamaForCausalLM
+from kunlun.errors import CorruptWeights, Location, ModelError, ModelFileMissing
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+LM_HEAD = "lm_head.weight"
+
+
+def checkpoint_files(model_dir: str | Path) -> dict[Path, list[str] | None]:
+    """The safetensors files of ``model_dir``, each with the tensor names the index gives it.
+
+    A single-file checkpoint maps to ``None`` (every tensor in it). Raises
+    :class:`ModelFileMissing` naming the directory when neither layout is present, or a shard
+    the index names is absent; :class:`CorruptWeights` when the index is not valid JSON.
+    """
+    root = Path(model_dir)
+    index_path = root / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CorruptWeights(
+                f"cannot read the shard index: {exc}", location=Location(str(index_path))
+            ) from exc
+        files: dict[Path, list[str] | None] = {}
+        for name, file_name in weight_map.items():
+            names = files.setdefault(root / file_name, [])
+            assert names is not None
+            names.append(name)
+        for path in files:
+            if not path.is_file():
+                raise ModelFileMissing(
+                    f"shard {path.name!r} listed in {INDEX_FILE} not found: {path}",
+                    location=Location(str(index_path)),
+                )
+        return files
+    single = root / SINGLE_FILE
+    if single.is_file():
+        return {single: None}
+    raise ModelFileMissing(
+        f"no weights in {root}: expected {SINGLE_FILE} or {INDEX_FILE}",
+        location=Location(str(root)),
+    )
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
+    """Copy every parameter of ``model`` from the checkpoint in ``model_dir``.
+
+    Raises :class:`CorruptWeights` naming the file when a safetensors header cannot be read,
+    and :class:`ModelError` naming the tensor and file when a tensor is missing or has the
+    wrong shape.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    filled: set[tuple[str, str | None]] = set()
+    seen: set[str] = set()
+    files = checkpoint_files(model_dir)
+    for path in files:
+        seen.update(_load_file(model, params, path, filled))
+    if LM_HEAD not in seen:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        filled.add((LM_HEAD, None))
+    elif model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _check_complete(model, params, filled, files)
+
+
+def _load_file(
+    model: LlamaForCausalLM,
+    params: dict[str, torch.nn.Parameter],
+    path: Path,
+    filled: set[tuple[str, str | None]],
+) -> set[str]:
+    """Copy the tensors of one safetensors file; returns the checkpoint names it held."""
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CorruptWeights(
+            f"cannot read safetensors file {path}: {exc}", location=Location(str(path))
+        ) from exc
+    names: set[str] = set()
+    with handle:
+        for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+            names.add(name)
+            param_name, shard = model.checkpoint_slot(name)
+            param = params.get(param_name)
+            if param is None:
+                continue  # buffers such as rotary_emb.inv_freq, or a head the model ties
+            try:
+                tensor = handle.get_tensor(name)
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise CorruptWeights(
+                    f"cannot read tensor {name!r} from {path}: {exc}",
+                    location=Location(str(path), field=name),
+                ) from exc
+            _copy(
+                param, shard, tensor, model.get_submodule(param_name.rsplit(".", 1)[0]), name, path
+            )
+            filled.add((param_name, shard))
+    return names
+
+
+def _copy(
+    param: torch.nn.Parameter,
+    shard: str | None,
+    tensor: torch.Tensor,
+    module: torch.nn.Module,
+    name: str,
+    path: Path,
+) -> None:
+    """Copy ``tensor`` into ``param`` (into its rows for ``shard`` when fused)."""
+    target = param.data
+    if isinstance(module, FusedLinear) and shard is not None:
+        start, rows = module.shard_offset(shard)
+        target = target.narrow(0, start, rows)
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ModelError(
+            f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
+            f"{tuple(target.shape)}",
+            location=Location(str(path), field=name),
+        )
+    with torch.no_grad():
+        target.copy_(tensor)
+
+
+def _check_complete(
+    model: LlamaForCausalLM,
+    params: dict[str, torch.nn.Parameter],
+    filled: set[tuple[str, str | None]],
+    files: dict[Path, list[str] | None],
+) -> None:
+    where = ", ".join(str(path) for path in files)
+    for param_name in params:
+        module_name = param_name.rsplit(".", 1)[0]
+        module = model.get_submodule(module_name)
+        shards = getattr(module, "shards", None)
+        expected = [None] if shards is None else list(shards)
+        for shard in expected:
+            if (param_name, shard) in filled:
+                continue
+            tensor = param_name if shard is None else _unfused_name(param_name, shard)
+            raise ModelError(
+                f"tensor {tensor!r} not found in {where}",
+                location=Location(where, field=tensor),
+            )
+
+
+def _unfused_name(param_name: str, shard: str) -> str:
+    parts = param_name.split(".")
+    parts[-2] = shard
+    return ".".join(parts)

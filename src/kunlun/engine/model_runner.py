@@ -1,0 +1,268 @@
+"""The model runner: one forward pass over a batch of sequences with a paged KV cache.
+
+This is the seam between the scheduler side of the engine and the model side. The caller
+says, per sequence, which tokens to compute this step and which KV blocks hold its context
+(:class:`StepSeq`); the runner turns that into one flat batch, runs the model, and returns
+the logits at each sequence's last new position (:class:`StepOutput`). The runner owns the
+model, the tokenizer and the KV cache; it keeps no per-sequence state between steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kunlun.engine.attention import AttentionContext, DecodeBatch, PrefillSegment
+from kunlun.engine.config import ModelConfig
+from kunlun.engine.device import resolve_device
+from kunlun.engine.loader import load_weights
+from kunlun.engine.models import build_model
+from kunlun.engine.models.llama import LlamaForCausalLM
+from kunlun.engine.tokenizer import Tokenizer
+from kunlun.errors import ConfigError, EngineError
+
+#: Default KV cache budget when neither ``num_blocks`` nor ``kv_cache_memory_bytes`` is given.
+DEFAULT_KV_BUDGET_BYTES = 1 << 30
+
+
+@dataclass
+class StepSeq:
+    """What one sequence computes in a step."""
+
+    token_ids: list[int]
+    """The sequence's full token list so far (prompt + generated)."""
+    num_computed: int
+    """Tokens already in the KV cache (prefix-cache hits + earlier chunks)."""
+    num_new: int
+    """Compute ``token_ids[num_computed : num_computed + num_new]`` this step (>= 1)."""
+    block_table: list[int]
+    """KV block ids covering positions ``[0, num_computed + num_new)``."""
+    want_prompt_logits: bool = False
+    """Also return logits for every new position."""
+
+
+@dataclass
+class StepOutput:
+    """Result of one step, in the order of the step's sequences."""
+
+    logits: torch.Tensor
+    """float32 [len(seqs), vocab]: logits at each sequence's last new position."""
+    prompt_logits: list[torch.Tensor | None]
+    """Per sequence: float32 [num_new, vocab] when asked for, else ``None``."""
+
+
+class ModelRunner:
+    """Loads a model directory and runs steps over it with a paged KV cache."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        max_model_len: int | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        """Load config, tokenizer and weights from ``model_dir`` and allocate the KV cache.
+
+        The KV cache holds ``num_blocks`` blocks, or as many as fit in
+        ``kv_cache_memory_bytes`` (pass at most one); by default enough for four sequences
+        of ``max_model_len`` tokens, within 1 GiB. ``max_model_len`` defaults to the model's
+        ``max_position_embeddings`` and may not exceed it. ``num_threads`` sets torch's
+        intra-op thread count.
+        """
+        if num_threads is not None:
+            if num_threads < 1:
+                raise ConfigError(f"num_threads={num_threads} must be >= 1")
+            torch.set_num_threads(num_threads)
+        if block_size < 1:
+            raise ConfigError(f"block_size={block_size} must be >= 1")
+        self.device = resolve_device(device)
+        self.dtype = dtype
+        self.block_size = block_size
+        self.config = ModelConfig.from_dir(model_dir)
+        self.tokenizer = Tokenizer(model_dir)
+        self.max_model_len = self._max_model_len(max_model_len)
+        self.model = self._load_model(Path(model_dir))
+        self.num_blocks = self._num_blocks(num_blocks, kv_cache_memory_bytes)
+        self._allocate_kv_cache()
+
+    def _max_model_len(self, requested: int | None) -> int:
+        limit = self.config.max_position_embeddings
+        if requested is None:
+            return limit
+        if not 1 <= requested <= limit:
+            raise ConfigError(
+                f"max_model_len={requested} is outside [1, {limit}] "
+                f"(the model's max_position_embeddings)"
+            )
+        return requested
+
+    def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
+        with torch.device("meta"):
+            model = build_model(self.config, self.max_model_len)
+        model.to_empty(device=self.device)
+        model.to(self.dtype)
+        model.model.rotary.build()
+        load_weights(model, model_dir)
+        return model.eval().requires_grad_(False)
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one KV block takes across all layers (keys and values)."""
+        config = self.config
+        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return per_token * self.block_size * element
+
+    def _num_blocks(self, num_blocks: int | None, memory_bytes: int | None) -> int:
+        if num_blocks is not None and memory_bytes is not None:
+            raise ConfigError("pass num_blocks or kv_cache_memory_bytes, not both")
+        per_block = self.kv_bytes_per_block()
+        if memory_bytes is not None:
+            num_blocks = memory_bytes // per_block
+            if num_blocks < 1:
+                raise ConfigError(
+                    f"kv_cache_memory_bytes={memory_bytes} is less than one block "
+                    f"({per_block} bytes)"
+                )
+        if num_blocks is None:
+            wanted = 4 * -(-self.max_model_len // self.block_size)
+            num_blocks = max(1, min(wanted, DEFAULT_KV_BUDGET_BYTES // per_block))
+        if num_blocks < 1:
+            raise ConfigError(f"num_blocks={num_blocks} must be >= 1")
+        return num_blocks
+
+    def _allocate_kv_cache(self) -> None:
+        config = self.config
+        shape = (
+            2,
+            config.num_hidden_layers,
+            self.num_blocks,
+            self.block_size,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for index, attention in enumerate(self.model.attention_layers()):
+            attention.k_cache = self.kv_cache[0, index]
+            attention.v_cache = self.kv_cache[1, index]
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[StepSeq]) -> StepOutput:
+        """Run one step: compute each sequence's new tokens and return their logits.
+
+        Raises :class:`EngineError` naming the sequence and field when a step is malformed
+        (empty, past ``max_model_len``, block table too short or holding a bad block id).
+        """
+        if not seqs:
+            raise EngineError("execute() needs at least one sequence")
+        for index, seq in enumerate(seqs):
+            self._validate(index, seq)
+        decode = [i for i, seq in enumerate(seqs) if seq.num_new == 1]
+        prefill = [i for i, seq in enumerate(seqs) if seq.num_new != 1]
+        order = decode + prefill
+        step = _StepBuilder(self, [seqs[i] for i in order], len(decode))
+        hidden = self.model(step.input_ids, step.positions, step.context)
+        last = self.model.compute_logits(hidden.index_select(0, step.last_index)).float()
+        logits = torch.empty_like(last)
+        logits[torch.tensor(order, device=self.device)] = last
+        prompt_logits: list[torch.Tensor | None] = [None] * len(seqs)
+        for position, index in enumerate(order):
+            if seqs[index].want_prompt_logits:
+                start, count = step.spans[position]
+                rows = hidden[start : start + count]
+                prompt_logits[index] = self.model.compute_logits(rows).float()
+        return StepOutput(logits=logits, prompt_logits=prompt_logits)
+
+    def _validate(self, index: int, seq: StepSeq) -> None:
+        where = f"seqs[{index}]"
+        context_len = seq.num_computed + seq.num_new
+        if seq.num_new < 1 or seq.num_computed < 0:
+            raise EngineError(
+                f"{where}: num_new={seq.num_new} must be >= 1 and "
+                f"num_computed={seq.num_computed} >= 0"
+            )
+        if context_len > len(seq.token_ids):
+            raise EngineError(
+                f"{where}: num_computed + num_new = {context_len} exceeds "
+                f"len(token_ids) = {len(seq.token_ids)}"
+            )
+        if context_len > self.max_model_len:
+            raise EngineError(
+                f"{where}: context length {context_len} exceeds max_model_len={self.max_model_len}"
+            )
+        needed = -(-context_len // self.block_size)
+        if len(seq.block_table) < needed:
+            raise EngineError(
+                f"{where}: block_table has {len(seq.block_table)} blocks, {needed} needed for "
+                f"{context_len} tokens at block_size={self.block_size}"
+            )
+        for block_id in seq.block_table[:needed]:
+            if not 0 <= block_id < self.num_blocks:
+                raise EngineError(
+                    f"{where}: block_table holds block id {block_id}, outside "
+                    f"[0, {self.num_blocks})"
+                )
+
+
+class _StepBuilder:
+    """Flat-batch tensors and attention metadata for one step (decode sequences first)."""
+
+    def __init__(self, runner: ModelRunner, seqs: list[StepSeq], num_decode: int) -> None:
+        self.device = runner.device
+        self.block_size = runner.block_size
+        self.spans: list[tuple[int, int]] = []
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        bs = self.block_size
+        for seq in seqs[:num_decode]:
+            pos = seq.num_computed
+            self.spans.append((len(ids), 1))
+            ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+        prefills: list[PrefillSegment] = []
+        for seq in seqs[num_decode:]:
+            start, end = seq.num_computed, seq.num_computed + seq.num_new
+            self.spans.append((len(ids), seq.num_new))
+            table = seq.block_table[: -(-end // bs)]
+            segment_table = None
+            if seq.num_computed > 0:
+                segment_table = torch.tensor(table, dtype=torch.long, device=self.device)
+            prefills.append(PrefillSegment(len(ids), seq.num_new, seq.num_computed, segment_table))
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
+        self.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        self.positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        self.last_index = torch.tensor(
+            [start + count - 1 for start, count in self.spans], dtype=torch.long, device=self.device
+        )
+        decode = self._decode_batch(seqs[:num_decode], runner.dtype) if num_decode else None
+        self.context = AttentionContext(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            decode=decode,
+            prefills=prefills,
+        )
+
+    def _decode_batch(self, seqs: list[StepSeq], dtype: torch.dtype) -> DecodeBatch:
+        bs = self.block_size
+        context_lens = [seq.num_computed + 1 for seq in seqs]
+        max_blocks = -(-max(context_lens) // bs)
+        tables = [
+            seq.block_table[:max_blocks] + [0] * (max_blocks - len(seq.block_table[:max_blocks]))
+            for seq in seqs
+        ]
+        block_tables = torch.tensor(tables, dtype=torch.long, device=self.device)
+        lens = torch.tensor(context_lens, dtype=torch.long, device=self.device)
+        key_pos = torch.arange(max_blocks * bs, device=self.device)
+        visible = key_pos[None, :] < lens[:, None]
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
+        mask.masked_fill_(~visible, float("-inf"))
+        return DecodeBatch(block_tables=block_tables, mask=mask[:, None, None, :])

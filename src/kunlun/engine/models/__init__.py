@@ -1,0 +1,34 @@
+"""Model code for the portable engine, and the registry from architecture name to class.
+
+Every model takes a :class:`~kunlun.engine.config.ModelConfig`, runs
+``forward(input_ids [T], positions [T], ctx) -> hidden [T, hidden]`` over a flat batch of
+tokens from many sequences, and ``compute_logits(hidden) -> logits``.
+"""
+
+from __future__ import annotations
+
+from kunlun.engine.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kunlun.engine.models.llama import LlamaForCausalLM
+from kunlun.errors import UnsupportedArchitecture
+
+#: Architecture name (``config.json`` ``architectures[0]``) -> model class.
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def build_model(config: ModelConfig, max_positions: int | None = None) -> LlamaForCausalLM:
+    """An uninitialized model for ``config`` (weights come from the loader)."""
+    cls = MODEL_REGISTRY.get(config.architecture)
+    if cls is None:
+        raise UnsupportedArchitecture(
+            f"architecture {config.architecture!r} is not supported; supported: "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+    return cls(config, max_positions)
+
+
+__all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "build_model"]

@@ -1,0 +1,172 @@
+"""The Llama-family decoder: Llama, Mistral, Qwen2 and Qwen3 through config switches.
+
+Differences between the four are flags of :class:`~kunlun.engine.config.ModelConfig`:
+``attention_bias`` (Qwen2's q/k/v bias), ``qk_norm`` (Qwen3's per-head RMSNorm on queries and
+keys), ``rope_scaling`` (Llama 3) and ``tie_word_embeddings``. Parameter names follow the
+Hugging Face checkpoints, except that q/k/v become one ``qkv_proj`` and gate/up one
+``gate_up_proj`` (see :meth:`LlamaForCausalLM.checkpoint_slot`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kunlun.engine.attention import AttentionContext, PagedAttention
+from kunlun.engine.config import ModelConfig
+from kunlun.engine.models.layers import (
+    FusedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    apply_rotary,
+)
+
+#: Checkpoint projection -> the fused module that holds it.
+FUSED_PROJECTIONS: dict[str, str] = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused q/k/v projection, RoPE, optional q/k norm and paged KV."""
+
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = FusedLinear(
+            config.hidden_size,
+            {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
+            bias=config.attention_bias,
+        )
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.sizes = (q_size, kv_size, kv_size)
+        self.rotary = [rotary]  # shared table, kept out of this module's parameters
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, ...], ctx: AttentionContext
+    ) -> torch.Tensor:
+        """Attention output [T, hidden] for ``hidden`` [T, hidden]; ``rope`` is (cos, sin)."""
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        cos, sin = rope
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v.contiguous(), ctx))
+
+
+class LlamaMLP(nn.Module):
+    """Gated MLP: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = FusedLinear(
+            config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """MLP output [T, hidden] for ``x`` [T, hidden]."""
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, ...], ctx: AttentionContext
+    ) -> torch.Tensor:
+        """The residual stream after this layer."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, ctx)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and the final norm."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, max_positions, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the flat batch ``input_ids`` [T]."""
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.table(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, rope, ctx)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder plus LM head; the one model class behind every supported architecture."""
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_positions or config.max_position_embeddings)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] for the flat batch of ``input_ids``."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] for hidden states [n, hidden]."""
+        return F.linear(hidden, self.lm_head.weight)
+
+    def attention_layers(self) -> list[PagedAttention]:
+        """The paged-attention modules, one per layer, in order."""
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def checkpoint_slot(self, name: str) -> tuple[str, str | None]:
+        """Where checkpoint tensor ``name`` goes: ``(parameter name, shard or None)``.
+
+        ``model.layers.0.self_attn.k_proj.weight`` -> ``("model.layers.0.self_attn.qkv_proj
+        .weight", "k_proj")``; unfused names map to themselves with no shard.
+        """
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in FUSED_PROJECTIONS:
+            shard = parts[-2]
+            parts[-2] = FUSED_PROJECTIONS[shard]
+            return ".".join(parts), shard
+        return name, None
