@@ -65,7 +65,8 @@ def _render(inv: Inventory, verbose: bool) -> None:
             for note in r.notes:
                 console.print(f"    note: {note}", markup=False)
         if r.error:
-            console.print(f"    [red]{r.error}[/]", markup=False)
+            console.print("    [red]error:[/] ", end="")
+            console.print(r.error, markup=False)
     console.print("[bold]Step 3[/] device objects built")
     for r in inv.reports:
         for dev in r.devices:

@@ -178,8 +178,8 @@ def test_hanging_tool_is_killed_and_others_still_list(fake_tools: Any) -> None:
     reports = {r.device_type: r for r in discover_all(timeout_s=2)}
     assert time.monotonic() - start < 6
     assert reports["nvidia"].devices == []
-    # the tool limit equals the plugin limit here: whichever fires first names the 2 s
-    assert "2s" in (reports["nvidia"].error or "")
+    # the tool is capped below the plugin limit, so its own "timed out" message comes through
+    assert "timed out after 1.6s" in (reports["nvidia"].error or "")
     assert [d.id for d in reports["cpu"].devices] == ["cpu:0"]
     assert registry.PLUGIN_TIMEOUT_S > 2  # the short limit came from the argument
 
