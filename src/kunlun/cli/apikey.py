@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from datetime import datetime
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -53,7 +53,7 @@ def create(name: str, json: Annotated[bool, typer.Option("--json")] = False) -> 
 def list_keys(json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Keys with their state (the secrets themselves are never shown)."""
     remote = _remote()
-    rows = remote.get("/api/v1/apikeys") if remote else [
+    rows: list[dict[str, Any]] = remote.get("/api/v1/apikeys") if remote else [
         {"key_id": k.key_id, "name": k.name, "created": k.created, "revoked": k.revoked}
         for k in _store().list_api_keys()
     ]

@@ -24,6 +24,7 @@ class DaemonUnreachable(KunlunError):
 
 class DaemonRequestFailed(KunlunError):
     code = "cli.request_failed"
+    remote_code: str | None = None
 
 
 def running_endpoint() -> str | None:
@@ -62,12 +63,13 @@ class DaemonClient:
                 message, code = err["message"], err.get("code") or err.get("type")
             except (ValueError, KeyError, TypeError):
                 message, code = resp.text[:500], None
-            exc = DaemonRequestFailed(f"{method} {path} -> {resp.status_code}: {message}")
-            if resp.status_code == 401:
-                exc.hint = "set KUNLUN_API_KEY to a valid key"
-            exc.exit_code = 2 if resp.status_code in (400, 404, 422) else 1
-            exc.remote_code = code  # type: ignore[attr-defined]
-            raise exc
+            failure = DaemonRequestFailed(
+                f"{method} {path} -> {resp.status_code}: {message}",
+                hint="set KUNLUN_API_KEY to a valid key" if resp.status_code == 401 else None,
+            )
+            failure.exit_code = 2 if resp.status_code in (400, 404, 422) else 1
+            failure.remote_code = code
+            raise failure
         return resp.json()
 
     def get(self, path: str, **kwargs: Any) -> Any:

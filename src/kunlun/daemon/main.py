@@ -168,7 +168,7 @@ def _ensure_demo(platform: Any) -> None:
         catalog.import_demo(platform.store)
     active = [w for w in platform.store.list_workloads() if w.name == catalog.DEMO_ALIAS and w.state not in ("STOPPED", "FAILED")]
     if not active:  # created PENDING; the app's start-up starts every active workload
-        platform.manager.create(WorkloadSpec(model=catalog.DEMO_ALIAS))
+        platform.manager.create(WorkloadSpec.model_validate({"model": catalog.DEMO_ALIAS}))
 
 
 @app.command()
