@@ -266,17 +266,44 @@ class CompletionRequest(_CommonRequest):
         return self._sampling(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
+_FORMS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of such lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of content parts",
+}
+"""What a union-typed field accepts, for errors that would otherwise name one member."""
+
+
 def parse_request(model: type[_R], body: bytes) -> _R:
     """Validate a JSON body into ``model``; raise :class:`RequestError` naming the field."""
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        loc = ".".join(str(part) for part in first["loc"]) or None
+        errors = exc.errors(include_url=False)
+        first = errors[0]
         if first["type"] == "json_invalid":
             raise RequestError(f"request body is not valid JSON: {first['msg']}") from None
+        field, in_union = _field_path(first["loc"])
+        if field is None:
+            raise RequestError(f"request body is invalid: {first['msg']}") from None
         value = first.get("input")
-        shown = f"={value!r}" if loc and not isinstance(value, dict | list) else ""
-        raise param_error(
-            loc or "body", f"{loc or 'body'}{shown} is invalid: {first['msg']}"
-        ) from None
+        shown = "" if isinstance(value, dict | list) else f"={value!r}"
+        reason = first["msg"]
+        last = field.rsplit(".", 1)[-1]
+        if in_union and last in _FORMS:
+            reason = f"expected {_FORMS[last]}"
+        raise param_error(field, f"{field}{shown} is invalid: {reason}") from None
+
+
+def _field_path(loc: tuple[int | str, ...]) -> tuple[str | None, bool]:
+    """``messages.0.content`` from a pydantic location, cut at the first union member tag
+    (``str``, ``list[int]``...); and whether there was one."""
+    parts: list[str] = []
+    for part in loc:
+        if isinstance(part, str) and (not part.isidentifier() or part in _TAGS):
+            return ".".join(parts) or None, True
+        parts.append(str(part))
+    return ".".join(parts) or None, False
+
+
+_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

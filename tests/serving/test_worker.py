@@ -1,0 +1,130 @@
+"""The engine worker process on its own: startup contract, endpoints, aborts, shutdown."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import httpx
+import openai
+
+if TYPE_CHECKING:
+    from .conftest import WorkerProcess
+
+MODEL = "smollm2"
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def idle(worker: WorkerProcess) -> bool:
+    stats = worker.stats()
+    return stats["num_unfinished_requests"] == 0 and (
+        stats["num_blocks_free"] == stats["num_blocks_total"]
+    )
+
+
+def test_ready_file_and_startup_log(worker: WorkerProcess) -> None:
+    ready = worker.ready
+    assert set(ready) == {"pid", "port", "load_time_s", "warmup_ttft_ms", "compile_time_s"}
+    assert ready["pid"] == worker.process.pid
+    assert ready["warmup_ttft_ms"] > 0 and ready["compile_time_s"] == 0
+    log = worker.log()
+    for line in ("Compilation Time: 0.00 s", "Load Time: ", "First Token Latency: "):
+        assert line in log
+
+
+def test_health_models_and_stats(worker: WorkerProcess) -> None:
+    assert httpx.get(f"{worker.base_url}/health").status_code == 200
+    models = httpx.get(f"{worker.base_url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    stats = worker.stats()
+    for key in ("num_blocks_free", "num_blocks_used", "num_running", "num_waiting"):
+        assert isinstance(stats[key], int)
+
+
+def test_batch_of_prompts_token_ids_and_request_log(worker: WorkerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="x", max_retries=0)
+    completion = client.completions.create(
+        model=MODEL, prompt=[[504, 3575, 282, 4649, 314], [504, 3575]], max_tokens=2,
+        n=2, temperature=0, extra_headers={"X-Request-Id": "batch-1"},
+    )  # fmt: skip
+    assert sorted(c.index for c in completion.choices) == [0, 1, 2, 3]
+    assert completion.choices[0].text == completion.choices[1].text == " Paris."  # greedy
+    assert completion.usage.prompt_tokens == 7 and completion.usage.completion_tokens == 8
+    line = next(x for x in worker.log().splitlines() if x.startswith("Request batch-1:"))
+    assert "status=200" in line and "completion_tokens=8" in line and "ttft_ms=" in line
+
+
+def test_chat_logprobs_shape(worker: WorkerProcess) -> None:
+    client = openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="x", max_retries=0)
+    completion = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+        logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    content = completion.choices[0].logprobs.content
+    assert len(content) == 2
+    for entry in content:
+        assert bytes(entry.bytes).decode() == entry.token
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+
+
+def test_errors_keep_the_worker_serving(worker: WorkerProcess) -> None:
+    url = f"{worker.base_url}/v1/completions"
+    too_long = httpx.post(url, json={"model": MODEL, "prompt": "hi " * 600, "max_tokens": 1})
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["code"] == "context_length_exceeded"
+    bad = httpx.post(url, json={"model": MODEL, "prompt": "hi", "logprobs": 9})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs"
+    mixed = httpx.post(url, json={"model": MODEL, "prompt": ["hi", [1, 2]]})
+    assert mixed.status_code == 400 and "expected a string, a list" in mixed.text
+    assert httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 1}).is_success
+
+
+def test_disconnected_stream_is_aborted(worker: WorkerProcess) -> None:
+    body = {"model": MODEL, "prompt": "Count:", "max_tokens": 300, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{worker.base_url}/v1/completions", json=body) as response:
+        next(response.iter_lines())
+        assert worker.stats()["num_unfinished_requests"] == 1
+    assert wait_until(lambda: idle(worker), 3.0), worker.stats()
+
+
+def test_disconnected_non_stream_request_is_aborted(worker: WorkerProcess) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "Count:", "max_tokens": 300,
+                       "ignore_eos": True}).encode()  # fmt: skip
+    port = worker.ready["port"]
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert wait_until(lambda: worker.stats()["num_unfinished_requests"] == 1)
+    assert wait_until(lambda: idle(worker), 3.0), worker.stats()
+
+
+def test_sigterm_finishes_streams_then_exits_0(
+    start_worker: Callable[[str], WorkerProcess],
+) -> None:
+    spare = start_worker("spare")
+    body = {"model": "spare", "prompt": "Count:", "max_tokens": 8, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{spare.base_url}/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        next(lines)
+        spare.process.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert spare.process.wait(30) == 0
