@@ -2,9 +2,10 @@
 
 :class:`LLMEngine` ties the pieces together. Each :meth:`LLMEngine.step` asks the scheduler
 for a batch, runs the model on it, samples, advances the sequences and turns new tokens into
-text deltas; a step the model fails on fails the requests in that batch (with an
-:class:`EngineError` in their output), not the engine. :class:`LLM` is the synchronous,
-offline front: ``generate`` and ``chat`` run the engine until their requests finish.
+text deltas. When the model fails on a step, the batch is retried one sequence at a time and
+only the requests the model fails on end, with an :class:`EngineError` in their output; the
+engine keeps serving. :class:`kunlun.engine.llm.LLM` is the
+synchronous, offline front.
 
 Bad input (a prompt longer than the context or the KV cache, invalid sampling parameters,
 out-of-vocabulary token ids) raises a :class:`RequestError` for that request only, before it
@@ -17,8 +18,6 @@ import copy
 import logging
 import time
 import uuid
-from collections.abc import Mapping
-from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,70 +26,22 @@ import torch
 
 from kunlun.engine.block_manager import BlockManager
 from kunlun.engine.detokenizer import Detokenizer
-from kunlun.engine.model_runner import ModelRunner, StepSeq
+from kunlun.engine.engine_config import EngineConfig
+from kunlun.engine.model_runner import ModelRunner, StepOutput, StepSeq
 from kunlun.engine.outputs import CompletionOutput, EngineStats, RequestOutput, RequestOutputDelta
-from kunlun.engine.sampler import Sampler, SamplerOutput, top_logprobs
+from kunlun.engine.sampler import Sampler, top_logprobs
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kunlun.engine.sequence import Sequence, TopLogprobs
-from kunlun.errors import ConfigError, EngineError, KunlunError, PromptTooLong, RequestError
+from kunlun.errors import EngineError, KunlunError, PromptTooLong, RequestError
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 """Text (encoded with the model's special tokens) or token ids (used as given)."""
 
-
-@dataclass
-class EngineConfig:
-    """Everything needed to build an :class:`LLMEngine`."""
-
-    model_dir: str | Path
-    """A Hugging Face model directory (config.json, safetensors, tokenizer.json)."""
-    device: str = "cpu"
-    """Torch device string from the device plugin: cpu, cuda:0, npu:0, mlu:0, ..."""
-    dtype: torch.dtype = torch.float32
-    """Weights and KV dtype (float32, bfloat16, float16)."""
-    block_size: int = 16
-    """Token slots per KV block (>= 1)."""
-    num_blocks: int | None = None
-    """KV blocks; None: sized by the runner from ``kv_cache_memory_bytes`` or its default."""
-    kv_cache_memory_bytes: int | None = None
-    """Memory for the KV cache when ``num_blocks`` is None (> 0)."""
-    max_model_len: int | None = None
-    """Longest sequence (prompt + output); None: the model's max_position_embeddings."""
-    max_num_seqs: int = 64
-    """Most sequences running in one step (>= 1)."""
-    max_num_batched_tokens: int = 1024
-    """Token budget of one step, prefill chunks and decodes together (>= 1)."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV of prompt prefixes already computed."""
-    num_threads: int | None = None
-    """CPU threads for torch; None leaves torch's default."""
-    seed: int = 0
-    """Seeds the generator shared by requests that bring no seed of their own."""
-
-    def validate(self) -> EngineConfig:
-        """Raise :class:`ConfigError` naming the first bad field and its value."""
-        positive = {
-            "block_size": self.block_size,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-        }
-        optional = {
-            "num_blocks": self.num_blocks,
-            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
-            "max_model_len": self.max_model_len,
-            "num_threads": self.num_threads,
-        }
-        for name, value in [*positive.items(), *optional.items()]:
-            if (value is not None or name in positive) and not (
-                isinstance(value, int) and not isinstance(value, bool) and value >= 1
-            ):
-                raise ConfigError(
-                    f"engine setting {name}={value!r} is invalid: expected an integer >= 1"
-                )
-        return self
+_Sampled = tuple[int, TopLogprobs | None]
+"""A sampled token and, when asked for, its logprob entry."""
 
 
 @dataclass
@@ -208,12 +159,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        try:
-            sampled = self._run(batch)
-        except Exception as exc:  # the model failed: fail this batch's requests, keep serving
-            return self._fail(batch, exc)
+        sampled, failures = self._run(batch)
+        deltas = self._fail(failures)
         self.scheduler.postprocess(batch, [s[0] if s else None for s in sampled])
-        return self._outputs(batch, sampled)
+        return deltas + self._outputs(batch, sampled)
 
     def stats(self) -> EngineStats:
         blocks = self.block_manager.stats()
@@ -277,32 +226,64 @@ class LLMEngine:
         return params.max_tokens
 
     # ---- internals: one step ----
-    def _run(self, batch: SchedulerOutput) -> list[tuple[int, TopLogprobs | None] | None]:
-        """Execute the model and sample; return (token, logprobs) per sequence that finished
-        its prompt this step, None for the others."""
+    def _run(self, batch: SchedulerOutput) -> tuple[list[_Sampled | None], dict[str, Exception]]:
+        """Execute the model and sample; never raises.
+
+        Returns (token, logprobs) per sequence that completed its known tokens (None for a
+        prompt chunk), and the requests that failed, with the exception. A batch the model
+        fails on is retried one sequence at a time, so only the failing requests are lost
+        (recomputing a position rewrites the same KV slots, so the retry is safe).
+        """
         step_seqs = [
             StepSeq(s.token_ids, s.num_computed, n, s.block_table, s.wants_prompt_logprobs)
             for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
         ]
-        out = self.runner.execute(step_seqs)
         self._num_steps += 1
-        for seq, num_new, logits in zip(
-            batch.seqs, batch.num_new_tokens, out.prompt_logits, strict=True
-        ):
+        failures: dict[str, Exception] = {}
+        try:
+            outputs = [(list(range(len(step_seqs))), self.runner.execute(step_seqs))]
+        except Exception as exc:
+            outputs = []
+            if len(step_seqs) == 1:
+                failures[batch.seqs[0].request_id] = exc
+            else:
+                logger.warning("a batched step failed (%s); retrying each sequence alone", exc)
+                for i, step_seq in enumerate(step_seqs):
+                    try:
+                        outputs.append(([i], self.runner.execute([step_seq])))
+                    except Exception as alone_exc:
+                        failures[batch.seqs[i].request_id] = alone_exc
+        result: list[_Sampled | None] = [None] * len(batch)
+        for indices, out in outputs:
+            try:
+                self._sample(batch, indices, out, result)
+            except Exception as exc:
+                failures.update({batch.seqs[i].request_id: exc for i in indices})
+        return result, failures
+
+    def _sample(
+        self,
+        batch: SchedulerOutput,
+        indices: list[int],
+        out: StepOutput,
+        result: list[_Sampled | None],
+    ) -> None:
+        """Sample for ``batch.seqs[indices]`` from ``out`` (whose rows follow ``indices``)."""
+        seqs = [batch.seqs[i] for i in indices]
+        num_new = [batch.num_new_tokens[i] for i in indices]
+        for seq, count, logits in zip(seqs, num_new, out.prompt_logits, strict=True):
             if logits is not None and seq.wants_prompt_logprobs:
-                _collect_prompt_logprobs(seq, num_new, logits)
-        rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True))
-                if s.num_computed + n == s.num_tokens]  # fmt: skip
-        result: list[tuple[int, TopLogprobs | None] | None] = [None] * len(batch)
-        if rows:
-            logits = out.logits if len(rows) == len(batch) else out.logits[rows]
-            sampled: SamplerOutput = self.sampler(logits, [batch.seqs[i] for i in rows])
-            for j, i in enumerate(rows):
-                result[i] = (sampled.token_ids[j], sampled.logprobs[j])
-        return result
+                _collect_prompt_logprobs(seq, count, logits)
+        rows = [k for k, s in enumerate(seqs) if s.num_computed + num_new[k] == s.num_tokens]
+        if not rows:
+            return
+        logits = out.logits if len(rows) == len(seqs) else out.logits[rows]
+        sampled = self.sampler(logits, [seqs[k] for k in rows])
+        for j, k in enumerate(rows):
+            result[indices[k]] = (sampled.token_ids[j], sampled.logprobs[j])
 
     def _outputs(
-        self, batch: SchedulerOutput, sampled: list[tuple[int, TopLogprobs | None] | None]
+        self, batch: SchedulerOutput, sampled: list[_Sampled | None]
     ) -> list[RequestOutputDelta]:
         now = time.monotonic()
         deltas: list[RequestOutputDelta] = []
@@ -348,16 +329,17 @@ class LLMEngine:
             del self._requests[request.request_id]
         return delta
 
-    def _fail(self, batch: SchedulerOutput, exc: Exception) -> list[RequestOutputDelta]:
-        logger.exception("model step failed; failing %d sequence(s)", len(batch))
-        self._num_failed_steps += 1
-        error = EngineError(
-            f"the model failed on this request's step: {type(exc).__name__}: {exc}",
-            hint="other requests are unaffected; retry, or report the error if it repeats",
-        )
+    def _fail(self, failures: dict[str, Exception]) -> list[RequestOutputDelta]:
+        """End each failed request with an :class:`EngineError` output."""
         deltas: list[RequestOutputDelta] = []
-        for request_id in dict.fromkeys(s.request_id for s in batch.seqs):
+        for request_id, exc in failures.items():
+            logger.error("request %s failed in the model step", request_id, exc_info=exc)
+            error = EngineError(
+                f"the model failed on request {request_id}: {type(exc).__name__}: {exc}",
+                hint="other requests are unaffected; retry, or report the error if it repeats",
+            )
             deltas += self._end_request(request_id, error)
+        self._num_failed_steps += bool(failures)
         return deltas
 
     def _end_request(self, request_id: str, error: KunlunError | None) -> list[RequestOutputDelta]:
@@ -369,70 +351,6 @@ class LLMEngine:
             request.detokenizers[seq.index].finish("abort")
         # the last delta closes the request (and carries its final output)
         return [self._delta(request, seq, [], None, error) for seq in reversed(aborted)][::-1]
-
-
-class LLM:
-    """Offline, synchronous use of the engine: ``generate`` and ``chat`` block until done."""
-
-    def __init__(self, model_dir: str | Path | None = None, *, engine: LLMEngine | None = None,
-                 **settings: Any) -> None:  # fmt: skip
-        """Build an engine from ``model_dir`` and :class:`EngineConfig` keywords, or wrap
-        ``engine``."""
-        if engine is None:
-            if model_dir is None:
-                raise ConfigError("LLM needs a model_dir or an engine")
-            engine = LLMEngine.from_model(model_dir, **settings)
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-
-    def generate(
-        self,
-        prompts: Prompt | SequenceOf[Prompt],
-        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in the prompts' order.
-
-        Every prompt is validated before any runs: a bad one raises :class:`RequestError`
-        and nothing is queued. ``sampling_params`` is one for all or one per prompt.
-        """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        params_list = _per_prompt(sampling_params, len(prompts))
-        requests = [
-            self.engine.make_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)
-        ]  # type: ignore[arg-type]
-        for request in requests:
-            self.engine.add(request)
-        results: dict[str, RequestOutput] = {}
-        while len(results) < len(requests) and self.engine.has_unfinished():
-            for delta in self.engine.step():
-                if delta.final is not None:
-                    results[delta.request_id] = delta.final
-        return [results[r.request_id] for r in requests]
-
-    def chat(
-        self,
-        messages: SequenceOf[Mapping[str, Any]] | SequenceOf[SequenceOf[Mapping[str, Any]]],
-        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, formatted with the
-        model's chat template (with the generation prompt)."""
-        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        prompts: list[Prompt] = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
-            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
-        return self.generate(prompts, sampling_params)
-
-
-def _per_prompt(
-    params: SamplingParams | SequenceOf[SamplingParams] | None, count: int
-) -> list[SamplingParams | None]:
-    if params is None or isinstance(params, SamplingParams):
-        return [params] * count
-    if len(params) != count:
-        raise RequestError(f"got {len(params)} sampling_params for {count} prompts")
-    return list(params)
 
 
 def _collect_prompt_logprobs(seq: Sequence, num_new: int, logits: torch.Tensor) -> None:

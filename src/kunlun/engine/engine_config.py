@@ -1,0 +1,62 @@
+"""The settings of one engine: model, device, KV cache and step limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kunlun.errors import ConfigError
+
+
+@dataclass
+class EngineConfig:
+    """Everything needed to build an :class:`LLMEngine`."""
+
+    model_dir: str | Path
+    """A Hugging Face model directory (config.json, safetensors, tokenizer.json)."""
+    device: str = "cpu"
+    """Torch device string from the device plugin: cpu, cuda:0, npu:0, mlu:0, ..."""
+    dtype: torch.dtype = torch.float32
+    """Weights and KV dtype (float32, bfloat16, float16)."""
+    block_size: int = 16
+    """Token slots per KV block (>= 1)."""
+    num_blocks: int | None = None
+    """KV blocks; None: sized by the runner from ``kv_cache_memory_bytes`` or its default."""
+    kv_cache_memory_bytes: int | None = None
+    """Memory for the KV cache when ``num_blocks`` is None (> 0)."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output); None: the model's max_position_embeddings."""
+    max_num_seqs: int = 64
+    """Most sequences running in one step (>= 1)."""
+    max_num_batched_tokens: int = 1024
+    """Token budget of one step, prefill chunks and decodes together (>= 1)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of prompt prefixes already computed."""
+    num_threads: int | None = None
+    """CPU threads for torch; None leaves torch's default."""
+    seed: int = 0
+    """Seeds the generator shared by requests that bring no seed of their own."""
+
+    def validate(self) -> EngineConfig:
+        """Raise :class:`ConfigError` naming the first bad field and its value."""
+        positive = {
+            "block_size": self.block_size,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+        }
+        optional = {
+            "num_blocks": self.num_blocks,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "max_model_len": self.max_model_len,
+            "num_threads": self.num_threads,
+        }
+        for name, value in [*positive.items(), *optional.items()]:
+            if (value is not None or name in positive) and not (
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            ):
+                raise ConfigError(
+                    f"engine setting {name}={value!r} is invalid: expected an integer >= 1"
+                )
+        return self
