@@ -10,7 +10,6 @@ starts extra workers for tests that kill one. Clients are the real ``openai`` SD
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import threading
 import time
@@ -22,7 +21,7 @@ import httpx
 import pytest
 
 from kunlun.serving.replica import Replica, ReplicaSet
-from kunlun.serving.worker import read_ready_file, worker_command
+from kunlun.serving.worker import bind_socket, read_ready_file, worker_command
 
 MODEL = "smollm2"
 MAX_MODEL_LEN = 512
@@ -113,8 +112,7 @@ def serve_in_thread(app: object) -> tuple[object, str, threading.Thread]:
     """Run ``app`` with uvicorn on a free loopback port in a daemon thread."""
     import uvicorn
 
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    sock = bind_socket("127.0.0.1", 0)
     config = uvicorn.Config(app, log_level="warning", access_log=False)  # type: ignore[arg-type]
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -23,7 +23,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
@@ -31,17 +30,30 @@ from starlette.types import Receive, Scope, Send
 from kunlun.errors import KunlunError, RequestError
 from kunlun.serving import sse
 from kunlun.serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
     ModelNotFound,
     QueueFull,
     ServiceUnavailable,
     WorkerDied,
     error_status_and_body,
+    openapi_body,
     param_error,
 )
 from kunlun.serving.replica import Replica, ReplicaSet
+from kunlun.serving.upstream import (
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamUnreachable,
+)
 
 _FORWARDED = (b"content-type", b"content-length", b"x-request-id", b"cache-control")
 """Upstream response headers passed to the client."""
+_SSE = sse.MEDIA_TYPE.encode()
+_CHAT_BODY = openapi_body(ChatCompletionRequest)
+_COMPLETION_BODY = openapi_body(CompletionRequest)
 
 
 @dataclass
@@ -57,19 +69,19 @@ class GatewayState:
     """How long to wait for a worker to accept a connection."""
     num_active: int = 0
     """Requests admitted and not yet answered, over all replicas (for draining)."""
-    client: httpx.AsyncClient | None = field(default=None, repr=False)
-    """Shared connection pool to the workers (made by :meth:`start`)."""
+    upstream: UpstreamPool | None = field(default=None, repr=False)
+    """Shared keep-alive connections to the workers (made by :meth:`start`)."""
 
     async def start(self) -> None:
-        if self.client is None:
-            timeout = httpx.Timeout(None, connect=self.connect_timeout_s)
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-            self.client = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+        """Open the connection pool (call from the app's lifespan, in its event loop)."""
+        if self.upstream is None:
+            self.upstream = UpstreamPool(connect_timeout_s=self.connect_timeout_s)
 
     async def close(self) -> None:
-        client, self.client = self.client, None
-        if client is not None:
-            await client.aclose()
+        """Close every pooled connection."""
+        upstream, self.upstream = self.upstream, None
+        if upstream is not None:
+            await upstream.close()
 
 
 _ties = itertools.count()
@@ -93,11 +105,11 @@ def gateway_router(replicas: ReplicaSet, state: GatewayState) -> APIRouter:
                 for m in replicas.models()]  # fmt: skip
         return {"object": "list", "data": data}
 
-    @router.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions", openapi_extra={"requestBody": _CHAT_BODY})
     async def chat_completions(request: Request) -> Response:
         return await _proxy(request, "/v1/chat/completions", replicas, state)
 
-    @router.post("/v1/completions")
+    @router.post("/v1/completions", openapi_extra={"requestBody": _COMPLETION_BODY})
     async def completions(request: Request) -> Response:
         return await _proxy(request, "/v1/completions", replicas, state)
 
@@ -172,7 +184,7 @@ class _Upstream(Response):
         self, state: GatewayState, replica: Replica, path: str, body: bytes, request_id: str
     ) -> None:
         self.state, self.replica = state, replica
-        self.url, self.payload, self.request_id = replica.base_url + path, body, request_id
+        self.path, self.payload, self.request_id = path, body, request_id
         self.status_code, self.raw_headers, self.background = 200, [], None
         self._released = False
         self._ended = False
@@ -205,34 +217,33 @@ class _Upstream(Response):
             relay.cancel()
 
     async def _exchange(self, send: Send) -> None:
-        client = self.state.client
-        if client is None:
+        pool = self.state.upstream
+        if pool is None:
             raise RuntimeError("GatewayState.start() was not called")
-        headers = {"content-type": "application/json", "x-request-id": self.request_id}
-        upstream_request = client.build_request("POST", self.url, content=self.payload,
-                                                headers=headers)  # fmt: skip
+        headers = [(b"content-type", b"application/json"),
+                   (b"x-request-id", self.request_id.encode())]  # fmt: skip
         try:
-            upstream = await client.send(upstream_request, stream=True)
-        except httpx.TransportError as exc:
+            upstream = await pool.post(self.replica.base_url, self.path, headers, self.payload)
+        except UpstreamError as exc:
             await self._send_error(send, self._unreachable(exc))
             return
         try:
             await self._relay(upstream, send)
         finally:
-            await upstream.aclose()
+            await upstream.close()
 
-    async def _relay(self, upstream: httpx.Response, send: Send) -> None:
-        raw = [(k, v) for k, v in upstream.headers.raw if k.lower() in _FORWARDED]
+    async def _relay(self, upstream: UpstreamResponse, send: Send) -> None:
+        raw = [(k, v) for k, v in upstream.headers if k in _FORWARDED]
         raw += [(b"x-kunlun-replica", self.replica.replica_id.encode()),
                 (b"x-kunlun-device", self.replica.device.encode())]  # fmt: skip
         await send({"type": "http.response.start", "status": upstream.status_code, "headers": raw})
         last = b"\n\n"
         try:
-            async for chunk in upstream.aiter_raw():
+            async for chunk in upstream.iter_raw():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 last = chunk
-        except httpx.TransportError as exc:
-            if upstream.headers.get("content-type", "").startswith(sse.MEDIA_TYPE):
+        except UpstreamBroken as exc:
+            if (upstream.header(b"content-type") or b"").startswith(_SSE):
                 separator = b"" if last.endswith(b"\n\n") else b"\n\n"
                 event = separator + sse.error_event(self._died(exc))
                 await send({"type": "http.response.body", "body": event, "more_body": True})
@@ -260,7 +271,7 @@ class _Upstream(Response):
         )
 
     def _unreachable(self, exc: Exception) -> KunlunError:
-        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        if isinstance(exc, UpstreamUnreachable):
             return ServiceUnavailable(
                 f"the engine worker of replica {self.replica.replica_id} on "
                 f"{self.replica.device} is not reachable ({type(exc).__name__}: {exc})",

@@ -307,3 +307,22 @@ def _field_path(loc: tuple[int | str, ...]) -> tuple[str | None, bool]:
 
 
 _TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
+    """An OpenAPI ``requestBody`` for ``model`` with every ``$ref`` inlined (for routes that
+    read their body themselves, so the schema still documents it)."""
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                return inline(definitions[ref.removeprefix("#/$defs/")])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(item) for item in node]
+        return node
+
+    return {"required": True, "content": {"application/json": {"schema": inline(schema)}}}

@@ -1,0 +1,295 @@
+"""Gateway overhead: the same streaming workload through the gateway and to the worker.
+
+Starts one engine worker (demo model, fp32, cpu) and, in its own process, a gateway app
+(``gateway_router`` over a replica set holding that worker). Then, from this process:
+
+* TTFT: sequential streaming ``/v1/completions`` requests (short prompts, ``max_tokens``
+  2), alternating gateway and direct; each adjacent pair gives one difference (gateway
+  minus direct); ``ttft_p50_added_ms`` is the median of those differences. TTFT is the time
+  from sending the request to the first chunk carrying text. The order inside a pair
+  alternates, and prompts stay under one KV block so the prefix cache favours neither.
+* Throughput: the same set of requests run with 16 concurrent streams, a round through the
+  gateway then a round direct (the order alternating), several times;
+  ``throughput_ratio_16_streams`` is the median over rounds of gateway output tokens/s over
+  direct output tokens/s.
+
+Prints one JSON object. ``--quick`` runs a smaller workload (for a smoke check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+MODEL = "smollm2"
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "My favourite colour is",
+    "Water boils at",
+    "The sun rises in the",
+    "One, two, three,",
+]
+"""Short prompts (well under one 16-token KV block)."""
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a smaller workload")
+    parser.add_argument("--num-threads", type=int, default=1, help="the worker's torch threads")
+    parser.add_argument("--serve-gateway", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-url", help=argparse.SUPPRESS)
+    parser.add_argument("--ready-file", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+# ---- the gateway process ----
+def serve_gateway(worker_url: str, ready_file: str) -> None:
+    import uvicorn
+    from fastapi import FastAPI
+
+    from kunlun.serving.gateway import GatewayState, gateway_router
+    from kunlun.serving.replica import Replica, ReplicaSet
+    from kunlun.serving.worker import bind_socket
+
+    replicas, state = ReplicaSet(), GatewayState()
+    replicas.upsert(Replica("r1", "w1", MODEL, "cpu:0", worker_url, ready=True))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        await state.start()
+        yield
+        await state.close()
+
+    app = FastAPI(lifespan=lifespan)
+    app.include_router(gateway_router(replicas, state))
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        Path(ready_file).write_text(json.dumps({"port": sock.getsockname()[1]}))
+        await task
+
+    asyncio.run(run())
+
+
+# ---- processes ----
+def wait_ready(process: subprocess.Popen[bytes], path: Path, what: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 600
+    while not path.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"{what} did not start (exit status {process.poll()})")
+        time.sleep(0.1)
+    time.sleep(0.05)  # the gateway writes non-atomically; the worker atomically
+    return json.loads(path.read_text())
+
+
+def start_processes(
+    folder: Path, num_threads: int
+) -> tuple[list[subprocess.Popen[bytes]], str, str]:
+    from kunlun.engine.gguf import demo_model_dir
+    from kunlun.serving.worker import worker_command
+
+    command = worker_command(demo_model_dir(), MODEL, ready_file=folder / "worker.json",
+                             max_num_seqs=16, kv_cache_memory_mb=256, max_model_len=1024,
+                             num_threads=num_threads)  # fmt: skip
+    log = (folder / "worker.log").open("wb")
+    worker = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    direct = f"http://127.0.0.1:{wait_ready(worker, folder / 'worker.json', 'worker')['port']}"
+    gateway_command = [sys.executable, __file__, "--serve-gateway", "--worker-url", direct,
+                       "--ready-file", str(folder / "gateway.json")]  # fmt: skip
+    gateway = subprocess.Popen(gateway_command)
+    port = wait_ready(gateway, folder / "gateway.json", "gateway")["port"]
+    return [worker, gateway], f"http://127.0.0.1:{port}", direct
+
+
+# ---- measurements ----
+async def stream_once(client: httpx.AsyncClient, base_url: str, prompt: str, max_tokens: int,
+                      request_id: str = "") -> tuple[float | None, int]:  # fmt: skip
+    """One streaming completion: (seconds to the first text chunk, output tokens)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    headers = {"X-Request-Id": request_id} if request_id else None
+    started = time.perf_counter()
+    ttft, tokens = None, 0
+    async with client.stream("POST", f"{base_url}/v1/completions", json=body,
+                             headers=headers) as response:  # fmt: skip
+        if response.status_code != 200:
+            raise SystemExit(f"{base_url}: HTTP {response.status_code}: {await response.aread()!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if ttft is None and event["choices"] and event["choices"][0]["text"]:
+                ttft = time.perf_counter() - started
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return ttft, tokens
+
+
+async def measure_ttft(client: httpx.AsyncClient, gateway: str, direct: str, num_pairs: int,
+                       folder: Path, gateway_pid: int) -> dict[str, Any]:  # fmt: skip
+    gateway_ms, direct_ms, added = [], [], []
+    ids: list[tuple[str, str]] = []
+    cpu_before = process_cpu_s(gateway_pid)
+    for i in range(num_pairs):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        order = (gateway, direct) if i % 2 == 0 else (direct, gateway)
+        times, pair = {}, {gateway: f"ttft-{i}-gateway", direct: f"ttft-{i}-direct"}
+        for base_url in order:
+            ttft, _ = await stream_once(client, base_url, prompt, 2, pair[base_url])
+            times[base_url] = (ttft or float("nan")) * 1e3
+        gateway_ms.append(times[gateway])
+        direct_ms.append(times[direct])
+        added.append(times[gateway] - times[direct])
+        ids.append((pair[gateway], pair[direct]))
+    cpu_after = process_cpu_s(gateway_pid)
+    quartiles = statistics.quantiles(added, n=4)
+    engine_ms = worker_ttfts(folder / "worker.log")
+    outside = [
+        (g - engine_ms[gid]) - (d - engine_ms[did])
+        for g, d, (gid, did) in zip(gateway_ms, direct_ms, ids, strict=True)
+        if gid in engine_ms and did in engine_ms
+    ]
+    cpu_ms = None
+    if cpu_before is not None and cpu_after is not None:
+        cpu_ms = round((cpu_after - cpu_before) * 1e3 / num_pairs, 3)
+    return {
+        "ttft_requests": 2 * num_pairs,
+        "ttft_pairs": num_pairs,
+        "ttft_p50_gateway_ms": round(statistics.median(gateway_ms), 3),
+        "ttft_p50_direct_ms": round(statistics.median(direct_ms), 3),
+        "ttft_p50_added_ms": round(statistics.median(added), 3),
+        "ttft_added_ms_p25_p75": [round(quartiles[0], 3), round(quartiles[2], 3)],
+        "ttft_p50_added_ms_engine_time_removed": round(statistics.median(outside), 3)
+        if outside
+        else None,
+        "gateway_cpu_ms_per_request": cpu_ms,
+    }
+
+
+def worker_ttfts(log_path: Path) -> dict[str, float]:
+    """Request id -> the worker's own time to first token (ms), from its request log."""
+    found = {}
+    for line in log_path.read_text(errors="replace").splitlines():
+        match = re.match(r"Request (\S+): status=200 .* ttft_ms=([0-9.]+) ", line)
+        if match:
+            found[match[1]] = float(match[2])
+    return found
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) used so far by process ``pid`` (Linux), else None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_round(client: httpx.AsyncClient, base_url: str, num_requests: int,
+                    concurrency: int, max_tokens: int) -> float:  # fmt: skip
+    """Output tokens/s of ``num_requests`` streams, ``concurrency`` at a time."""
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> int:
+        async with semaphore:
+            return (await stream_once(client, base_url, PROMPTS[i % len(PROMPTS)], max_tokens))[1]
+
+    started = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(i) for i in range(num_requests))))
+    return tokens / (time.perf_counter() - started)
+
+
+async def measure_throughput(client: httpx.AsyncClient, gateway: str, direct: str,
+                             num_rounds: int, num_requests: int, max_tokens: int
+                             ) -> dict[str, Any]:  # fmt: skip
+    concurrency = 16
+    gateway_tps, direct_tps, ratios = [], [], []
+    for i in range(num_rounds):
+        order = (gateway, direct) if i % 2 == 0 else (direct, gateway)
+        rates = {}
+        for base_url in order:
+            rates[base_url] = await run_round(
+                client, base_url, num_requests, concurrency, max_tokens
+            )
+        gateway_tps.append(round(rates[gateway], 2))
+        direct_tps.append(round(rates[direct], 2))
+        ratios.append(rates[gateway] / rates[direct])
+    return {
+        "throughput_ratio_16_streams": round(statistics.median(ratios), 4),
+        "throughput_rounds": num_rounds,
+        "throughput_requests_per_round": num_requests,
+        "throughput_max_tokens": max_tokens,
+        "throughput_gateway_tokens_per_s": gateway_tps,
+        "throughput_direct_tokens_per_s": direct_tps,
+        "throughput_ratios": [round(r, 4) for r in ratios],
+    }
+
+
+async def measure(gateway: str, direct: str, quick: bool, folder: Path, gateway_pid: int
+                  ) -> dict[str, Any]:  # fmt: skip
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=300, limits=limits, trust_env=False) as client:
+        for base_url in (gateway, direct, gateway, direct):  # warm connections and caches
+            await stream_once(client, base_url, PROMPTS[0], 2)
+        num_pairs = 60 if quick else 300
+        ttft = await measure_ttft(client, gateway, direct, num_pairs, folder, gateway_pid)
+        throughput = await measure_throughput(
+            client, gateway, direct, 2 if quick else 6, 32 if quick else 48, 8 if quick else 16
+        )
+    return {**ttft, **throughput}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.serve_gateway:
+        serve_gateway(args.worker_url, args.ready_file)
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        processes, gateway, direct = start_processes(Path(folder), args.num_threads)
+        try:
+            results = asyncio.run(
+                measure(gateway, direct, args.quick, Path(folder), processes[1].pid)
+            )
+        finally:
+            for process in reversed(processes):
+                process.terminate()
+            for process in processes:
+                process.wait(60)
+    added, ratio = results["ttft_p50_added_ms"], results["throughput_ratio_16_streams"]
+    report = {
+        "benchmark": "gateway",
+        "model": f"{MODEL} (SmolLM2-135M-Instruct demo), fp32, cpu",
+        "endpoint": "POST /v1/completions, streaming",
+        "direct_path": "worker endpoint",
+        "quick": args.quick,
+        "worker_num_threads": args.num_threads,
+        "cpu_count": os.cpu_count(),
+        **results,
+        "targets": {"ttft_p50_added_ms_max": 1.0, "throughput_ratio_16_streams_min": 0.97},
+        "meets_targets": added <= 1.0 and ratio >= 0.97,
+    }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The gateway's upstream connection pool against small scripted HTTP servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from kunlun.serving.upstream import UpstreamBroken, UpstreamPool, UpstreamUnreachable
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))  # fmt: skip
+    return head + await reader.readexactly(length)
+
+
+async def with_server(handler: Handler, client: Callable[[str], Awaitable[None]]) -> None:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        await client(f"http://127.0.0.1:{port}")
+    finally:
+        server.close()
+
+
+def test_connections_are_reused_and_stale_ones_replaced() -> None:
+    connections: list[int] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        request = await read_request(reader)
+        assert request.startswith(b"POST /v1/x HTTP/1.1\r\n") and request.endswith(b'{"a":1}')
+        writer.write(OK)
+        await read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+        writer.close()  # as a keep-alive timeout would, before a third request
+
+    async def client(base_url: str) -> None:
+        pool = UpstreamPool()
+        for _ in range(3):
+            response = await pool.post(base_url, "/v1/x", [], b'{"a":1}')
+            assert response.status_code == 200 and response.header(b"content-length") == b"2"
+            assert b"".join([c async for c in response.iter_raw()]) == b"{}"
+            await response.close()
+            await asyncio.sleep(0.05)
+        await pool.close()
+
+    asyncio.run(with_server(handler, client))
+    assert len(connections) == 2  # two requests on the first, the third retried on a new one
+
+
+def test_cut_off_chunked_body_raises_broken() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.transport.abort()
+
+    async def client(base_url: str) -> None:
+        pool = UpstreamPool()
+        response = await pool.post(base_url, "/", [], b"")
+        received = []
+        with pytest.raises(UpstreamBroken):
+            async for chunk in response.iter_raw():
+                received.append(chunk)
+        assert received == [b"hello"]
+        await response.close()
+
+    asyncio.run(with_server(handler, client))
+
+
+def test_closing_an_unfinished_response_closes_the_connection() -> None:
+    async def run() -> None:
+        eof = asyncio.Event()
+
+        async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n")
+            await writer.drain()
+            if await reader.read() == b"":
+                eof.set()
+
+        async def client(base_url: str) -> None:
+            pool = UpstreamPool()
+            response = await pool.post(base_url, "/", [], b"")
+            async for _ in response.iter_raw():
+                break
+            await response.close()
+            await asyncio.wait_for(eof.wait(), 2)
+
+        await with_server(handler, client)
+
+    asyncio.run(run())
+
+
+def test_nothing_listening_is_unreachable() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, not listening: connections are refused
+
+        async def client() -> None:
+            with pytest.raises(UpstreamUnreachable, match=str(port)):
+                await UpstreamPool().post(f"http://127.0.0.1:{port}", "/", [], b"")
+
+        asyncio.run(client())
+
+
+def test_server_closing_without_answer_on_a_fresh_connection_is_broken() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.close()
+
+    async def client(base_url: str) -> None:
+        with pytest.raises(UpstreamBroken, match="without answering"):
+            await UpstreamPool().post(base_url, "/", [], b"")
+
+    asyncio.run(with_server(handler, client))
