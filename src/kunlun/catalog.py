@@ -71,8 +71,12 @@ def resolve(store: StateStore, model: str) -> ModelRecord:
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelFileMissing("no config.json in the model directory", location=Location(str(path)))
-        return ModelRecord(alias=path.name, path=str(path.resolve()), source="path", created=time.time())
+            raise ModelFileMissing(
+                "no config.json in the model directory", location=Location(str(path))
+            )
+        return ModelRecord(
+            alias=path.name, path=str(path.resolve()), source="path", created=time.time()
+        )
     known = ", ".join(m.alias for m in store.list_models()) or "none"
     raise ModelError(
         f"unknown model {model!r}: not an alias and not a local directory; known aliases: {known}",

@@ -44,7 +44,9 @@ def create(name: str, json: Annotated[bool, typer.Option("--json")] = False) -> 
     if json:
         print_json(out)
         return
-    console.print(f"created key {out['key_id']} ({out['name']}); store it now, it is not shown again:")
+    console.print(
+        f"created key {out['key_id']} ({out['name']}); store it now, it is not shown again:"
+    )
     console.print(out["key"], markup=False)
 
 
@@ -53,10 +55,14 @@ def create(name: str, json: Annotated[bool, typer.Option("--json")] = False) -> 
 def list_keys(json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Keys with their state (the secrets themselves are never shown)."""
     remote = _remote()
-    rows: list[dict[str, Any]] = remote.get("/api/v1/apikeys") if remote else [
-        {"key_id": k.key_id, "name": k.name, "created": k.created, "revoked": k.revoked}
-        for k in _store().list_api_keys()
-    ]
+    rows: list[dict[str, Any]] = (
+        remote.get("/api/v1/apikeys")
+        if remote
+        else [
+            {"key_id": k.key_id, "name": k.name, "created": k.created, "revoked": k.revoked}
+            for k in _store().list_api_keys()
+        ]
+    )
     if json:
         print_json(rows)
         return
@@ -64,8 +70,14 @@ def list_keys(json: Annotated[bool, typer.Option("--json")] = False) -> None:
     for col in ("KEY ID", "NAME", "CREATED", "STATE"):
         table.add_column(col)
     for k in rows:
-        state = f"revoked {datetime.fromtimestamp(k['revoked']):%Y-%m-%d %H:%M}" if k["revoked"] else "active"
-        table.add_row(k["key_id"], k["name"], f"{datetime.fromtimestamp(k['created']):%Y-%m-%d %H:%M}", state)
+        state = (
+            f"revoked {datetime.fromtimestamp(k['revoked']):%Y-%m-%d %H:%M}"
+            if k["revoked"]
+            else "active"
+        )
+        table.add_row(
+            k["key_id"], k["name"], f"{datetime.fromtimestamp(k['created']):%Y-%m-%d %H:%M}", state
+        )
     console.print(table)
 
 

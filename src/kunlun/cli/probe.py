@@ -75,9 +75,9 @@ def _render(inv: Inventory, verbose: bool) -> None:
             for problem in dev.problems if verbose else []:
                 console.print(f"    problem: {problem}", markup=False)
     console.print("[bold]Step 4[/] verdicts")
-    console.print(device_table(inv))
+    console.print(device_table(inv.to_list()))
     for p in inv.profiles:
-        console.print(f"  {p.id}: {p.status.value} ({memory_text(p)})", markup=False)
+        console.print(f"  {p.id}: {p.status.value} ({memory_text(p.to_dict())})", markup=False)
         for reason in p.reasons:
             console.print(f"    - {reason}", markup=False)
         if verbose:

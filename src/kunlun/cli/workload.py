@@ -29,19 +29,32 @@ def submit(
     dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16.")] = None,
     batch_size: Annotated[int | None, typer.Option(help="Sequences decoded together.")] = None,
     priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
-    preferred_device_types: Annotated[str | None, typer.Option(help="Comma-separated, in order.")] = None,
+    preferred_device_types: Annotated[
+        str | None, typer.Option(help="Comma-separated, in order.")
+    ] = None,
     replicas: Annotated[int | None, typer.Option(help="Engine processes.")] = None,
     name: Annotated[str | None, typer.Option(help="Model name clients use.")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only show where it would run.")] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Only show where it would run.")
+    ] = False,
     json: JsonOpt = False,
 ) -> None:
     """Submit a workload: `--model M [options]` or `--file spec.yaml` (flags override the file)."""
     data: dict[str, Any] = load_spec_file(file).model_dump(exclude_unset=True) if file else {}
-    flags = {"model": model, "device": device, "dtype": dtype, "batch_size": batch_size,
-             "priority": priority, "replicas": replicas, "name": name}
+    flags = {
+        "model": model,
+        "device": device,
+        "dtype": dtype,
+        "batch_size": batch_size,
+        "priority": priority,
+        "replicas": replicas,
+        "name": name,
+    }
     data.update({k: v for k, v in flags.items() if v is not None})
     if preferred_device_types:
-        data["preferred_device_types"] = [t.strip() for t in preferred_device_types.split(",") if t.strip()]
+        data["preferred_device_types"] = [
+            t.strip() for t in preferred_device_types.split(",") if t.strip()
+        ]
     if "model" not in data:
         raise typer.BadParameter("give --model or --file with a 'model' field")
     parse_spec(data, str(file) if file else "command line")
@@ -50,8 +63,10 @@ def submit(
         print_json(result)
         return
     verb = "would run" if dry_run else "submitted"
-    console.print(f"{result['workload_id']} {verb}: model {result['name']} -> "
-                  f"target_device {result['target_device'] or '(planning)'} [{result['state']}]")
+    console.print(
+        f"{result['workload_id']} {verb}: model {result['name']} -> "
+        f"target_device {result['target_device'] or '(planning)'} [{result['state']}]"
+    )
     why = (result.get("placement") or {}).get("why")
     if why:
         console.print(f"  why: {why}", markup=False)
@@ -69,8 +84,16 @@ def list_workloads(json: JsonOpt = False) -> None:
     for col in ("JOB", "NAME", "STATE", "MODEL", "TARGET DEVICE", "REPLICAS", "PRIORITY", "AGE"):
         table.add_column(col)
     for w in rows:
-        table.add_row(w["workload_id"], w["name"], w["state"], str(w["model"]), w["target_device"] or "-",
-                      f"{w['ready_replicas']}/{w['replicas']}", str(w["priority"]), _age(w["created"]))
+        table.add_row(
+            w["workload_id"],
+            w["name"],
+            w["state"],
+            str(w["model"]),
+            w["target_device"] or "-",
+            f"{w['ready_replicas']}/{w['replicas']}",
+            str(w["priority"]),
+            _age(w["created"]),
+        )
     console.print(table)
 
 
@@ -86,14 +109,18 @@ def describe(job: str, json: JsonOpt = False) -> None:
     if d.get("reason"):
         console.print(f"reason: {d['reason']}", markup=False)
     placement = d.get("placement") or {}
-    console.print(f"target_device: {d.get('target_device') or '-'}  dtype: {placement.get('dtype', '-')}")
+    console.print(
+        f"target_device: {d.get('target_device') or '-'}  dtype: {placement.get('dtype', '-')}"
+    )
     if placement.get("why"):
         console.print(f"why: {placement['why']}", markup=False)
     for device, why in (placement.get("rejected") or {}).items():
         console.print(f"  rejected {device}: {why}", markup=False)
     for r in d["replicas"]:
-        console.print(f"replica {r['replica_id']} on {r['device']}: {'ready' if r['ready'] else 'not ready'}, "
-                      f"pid {r['pid']}, restarts {r['restarts']}, in flight {r['in_flight']}")
+        console.print(
+            f"replica {r['replica_id']} on {r['device']}: {'ready' if r['ready'] else 'not ready'}, "
+            f"pid {r['pid']}, restarts {r['restarts']}, in flight {r['in_flight']}"
+        )
     console.print("events:")
     for e in d["events"]:
         console.print(f"  {datetime.fromtimestamp(e['ts']):%H:%M:%S} {e['kind']:<9} ", end="")
@@ -104,7 +131,9 @@ def describe(job: str, json: JsonOpt = False) -> None:
 @handle_errors
 def logs(
     job: str,
-    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing new lines.")
+    ] = False,
 ) -> None:
     """The workload's engine logs (Compilation Time, Load Time, First Token Latency, requests)."""
     client = DaemonClient()
@@ -130,7 +159,11 @@ def stop(job: str) -> None:
 
 def _age(created: float) -> str:
     seconds = int(time.time() - created)
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    return (
+        f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+        if seconds >= 3600
+        else f"{seconds // 60}m{seconds % 60:02d}s"
+    )
 
 
 def _escape(text: str) -> str:

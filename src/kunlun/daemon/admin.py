@@ -35,22 +35,39 @@ def admin_router(platform: Platform) -> APIRouter:
     async def list_workloads() -> list[dict[str, Any]]:
         out = []
         for w in platform.store.list_workloads():
-            ready = sum(1 for r in platform.replicas.all() if r.workload_id == w.workload_id and r.ready)
-            out.append({
-                "workload_id": w.workload_id, "name": w.name, "state": w.state,
-                "model": w.spec.get("model"), "target_device": w.target_device,
-                "replicas": w.spec.get("replicas", 1), "ready_replicas": ready,
-                "priority": w.spec.get("priority"), "reason": w.reason, "created": w.created,
-            })
+            ready = sum(
+                1 for r in platform.replicas.all() if r.workload_id == w.workload_id and r.ready
+            )
+            out.append(
+                {
+                    "workload_id": w.workload_id,
+                    "name": w.name,
+                    "state": w.state,
+                    "model": w.spec.get("model"),
+                    "target_device": w.target_device,
+                    "replicas": w.spec.get("replicas", 1),
+                    "ready_replicas": ready,
+                    "priority": w.spec.get("priority"),
+                    "reason": w.reason,
+                    "created": w.created,
+                }
+            )
         return out
 
     @router.post("/workloads")
-    async def submit(spec: dict[str, Any] = Body(...), dry_run: bool = Query(False)) -> dict[str, Any]:  # noqa: B008
+    async def submit(
+        spec: dict[str, Any] = Body(...), dry_run: bool = Query(False)
+    ) -> dict[str, Any]:  # noqa: B008
         parsed = parse_spec(spec, "request body")
         record = await asyncio.to_thread(manager.submit, parsed, dry_run)
-        return {"workload_id": record.workload_id, "name": record.name, "state": record.state,
-                "target_device": record.target_device, "placement": record.placement,
-                "dry_run": dry_run}
+        return {
+            "workload_id": record.workload_id,
+            "name": record.name,
+            "state": record.state,
+            "target_device": record.target_device,
+            "placement": record.placement,
+            "dry_run": dry_run,
+        }
 
     @router.get("/workloads/{workload_id}")
     async def describe(workload_id: str) -> dict[str, Any]:
@@ -65,8 +82,11 @@ def admin_router(platform: Platform) -> APIRouter:
         with path.open("rb") as handle:
             handle.seek(offset)
             data = handle.read(MAX_LOG_CHUNK)
-        return {"text": data.decode("utf-8", errors="replace"), "offset": offset + len(data),
-                "state": record.state}
+        return {
+            "text": data.decode("utf-8", errors="replace"),
+            "offset": offset + len(data),
+            "state": record.state,
+        }
 
     @router.post("/workloads/{workload_id}/stop")
     async def stop(workload_id: str) -> dict[str, Any]:
@@ -84,14 +104,21 @@ def admin_router(platform: Platform) -> APIRouter:
         else:
             path = body.get("path")
             if not isinstance(path, str):
-                raise ConfigError("'path' (a GGUF file on the daemon's machine) is required", location=Location("path"))
-            record = await asyncio.to_thread(catalog.import_gguf, platform.store, path, body.get("name"))
+                raise ConfigError(
+                    "'path' (a GGUF file on the daemon's machine) is required",
+                    location=Location("path"),
+                )
+            record = await asyncio.to_thread(
+                catalog.import_gguf, platform.store, path, body.get("name")
+            )
         return vars(record)
 
     @router.get("/apikeys")
     async def list_keys() -> list[dict[str, Any]]:
-        return [{"key_id": k.key_id, "name": k.name, "created": k.created, "revoked": k.revoked}
-                for k in platform.store.list_api_keys()]
+        return [
+            {"key_id": k.key_id, "name": k.name, "created": k.created, "revoked": k.revoked}
+            for k in platform.store.list_api_keys()
+        ]
 
     @router.post("/apikeys")
     async def new_key(body: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -29,8 +28,8 @@ from kunlun.daemon.admin import admin_router
 from kunlun.device.inventory import Inventory, build_inventory
 from kunlun.errors import KunlunError
 from kunlun.node.agent import NodeAgent
-from kunlun.serving.gateway import GatewayState, gateway_router
-from kunlun.serving.protocol import error_body
+from kunlun.serving.gateway import GatewayState, error_response, gateway_router
+from kunlun.serving.protocol import AuthenticationError, error_json
 from kunlun.serving.replica import ReplicaSet
 from kunlun.state.api_keys import KeyRing
 from kunlun.state.sqlite import SQLiteStore
@@ -63,7 +62,9 @@ def make_platform(home: Path, config: Path | None = None) -> Platform:
     holder: dict[str, WorkloadManager] = {}
     agent = NodeAgent(home, replicas, lambda wid, kind, msg: holder["m"].event(wid, kind, msg))
     platform_config = config
-    manager = WorkloadManager(store, agent, replicas, lambda: build_inventory(config=platform_config))
+    manager = WorkloadManager(
+        store, agent, replicas, lambda: build_inventory(config=platform_config)
+    )
     holder["m"] = manager
     return Platform(home, store, KeyRing(store), replicas, agent, manager, GatewayState(), config)
 
@@ -89,12 +90,17 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         message = "missing API key" if not key else "invalid API key"
-        body = json.dumps(
-            {"error": {"message": f"{message}; send 'Authorization: Bearer <key>'",
-                       "type": "authentication_error", "param": None, "code": "invalid_api_key"}}
-        ).encode()
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+        body = error_json(AuthenticationError(f"{message}; send 'Authorization: Bearer <key>'"))
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -106,7 +112,10 @@ def create_app(platform: Platform) -> FastAPI:
         await platform.gateway.start()
         reaped = platform.agent.reap_leftovers()
         if reaped:
-            print(f"reaped {len(reaped)} engine worker(s) left by an earlier daemon: {reaped}", flush=True)
+            print(
+                f"reaped {len(reaped)} engine worker(s) left by an earlier daemon: {reaped}",
+                flush=True,
+            )
         supervisor = asyncio.create_task(platform.agent.supervise())
         await asyncio.to_thread(platform.manager.resume_all)
         try:
@@ -121,12 +130,16 @@ def create_app(platform: Platform) -> FastAPI:
     app.state.platform = platform
 
     @app.exception_handler(KunlunError)
-    async def kunlun_error(request: Request, exc: KunlunError) -> JSONResponse:
-        return JSONResponse(error_body(exc), status_code=exc.http_status)
+    async def kunlun_error(request: Request, exc: KunlunError) -> Response:
+        return error_response(exc)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "version": __version__, "uptime_s": round(time.time() - platform.started_at, 1)}
+        return {
+            "status": "ok",
+            "version": __version__,
+            "uptime_s": round(time.time() - platform.started_at, 1),
+        }
 
     @app.get("/readyz")
     async def readyz() -> Response:

@@ -73,9 +73,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
         if exc.errno == 98:  # EADDRINUSE
             raise DaemonError(
                 f"port {port} on {host} is already in use by {_holder(port)}",
-                location=Location("--port"), hint="stop that process or pass --port",
+                location=Location("--port"),
+                hint="stop that process or pass --port",
             ) from None
-        raise DaemonError(f"cannot bind {host}:{port}: {exc.strerror}", location=Location("--host")) from None
+        raise DaemonError(
+            f"cannot bind {host}:{port}: {exc.strerror}", location=Location("--host")
+        ) from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -109,7 +112,7 @@ class DrainingServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while time.monotonic() < deadline and sum(r.in_flight for r in self.platform.replicas.all()):
+        while time.monotonic() < deadline and self.platform.gateway.num_active > 0:
             await asyncio.sleep(0.05)
         print("drained; stopping engine workers", flush=True)
         self.should_exit = True
@@ -121,9 +124,18 @@ def serve(
     ctx: typer.Context,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to bind.", min=1, max=65535)] = DEFAULT_PORT,
-    allow_insecure: Annotated[bool, typer.Option("--allow-insecure", help="Allow a non-loopback bind with no API key.")] = False,
-    config: Annotated[Path | None, typer.Option(help="device-plugin-config.yaml (default: KUNLUN_HOME/device-plugin-config.yaml if present).")] = None,
-    demo: Annotated[bool, typer.Option("--demo", help="Import the demo model and serve it as 'smollm2'.")] = False,
+    allow_insecure: Annotated[
+        bool, typer.Option("--allow-insecure", help="Allow a non-loopback bind with no API key.")
+    ] = False,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="device-plugin-config.yaml (default: KUNLUN_HOME/device-plugin-config.yaml if present)."
+        ),
+    ] = None,
+    demo: Annotated[
+        bool, typer.Option("--demo", help="Import the demo model and serve it as 'smollm2'.")
+    ] = False,
 ) -> None:
     """Run the Kunlun Platform daemon in the foreground."""
     if ctx.invoked_subcommand is not None:
@@ -133,24 +145,39 @@ def serve(
     home = kunlun_home()
     running = pid_info(home)
     if running:
-        raise DaemonError(f"a daemon already runs for {home} (pid {running['pid']}, port {running['port']})",
-                          hint="kunlun-platform stop")
+        raise DaemonError(
+            f"a daemon already runs for {home} (pid {running['pid']}, port {running['port']})",
+            hint="kunlun-platform stop",
+        )
     if config is None and (home / "device-plugin-config.yaml").exists():
         config = home / "device-plugin-config.yaml"
     if config is not None and not config.exists():
         raise ConfigError("device config not found", location=Location(str(config)))
     platform = make_platform(home, config)
     if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:
-        raise DaemonError(f"refusing to listen on {host} with no API key configured",
-                          location=Location("--host"),
-                          hint="kunlun-cli apikey create NAME first, or pass --allow-insecure")
+        raise DaemonError(
+            f"refusing to listen on {host} with no API key configured",
+            location=Location("--host"),
+            hint="kunlun-cli apikey create NAME first, or pass --allow-insecure",
+        )
     sock = bind_socket(host, port)
     if demo:
         _ensure_demo(platform)
-    server = DrainingServer(uvicorn.Config(create_app(platform), log_level="warning", timeout_graceful_shutdown=30), platform)
+    server = DrainingServer(
+        uvicorn.Config(create_app(platform), log_level="warning", timeout_graceful_shutdown=30),
+        platform,
+    )
     pid_path = home / PID_FILE
-    pid_path.write_text(json.dumps({"pid": os.getpid(), "create_time": psutil.Process().create_time(),
-                                    "host": host, "port": port}))
+    pid_path.write_text(
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "create_time": psutil.Process().create_time(),
+                "host": host,
+                "port": port,
+            }
+        )
+    )
     console.print(f"Kunlun Platform listening on http://{host}:{port} (KUNLUN_HOME={home})")
     try:
         server.run(sockets=[sock])
@@ -166,14 +193,20 @@ def _ensure_demo(platform: Any) -> None:
     if platform.store.get_model(catalog.DEMO_ALIAS) is None:
         console.print("importing the demo model (SmolLM2-135M-Instruct) ...")
         catalog.import_demo(platform.store)
-    active = [w for w in platform.store.list_workloads() if w.name == catalog.DEMO_ALIAS and w.state not in ("STOPPED", "FAILED")]
+    active = [
+        w
+        for w in platform.store.list_workloads()
+        if w.name == catalog.DEMO_ALIAS and w.state not in ("STOPPED", "FAILED")
+    ]
     if not active:  # created PENDING; the app's start-up starts every active workload
         platform.manager.create(WorkloadSpec.model_validate({"model": catalog.DEMO_ALIAS}))
 
 
 @app.command()
 @handle_errors
-def stop(timeout: Annotated[float, typer.Option(help="Seconds to wait for the drain.")] = 150.0) -> None:
+def stop(
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the drain.")] = 150.0,
+) -> None:
     """Stop the running daemon (SIGTERM: it drains first)."""
     home = kunlun_home()
     info = pid_info(home)

@@ -137,19 +137,36 @@ class NodeAgent:
 
     def _spawn(self, w: Worker) -> None:
         w.ready_file.unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "kunlun.serving.worker", *w.args, "--ready-file", str(w.ready_file)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kunlun.serving.worker",
+            *w.args,
+            "--ready-file",
+            str(w.ready_file),
+        ]
         with w.log_path.open("ab") as log:
-            log.write(f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} replica {w.replica.replica_id} starting on {w.replica.device}\n".encode())
+            log.write(
+                f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} replica {w.replica.replica_id} starting on {w.replica.device}\n".encode()
+            )
             log.flush()
             w.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=w.env, start_new_session=True,
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=w.env,
+                start_new_session=True,
             )
         w.started_at, w.next_start, w.ready_at = time.monotonic(), None, None
         w.replica.pid = w.proc.pid
         create_time = psutil.Process(w.proc.pid).create_time()
         self._pid_file(w).write_text(json.dumps({"pid": w.proc.pid, "create_time": create_time}))
-        self.on_event(w.replica.workload_id, "started", f"replica {w.replica.replica_id} started (pid {w.proc.pid}) on {w.replica.device}")
+        self.on_event(
+            w.replica.workload_id,
+            "started",
+            f"replica {w.replica.replica_id} started (pid {w.proc.pid}) on {w.replica.device}",
+        )
 
     def _became_ready(self, w: Worker) -> None:
         try:
@@ -163,7 +180,11 @@ class NodeAgent:
         w.replica.ready = True
         w.ready_at = time.monotonic()
         self.replicas.upsert(w.replica)
-        self.on_event(w.replica.workload_id, "ready", f"replica {w.replica.replica_id} ready on port {port} (load {info.get('load_time_s')} s, first token {info.get('warmup_ttft_ms')} ms)")
+        self.on_event(
+            w.replica.workload_id,
+            "ready",
+            f"replica {w.replica.replica_id} ready on port {port} (load {info.get('load_time_s')} s, first token {info.get('warmup_ttft_ms')} ms)",
+        )
 
     def _crashed(self, w: Worker, code: int) -> None:
         was_ready = w.replica.ready
@@ -175,7 +196,11 @@ class NodeAgent:
         w.backoff_s = min(MAX_BACKOFF_S, w.backoff_s * 2)
         w.next_start = time.monotonic() + delay
         phase = "while serving" if was_ready else "while loading"
-        self.on_event(w.replica.workload_id, "crashed", f"replica {w.replica.replica_id} died ({how}) {phase}; restart #{w.restarts} in {delay:g} s")
+        self.on_event(
+            w.replica.workload_id,
+            "crashed",
+            f"replica {w.replica.replica_id} died ({how}) {phase}; restart #{w.restarts} in {delay:g} s",
+        )
 
     def _pid_file(self, w: Worker) -> Path:
         return self.run_dir / f"{w.replica.replica_id}.pid"
@@ -199,7 +224,9 @@ class NodeAgent:
             ready.unlink(missing_ok=True)
         return reaped
 
-    def worker_env(self, visibility_env: str | None, index: int | None, num_threads: int) -> dict[str, str]:
+    def worker_env(
+        self, visibility_env: str | None, index: int | None, num_threads: int
+    ) -> dict[str, str]:
         """The environment of a worker: ours, plus device visibility and thread count."""
         env = dict(os.environ)
         if visibility_env and index is not None:

@@ -3,4 +3,11 @@
 from kunlun.state.sqlite import SQLiteStore
 from kunlun.state.store import ApiKeyRecord, EventRecord, ModelRecord, StateStore, WorkloadRecord
 
-__all__ = ["ApiKeyRecord", "EventRecord", "ModelRecord", "SQLiteStore", "StateStore", "WorkloadRecord"]
+__all__ = [
+    "ApiKeyRecord",
+    "EventRecord",
+    "ModelRecord",
+    "SQLiteStore",
+    "StateStore",
+    "WorkloadRecord",
+]

@@ -67,14 +67,18 @@ class WorkloadManager:
         return place(spec, self.inventory())
 
     def submit(self, spec: WorkloadSpec, dry_run: bool = False) -> WorkloadRecord:
-        """Create and start a workload (or, with ``dry_run``, only say where it would run)."""
+        """Create and start a workload (or, with ``dry_run``, only say where it would run).
+
+        A model or placement that cannot work is refused here, before anything is recorded.
+        """
+        record = self._new_record(spec)
+        placement = self.plan(spec)
         if dry_run:
-            record = self._new_record(spec)
-            placement = self.plan(spec)
             record.state, record.target_device = "PLANNING", placement.target_device
             record.placement = placement.to_dict()
             return record
-        record = self.create(spec)
+        self.store.put_workload(record)
+        self.event(record.workload_id, "submitted", f"spec: {spec.model_dump(exclude_defaults=True)}")
         self.start(record)
         return record
 
@@ -82,7 +86,9 @@ class WorkloadManager:
         """Record a new PENDING workload (started by :meth:`start` or :meth:`resume_all`)."""
         record = self._new_record(spec)
         self.store.put_workload(record)
-        self.event(record.workload_id, "submitted", f"spec: {spec.model_dump(exclude_defaults=True)}")
+        self.event(
+            record.workload_id, "submitted", f"spec: {spec.model_dump(exclude_defaults=True)}"
+        )
         return record
 
     def _new_record(self, spec: WorkloadSpec) -> WorkloadRecord:
@@ -96,8 +102,11 @@ class WorkloadManager:
                 )
         now = time.time()
         return WorkloadRecord(
-            workload_id=f"wl-{secrets.token_hex(3)}", name=name,
-            spec=spec.model_dump(), created=now, updated=now,
+            workload_id=f"wl-{secrets.token_hex(3)}",
+            name=name,
+            spec=spec.model_dump(),
+            created=now,
+            updated=now,
         )
 
     def start(self, record: WorkloadRecord) -> None:
@@ -114,23 +123,41 @@ class WorkloadManager:
         record.target_device = placement.target_device
         record.placement = placement.to_dict()
         record.placement["plan_time_s"] = round(time.monotonic() - started, 3)
-        self.event(record.workload_id, "placed", f"target_device {placement.target_device}: {placement.why}")
+        self.event(
+            record.workload_id,
+            "placed",
+            f"target_device {placement.target_device}: {placement.why}",
+        )
         self._set(record, "LOADING")
         threads = max(1, (os.cpu_count() or 1) // spec.replicas)
         for i in range(spec.replicas):
             device = placement.devices[i % len(placement.devices)]
             replica = Replica(
-                replica_id=f"{record.workload_id}-r{i}", workload_id=record.workload_id,
-                model=record.name, device=device.id, base_url="", max_queue=spec.max_queue,
+                replica_id=f"{record.workload_id}-r{i}",
+                workload_id=record.workload_id,
+                model=record.name,
+                device=device.id,
+                base_url="",
+                max_queue=spec.max_queue,
                 priority=spec.priority,
             )
             env = self.agent.worker_env(device.visibility_env, device.index, threads)
             local_index = 0 if device.visibility_env else device.index
             args = [
-                "--model-dir", model.path, "--served-name", record.name,
-                "--device", f"{device.torch_device_type}:{local_index}" if device.torch_device_type != "cpu" else "cpu",
-                "--dtype", placement.dtype, "--max-num-seqs", str(spec.batch_size),
-                "--num-threads", str(threads),
+                "--model-dir",
+                model.path,
+                "--served-name",
+                record.name,
+                "--device",
+                f"{device.torch_device_type}:{local_index}"
+                if device.torch_device_type != "cpu"
+                else "cpu",
+                "--dtype",
+                placement.dtype,
+                "--max-num-seqs",
+                str(spec.batch_size),
+                "--num-threads",
+                str(threads),
             ]
             if spec.max_model_len:
                 args += ["--max-model-len", str(spec.max_model_len)]
@@ -142,17 +169,23 @@ class WorkloadManager:
         """After a daemon (re)start: start again every workload that was active."""
         for record in self.store.list_workloads():
             if record.state in ACTIVE:
-                self.event(record.workload_id, "resumed", "daemon restarted; starting the workload again")
+                self.event(
+                    record.workload_id, "resumed", "daemon restarted; starting the workload again"
+                )
                 self.start(record)
 
     # ---- queries and stop ----
     def get(self, workload_id: str) -> WorkloadRecord:
         record = self.store.get_workload(workload_id)
         if record is None:
-            record = next((w for w in reversed(self.store.list_workloads()) if w.name == workload_id), None)
+            record = next(
+                (w for w in reversed(self.store.list_workloads()) if w.name == workload_id), None
+            )
         if record is None:
             known = ", ".join(w.workload_id for w in self.store.list_workloads()) or "none"
-            raise ConfigError(f"no workload {workload_id!r}; known: {known}", location=Location("JOB"))
+            raise ConfigError(
+                f"no workload {workload_id!r}; known: {known}", location=Location("JOB")
+            )
         return record
 
     def describe(self, workload_id: str) -> dict[str, Any]:
@@ -162,17 +195,28 @@ class WorkloadManager:
         for r in self.replicas.all():
             if r.workload_id == record.workload_id:
                 worker = self.agent.workers.get(r.replica_id)
-                replicas.append({
-                    "replica_id": r.replica_id, "device": r.device, "ready": r.ready,
-                    "pid": r.pid, "base_url": r.base_url, "in_flight": r.in_flight,
-                    "restarts": worker.restarts if worker else 0,
-                    "startup": worker.info if worker else {},
-                })
+                replicas.append(
+                    {
+                        "replica_id": r.replica_id,
+                        "device": r.device,
+                        "ready": r.ready,
+                        "pid": r.pid,
+                        "base_url": r.base_url,
+                        "in_flight": r.in_flight,
+                        "restarts": worker.restarts if worker else 0,
+                        "startup": worker.info if worker else {},
+                    }
+                )
         return {
-            "workload_id": record.workload_id, "name": record.name, "state": record.state,
-            "reason": record.reason, "target_device": record.target_device,
-            "placement": record.placement, "spec": record.spec,
-            "created": record.created, "updated": record.updated,
+            "workload_id": record.workload_id,
+            "name": record.name,
+            "state": record.state,
+            "reason": record.reason,
+            "target_device": record.target_device,
+            "placement": record.placement,
+            "spec": record.spec,
+            "created": record.created,
+            "updated": record.updated,
             "replicas": replicas,
             "events": [{"ts": e.ts, "kind": e.kind, "message": e.message} for e in events],
         }

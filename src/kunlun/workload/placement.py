@@ -32,7 +32,12 @@ class Placement:
         return ",".join(d.id for d in self.devices)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"target_device": self.target_device, "dtype": self.dtype, "why": self.why, "rejected": self.rejected}
+        return {
+            "target_device": self.target_device,
+            "dtype": self.dtype,
+            "why": self.why,
+            "rejected": self.rejected,
+        }
 
 
 def runnable(profile: DeviceProfile) -> str | None:
@@ -46,7 +51,9 @@ def runnable(profile: DeviceProfile) -> str | None:
     return None
 
 
-def _filter(devices: list[DeviceProfile], spec: WorkloadSpec) -> tuple[list[DeviceProfile], dict[str, str]]:
+def _filter(
+    devices: list[DeviceProfile], spec: WorkloadSpec
+) -> tuple[list[DeviceProfile], dict[str, str]]:
     kept: list[DeviceProfile] = []
     rejected: dict[str, str] = {}
     for d in devices:
@@ -55,7 +62,9 @@ def _filter(devices: list[DeviceProfile], spec: WorkloadSpec) -> tuple[list[Devi
         if d.status not in (Status.READY, Status.DEGRADED):
             rejected[d.id] = f"status {d.status.value}: {'; '.join(d.reasons) or 'no reason'}"
         elif spec.dtype and not d.supports(spec.dtype):
-            rejected[d.id] = f"dtype {spec.dtype} not in supported_dtypes {d.get('supported_dtypes')}"
+            rejected[d.id] = (
+                f"dtype {spec.dtype} not in supported_dtypes {d.get('supported_dtypes')}"
+            )
         elif (why := runnable(d)) is not None:
             rejected[d.id] = why
         else:
@@ -67,13 +76,19 @@ def place(spec: WorkloadSpec, inventory: Inventory) -> Placement:
     """Devices for ``spec`` (one per replica, reused round-robin), or a ConfigError saying why."""
     if spec.device and inventory.get(spec.device) is None:
         known = ", ".join(p.id for p in inventory.profiles)
-        raise ConfigError(f"device {spec.device!r} does not exist; devices: {known}", location=Location("device"))
+        raise ConfigError(
+            f"device {spec.device!r} does not exist; devices: {known}", location=Location("device")
+        )
     kept, rejected = _filter(inventory.profiles, spec)
     if not kept:
         detail = "; ".join(f"{k}: {v}" for k, v in rejected.items()) or "no device at all"
-        raise ConfigError(f"no device can run this workload ({detail})", location=Location("device"))
+        raise ConfigError(
+            f"no device can run this workload ({detail})", location=Location("device")
+        )
     order = {t: i for i, t in enumerate(spec.preferred_device_types)}
-    kept.sort(key=lambda d: (order.get(d.device_type, len(order)), d.status is Status.DEGRADED, d.id))
+    kept.sort(
+        key=lambda d: (order.get(d.device_type, len(order)), d.status is Status.DEGRADED, d.id)
+    )
     if spec.device:
         why = f"explicit device {spec.device}"
     elif spec.preferred_device_types and kept[0].device_type in order:

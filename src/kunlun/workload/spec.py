@@ -19,16 +19,21 @@ class WorkloadSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="Model alias (see `kunlun-cli model list`) or local HF directory.")
+    model: str = Field(
+        description="Model alias (see `kunlun-cli model list`) or local HF directory."
+    )
     name: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
         description="The model name clients use; defaults to the model alias.",
     )
     device: str | None = Field(None, description="Explicit device, e.g. cpu:0 or ascend:1.")
     dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
         None, description="Compute dtype; default: the best the device supports (fp32 on CPU)."
     )
-    batch_size: int = Field(8, ge=1, le=256, description="Sequences decoded together (max_num_seqs).")
+    batch_size: int = Field(
+        8, ge=1, le=256, description="Sequences decoded together (max_num_seqs)."
+    )
     priority: Priority = Field("normal", description="Scheduling class: high, normal or low.")
     preferred_device_types: list[str] = Field(
         default_factory=list, description="Device types to try first, in order."
@@ -37,7 +42,9 @@ class WorkloadSpec(BaseModel):
     max_queue: int = Field(
         64, ge=1, le=10000, description="Requests queued or running per replica before 429."
     )
-    max_model_len: int | None = Field(None, ge=16, description="Context limit; default: the model's.")
+    max_model_len: int | None = Field(
+        None, ge=16, description="Context limit; default: the model's."
+    )
     kv_cache_memory_mb: int | None = Field(None, ge=1, description="KV-cache budget per replica.")
     engine: Literal["embedded"] = Field("embedded", description="Inference engine.")
 
@@ -73,7 +80,9 @@ def parse_spec(data: object, source: str = "request") -> WorkloadSpec:
                 problems.append(f"{field}: unknown field{hint}")
             else:
                 problems.append(f"{field}: {err['msg']} (got {err.get('input')!r})")
-        raise ConfigError("invalid workload spec: " + "; ".join(problems), location=Location(source)) from None
+        raise ConfigError(
+            "invalid workload spec: " + "; ".join(problems), location=Location(source)
+        ) from None
 
 
 def load_spec_file(path: str | Path) -> WorkloadSpec:
@@ -81,7 +90,9 @@ def load_spec_file(path: str | Path) -> WorkloadSpec:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise ConfigError(f"cannot read spec: {exc.strerror}", location=Location(str(path))) from exc
+        raise ConfigError(
+            f"cannot read spec: {exc.strerror}", location=Location(str(path))
+        ) from exc
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise ConfigError(

@@ -1,0 +1,206 @@
+"""The OpenAI API of a real daemon, through the real ``openai`` SDK, plus the workload CLI."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+from tests.daemon.conftest import BIN, Daemon, wait_ready
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_answers_paris(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=32, temperature=0
+    )
+    assert "Paris" in (resp.choices[0].message.content or "")
+    assert (
+        resp.usage is not None
+        and resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    )
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_streaming_chat(client: openai.OpenAI, include_usage: bool) -> None:
+    stream = client.chat.completions.create(
+        model="smollm2",
+        messages=QUESTION,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True} if include_usage else None,
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    full = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=16, temperature=0
+    )
+    assert text == full.choices[0].message.content
+    if include_usage:
+        assert chunks[-1].choices == [] and chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens  # type: ignore[union-attr]
+    else:
+        assert all(c.usage is None for c in chunks)
+
+
+def test_completions_echo_logprobs_n_and_seed(client: openai.OpenAI) -> None:
+    resp = client.completions.create(
+        model="smollm2",
+        prompt="The capital of France is",
+        max_tokens=4,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+    )
+    choice = resp.choices[0]
+    assert choice.text.startswith("The capital of France is")
+    lp = choice.logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None
+    assert lp.token_logprobs[0] is None  # the first prompt token has no logprob
+    assert len(lp.tokens) == resp.usage.prompt_tokens + resp.usage.completion_tokens  # type: ignore[union-attr]
+    two = client.completions.create(
+        model="smollm2", prompt="Once upon a time", max_tokens=12, temperature=1.0, n=2, seed=7
+    )
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    again = client.completions.create(
+        model="smollm2", prompt="Once upon a time", max_tokens=12, temperature=1.0, n=2, seed=7
+    )
+    assert [c.text for c in two.choices] == [c.text for c in again.choices]
+
+
+def test_errors_in_openai_shape(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model="smollm2", messages=QUESTION, temperature=-1)
+    assert "temperature" in str(bad.value)
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model="smollm2", prompt="word " * 3000, max_tokens=4)
+    assert "1024" in str(long.value)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4", messages=QUESTION)
+    assert "smollm2" in str(missing.value)
+
+
+def test_32_concurrent_streams(client: openai.OpenAI) -> None:
+    def one(i: int) -> str:
+        stream = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": f"Count to {i % 5 + 3}."}],
+            max_tokens=8,
+            stream=True,
+            temperature=0,
+        )
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        texts = list(pool.map(one, range(32)))
+    assert len(texts) == 32 and all(texts)
+
+
+def test_disconnect_aborts_and_frees_blocks(daemon: Daemon) -> None:
+    replica = daemon.describe(daemon.job)["replicas"][0]  # type: ignore[attr-defined]
+    body = {
+        "model": "smollm2",
+        "prompt": "Tell a long story.",
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=60) as resp:
+        for _, _line in zip(range(6), resp.iter_lines(), strict=False):
+            pass
+        running = httpx.get(replica["base_url"] + "/stats").json()
+        assert running["num_running"] == 1
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        stats = httpx.get(replica["base_url"] + "/stats").json()
+        if stats["num_running"] == 0 and stats["num_blocks_used"] == 0:
+            break
+        time.sleep(0.05)
+    assert stats["num_running"] == 0 and stats["num_unfinished_requests"] == 0
+    assert stats["num_blocks_used"] == 0  # prefix-cached blocks are free (evictable), not used
+
+
+def test_workload_cli(daemon: Daemon) -> None:
+    listed = daemon.cli("workload", "list")
+    assert listed.returncode == 0 and daemon.job in listed.stdout and "RUNNING" in listed.stdout  # type: ignore[attr-defined]
+    desc = daemon.cli("workload", "describe", daemon.job)  # type: ignore[attr-defined]
+    assert "target_device: cpu:0" in desc.stdout and "why:" in desc.stdout
+    logs = daemon.cli("workload", "logs", daemon.job)  # type: ignore[attr-defined]
+    for key in ("Compilation Time", "Load Time", "First Token Latency"):
+        assert key in logs.stdout
+    dry = daemon.cli(
+        "workload", "submit", "--model", "smollm2", "--name", "other", "--dry-run", "--json"
+    )
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout)["target_device"] == "cpu:0"
+    unknown = daemon.cli("workload", "submit", "--model", "no-such-model")
+    assert (
+        unknown.returncode == 2
+        and "no-such-model" in unknown.stderr
+        and "smollm2" in unknown.stderr
+    )
+    taken = daemon.cli("workload", "submit", "--model", "smollm2")
+    assert taken.returncode == 2 and "already serves 'smollm2'" in taken.stderr
+    bad = daemon.cli(
+        "workload", "submit", "--model", "smollm2", "--name", "x", "--device", "ascend:7"
+    )
+    assert bad.returncode == 2 and "ascend:7" in bad.stderr and "cpu:0" in bad.stderr
+    devices = daemon.cli("device", "list")
+    assert devices.returncode == 0 and "daemon" in devices.stdout and "cpu:0" in devices.stdout
+
+
+def test_cli_without_daemon_says_so(daemon: Daemon) -> None:
+    proc = subprocess.run(
+        [str(BIN / "kunlun-cli"), "workload", "list"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, KUNLUN_ENDPOINT="http://127.0.0.1:1"),
+        timeout=60,
+    )
+    assert proc.returncode == 3
+    assert "cannot reach the Kunlun daemon at http://127.0.0.1:1" in proc.stderr
+
+
+def test_worker_killed_mid_stream(daemon: Daemon, client: openai.OpenAI) -> None:
+    job = daemon.job  # type: ignore[attr-defined]
+    before = daemon.describe(job)["replicas"][0]
+    body = {
+        "model": "smollm2",
+        "prompt": "Write a long essay.",
+        "max_tokens": 500,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    lines: list[str] = []
+    with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=60) as resp:
+        for line in resp.iter_lines():
+            lines.append(line)
+            if len(lines) == 6:
+                os.kill(before["pid"], signal.SIGKILL)
+    payloads = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert "error" in payloads[-1] and payloads[-1]["error"]["code"] == "worker_died"
+    assert "data: [DONE]" not in lines
+    assert daemon.get("/healthz").status_code == 200
+    wait_ready(daemon, timeout=120)
+    after = daemon.describe(job)
+    assert after["replicas"][0]["restarts"] == 1 and after["replicas"][0]["pid"] != before["pid"]
+    assert any(e["kind"] == "crashed" and "signal 9" in e["message"] for e in after["events"])
+    resp = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=16, temperature=0
+    )
+    assert "Paris" in (resp.choices[0].message.content or "")
