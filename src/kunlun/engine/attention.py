@@ -15,7 +15,7 @@ Sequences come in two groups, in this order in the flat batch:
   keys are used directly, without a gather.
 
 Queries are grouped per key/value head (``[kv_heads, queries_per_kv, ...]``), so grouped-query
-attention needs no copy of the keys.
+attention needs no copy of the keys (``enable_gqa`` falls back to a slow path on CPU).
 """
 
 from __future__ import annotations
@@ -112,9 +112,12 @@ class PagedAttention(nn.Module):
         v_flat.index_copy_(0, slot_mapping, v)
 
     def _gather(self, cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        """Keys or values of the blocks in ``block_table`` [..., n] -> [..., n * block_size, kv, d]."""
-        blocks = cache[block_table]
-        return blocks.flatten(-4, -3)
+        """Rows of the blocks in ``block_table`` [n] or [b, n] -> [..., n * block_size, kv, d].
+
+        ``index_select`` on the flattened table: far cheaper on CPU than advanced indexing.
+        """
+        blocks = cache.index_select(0, block_table.reshape(-1))
+        return blocks.view(*block_table.shape[:-1], -1, self.num_kv_heads, self.head_dim)
 
     def _decode(self, q: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         num_seqs = q.shape[0]
@@ -130,20 +133,26 @@ class PagedAttention(nn.Module):
     def _prefill(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment
     ) -> torch.Tensor:
-        queries = q.transpose(0, 1)
+        num_new = seg.num_new
+        context_len = seg.num_computed + num_new
+        if seg.block_table is not None:
+            k = self._gather(self.k_cache, seg.block_table)[:context_len]
+            v = self._gather(self.v_cache, seg.block_table)[:context_len]
+        group = self.num_heads // self.num_kv_heads
+        # [kv, group, n, d] queries against [kv, group (broadcast view), S, d] keys
+        queries = q.transpose(0, 1).reshape(self.num_kv_heads, group, num_new, self.head_dim)
+        shape = (self.num_kv_heads, group, context_len, self.head_dim)
+        keys = k.transpose(0, 1).unsqueeze(1).expand(shape)
+        values = v.transpose(0, 1).unsqueeze(1).expand(shape)
         if seg.block_table is None:
-            keys, values = k.transpose(0, 1), v.transpose(0, 1)
             out = F.scaled_dot_product_attention(
-                queries, keys, values, is_causal=True, scale=self.scale, enable_gqa=True
+                queries, keys, values, is_causal=True, scale=self.scale
             )
-            return out.transpose(0, 1)
-        context_len = seg.num_computed + seg.num_new
-        keys = self._gather(self.k_cache, seg.block_table)[:context_len].transpose(0, 1)
-        values = self._gather(self.v_cache, seg.block_table)[:context_len].transpose(0, 1)
-        key_pos = torch.arange(context_len, device=q.device)
-        query_pos = torch.arange(seg.num_new, device=q.device) + seg.num_computed
-        mask = key_pos[None, :] <= query_pos[:, None]
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
-        )
-        return out.transpose(0, 1)
+        else:
+            key_pos = torch.arange(context_len, device=q.device)
+            query_pos = torch.arange(num_new, device=q.device) + seg.num_computed
+            mask = key_pos[None, :] <= query_pos[:, None]
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, scale=self.scale
+            )
+        return out.reshape(self.num_heads, num_new, self.head_dim).transpose(0, 1)

@@ -108,7 +108,7 @@ class ModelRunner:
             model = build_model(self.config, self.max_model_len)
         model.to_empty(device=self.device)
         model.to(self.dtype)
-        model.model.rotary.build()
+        model.model.rotary.build(self.dtype)
         load_weights(model, model_dir)
         return model.eval().requires_grad_(False)
 

@@ -15,19 +15,23 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dimension, computed in float32."""
+    """Root-mean-square norm over the last dimension, computed in float32.
+
+    As in transformers: normalize in float32, cast back to the input dtype, then scale by
+    ``weight`` in that dtype.
+    """
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
+        self.size = (size,)
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalize ``x`` [..., size] and scale by ``weight``; keeps ``x``'s dtype."""
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.size, eps=self.eps) * self.weight
+        return F.rms_norm(x.float(), self.size, eps=self.eps).to(x.dtype) * self.weight
 
 
 class SiluAndMul(nn.Module):
@@ -83,10 +87,10 @@ def rope_inverse_frequencies(
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding with a precomputed cos/sin table for every position.
+    """Rotary position embedding with a precomputed table for every position.
 
-    The table covers ``max_positions`` positions and lives in the model's dtype, so a step
-    only indexes it.
+    The table holds ``cos`` and a signed ``sin`` (``[-sin, sin]``) over the full head width,
+    in the model's dtype, so a step only indexes it and rotation is four elementwise ops.
     """
 
     def __init__(
@@ -103,27 +107,35 @@ class RotaryEmbedding(nn.Module):
         self.scaling = scaling
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
-        self.build()
+        self.build(torch.get_default_dtype())
 
-    def build(self) -> None:
-        """(Re)compute the cos/sin table on the device of ``cos`` (after ``to_empty``)."""
+    def build(self, dtype: torch.dtype) -> None:
+        """(Re)compute the table in ``dtype`` on the device of ``cos`` (after ``to_empty``).
+
+        Angles are computed in float32 and cast once, as transformers does.
+        """
         device = self.cos.device
         if device.type == "meta":
             return
         inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)
         positions = torch.arange(self.max_positions, dtype=torch.int64).float()
         freqs = torch.outer(positions, inv_freq)
-        self.cos = freqs.cos().to(device)
-        self.sin = freqs.sin().to(device)
+        cos, sin = freqs.cos(), freqs.sin()
+        self.cos = torch.cat((cos, cos), dim=-1).to(device=device, dtype=dtype)
+        self.sin = torch.cat((-sin, sin), dim=-1).to(device=device, dtype=dtype)
 
-    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``(cos, sin)`` rows [num_tokens, 1, head_dim // 2] for ``positions``, in ``dtype``."""
-        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, signed sin)`` rows [num_tokens, 1, head_dim] for ``positions``."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
         return cos, sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [num_tokens, heads, head_dim] by the half-split (Llama) convention."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate ``x`` [num_tokens, heads, head_dim] by the half-split (Llama) convention.
+
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``, written as a roll
+    times the signed sin table; the same products and sums as transformers, so the same
+    rounding in low precision.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin

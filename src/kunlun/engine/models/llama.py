@@ -36,7 +36,7 @@ FUSED_PROJECTIONS: dict[str, str] = {
 class LlamaAttention(nn.Module):
     """Self-attention with fused q/k/v projection, RoPE, optional q/k norm and paged KV."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -51,26 +51,21 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.sizes = (q_size, kv_size, kv_size)
-        self.rotary = [rotary]  # shared table, kept out of this module's parameters
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
     def forward(
-        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, ...], ctx: AttentionContext
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
     ) -> torch.Tensor:
-        """Attention output [T, hidden] for ``hidden`` [T, hidden]; ``rope`` is (cos, sin)."""
+        """Attention output [T, hidden] for ``hidden`` [T, hidden]; ``rope`` is (cos, signed sin)."""
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
+        qk = qkv[:, : heads + kv_heads]
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        cos, sin = rope
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        return self.o_proj(self.attn(q, k, v.contiguous(), ctx))
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        qk = apply_rotary(qk, *rope)
+        out = self.attn(qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :], ctx)
+        return self.o_proj(out)
 
 
 class LlamaMLP(nn.Module):
@@ -93,15 +88,15 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: attention then MLP."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, ...], ctx: AttentionContext
+        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext
     ) -> torch.Tensor:
         """The residual stream after this layer."""
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, ctx)
@@ -118,7 +113,7 @@ class LlamaModel(nn.Module):
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -127,7 +122,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of the flat batch ``input_ids`` [T]."""
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary.table(positions, hidden.dtype)
+        rope = self.rotary.table(positions)
         for layer in self.layers:
             hidden = layer(hidden, rope, ctx)
         return self.norm(hidden)
