@@ -1,0 +1,158 @@
+"""API keys on a real daemon: every route but /healthz and /readyz needs one; bind rules."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from tests.daemon.conftest import BIN, Daemon, free_port, new_home
+
+OPEN = {"/healthz", "/readyz"}
+
+
+@pytest.fixture(scope="module")
+def keyed(
+    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Daemon, str]]:
+    d = Daemon(new_home(models_home, tmp_path_factory, "auth-home"), free_port())
+    created = d.cli("apikey", "create", "ops", "--json", remote=False)  # directly on KUNLUN_HOME
+    assert created.returncode == 0, created.stderr
+    key = json.loads(created.stdout)["key"]
+    assert key not in (d.home / "state.db").read_bytes().decode("latin-1")  # only a hash is stored
+    d.start(wait_ready=False)
+    yield d, key
+    d.stop()
+
+
+def route_table(tmp_path: Path) -> list[tuple[str, str]]:
+    """(method, path) of every route of the daemon's app, parameters filled in: the API
+    routes from the app's OpenAPI schema, plus the plain routes (docs, schema) it serves."""
+    from kunlun.daemon.app import create_app, make_platform
+
+    app = create_app(make_platform(tmp_path))
+    routes = [
+        (method.upper(), path) for path, item in app.openapi()["paths"].items() for method in item
+    ]
+    routes += [
+        ("GET", r.path)
+        for r in app.routes
+        if getattr(r, "path", "") and not getattr(r, "include_in_schema", True)
+    ]
+    return [(m, re.sub(r"\{[^}]+\}", "x", p)) for m, p in routes]
+
+
+def test_every_route_but_health_needs_a_key(keyed: tuple[Daemon, str], tmp_path: Path) -> None:
+    daemon, key = keyed
+    routes = route_table(tmp_path)
+    paths = {p for _, p in routes}
+    assert {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/api/v1/workloads",
+        "/openapi.json",
+    } <= paths
+    for method, path in routes:
+        for headers in (
+            {},
+            {"Authorization": "Bearer kl-wrong-key"},
+            {"Authorization": f"Bearer {key}x"},
+        ):
+            resp = httpx.request(method, daemon.url + path, headers=headers, json={}, timeout=30)
+            if path in OPEN:
+                assert resp.status_code != 401, (method, path)
+            else:
+                assert resp.status_code == 401, (method, path, headers, resp.status_code)
+                assert resp.json()["error"]["code"] == "invalid_api_key"
+    ok = httpx.get(daemon.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    assert ok.status_code == 200
+
+
+def test_openai_sdk_with_wrong_key_gets_401(keyed: tuple[Daemon, str]) -> None:
+    daemon, key = keyed
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=daemon.url + "/v1", api_key="nope", max_retries=0).models.list()
+    models = openai.OpenAI(base_url=daemon.url + "/v1", api_key=key, max_retries=0).models.list()
+    assert models.data == []  # no workload in this daemon
+
+
+def test_apikey_cli_through_the_daemon(keyed: tuple[Daemon, str]) -> None:
+    daemon, key = keyed
+    denied = daemon.cli("apikey", "list")
+    assert denied.returncode == 1 and "401" in denied.stderr and "KUNLUN_API_KEY" in denied.stderr
+    made = daemon.cli("apikey", "create", "ci", "--json", key=key)
+    assert made.returncode == 0, made.stderr
+    second = json.loads(made.stdout)
+    listed = daemon.cli("apikey", "list", "--json", key=key)
+    names = {k["name"]: k for k in json.loads(listed.stdout)}
+    assert {"ops", "ci"} <= set(names) and "key" not in names["ci"]
+    assert (
+        httpx.get(
+            daemon.url + "/v1/models", headers={"Authorization": f"Bearer {second['key']}"}
+        ).status_code
+        == 200
+    )
+    revoked = daemon.cli("apikey", "revoke", "ci", key=key)
+    assert revoked.returncode == 0 and second["key_id"] in revoked.stdout
+    assert (
+        httpx.get(
+            daemon.url + "/v1/models", headers={"Authorization": f"Bearer {second['key']}"}
+        ).status_code
+        == 401
+    )
+    missing = daemon.cli("apikey", "revoke", "nobody", key=key)
+    assert missing.returncode == 2 and "nobody" in missing.stderr
+
+
+def test_key_revoked_on_disk_takes_effect_in_the_running_daemon(keyed: tuple[Daemon, str]) -> None:
+    daemon, key = keyed
+    made = daemon.cli("apikey", "create", "temp", "--json", remote=False)
+    temp = json.loads(made.stdout)["key"]
+    assert (
+        httpx.get(
+            daemon.url + "/v1/models", headers={"Authorization": f"Bearer {temp}"}
+        ).status_code
+        == 200
+    )
+    assert daemon.cli("apikey", "revoke", "temp", remote=False).returncode == 0
+    import time
+
+    time.sleep(0.5)
+    assert (
+        httpx.get(
+            daemon.url + "/v1/models", headers={"Authorization": f"Bearer {temp}"}
+        ).status_code
+        == 401
+    )
+
+
+def run_platform(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    import os
+
+    env = dict(os.environ, KUNLUN_HOME=str(home))
+    return subprocess.run(
+        [str(BIN / "kunlun-platform"), *args], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def test_non_loopback_bind_without_key_is_refused(tmp_path: Path) -> None:
+    proc = run_platform(tmp_path, "--host", "0.0.0.0", "--port", str(free_port()))
+    assert proc.returncode == 2
+    assert "refusing to listen on 0.0.0.0 with no API key" in proc.stderr
+    assert "--allow-insecure" in proc.stderr
+
+
+def test_port_in_use_names_the_port_and_holder(keyed: tuple[Daemon, str], tmp_path: Path) -> None:
+    daemon, _ = keyed
+    proc = run_platform(tmp_path, "--port", str(daemon.port))
+    assert proc.returncode == 2
+    assert f"port {daemon.port} on 127.0.0.1 is already in use by" in proc.stderr
+    assert "kunlun-platform" in proc.stderr or "python" in proc.stderr
+    again = run_platform(daemon.home, "--port", str(free_port()))
+    assert again.returncode == 2 and "a daemon already runs" in again.stderr

@@ -1,0 +1,90 @@
+"""Daemon lifecycle: SIGTERM drains; a crashed daemon's workers are reaped on restart."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from tests.daemon.conftest import Daemon, free_port, new_home, submit_demo, wait_ready
+
+
+def stream(url: str, results: list[list[str]], started: threading.Event) -> None:
+    body = {
+        "model": "smollm2",
+        "prompt": "Count slowly:",
+        "max_tokens": 48,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    lines: list[str] = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+        for line in resp.iter_lines():
+            lines.append(line)
+            if len(lines) == 2:
+                started.set()
+    results.append(lines)
+
+
+def test_sigterm_drains_in_flight_streams(
+    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    daemon = Daemon(new_home(models_home, tmp_path_factory, "drain-home"), free_port())
+    daemon.start(wait_ready=False)
+    submit_demo(daemon)
+    wait_ready(daemon)
+    results: list[list[str]] = []
+    events = [threading.Event() for _ in range(4)]
+    threads = [threading.Thread(target=stream, args=(daemon.url, results, e)) for e in events]
+    for t in threads:
+        t.start()
+    for e in events:
+        assert e.wait(60)
+    daemon.signal(signal.SIGTERM)
+    time.sleep(0.3)
+    late = httpx.post(
+        daemon.url + "/v1/completions",
+        json={"model": "smollm2", "prompt": "hi", "max_tokens": 2},
+        timeout=30,
+    )
+    assert late.status_code == 503
+    assert late.json()["error"]["code"] == "service_unavailable"
+    assert daemon.get("/readyz").status_code == 503
+    for t in threads:
+        t.join(120)
+    assert len(results) == 4
+    for lines in results:
+        assert lines[-2:] == ["data: [DONE]", ""] or lines[-1] == "data: [DONE]"
+        assert not any('"error"' in line for line in lines)
+    assert daemon.proc is not None and daemon.proc.wait(60) == 0
+    assert "draining" in daemon.log()
+    assert not list((daemon.home / "run" / "workers").glob("*.pid"))  # workers stopped cleanly
+
+
+def test_restart_after_a_crash_reaps_leftover_workers(
+    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    daemon = Daemon(new_home(models_home, tmp_path_factory, "crash-home"), free_port())
+    daemon.start(wait_ready=False)
+    job = submit_demo(daemon)
+    wait_ready(daemon)
+    old_worker = daemon.describe(job)["replicas"][0]["pid"]
+    assert daemon.proc is not None
+    daemon.proc.kill()  # the daemon dies; its worker (own session) lives on
+    daemon.proc.wait()
+    assert psutil.pid_exists(old_worker)
+    daemon.start()  # waits for /readyz: the workload came back by itself
+    assert "reaped 1 engine worker" in daemon.log()
+    assert (
+        not psutil.pid_exists(old_worker)
+        or psutil.Process(old_worker).status() == psutil.STATUS_ZOMBIE
+    )
+    described = daemon.describe(job)
+    assert described["state"] == "RUNNING"
+    assert described["replicas"][0]["pid"] != old_worker
+    assert any(e["kind"] == "resumed" for e in described["events"])
+    assert daemon.stop() == 0
