@@ -158,6 +158,8 @@ class LLMEngine:
         """Run one scheduled step; return what each touched completion gained."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
+            if batch.num_preempted == 0 and self.scheduler.has_unfinished():
+                raise EngineError("the scheduler could not place any waiting sequence")
             return []
         sampled, failures = self._run(batch)
         deltas = self._fail(failures)

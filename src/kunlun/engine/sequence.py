@@ -102,9 +102,11 @@ class Sequence:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        """True while prompt logprobs were asked for and some are still missing."""
+        """True while prompt logprobs were asked for and some are still missing (only the
+        request's first sequence collects them; its siblings share its prompt)."""
         return (
             self.params.prompt_logprobs is not None
+            and self.index == 0
             and len(self.prompt_logprobs) < self.num_prompt_tokens
         )
 

@@ -1,0 +1,267 @@
+"""Embedded engine vs transformers ``generate`` on the demo model; prints one JSON object.
+
+Same machine, same run, same weights (the demo GGUF imported to an HF directory, which both
+sides load), same dtype and thread count; transformers uses ``attn_implementation="sdpa"``.
+Both sides get a warm-up first. Prompts are random token ids (fixed seed), so content does
+not matter and eos never stops a request early (ours: ``ignore_eos``; transformers:
+``min_new_tokens``). Tokens/s count only the output tokens each request asked for.
+
+- single stream: one request, 128 output tokens (32-token prompt), time to the last token.
+- concurrent: 64 requests, prompt lengths 32-512, output lengths 16-256; ours keeps 16 in
+  flight (continuous batching: a new request enters as one finishes); transformers runs
+  static batches of 16 over the same requests (left padding; each batch generates the
+  longest output of its requests).
+
+Usage: ``python benchmarks/engine.py [--quick] [--threads N] [--no-bf16]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kunlun.engine.gguf import demo_model_dir
+from kunlun.engine.llm_engine import LLMEngine
+from kunlun.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Workload:
+    single_prompt_len: int
+    single_output_len: int
+    num_requests: int
+    in_flight: int
+    prompt_lens: tuple[int, int]
+    output_lens: tuple[int, int]
+
+    def requests(self, vocab_size: int, seed: int = 0) -> list[tuple[list[int], int]]:
+        rng = random.Random(seed)
+        out = []
+        for _ in range(self.num_requests):
+            prompt = [rng.randrange(100, vocab_size) for _ in range(rng.randint(*self.prompt_lens))]
+            out.append((prompt, rng.randint(*self.output_lens)))
+        return out
+
+
+FULL = Workload(32, 128, 64, 16, (32, 512), (16, 256))
+QUICK = Workload(32, 32, 8, 4, (32, 128), (8, 32))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+# ---- ours ----
+def make_engine(model_dir: Path, dtype: torch.dtype, workload: Workload) -> LLMEngine:
+    longest = workload.prompt_lens[1] + workload.output_lens[1]
+    num_blocks = workload.in_flight * (-(-longest // 16) + 1)
+    return LLMEngine.from_model(
+        model_dir,
+        dtype=dtype,
+        max_model_len=max(longest, workload.single_prompt_len + workload.single_output_len),
+        num_blocks=num_blocks,
+        max_num_seqs=workload.in_flight,
+        max_num_batched_tokens=512,
+    )
+
+
+def ours_single(engine: LLMEngine, prompt: list[int], num_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    return num_tokens / (time.perf_counter() - start)
+
+
+def ours_concurrent(
+    engine: LLMEngine, requests: list[tuple[list[int], int]], in_flight: int
+) -> dict[str, float]:
+    """Keep ``in_flight`` requests running; a new one enters as soon as one finishes."""
+    pending = list(enumerate(requests))
+    added: dict[str, float] = {}
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    lengths: dict[str, int] = {}
+
+    def add() -> None:
+        index, (prompt, num_tokens) = pending.pop(0)
+        params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+        request_id = engine.add_request(prompt, params, request_id=f"r{index}")
+        added[request_id] = time.perf_counter()
+        lengths[request_id] = num_tokens
+
+    start = time.perf_counter()
+    for _ in range(min(in_flight, len(pending))):
+        add()
+    step_times = []
+    while engine.has_unfinished():
+        before = time.perf_counter()
+        deltas = engine.step()
+        now = time.perf_counter()
+        step_times.append(now - before)
+        for delta in deltas:
+            first.setdefault(delta.request_id, now)
+            if delta.final is not None:
+                done[delta.request_id] = now
+                if pending:
+                    add()
+    elapsed = time.perf_counter() - start
+    ttft = [first[r] - added[r] for r in added]
+    tpot = [(done[r] - first[r]) / (lengths[r] - 1) for r in added if lengths[r] > 1]
+    return {
+        "tokens_per_s": sum(lengths.values()) / elapsed,
+        "elapsed_s": elapsed,
+        "ttft_p50_ms": percentile(ttft, 50) * 1000,
+        "ttft_p99_ms": percentile(ttft, 99) * 1000,
+        "tpot_p50_ms": percentile(tpot, 50) * 1000,
+        "num_steps": len(step_times),
+        "step_p50_ms": percentile(step_times, 50) * 1000,
+        "num_preemptions": engine.stats().num_preemptions,
+    }
+
+
+# ---- transformers ----
+def hf_load(model_dir: Path, dtype: torch.dtype):  # noqa: ANN201
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation="sdpa"
+    ).eval()
+
+
+def hf_generate(model, prompts: list[list[int]], num_tokens: int, pad_id: int) -> None:  # noqa: ANN001
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):  # left padding
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    with torch.inference_mode():
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+
+
+def hf_single(model, prompt: list[int], num_tokens: int, pad_id: int) -> float:  # noqa: ANN001
+    start = time.perf_counter()
+    hf_generate(model, [prompt], num_tokens, pad_id)
+    return num_tokens / (time.perf_counter() - start)
+
+
+def hf_static(model, requests: list[tuple[list[int], int]], batch: int, pad_id: int) -> float:  # noqa: ANN001
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch):
+        group = requests[i : i + batch]
+        hf_generate(model, [p for p, _ in group], max(n for _, n in group), pad_id)
+    return sum(n for _, n in requests) / (time.perf_counter() - start)
+
+
+# ---- the run ----
+def run_dtype(
+    model_dir: Path, dtype: torch.dtype, workload: Workload, hf: bool
+) -> dict[str, float | dict[str, float]]:
+    engine = make_engine(model_dir, dtype, workload)
+    vocab = engine.runner.config.vocab_size
+    pad_id = min(engine.tokenizer.eos_token_ids)
+    requests = workload.requests(vocab)
+    single_prompt = requests[0][0][: workload.single_prompt_len]
+    ours_single(engine, single_prompt, 8)  # warm-up
+    result: dict[str, float | dict[str, float]] = {
+        "single": ours_single(engine, single_prompt, workload.single_output_len),
+        "concurrent": ours_concurrent(engine, requests, workload.in_flight),
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    del engine
+    if hf:
+        model = hf_load(model_dir, dtype)
+        hf_single(model, single_prompt, 8, pad_id)  # warm-up
+        result["hf_single"] = hf_single(model, single_prompt, workload.single_output_len, pad_id)
+        result["hf_static"] = hf_static(model, requests, workload.in_flight, pad_id)
+        del model
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (both sides)")
+    parser.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 runs")
+    parser.add_argument("--no-hf-bf16", action="store_true", help="skip transformers in bf16")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    workload = QUICK if args.quick else FULL
+    model_dir = demo_model_dir()
+    load_before = os.getloadavg()
+    fp32 = run_dtype(model_dir, torch.float32, workload, hf=True)
+    ours32 = fp32["concurrent"]
+    assert isinstance(ours32, dict)
+    report: dict[str, object] = {
+        "single_stream_tokens_per_s": round(float(fp32["single"]), 2),  # type: ignore[arg-type]
+        "hf_single_stream_tokens_per_s": round(float(fp32["hf_single"]), 2),  # type: ignore[arg-type]
+        "single_stream_speedup": round(float(fp32["single"]) / float(fp32["hf_single"]), 3),  # type: ignore[arg-type]
+        "concurrent_tokens_per_s": round(ours32["tokens_per_s"], 2),
+        "hf_static_batch_tokens_per_s": round(float(fp32["hf_static"]), 2),  # type: ignore[arg-type]
+        "concurrent_speedup": round(ours32["tokens_per_s"] / float(fp32["hf_static"]), 3),  # type: ignore[arg-type]
+        "ttft_p50_ms": round(ours32["ttft_p50_ms"], 1),
+        "ttft_p99_ms": round(ours32["ttft_p99_ms"], 1),
+        "tpot_p50_ms": round(ours32["tpot_p50_ms"], 2),
+        "peak_rss_mb": round(float(fp32["peak_rss_mb"]), 1),  # type: ignore[arg-type]
+        "concurrent_detail": {k: round(v, 2) for k, v in ours32.items()},
+    }
+    if not args.no_bf16:
+        bf16 = run_dtype(model_dir, torch.bfloat16, workload, hf=not args.no_hf_bf16)
+        ours16 = bf16["concurrent"]
+        assert isinstance(ours16, dict)
+        report["bf16_single_stream_tokens_per_s"] = round(float(bf16["single"]), 2)  # type: ignore[arg-type]
+        report["bf16_concurrent_tokens_per_s"] = round(ours16["tokens_per_s"], 2)
+        if "hf_single" in bf16:
+            report["hf_bf16_single_stream_tokens_per_s"] = round(float(bf16["hf_single"]), 2)  # type: ignore[arg-type]
+            report["hf_bf16_static_batch_tokens_per_s"] = round(float(bf16["hf_static"]), 2)  # type: ignore[arg-type]
+    import transformers
+
+    report["setup"] = {
+        "model": "SmolLM2-135M-Instruct (demo GGUF imported to HF safetensors)",
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "dtype": "float32 (bf16 figures: bfloat16 on both sides)",
+        "attention": "ours: kunlun paged attention; transformers: sdpa",
+        "prompts": "random token ids, seed 0",
+        "workload": workload.__dict__,
+        "max_num_batched_tokens": 512,
+        "quick": args.quick,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "cpu_count": os.cpu_count(),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+    }
+    json.dump(report, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()
