@@ -116,10 +116,11 @@ class WorkerApp:
         self._check_model(req.model)
         params = req.to_sampling_params()
         prompts = req.prompts()
-        echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
+        echo_texts = None
+        if req.echo:
+            echo_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
         submitted = await self._submit(prompts, params)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        echo_texts = echo if req.echo else None
         if req.stream:
             events = self._completion_events(
                 call, req, response_id, submitted.streams, params.logprobs, echo_texts
@@ -199,6 +200,9 @@ class WorkerApp:
         self.num_active += 1
         try:
             result = await _unless_disconnected(request, every())
+        except Exception:  # one request failed: stop the others of this call too
+            await self._abort(submitted)
+            raise
         finally:
             self.num_active -= 1
         if result is None:
