@@ -212,7 +212,7 @@ def test_client_disconnect_aborts_generation(
     assert gateway.replicas.get("r1").in_flight == 0
 
 
-def test_worker_killed_mid_stream_ends_with_error_event(
+def test_worker_killed_mid_request_ends_with_error(
     gateway: GatewayServer, client: openai.OpenAI, start_worker: Callable[[str], WorkerProcess]
 ) -> None:
     doomed = start_worker("doomed")
@@ -220,13 +220,19 @@ def test_worker_killed_mid_stream_ends_with_error_event(
     gateway.replicas.upsert(replica)
     body = {"model": "doomed", "prompt": "Count:", "max_tokens": 300, "stream": True,
             "ignore_eos": True}  # fmt: skip
+    url = f"{gateway.base_url}/v1/completions"
     try:
-        with httpx.stream("POST", f"{gateway.base_url}/v1/completions", json=body,
-                          timeout=60) as response:  # fmt: skip
-            events = sse_events(response)
-            assert "choices" in json.loads(next(events))
-            os.kill(doomed.process.pid, signal.SIGKILL)
-            rest = list(events)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(httpx.post, url, json={**body, "stream": False}, timeout=60)
+            with httpx.stream("POST", url, json=body, timeout=60) as response:
+                events = sse_events(response)
+                assert "choices" in json.loads(next(events))
+                assert wait_until(lambda: doomed.stats()["num_unfinished_requests"] == 2)
+                os.kill(doomed.process.pid, signal.SIGKILL)
+                rest = list(events)
+            not_streamed = waiting.result()
+        assert not_streamed.status_code == 502
+        assert not_streamed.json()["error"]["code"] == "worker_died"
         assert rest and "[DONE]" not in rest
         error = json.loads(rest[-1])["error"]
         assert error["code"] == "worker_died" and error["type"] == "server_error"
