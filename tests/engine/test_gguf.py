@@ -4,6 +4,7 @@ written with the reference ``gguf`` package (weights, tokenizer, types, cache, b
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -73,6 +74,7 @@ def write_llama_gguf(
     vocab_source: GGUFFile,
     types: dict[str, gguf_py.GGMLQuantizationType] | None = None,
     architecture: str = "llama",
+    add_bos_token: bool = False,
 ) -> Path:
     """Write the HF llama checkpoint in ``model_dir`` as a GGUF file, llama.cpp style."""
     from safetensors.torch import load_file
@@ -98,6 +100,7 @@ def write_llama_gguf(
     writer.add_token_merges(meta["tokenizer.ggml.merges"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
+    writer.add_add_bos_token(add_bos_token)
     writer.add_chat_template(meta["tokenizer.chat_template"])
     for name, tensor in state.items():
         array = tensor.float().numpy()
@@ -280,7 +283,11 @@ def test_dequantization_matches_reference(
         "token_embd.weight": q.Q8_0,
     }
     path = write_llama_gguf(
-        tmp_path / "mixed.gguf", make_tiny_model("LlamaForCausalLM", False), demo_gguf_file, types
+        tmp_path / "mixed.gguf",
+        make_tiny_model("LlamaForCausalLM", False),
+        demo_gguf_file,
+        types,
+        add_bos_token=True,
     )
     ours = GGUFFile(path)
     reference = gguf_py.GGUFReader(str(path))
@@ -293,7 +300,13 @@ def test_dequantization_matches_reference(
         assert torch.equal(got, expected.reshape(got.shape)), tensor.name
     assert ours.tensors["blk.0.attn_k.weight"].type_name == "Q4_1"
     imported = import_gguf(path, tmp_path / "mixed")
-    assert Tokenizer(imported).encode("Hello world") == [19556, 905]
+    from transformers import AutoTokenizer
+
+    # the file asks for a BOS: the imported tokenizer adds it, as transformers' GGUF one does
+    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert Tokenizer(imported).encode("Hello world") == [1, 19556, 905]
+    assert theirs("Hello world")["input_ids"] == [1, 19556, 905]
+    assert AutoTokenizer.from_pretrained(imported)("Hello world")["input_ids"] == [1, 19556, 905]
 
 
 def test_unsupported_tensor_type_names_type_and_tensor(
@@ -317,8 +330,6 @@ def test_changed_file_is_reimported(tiny_llama_gguf: Path, tmp_path: Path) -> No
     data = bytearray(copy.read_bytes())
     data[-1] ^= 0xFF  # change a weight byte past the first MiB: size+mtime still differ
     copy.write_bytes(bytes(data))
-    import os
-
     os.utime(copy, ns=(first["mtime_ns"] + 10**9, first["mtime_ns"] + 10**9))
     import_gguf(copy, out)
     assert json.loads((out / "kunlun-import.json").read_text()) != first

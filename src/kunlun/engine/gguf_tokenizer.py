@@ -96,9 +96,7 @@ def build_tokenizer(gguf: GGUFFile) -> Tokenizer:
     )
     tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single="$A:0", pair="$A:0 $B:1", special_tokens=[]
-    )
+    tokenizer.post_processor = _post_processor(meta, tokens)
     control = [
         AddedToken(token, normalized=False, special=True)
         for token, kind in zip(tokens, token_types, strict=False)
@@ -112,6 +110,24 @@ def build_tokenizer(gguf: GGUFFile) -> Tokenizer:
     ]
     tokenizer.add_tokens(user)
     return tokenizer
+
+
+def _post_processor(meta: dict[str, Any], tokens: list[str]) -> processors.PostProcessor:
+    """BOS/EOS around the text as ``tokenizer.ggml.add_bos_token``/``add_eos_token`` ask
+    (the template transformers builds from the same flags)."""
+
+    def flagged(flag: str, key: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{key}")
+        if meta.get(f"tokenizer.ggml.{flag}") and index is not None and index < len(tokens):
+            return tokens[index]
+        return None
+
+    bos = flagged("add_bos_token", "bos_token_id")
+    eos = flagged("add_eos_token", "eos_token_id")
+    single = f"{f'{bos}:0 ' if bos else ''}$A:0{f' {eos}:0' if eos else ''}"
+    pair = f"{single}{f' {bos}:1' if bos else ''} $B:1{f' {eos}:1' if eos else ''}"
+    special = [(token, tokens.index(token)) for token in dict.fromkeys((bos, eos)) if token]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
 
 def _pre_tokenizer(name: str | None) -> pre_tokenizers.PreTokenizer:

@@ -1,8 +1,11 @@
 """Text <-> token ids for a model directory, the way Hugging Face's ``AutoTokenizer`` does it.
 
 Reads ``tokenizer.json`` (the ``tokenizers`` serialization), ``tokenizer_config.json``
-(special tokens, ``add_bos_token``/``add_eos_token``, chat template), ``chat_template.jinja``
-and ``generation_config.json`` (extra end-of-sequence ids). Chat templates render in a
+(special tokens, chat template), ``chat_template.jinja`` and ``generation_config.json``
+(extra end-of-sequence ids). Which special tokens ``encode`` adds is decided by the
+post-processor inside ``tokenizer.json`` alone: like transformers 5, the
+``add_bos_token``/``add_eos_token`` flags of ``tokenizer_config.json`` are ignored when a
+``tokenizer.json`` exists. Chat templates render in a
 sandboxed jinja2 environment configured like transformers' (``trim_blocks``,
 ``lstrip_blocks``, ``raise_exception``, a ``tojson`` that does not escape HTML).
 """
@@ -50,12 +53,6 @@ class Tokenizer:
         """``bos_token``, ``eos_token``, ``unk_token``, ``pad_token`` text (or ``None``)."""
         self.chat_template: str | None = _chat_template(root, config)
         """The jinja2 chat template, or ``None`` when the model has none."""
-        explicit = "add_bos_token" in config or "add_eos_token" in config
-        self._own_template = explicit or self.backend.post_processor is None
-        self.add_bos_token = bool(config.get("add_bos_token", False))
-        """Prepend the BOS token when encoding with special tokens (when the config says)."""
-        self.add_eos_token = bool(config.get("add_eos_token", False))
-        """Append the EOS token when encoding with special tokens (when the config says)."""
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.bos_token_id = self._id_of(self.special_tokens["bos_token"])
         """Id of the BOS token, or ``None``."""
@@ -76,16 +73,9 @@ class Tokenizer:
         return None if token is None else self.backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``, with BOS/EOS added as the model's tokenizer config asks."""
-        if not self._own_template:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_special_tokens:
-            if self.add_bos_token and self.bos_token_id is not None:
-                ids = [self.bos_token_id, *ids]
-            if self.add_eos_token and self.eos_token_id is not None:
-                ids = [*ids, self.eos_token_id]
-        return ids
+        """Token ids of ``text``; with ``add_special_tokens``, plus those the post-processor of
+        ``tokenizer.json`` adds (a BOS, for many models)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; special tokens are dropped unless ``skip_special_tokens`` is false."""
