@@ -10,8 +10,8 @@ served ones), nothing ready or draining 503, every queue full 429 with ``Retry-A
 A worker that dies mid-stream ends the client's stream with one SSE error event (code
 ``worker_died``) and no ``[DONE]``; one that dies before answering gives 502. A client that
 disconnects closes the upstream response at once, which makes the worker abort the
-generation. Each request holds one unit of its replica's ``in_flight`` from the moment it
-is admitted until its response ends, whatever the ending.
+generation. Each request holds one unit of its replica's ``in_flight`` while its exchange
+with the worker runs, released whatever the ending.
 """
 
 from __future__ import annotations
@@ -131,9 +131,7 @@ async def _proxy(
     except KunlunError as exc:
         return error_response(exc)
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    replica.in_flight += 1
-    state.num_active += 1
-    return _Upstream(state, replica, path, body, request_id)
+    return _Upstream(state, replica, path, body, request_id)  # counted in flight while it runs
 
 
 def _model_of(body: bytes) -> str:
@@ -176,8 +174,8 @@ def _admit(model: str, replicas: ReplicaSet, state: GatewayState) -> Replica:
 class _Upstream(Response):
     """The response to one admitted request: sends it to the replica and relays the answer.
 
-    Its ``__call__`` owns the request's ``in_flight`` unit and releases it exactly once, at
-    the end, however the exchange ends. A task watches for the client disconnecting and
+    Its ``__call__`` holds one unit of the replica's ``in_flight`` from its first line to its
+    ``finally``, so the unit is taken and released exactly once however the exchange ends. A task watches for the client disconnecting and
     cancels the relay, which closes the upstream connection (the worker then aborts)."""
 
     def __init__(
@@ -186,10 +184,11 @@ class _Upstream(Response):
         self.state, self.replica = state, replica
         self.path, self.payload, self.request_id = path, body, request_id
         self.status_code, self.raw_headers, self.background = 200, [], None
-        self._released = False
         self._ended = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.replica.in_flight += 1
+        self.state.num_active += 1
         relay = asyncio.current_task()
         watcher = asyncio.ensure_future(self._watch(receive, relay))
         try:
@@ -202,11 +201,6 @@ class _Upstream(Response):
         finally:
             self._ended = True
             watcher.cancel()
-            self._release()
-
-    def _release(self) -> None:
-        if not self._released:
-            self._released = True
             self.replica.in_flight -= 1
             self.state.num_active -= 1
 
