@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -204,3 +205,24 @@ def test_worker_killed_mid_stream(daemon: Daemon, client: openai.OpenAI) -> None
         model="smollm2", messages=QUESTION, max_tokens=16, temperature=0
     )
     assert "Paris" in (resp.choices[0].message.content or "")
+
+
+def test_model_that_cannot_load_fails_the_workload_with_the_reason(
+    daemon: Daemon, client: openai.OpenAI, tmp_path: Path
+) -> None:
+    model_dir = tmp_path / "gpt2-like"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    made = daemon.cli("workload", "submit", "--model", str(model_dir), "--name", "broken", "--json")
+    assert made.returncode == 0, made.stderr
+    job = json.loads(made.stdout)["workload_id"]
+    deadline = time.monotonic() + 120
+    while (described := daemon.describe(job))["state"] != "FAILED":
+        assert time.monotonic() < deadline, described
+        time.sleep(0.5)
+    assert "GPT2LMHeadModel" in described["reason"] and "LlamaForCausalLM" in described["reason"]
+    assert described["replicas"] == []  # not restarted in a loop
+    resp = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=8, temperature=0
+    )
+    assert resp.choices[0].message.content

@@ -31,6 +31,7 @@ from kunlun.serving.replica import Replica, ReplicaSet
 EventSink = Callable[[str, str, str], None]  # (workload_id, kind, message)
 MAX_BACKOFF_S = 60.0
 HEALTHY_RESET_S = 60.0
+MAX_LOAD_FAILURES = 5
 
 
 @dataclass
@@ -49,6 +50,8 @@ class Worker:
     backoff_s: float = 1.0
     next_start: float | None = field(default_factory=time.monotonic)
     stopping: bool = False
+    load_failures: int = 0
+    """Consecutive exits before becoming ready (reset once ready)."""
     info: dict[str, object] = field(default_factory=dict)
 
 
@@ -179,6 +182,7 @@ class NodeAgent:
         w.replica.in_flight = 0
         w.replica.ready = True
         w.ready_at = time.monotonic()
+        w.load_failures = 0
         self.replicas.upsert(w.replica)
         self.on_event(
             w.replica.workload_id,
@@ -191,6 +195,20 @@ class NodeAgent:
         w.replica.ready = False
         w.proc = None
         how = f"signal {-code}" if code < 0 else f"exit status {code}"
+        if not was_ready:
+            w.load_failures += 1
+            reported = _last_error(w.log_path)
+            if reported is not None or w.load_failures >= MAX_LOAD_FAILURES:
+                # the worker said why it cannot load (or keeps dying): restarting will not help
+                w.stopping = True
+                why = reported or f"died {w.load_failures} times while loading ({how})"
+                self._forget(w)
+                self.on_event(
+                    w.replica.workload_id,
+                    "failed",
+                    f"replica {w.replica.replica_id} cannot start: {why}",
+                )
+                return
         w.restarts += 1
         delay = w.backoff_s
         w.backoff_s = min(MAX_BACKOFF_S, w.backoff_s * 2)
@@ -234,3 +252,19 @@ class NodeAgent:
         env["OMP_NUM_THREADS"] = str(num_threads)
         env["PYTHONUNBUFFERED"] = "1"
         return env
+
+
+def _last_error(log_path: Path) -> str | None:
+    """The error a worker reported before exiting (its last ``error: ...`` line), if any."""
+    try:
+        with log_path.open("rb") as handle:
+            handle.seek(max(0, log_path.stat().st_size - 8192))
+            lines = handle.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if line.startswith("=== "):
+            return None  # the start marker of this attempt: nothing reported since
+        if line.startswith("error: "):
+            return line.removeprefix("error: ").strip()
+    return None

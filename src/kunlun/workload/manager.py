@@ -43,7 +43,12 @@ class WorkloadManager:
     # ---- events ----
     def event(self, workload_id: str, kind: str, message: str) -> None:
         self.store.add_event(EventRecord(workload_id, time.time(), kind, message))
-        if kind in ("ready", "crashed"):
+        if kind == "failed":
+            record = self.store.get_workload(workload_id)
+            if record is not None and record.state in ACTIVE:
+                self.agent.stop_workload(workload_id)
+                self._set(record, "FAILED", message)
+        elif kind in ("ready", "crashed"):
             self._refresh_state(workload_id)
 
     def _set(self, record: WorkloadRecord, state: str, reason: str | None = None) -> None:
@@ -78,7 +83,9 @@ class WorkloadManager:
             record.placement = placement.to_dict()
             return record
         self.store.put_workload(record)
-        self.event(record.workload_id, "submitted", f"spec: {spec.model_dump(exclude_defaults=True)}")
+        self.event(
+            record.workload_id, "submitted", f"spec: {spec.model_dump(exclude_defaults=True)}"
+        )
         self.start(record)
         return record
 
