@@ -179,7 +179,6 @@ class NodeAgent:
             return  # written atomically by the worker; a partial read retries next tick
         w.info = info
         w.replica.base_url = f"http://127.0.0.1:{port}"
-        w.replica.in_flight = 0
         w.replica.ready = True
         w.ready_at = time.monotonic()
         w.load_failures = 0
