@@ -48,9 +48,11 @@ class DecodeBatch:
 
     block_tables: torch.Tensor
     """Padded block tables [num_seqs, max_blocks] (long, on the device)."""
-    mask: torch.Tensor
-    """Additive mask [num_seqs, 1, 1, max_blocks * block_size]: 0 where a key exists, -inf
-    on padding; in the model's dtype."""
+    max_context_len: int
+    """Longest context in the batch; keys past it are never looked at."""
+    mask: torch.Tensor | None
+    """Additive mask [num_seqs, 1, 1, max_context_len]: 0 where a key exists, -inf on
+    padding, in the model's dtype; ``None`` when every context has the same length."""
 
     @property
     def num_seqs(self) -> int:
@@ -121,8 +123,14 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         num_seqs = q.shape[0]
-        keys = self._gather(self.k_cache, batch.block_tables).transpose(1, 2)
-        values = self._gather(self.v_cache, batch.block_tables).transpose(1, 2)
+        length = batch.max_context_len
+        keys = self._gather(self.k_cache, batch.block_tables)[:, :length].transpose(1, 2)
+        values = self._gather(self.v_cache, batch.block_tables)[:, :length].transpose(1, 2)
+        if batch.mask is None:
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2), keys, values, scale=self.scale, enable_gqa=True
+            )
+            return out.reshape(num_seqs, self.num_heads, self.head_dim)
         # [B, kv, group, d]: the queries that share each key/value head
         queries = q.view(num_seqs, self.num_kv_heads, -1, self.head_dim)
         out = F.scaled_dot_product_attention(

@@ -260,9 +260,11 @@ class _StepBuilder:
             for seq in seqs
         ]
         block_tables = torch.tensor(tables, dtype=torch.long, device=self.device)
+        longest = max(context_lens)
+        if min(context_lens) == longest:
+            return DecodeBatch(block_tables=block_tables, max_context_len=longest, mask=None)
         lens = torch.tensor(context_lens, dtype=torch.long, device=self.device)
-        key_pos = torch.arange(max_blocks * bs, device=self.device)
-        visible = key_pos[None, :] < lens[:, None]
+        visible = torch.arange(longest, device=self.device)[None, :] < lens[:, None]
         mask = torch.zeros(visible.shape, dtype=dtype, device=self.device)
         mask.masked_fill_(~visible, float("-inf"))
-        return DecodeBatch(block_tables=block_tables, mask=mask[:, None, None, :])
+        return DecodeBatch(block_tables, longest, mask[:, None, None, :])
