@@ -8,14 +8,17 @@ into sequences.
 
 Sequences come in two groups, in this order in the flat batch:
 
-* **decode**: one new token each. They run as one padded batch: their keys and values are
-  gathered through a padded block table and a mask hides the padding.
+* **decode**: one new token each. They run as one batch: their keys and values are
+  gathered through a padded block table, and a mask hides the padding when lengths differ.
 * **prefill**: several new tokens each (a prompt, or a chunk of one). Each runs alone;
   query ``i`` sees key positions ``<= num_computed + i``. When nothing is cached yet the new
   keys are used directly, without a gather.
 
-Queries are grouped per key/value head (``[kv_heads, queries_per_kv, ...]``), so grouped-query
-attention needs no copy of the keys (``enable_gqa`` falls back to a slow path on CPU).
+Masked and prefill attention group the queries per key/value head
+(``[kv_heads, queries_per_kv, ...]``), so grouped-query attention needs no copy of the keys
+and stays on SDPA's fast kernel (``enable_gqa`` with a mask falls back to a slow path on
+CPU). Unmasked decode makes transformers' own call (``enable_gqa``, one query per head), so
+greedy output matches it token for token in bfloat16 too.
 """
 
 from __future__ import annotations
