@@ -168,9 +168,11 @@ class ModelRunner:
         order = decode + prefill
         step = _StepBuilder(self, [seqs[i] for i in order], len(decode))
         hidden = self.model(step.input_ids, step.positions, step.context)
-        last = self.model.compute_logits(hidden.index_select(0, step.last_index)).float()
-        logits = torch.empty_like(last)
-        logits[torch.tensor(order, device=self.device)] = last
+        logits = self.model.compute_logits(hidden.index_select(0, step.last_index)).float()
+        if prefill and decode and decode[-1] > prefill[0]:  # undo the decode-first order
+            reordered = torch.empty_like(logits)
+            reordered[torch.tensor(order, device=self.device)] = logits
+            logits = reordered
         prompt_logits: list[torch.Tensor | None] = [None] * len(seqs)
         for position, index in enumerate(order):
             if seqs[index].want_prompt_logits:
@@ -202,12 +204,12 @@ class ModelRunner:
                 f"{where}: block_table has {len(seq.block_table)} blocks, {needed} needed for "
                 f"{context_len} tokens at block_size={self.block_size}"
             )
-        for block_id in seq.block_table[:needed]:
-            if not 0 <= block_id < self.num_blocks:
-                raise EngineError(
-                    f"{where}: block_table holds block id {block_id}, outside "
-                    f"[0, {self.num_blocks})"
-                )
+        used = seq.block_table[:needed]
+        if min(used) < 0 or max(used) >= self.num_blocks:
+            bad = next(block_id for block_id in used if not 0 <= block_id < self.num_blocks)
+            raise EngineError(
+                f"{where}: block_table holds block id {bad}, outside [0, {self.num_blocks})"
+            )
 
 
 class _StepBuilder:

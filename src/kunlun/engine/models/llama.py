@@ -151,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         """The paged-attention modules, one per layer, in order."""
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [module for module in self.modules() if isinstance(module, PagedAttention)]
 
     def checkpoint_slot(self, name: str) -> tuple[str, str | None]:
         """Where checkpoint tensor ``name`` goes: ``(parameter name, shard or None)``.
