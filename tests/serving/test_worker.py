@@ -96,7 +96,8 @@ def test_disconnected_stream_is_aborted(worker: WorkerProcess) -> None:
     body = {"model": MODEL, "prompt": "Count:", "max_tokens": 300, "ignore_eos": True,
             "stream": True}  # fmt: skip
     with httpx.stream("POST", f"{worker.base_url}/v1/completions", json=body) as response:
-        next(response.iter_lines())
+        lines = response.iter_lines()  # keep a reference: a dropped generator closes the stream
+        next(lines)
         assert worker.stats()["num_unfinished_requests"] == 1
     assert wait_until(lambda: idle(worker), 3.0), worker.stats()
 
