@@ -28,12 +28,15 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from kunlun.engine.gguf import demo_model_dir
 from kunlun.engine.llm_engine import LLMEngine
 from kunlun.engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -186,19 +189,33 @@ def run_dtype(
     requests = workload.requests(vocab)
     single_prompt = requests[0][0][: workload.single_prompt_len]
     ours_single(engine, single_prompt, 8)  # warm-up
-    result: dict[str, float | dict[str, float]] = {
-        "single": ours_single(engine, single_prompt, workload.single_output_len),
-        "concurrent": ours_concurrent(engine, requests, workload.in_flight),
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }
+    result: dict[str, float | dict[str, float]] = {}
+    result["single"] = log(
+        dtype, "single", ours_single(engine, single_prompt, workload.single_output_len)
+    )
+    result["concurrent"] = log(
+        dtype, "concurrent", ours_concurrent(engine, requests, workload.in_flight)
+    )
+    result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     del engine
     if hf:
         model = hf_load(model_dir, dtype)
         hf_single(model, single_prompt, 8, pad_id)  # warm-up
-        result["hf_single"] = hf_single(model, single_prompt, workload.single_output_len, pad_id)
-        result["hf_static"] = hf_static(model, requests, workload.in_flight, pad_id)
+        tokens = workload.single_output_len
+        result["hf_single"] = log(
+            dtype, "hf_single", hf_single(model, single_prompt, tokens, pad_id)
+        )
+        result["hf_static"] = log(
+            dtype, "hf_static", hf_static(model, requests, workload.in_flight, pad_id)
+        )
         del model
     return result
+
+
+def log(dtype: torch.dtype, name: str, value: T) -> T:
+    """Report a partial result on stderr as soon as it is known (long runs)."""
+    print(f"[{time.strftime('%X')}] {dtype} {name}: {value}", file=sys.stderr, flush=True)
+    return value
 
 
 def main() -> None:

@@ -211,9 +211,9 @@ def test_logprobs_and_prompt_logprobs_match_the_model(demo_llm: LLM, demo_hf) ->
 
 def test_n_completions_share_the_prompt_and_seeds_reproduce(demo_llm: LLM) -> None:
     params = SamplingParams(
-        n=3, temperature=1.0, seed=123, max_tokens=8, ignore_eos=True, prompt_logprobs=0
+        n=3, temperature=1.0, seed=123, max_tokens=6, ignore_eos=True, prompt_logprobs=0
     )
-    prompt = PROMPTS[6]
+    prompt = PROMPTS[4]
     (first,) = demo_llm.generate([prompt], params)
     assert first.prompt_logprobs is not None
     assert len(first.prompt_logprobs) == len(first.prompt_token_ids)
@@ -221,12 +221,12 @@ def test_n_completions_share_the_prompt_and_seeds_reproduce(demo_llm: LLM) -> No
     assert [o.index for o in first.outputs] == [0, 1, 2]
     assert [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
     assert len({tuple(o.token_ids) for o in first.outputs}) > 1
-    assert all(o.finish_reason == "length" and len(o.token_ids) == 8 for o in first.outputs)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 6 for o in first.outputs)
     assert demo_llm.engine.stats().num_blocks_used == 0
 
 
 def test_stop_strings_end_the_text_before_them(demo_llm: LLM) -> None:
-    (free,) = demo_llm.generate([PROMPTS[1]], GREEDY)
+    (free,) = demo_llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=16))
     text = free.outputs[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     (stopped,) = demo_llm.generate([PROMPTS[1]], SamplingParams(temperature=0, stop=[stop]))
