@@ -57,7 +57,7 @@ def admin_router(platform: Platform) -> APIRouter:
     @router.post("/workloads")
     async def submit(
         spec: dict[str, Any] = Body(...), dry_run: bool = Query(False)
-    ) -> dict[str, Any]:  # noqa: B008
+    ) -> dict[str, Any]:
         parsed = parse_spec(spec, "request body")
         record = await asyncio.to_thread(manager.submit, parsed, dry_run)
         return {
@@ -98,7 +98,7 @@ def admin_router(platform: Platform) -> APIRouter:
         return [vars(m) for m in platform.store.list_models()]
 
     @router.post("/models/import-gguf")
-    async def import_gguf(body: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
+    async def import_gguf(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
         if body.get("demo"):
             record = await asyncio.to_thread(catalog.import_demo, platform.store)
         else:
@@ -121,7 +121,7 @@ def admin_router(platform: Platform) -> APIRouter:
         ]
 
     @router.post("/apikeys")
-    async def new_key(body: dict[str, Any] = Body(...)) -> dict[str, Any]:  # noqa: B008
+    async def new_key(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
         record, secret = create_key(platform.store, str(body.get("name", "")))
         platform.keyring.refresh(force=True)
         return {"key_id": record.key_id, "name": record.name, "key": secret}
