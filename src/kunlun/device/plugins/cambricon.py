@@ -31,6 +31,7 @@ import re
 from kunlun.device.plugin import DevicePlugin, Discovery, Health, ProbedDevice
 from kunlun.device.plugins.smi_output import (
     ReportBlock,
+    dtypes_for_name,
     is_missing,
     parse_float,
     parse_mib,
@@ -54,8 +55,7 @@ _DTYPES = {
 
 def dtypes_for_model(name: str) -> list[str] | None:
     """Supported dtypes of an MLU from its product name (None when the family is unknown)."""
-    upper = name.upper()
-    return next((list(d) for family, d in _DTYPES.items() if family in upper), None)
+    return dtypes_for_name(_DTYPES, name)
 
 
 class CambriconPlugin(DevicePlugin):

@@ -26,6 +26,7 @@ import re
 
 from kunlun.device.plugin import DevicePlugin, Discovery, Health, ProbedDevice
 from kunlun.device.plugins.smi_output import (
+    dtypes_for_name,
     parse_float,
     parse_mib,
     parse_table_rows,
@@ -46,8 +47,7 @@ _BUS = re.compile(r"(?:[0-9a-fA-F]{2,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
 
 def dtypes_for_model(name: str) -> list[str] | None:
     """Supported dtypes of an Enflame GCU from its name (None when the model is unknown)."""
-    upper = name.upper()
-    return next((list(d) for model, d in _DTYPES.items() if model in upper), None)
+    return dtypes_for_name(_DTYPES, name)
 
 
 class EnflamePlugin(DevicePlugin):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from kunlun.device.plugin import DevicePlugin, Discovery
 from kunlun.device.plugins.nvidia import parse_gpu_query, query_argv
+from kunlun.device.plugins.smi_output import dtypes_for_name
 from kunlun.device.plugins.smi_topology import attach_topology
 from kunlun.device.tools import ToolRunner
 
@@ -44,11 +45,7 @@ _DTYPES = {
 
 def dtypes_for_model(name: str) -> list[str] | None:
     """Supported dtypes of an Iluvatar GPU from its name (None when the model is unknown)."""
-    upper = name.upper()
-    for model, dtypes in _DTYPES.items():
-        if model in upper:
-            return list(dtypes)
-    return None
+    return dtypes_for_name(_DTYPES, name)
 
 
 class IluvatarPlugin(DevicePlugin):

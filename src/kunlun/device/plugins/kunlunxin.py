@@ -40,6 +40,7 @@ from kunlun.device.plugin import DevicePlugin, Discovery, ProbedDevice
 from kunlun.device.plugins.nvidia import normalize_bus_id
 from kunlun.device.plugins.smi_output import (
     ReportBlock,
+    dtypes_for_name,
     health_from_word,
     is_missing,
     parse_float,
@@ -62,8 +63,7 @@ _DTYPES = {
 
 def dtypes_for_model(name: str) -> list[str] | None:
     """Supported dtypes of a Kunlunxin XPU from its product name (None when unknown)."""
-    upper = name.upper()
-    return next((list(d) for model, d in _DTYPES.items() if model in upper), None)
+    return dtypes_for_name(_DTYPES, name)
 
 
 class KunlunxinPlugin(DevicePlugin):

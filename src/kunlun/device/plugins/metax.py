@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 
 from kunlun.device.plugin import DevicePlugin, Discovery, Health, ProbedDevice
-from kunlun.device.plugins.smi_output import parse_float, parse_table_rows
+from kunlun.device.plugins.smi_output import dtypes_for_name, parse_float, parse_table_rows
 from kunlun.device.plugins.smi_topology import attach_topology
 from kunlun.device.tools import ToolRunner
 from kunlun.errors import ToolError
@@ -48,8 +48,7 @@ _VERSIONS = {
 
 def dtypes_for_model(name: str) -> list[str] | None:
     """Supported dtypes of a MetaX GPU from its name (None when the model is unknown)."""
-    upper = name.upper()
-    return next((list(d) for model, d in _DTYPES.items() if model in upper), None)
+    return dtypes_for_name(_DTYPES, name)
 
 
 class MetaxPlugin(DevicePlugin):

@@ -48,6 +48,13 @@ _HEALTH_BAD = {
 }
 
 
+def dtypes_for_name(table: dict[str, list[str]], name: str) -> list[str] | None:
+    """The dtypes of the first model key of ``table`` found in ``name`` (case-insensitive);
+    None when no key matches (the operator must declare them)."""
+    upper = name.upper()
+    return next((list(d) for model, d in table.items() if model in upper), None)
+
+
 def is_missing(value: str | None) -> bool:
     """Whether the tool says the value is unknown (``N/A``, ``[Not Supported]``, empty...)."""
     return value is None or value.strip().lower() in _MISSING
