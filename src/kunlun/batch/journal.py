@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,9 @@ class Journal:
         """1 when :meth:`open` discarded a torn last line, else 0."""
         self._file = path.open("ab")
         self._lock = asyncio.Lock()
+        self._file_lock = threading.Lock()
+        """Held by a write in its thread, so :meth:`close` waits for it (a cancelled
+        :meth:`append` does not stop the thread it started)."""
 
     @classmethod
     def open(cls, path: Path, key: str) -> Journal:
@@ -71,12 +75,14 @@ class Journal:
         return True
 
     def close(self) -> None:
-        self._file.close()
+        with self._file_lock:
+            self._file.close()
 
     def _write(self, data: bytes) -> None:
-        self._file.write(data)
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        with self._file_lock:
+            self._file.write(data)
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
 
 def _scan(path: Path, key: str) -> tuple[set[str], int, bool]:

@@ -116,17 +116,19 @@ class BatchRunner:
         if self.on_start is not None:
             self.on_start(len(pending), summary.num_done_before)
         started = time.monotonic()
-        with (task.output_dir / FAILURES).open("w", encoding="utf-8") as failures:
-            for line in bad:
-                _write_line(failures, line.to_record())
-            async with self._client() as client:
-                work = iter(pending)
-                workers = [
-                    self._worker(client, policy, work, results, failures)
-                    for _ in range(min(task.batch_size, len(pending)))
-                ]
-                await asyncio.gather(*workers)
-        results.close()
+        try:
+            with (task.output_dir / FAILURES).open("w", encoding="utf-8") as failures:
+                for line in bad:
+                    _write_line(failures, line.to_record())
+                async with self._client() as client:
+                    work = iter(pending)
+                    workers = [
+                        self._worker(client, policy, work, results, failures)
+                        for _ in range(min(task.batch_size, len(pending)))
+                    ]
+                    await asyncio.gather(*workers)
+        finally:
+            results.close()
         summary.duration_s = round(time.monotonic() - started, 3)
         if summary.duration_s > 0:
             summary.tokens_per_s = round(summary.completion_tokens / summary.duration_s, 2)
