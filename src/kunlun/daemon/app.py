@@ -3,7 +3,9 @@
 Routes:
 - ``/healthz`` (liveness) and ``/readyz`` (200 once a replica has loaded and warmed up);
 - ``/api/v1/...``: devices, workloads, models and API keys (what ``kunlun-cli`` calls);
-- ``/v1/...``: the OpenAI-compatible gateway (:mod:`kunlun.serving.gateway`).
+- ``/v1/...``: the OpenAI-compatible gateway (:mod:`kunlun.serving.gateway`) and the Batch
+  API (:mod:`kunlun.daemon.batch_api`); each finished ``/v1`` request is logged to
+  ``KUNLUN_HOME/logs/requests.jsonl`` (:mod:`kunlun.daemon.request_log`).
 
 Once any API key exists, every route but ``/healthz`` and ``/readyz`` needs one
 (``Authorization: Bearer <key>``); the check is a plain ASGI middleware so streaming is not
@@ -24,7 +26,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kunlun import __version__
+from kunlun.batch.files import FileStore
+from kunlun.batch.jobs import BatchJobs
 from kunlun.daemon.admin import admin_router
+from kunlun.daemon.batch_api import batch_router, gateway_app, in_process_sender
+from kunlun.daemon.request_log import RequestLog, RequestLogMiddleware
 from kunlun.device.inventory import Inventory, build_inventory
 from kunlun.errors import KunlunError
 from kunlun.node.agent import NodeAgent
@@ -49,6 +55,9 @@ class Platform:
     agent: NodeAgent
     manager: WorkloadManager
     gateway: GatewayState
+    files: FileStore
+    batches: BatchJobs
+    request_log: RequestLog
     config: Path | None = None
     started_at: float = field(default_factory=time.time)
 
@@ -66,7 +75,23 @@ def make_platform(home: Path, config: Path | None = None) -> Platform:
         store, agent, replicas, lambda: build_inventory(config=platform_config)
     )
     holder["m"] = manager
-    return Platform(home, store, KeyRing(store), replicas, agent, manager, GatewayState(), config)
+    gateway = GatewayState()
+    request_log = RequestLog(home / "logs" / "requests.jsonl")
+    files = FileStore(home / "files", store)
+    send = in_process_sender(RequestLogMiddleware(gateway_app(replicas, gateway), request_log))
+    return Platform(
+        home,
+        store,
+        KeyRing(store),
+        replicas,
+        agent,
+        manager,
+        gateway,
+        files,
+        BatchJobs(store, files, send),
+        request_log,
+        config,
+    )
 
 
 class ApiKeyMiddleware:
@@ -118,12 +143,15 @@ def create_app(platform: Platform) -> FastAPI:
             )
         supervisor = asyncio.create_task(platform.agent.supervise())
         await asyncio.to_thread(platform.manager.resume_all)
+        await platform.batches.start()
         try:
             yield
         finally:
+            await platform.batches.close()
             supervisor.cancel()
             await asyncio.to_thread(platform.agent.stop_all)
             await platform.gateway.close()
+            platform.request_log.close()
             platform.store.close()
 
     app = FastAPI(title="Kunlun Platform", version=__version__, lifespan=lifespan)
@@ -151,5 +179,7 @@ def create_app(platform: Platform) -> FastAPI:
 
     app.include_router(admin_router(platform), prefix="/api/v1")
     app.include_router(gateway_router(platform.replicas, platform.gateway))
+    app.include_router(batch_router(platform.files, platform.batches))
     app.add_middleware(ApiKeyMiddleware, keyring=platform.keyring)
+    app.add_middleware(RequestLogMiddleware, log=platform.request_log)  # outermost: 401s too
     return app

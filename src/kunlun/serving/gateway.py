@@ -127,7 +127,9 @@ async def _proxy(
 ) -> Response:
     body = await request.body()
     try:
-        replica = _admit(_model_of(body), replicas, state)
+        model = _model_of(body)
+        request.state.model = model  # for the daemon's request log
+        replica = _admit(model, replicas, state)
     except KunlunError as exc:
         return error_response(exc)
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex

@@ -239,7 +239,7 @@ class ChatCompletionRequest(_CommonRequest):
 
 
 Prompt = str | TokenIds
-_R = TypeVar("_R", bound=_CommonRequest)
+_R = TypeVar("_R", bound=BaseModel)
 
 
 class CompletionRequest(_CommonRequest):

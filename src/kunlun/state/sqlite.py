@@ -5,11 +5,20 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from kunlun.errors import ConfigError, Location
-from kunlun.state.store import ApiKeyRecord, EventRecord, ModelRecord, StateStore, WorkloadRecord
+from kunlun.state.store import (
+    ApiKeyRecord,
+    BatchRecord,
+    EventRecord,
+    FileRecord,
+    ModelRecord,
+    StateStore,
+    WorkloadRecord,
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS workloads (
@@ -25,6 +34,9 @@ CREATE TABLE IF NOT EXISTS api_keys (
 CREATE TABLE IF NOT EXISTS models (
   alias TEXT PRIMARY KEY, path TEXT NOT NULL, source TEXT NOT NULL, created REAL NOT NULL,
   meta TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS files (file_id TEXT PRIMARY KEY, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS batches (
+  batch_id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, data TEXT NOT NULL);
 """
 
 
@@ -118,6 +130,31 @@ class SQLiteStore(StateStore):
 
     def list_models(self) -> list[ModelRecord]:
         return [_model(r) for r in self._exec("SELECT * FROM models ORDER BY alias")]
+
+    # Batch API files and jobs (each record as one JSON document)
+    def put_file(self, record: FileRecord) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO files VALUES (?,?)",
+            (record.file_id, json.dumps(asdict(record))),
+        )
+
+    def get_file(self, file_id: str) -> FileRecord | None:
+        rows = self._exec("SELECT data FROM files WHERE file_id = ?", (file_id,))
+        return FileRecord(**json.loads(rows[0][0])) if rows else None
+
+    def put_batch(self, record: BatchRecord) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO batches VALUES (?,?,?)",
+            (record.batch_id, record.created_at, json.dumps(asdict(record))),
+        )
+
+    def get_batch(self, batch_id: str) -> BatchRecord | None:
+        rows = self._exec("SELECT data FROM batches WHERE batch_id = ?", (batch_id,))
+        return BatchRecord(**json.loads(rows[0][0])) if rows else None
+
+    def list_batches(self) -> list[BatchRecord]:
+        rows = self._exec("SELECT data FROM batches ORDER BY created_at DESC, rowid DESC")
+        return [BatchRecord(**json.loads(r[0])) for r in rows]
 
     def data_version(self) -> int:
         """Changes whenever another connection commits (cheap change detection)."""

@@ -1,7 +1,8 @@
 """The state-store interface and its records.
 
 Everything the daemon must remember across restarts goes through a :class:`StateStore`:
-workloads, their events, replicas, API keys (hashes only) and imported models. A single node
+workloads, their events, replicas, API keys (hashes only), imported models, and the files
+and jobs of the Batch API. A single node
 uses :class:`~kunlun.state.sqlite.SQLiteStore` under ``KUNLUN_HOME``; a cluster (later) puts
 an etcd implementation behind the same interface.
 """
@@ -52,6 +53,42 @@ class ModelRecord:
     meta: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class FileRecord:
+    """An uploaded or generated file (the bytes live under ``KUNLUN_HOME/files``)."""
+
+    file_id: str
+    filename: str
+    purpose: str
+    bytes: int
+    created_at: int
+
+
+@dataclass
+class BatchRecord:
+    """A Batch API job; the fields are OpenAI's batch object's."""
+
+    batch_id: str
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: str
+    created_at: int
+    expires_at: int
+    request_counts: dict[str, int] = field(default_factory=dict)
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    errors: list[dict[str, Any]] | None = None
+    metadata: dict[str, str] | None = None
+    in_progress_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+
+
 class StateStore(ABC):
     """Durable state. Every method is atomic and safe to call from any thread."""
 
@@ -95,6 +132,24 @@ class StateStore(ABC):
 
     @abstractmethod
     def list_models(self) -> list[ModelRecord]: ...
+
+    # Batch API files and jobs
+    @abstractmethod
+    def put_file(self, record: FileRecord) -> None: ...
+
+    @abstractmethod
+    def get_file(self, file_id: str) -> FileRecord | None: ...
+
+    @abstractmethod
+    def put_batch(self, record: BatchRecord) -> None:
+        """Insert or replace a batch job."""
+
+    @abstractmethod
+    def get_batch(self, batch_id: str) -> BatchRecord | None: ...
+
+    @abstractmethod
+    def list_batches(self) -> list[BatchRecord]:
+        """Every batch job, newest first."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""

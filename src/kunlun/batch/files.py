@@ -1,0 +1,200 @@
+"""Files of the OpenAI Batch API: uploaded request files and the files a batch writes.
+
+The bytes live under ``KUNLUN_HOME/files/<file_id>``, the records in the state store. An
+upload with purpose ``batch`` is checked line by line before it is accepted: each line is
+``{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
+"body": {...}}`` with unique ``custom_id`` values; a bad file is refused with the line and field
+of each problem (a 400), so a batch never starts on input it cannot run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from kunlun.batch.inputs import CHAT_COMPLETIONS, COMPLETIONS
+from kunlun.errors import Location, RequestError
+from kunlun.state.store import FileRecord, StateStore
+
+SUPPORTED_URLS = (CHAT_COMPLETIONS, COMPLETIONS)
+MAX_UPLOAD_BYTES = 200 << 20
+"""OpenAI's limit for a batch input file."""
+MAX_PROBLEMS = 20
+"""At most this many problems are listed when a file is refused."""
+
+
+class NotFound(RequestError):
+    """No file or batch has the id the request names."""
+
+    code = "not_found"
+    http_status = 404
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    """One request of a batch input file."""
+
+    line: int
+    custom_id: str
+    url: str
+    body: dict[str, Any]
+
+
+def parse_line(raw: bytes, number: int, source: str) -> BatchLine:
+    """One input line, or a :class:`RequestError` naming ``source:line`` and the field."""
+
+    def bad(message: str, field: str | None = None) -> RequestError:
+        return RequestError(message, location=Location(source, number, field))
+
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise bad(f"not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad(f"a line must be a JSON object, got {type(data).__name__}")
+    custom_id = data.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise bad(f"'custom_id' must be a non-empty string, got {custom_id!r}", "custom_id")
+    if data.get("method") != "POST":
+        raise bad(f"'method' must be 'POST', got {data.get('method')!r}", "method")
+    if data.get("url") not in SUPPORTED_URLS:
+        raise bad(
+            f"'url' must be one of {', '.join(SUPPORTED_URLS)}, got {data.get('url')!r}", "url"
+        )
+    body = data.get("body")
+    if not isinstance(body, dict):
+        raise bad("'body' must be a JSON object (the request body)", "body")
+    if not isinstance(body.get("model"), str):
+        raise bad("'body.model' must name the model", "body.model")
+    if body.get("stream"):
+        raise bad("'body.stream' is not supported in a batch", "body.stream")
+    return BatchLine(number, custom_id, data["url"], body)
+
+
+def iter_lines(path: Path) -> Iterator[BatchLine]:
+    """The requests of an accepted input file, in order (blank lines skipped)."""
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            if raw.strip():
+                yield parse_line(raw, number, path.name)
+
+
+class FileStore:
+    """Stored files: :meth:`upload` and :meth:`register` add, :meth:`get` and :meth:`path` read."""
+
+    def __init__(self, root: Path, store: StateStore) -> None:
+        self.root = root
+        self.store = store
+
+    @staticmethod
+    def new_id() -> str:
+        return "file-" + secrets.token_hex(12)
+
+    def path(self, file_id: str) -> Path:
+        return self.root / file_id
+
+    def get(self, file_id: str) -> FileRecord:
+        record = self.store.get_file(file_id)
+        if record is None or not self.path(file_id).exists():
+            raise NotFound(
+                f"no file with id {file_id!r}", location=Location("request", field="file_id")
+            )
+        return record
+
+    def upload(self, source: IO[bytes], filename: str, purpose: str) -> FileRecord:
+        """Store an upload (blocking: run it in a thread). Purpose ``batch`` only."""
+        if purpose != "batch":
+            raise RequestError(
+                f"purpose {purpose!r} is not supported here; use 'batch'",
+                location=Location("request", field="purpose"),
+            )
+        self.root.mkdir(parents=True, exist_ok=True)
+        file_id = self.new_id()
+        part = self.root / f"{file_id}.part"
+        try:
+            size = _copy(source, part)
+            _check_batch_file(part, filename)
+            os.replace(part, self.path(file_id))
+        finally:
+            part.unlink(missing_ok=True)
+        record = FileRecord(file_id, filename, purpose, size, int(time.time()))
+        self.store.put_file(record)
+        return record
+
+    def register(self, file_id: str, filename: str, purpose: str) -> FileRecord:
+        """Record a file already written at :meth:`path` (a batch's output or errors)."""
+        size = self.path(file_id).stat().st_size
+        record = FileRecord(file_id, filename, purpose, size, int(time.time()))
+        self.store.put_file(record)
+        return record
+
+
+def file_object(record: FileRecord) -> dict[str, Any]:
+    """The OpenAI ``file`` object."""
+    return {
+        "id": record.file_id,
+        "object": "file",
+        "bytes": record.bytes,
+        "created_at": record.created_at,
+        "filename": record.filename,
+        "purpose": record.purpose,
+        "status": "processed",
+        "expires_at": None,
+        "status_details": None,
+    }
+
+
+def _copy(source: IO[bytes], target: Path) -> int:
+    size = 0
+    with target.open("wb") as out:
+        while chunk := source.read(1 << 20):
+            size += len(chunk)
+            if size > MAX_UPLOAD_BYTES:
+                raise RequestError(
+                    f"the file is larger than {MAX_UPLOAD_BYTES >> 20} MiB",
+                    location=Location("request", field="file"),
+                )
+            out.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    return size
+
+
+def _check_batch_file(path: Path, filename: str) -> None:
+    """Refuse a batch input file with bad lines or repeated ``custom_id`` values, listing each."""
+    problems: list[RequestError] = []
+    first: dict[str, int] = {}
+    num_lines = 0
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            if not raw.strip():
+                continue
+            try:
+                line = parse_line(raw, number, filename)
+            except RequestError as exc:
+                problems.append(exc)
+                continue
+            num_lines += 1
+            if line.custom_id in first:
+                problems.append(
+                    RequestError(
+                        f"custom_id {line.custom_id!r} repeats line {first[line.custom_id]}",
+                        location=Location(filename, number, "custom_id"),
+                    )
+                )
+            first.setdefault(line.custom_id, number)
+    if not problems and num_lines == 0:
+        problems.append(RequestError("the file holds no requests", location=Location(filename)))
+    if problems:
+        shown = "; ".join(str(p) for p in problems[:MAX_PROBLEMS])
+        more = f" (and {len(problems) - MAX_PROBLEMS} more)" if len(problems) > MAX_PROBLEMS else ""
+        raise RequestError(
+            f"{len(problems)} problem(s) in the batch input file: {shown}{more}",
+            location=Location("request", field="file"),
+        )

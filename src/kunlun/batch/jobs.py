@@ -1,0 +1,366 @@
+"""Batch API jobs: created from an uploaded file, run in the background, resumed on restart.
+
+A job moves ``validating -> in_progress -> finalizing -> completed``; or ``failed`` (the
+input does not fit the endpoint), ``cancelling -> cancelled``, ``expired`` (past its 24 h
+window). Each request goes through :attr:`BatchJobs.send` (the daemon passes its own gateway,
+in-process) with ``X-Request-Id: <batch_id>:<custom_id>:<attempt>``, a bounded number in
+flight. Answers are appended to the job's output file (2xx) or error file (anything else,
+after retries) through a :class:`~kunlun.batch.journal.Journal`, fsynced line by line.
+
+Durability: the record (status, timestamps, totals) is in the state store; progress is the
+two journals themselves. After a crash, :meth:`BatchJobs.start` reopens every unfinished
+job, discards a torn last line, and sends only the ``custom_id`` values in neither file, so
+each appears exactly once in the output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kunlun.batch.files import SUPPORTED_URLS, BatchLine, FileStore, NotFound, iter_lines
+from kunlun.batch.journal import Journal
+from kunlun.batch.objects import TERMINAL, answer_line, batch_error, failure_line
+from kunlun.batch.retry import RetryPolicy, is_retryable, retry_after_s
+from kunlun.errors import Location, RequestError
+from kunlun.state.store import BatchRecord, StateStore
+
+COMPLETION_WINDOW_S = {"24h": 24 * 3600}
+WAIT_STATUSES = frozenset({429, 503})
+""""Not now" answers (queue full, replica still loading): waited out, not counted as
+failures, for as long as the job lives."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An answer from the endpoint."""
+
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+
+Send = Callable[[str, bytes, str], Awaitable[Reply]]
+"""``send(path, json_body, request_id)``: one request to the gateway."""
+
+
+@dataclass
+class _Job:
+    record: BatchRecord
+    task: asyncio.Task[None] | None = None
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set on cancel: take no new requests."""
+
+
+class BatchJobs:
+    """Creates, runs, cancels and resumes batch jobs within the daemon's event loop."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        files: FileStore,
+        send: Send,
+        concurrency: int = 8,
+        policy: RetryPolicy | None = None,
+        request_timeout_s: float = 600.0,
+    ) -> None:
+        self.store = store
+        self.files = files
+        self.send = send
+        self.concurrency = concurrency
+        """Requests in flight per job."""
+        self.policy = policy or RetryPolicy(max_retries=2, max_delay_s=10.0)
+        """For 5xx and transport failures; 429 and 503 are waited out (see WAIT_STATUSES)."""
+        self.request_timeout_s = request_timeout_s
+        self._jobs: dict[str, _Job] = {}
+
+    # ---- lifecycle (the daemon's lifespan) ----
+    async def start(self) -> None:
+        """Run every job left unfinished by an earlier daemon."""
+        for record in self.store.list_batches():
+            if record.status not in TERMINAL:
+                print(f"batch {record.batch_id}: resuming ({record.status})", flush=True)
+                self._spawn(record)
+
+    async def close(self) -> None:
+        """Stop the running jobs where they are; :meth:`start` resumes them."""
+        tasks = [job.task for job in self._jobs.values() if job.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._jobs.clear()
+
+    # ---- the API ----
+    def create(
+        self,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict[str, str] | None = None,
+    ) -> BatchRecord:
+        if endpoint not in SUPPORTED_URLS:
+            raise _param(
+                "endpoint",
+                f"endpoint {endpoint!r} is not supported; use one of {', '.join(SUPPORTED_URLS)}",
+            )
+        if completion_window not in COMPLETION_WINDOW_S:
+            raise _param(
+                "completion_window",
+                f"completion_window {completion_window!r} is not supported; use '24h'",
+            )
+        source = self.files.get(input_file_id)
+        if source.purpose != "batch":
+            raise _param(
+                "input_file_id",
+                f"file {input_file_id!r} has purpose {source.purpose!r}, not 'batch'",
+            )
+        now = int(time.time())
+        record = BatchRecord(
+            batch_id="batch_" + secrets.token_hex(12),
+            endpoint=endpoint,
+            input_file_id=input_file_id,
+            completion_window=completion_window,
+            status="validating",
+            created_at=now,
+            expires_at=now + COMPLETION_WINDOW_S[completion_window],
+            request_counts={"total": 0, "completed": 0, "failed": 0},
+            metadata=metadata,
+        )
+        self.store.put_batch(record)
+        self._spawn(record)
+        return record
+
+    def get(self, batch_id: str) -> BatchRecord:
+        job = self._jobs.get(batch_id)
+        if job is not None:
+            return job.record
+        record = self.store.get_batch(batch_id)
+        if record is None:
+            raise NotFound(
+                f"no batch with id {batch_id!r}", location=Location("request", field="batch_id")
+            )
+        return record
+
+    def page(self, limit: int = 20, after: str | None = None) -> list[BatchRecord]:
+        """Newest first; ``after`` is the last id of the previous page."""
+        records = [
+            self._jobs[r.batch_id].record if r.batch_id in self._jobs else r
+            for r in self.store.list_batches()
+        ]
+        if after is not None:
+            ids = [r.batch_id for r in records]
+            records = records[ids.index(after) + 1 :] if after in ids else []
+        return records[:limit]
+
+    def cancel(self, batch_id: str) -> BatchRecord:
+        """Stop taking requests; in-flight ones finish, then the job is ``cancelled``."""
+        record = self.get(batch_id)
+        if record.status in TERMINAL or record.status == "cancelling":
+            raise RequestError(
+                f"batch {batch_id} is already {record.status}",
+                location=Location("request", field="batch_id"),
+            )
+        record.status, record.cancelling_at = "cancelling", int(time.time())
+        self.store.put_batch(record)
+        job = self._jobs.get(batch_id)
+        if job is not None:
+            job.stop.set()
+        else:
+            self._spawn(record)
+        return record
+
+    # ---- running ----
+    def _spawn(self, record: BatchRecord) -> None:
+        job = _Job(record)
+        if record.status == "cancelling":
+            job.stop.set()
+        job.task = asyncio.get_running_loop().create_task(self._run(job))
+        self._jobs[record.batch_id] = job
+
+    async def _run(self, job: _Job) -> None:
+        record = job.record
+        try:
+            if record.status == "validating":
+                await self._validate(record)
+            if record.status == "in_progress":
+                await self._execute(job)
+            if record.status in ("in_progress", "finalizing", "cancelling"):
+                self._finalize(record)
+        except asyncio.CancelledError:
+            raise  # the daemon is stopping: the job resumes at the next start
+        except Exception as exc:  # a bug or a broken disk: fail this job, keep the daemon
+            if isinstance(exc, ExceptionGroup):  # from the workers' task group
+                exc = exc.exceptions[0]
+            self._fail(record, [batch_error("internal_error", f"{type(exc).__name__}: {exc}")])
+        finally:
+            if record.status in TERMINAL:
+                self._jobs.pop(record.batch_id, None)
+
+    async def _validate(self, record: BatchRecord) -> None:
+        """Every line must target the batch's endpoint; count the requests."""
+        path = self.files.path(record.input_file_id)
+        lines = await asyncio.to_thread(lambda: list(iter_lines(path)))
+        if record.status != "validating":  # cancelled meanwhile
+            return
+        errors = [
+            batch_error(
+                "invalid_url",
+                f"line {line.line} is for {line.url}, but the batch's "
+                f"endpoint is {record.endpoint}",
+                line.line,
+                "url",
+            )
+            for line in lines
+            if line.url != record.endpoint
+        ]
+        if errors:
+            self._fail(record, errors[:20])
+            return
+        record.request_counts = {"total": len(lines), "completed": 0, "failed": 0}
+        record.output_file_id, record.error_file_id = FileStore.new_id(), FileStore.new_id()
+        record.status, record.in_progress_at = "in_progress", int(time.time())
+        self.store.put_batch(record)
+
+    async def _execute(self, job: _Job) -> None:
+        record = job.record
+        assert record.output_file_id and record.error_file_id  # set by _validate
+        output = Journal.open(self.files.path(record.output_file_id), "custom_id")
+        errors = Journal.open(self.files.path(record.error_file_id), "custom_id")
+        try:
+            done = output.ids | errors.ids
+            record.request_counts.update(completed=len(output.ids), failed=len(errors.ids))
+            if done:
+                print(
+                    f"batch {record.batch_id}: resumed with {len(done)} of "
+                    f"{record.request_counts['total']} requests done",
+                    flush=True,
+                )
+            lines = (
+                line
+                for line in iter_lines(self.files.path(record.input_file_id))
+                if line.custom_id not in done
+            )
+            async with asyncio.TaskGroup() as workers:  # one failing stops the others
+                for _ in range(self.concurrency):
+                    workers.create_task(self._worker(job, lines, output, errors))
+        finally:
+            output.close()
+            errors.close()
+
+    async def _worker(
+        self, job: _Job, lines: Iterator[BatchLine], output: Journal, errors: Journal
+    ) -> None:
+        counts = job.record.request_counts
+        for line in lines:  # shared: each line goes to one worker
+            if self._stopping(job):
+                return
+            ok, entry = await self._one(job, line)
+            if entry is None:  # cancelled while waiting
+                return
+            if await (output if ok else errors).append(entry):
+                counts["completed" if ok else "failed"] += 1
+
+    @staticmethod
+    def _stopping(job: _Job) -> bool:
+        """Cancelled, or past the completion window (the job then ends ``expired``)."""
+        if time.time() > job.record.expires_at:
+            job.stop.set()
+        return job.stop.is_set()
+
+    async def _one(self, job: _Job, line: BatchLine) -> tuple[bool, dict[str, Any] | None]:
+        """Send one request until it is answered for good: (succeeded, its file line), or
+        (False, None) when the job stopped meanwhile."""
+        body = json.dumps(line.body).encode()
+        attempt = num_failures = 0
+        while True:
+            attempt += 1
+            request_id = f"{job.record.batch_id}:{line.custom_id}:{attempt}"
+            reply, problem = await self._attempt(line.url, body, request_id)
+            if reply is not None and reply.status < 300:
+                return True, answer_line(
+                    line.custom_id, request_id, reply.status, reply.headers, reply.body
+                )
+            status = reply.status if reply is not None else None
+            wait = retry_after_s(reply.headers.get("retry-after")) if reply is not None else None
+            if status in WAIT_STATUSES:
+                delay = wait if wait is not None else 1.0
+            elif is_retryable(status) and num_failures < self.policy.max_retries:
+                num_failures += 1
+                delay = self.policy.delay_s(num_failures, wait)
+            elif reply is not None:
+                return False, answer_line(
+                    line.custom_id, request_id, reply.status, reply.headers, reply.body
+                )
+            else:
+                return False, failure_line(line.custom_id, problem)
+            if await _wait(job, delay):
+                return False, None
+
+    async def _attempt(self, path: str, body: bytes, request_id: str) -> tuple[Reply | None, str]:
+        """One send: the reply, or None and what went wrong."""
+        try:
+            return await asyncio.wait_for(
+                self.send(path, body, request_id), self.request_timeout_s
+            ), ""
+        except TimeoutError:
+            return None, f"no answer within {self.request_timeout_s:g}s"
+        except Exception as exc:  # the gateway could not answer at all
+            return None, f"{type(exc).__name__}: {exc}"
+
+    def _finalize(self, record: BatchRecord) -> None:
+        """Count what the files hold, register them, and end the job: ``cancelled`` when
+        asked, ``expired`` when requests were left, else ``finalizing -> completed``."""
+        counts = record.request_counts
+        for file_id, name in (
+            (record.output_file_id, "completed"),
+            (record.error_file_id, "failed"),
+        ):
+            if file_id is not None:
+                journal = Journal.open(self.files.path(file_id), "custom_id")
+                counts[name] = len(journal.ids)
+                journal.close()
+        now = int(time.time())
+        if record.status == "cancelling":
+            final = "cancelled"
+        elif counts["completed"] + counts["failed"] < counts["total"]:
+            final = "expired"
+        else:
+            final = "completed"
+            record.status, record.finalizing_at = "finalizing", now
+            self.store.put_batch(record)
+        if record.output_file_id is not None:
+            self.files.register(
+                record.output_file_id, f"{record.batch_id}_output.jsonl", "batch_output"
+            )
+            if counts["failed"] and record.error_file_id is not None:
+                self.files.register(
+                    record.error_file_id, f"{record.batch_id}_error.jsonl", "batch_output"
+                )
+        record.status = final
+        setattr(record, f"{final}_at", now)
+        self.store.put_batch(record)
+        print(f"batch {record.batch_id}: {final} {counts}", flush=True)
+
+    def _fail(self, record: BatchRecord, errors: list[dict[str, Any]]) -> None:
+        record.errors = errors
+        record.status, record.failed_at = "failed", int(time.time())
+        self.store.put_batch(record)
+        print(f"batch {record.batch_id}: failed: {errors[0]['message']}", flush=True)
+
+
+async def _wait(job: _Job, seconds: float) -> bool:
+    """Sleep ``seconds``, or less if the job is cancelled meanwhile; True when cancelled."""
+    try:
+        await asyncio.wait_for(job.stop.wait(), seconds)
+    except TimeoutError:
+        return False
+    return True
+
+
+def _param(field: str, message: str) -> RequestError:
+    return RequestError(message, location=Location("request", field=field))

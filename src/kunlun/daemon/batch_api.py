@@ -1,0 +1,124 @@
+"""The OpenAI Batch API routes, and how the daemon's batch jobs reach its own gateway.
+
+``POST /v1/files`` (multipart: ``file``, ``purpose=batch``), ``GET /v1/files/{id}``,
+``GET /v1/files/{id}/content``; ``POST /v1/batches``, ``GET /v1/batches``,
+``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``. Bodies and errors are OpenAI's
+shapes; the routes sit behind the same API-key middleware as every other route.
+
+Batch requests go through the gateway *in-process* (:func:`in_process_sender`): an ASGI
+call into an app holding only the gateway's routes, sharing its state. So they take the same
+admission (queue limits, draining), replica choice and relay as any client's request, and
+appear in the request log, without depending on the address the daemon is bound to or
+needing an API key of their own, and without a loopback HTTP hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.responses import FileResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.datastructures import UploadFile
+from starlette.types import ASGIApp
+
+from kunlun.batch.files import FileStore, file_object
+from kunlun.batch.jobs import BatchJobs, Reply, Send
+from kunlun.batch.objects import batch_object
+from kunlun.serving.gateway import GatewayState, gateway_router
+from kunlun.serving.protocol import param_error, parse_request
+from kunlun.serving.replica import ReplicaSet
+
+
+class CreateBatch(BaseModel):
+    """``POST /v1/batches``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+
+
+def batch_router(files: FileStore, jobs: BatchJobs) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/files")
+    async def upload(request: Request) -> dict[str, Any]:
+        async with request.form(max_files=1, max_fields=8) as form:
+            upload = form.get("file")
+            purpose = form.get("purpose")
+            if not isinstance(upload, UploadFile):
+                raise param_error("file", "'file' (a multipart file field) is required")
+            if not isinstance(purpose, str):
+                raise param_error("purpose", "'purpose' (a form field, 'batch') is required")
+            name = upload.filename or "upload.jsonl"
+            record = await asyncio.to_thread(files.upload, upload.file, name, purpose)
+        return file_object(record)
+
+    @router.get("/v1/files/{file_id}")
+    async def retrieve_file(file_id: str) -> dict[str, Any]:
+        return file_object(files.get(file_id))
+
+    @router.get("/v1/files/{file_id}/content")
+    async def file_content(file_id: str) -> FileResponse:
+        record = files.get(file_id)
+        return FileResponse(
+            files.path(file_id), media_type="application/octet-stream", filename=record.filename
+        )
+
+    @router.post("/v1/batches")
+    async def create(request: Request) -> dict[str, Any]:
+        body = parse_request(CreateBatch, await request.body())
+        record = jobs.create(
+            body.input_file_id, body.endpoint, body.completion_window, body.metadata
+        )
+        return batch_object(record)
+
+    @router.get("/v1/batches")
+    async def list_batches(
+        limit: int = Query(20, ge=1, le=100), after: str | None = Query(None)
+    ) -> dict[str, Any]:
+        records = jobs.page(limit + 1, after)
+        data = [batch_object(r) for r in records[:limit]]
+        return {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": len(records) > limit,
+        }
+
+    @router.get("/v1/batches/{batch_id}")
+    async def retrieve(batch_id: str) -> dict[str, Any]:
+        return batch_object(jobs.get(batch_id))
+
+    @router.post("/v1/batches/{batch_id}/cancel")
+    async def cancel(batch_id: str) -> dict[str, Any]:
+        return batch_object(jobs.cancel(batch_id))
+
+    return router
+
+
+def gateway_app(replicas: ReplicaSet, state: GatewayState) -> FastAPI:
+    """An app with only the gateway's ``/v1`` inference routes, sharing ``state``."""
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    app.include_router(gateway_router(replicas, state))
+    return app
+
+
+def in_process_sender(app: ASGIApp) -> Send:
+    """A :data:`~kunlun.batch.jobs.Send` that calls ``app`` directly (no socket)."""
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://kunlun-batch", timeout=None
+    )
+
+    async def send(path: str, body: bytes, request_id: str) -> Reply:
+        headers = {"content-type": "application/json", "x-request-id": request_id}
+        resp = await client.post(path, content=body, headers=headers)
+        return Reply(resp.status_code, resp.headers, resp.content)
+
+    return send

@@ -1,0 +1,252 @@
+"""The OpenAI Batch API on a real daemon, driven by the real ``openai`` SDK.
+
+Upload, create, retrieve, list, download output and error files, cancel; refusals of bad
+input files; and a daemon SIGKILLed in the middle of a job that, started again on the same
+``KUNLUN_HOME``, finishes it with each ``custom_id`` exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from tests.daemon.conftest import Daemon, free_port, new_home, submit_demo, wait_ready
+
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+
+def client_for(daemon: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+
+
+def request_line(custom_id: str, url: str = "/v1/chat/completions", **body: Any) -> str:
+    if url == "/v1/chat/completions":
+        payload = {
+            "model": "smollm2",
+            "max_tokens": 6,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": f"Say {custom_id}."}],
+        }
+    else:
+        payload = {
+            "model": "smollm2",
+            "max_tokens": 6,
+            "temperature": 0,
+            "prompt": f"Item {custom_id}:",
+        }
+    payload.update(body)
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": payload})
+
+
+def upload(client: openai.OpenAI, path: Path, lines: list[str]) -> Any:
+    path.write_text("\n".join(lines) + "\n")
+    with path.open("rb") as handle:
+        return client.files.create(file=handle, purpose="batch")
+
+
+def wait_for(
+    client: openai.OpenAI, batch_id: str, statuses: tuple[str, ...] = TERMINAL, timeout: float = 300
+) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in statuses:
+            return batch
+        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch}"
+        time.sleep(0.2)
+
+
+def jsonl(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def completed(client: openai.OpenAI, batch_id: str) -> int:
+    counts = client.batches.retrieve(batch_id).request_counts
+    return counts.completed if counts is not None else 0
+
+
+def request_log(daemon: Daemon) -> list[dict[str, Any]]:
+    return jsonl((daemon.home / "logs" / "requests.jsonl").read_text())
+
+
+def test_batch_with_the_openai_sdk(daemon: Daemon, tmp_path: Path) -> None:
+    client = client_for(daemon)
+    ids = [f"req-{n}" for n in range(6)]
+    lines = [request_line(i) for i in ids] + [request_line("too-hot", temperature=5)]
+    uploaded = upload(client, tmp_path / "requests.jsonl", lines)
+    assert uploaded.purpose == "batch" and uploaded.filename == "requests.jsonl"
+    assert uploaded.bytes == (tmp_path / "requests.jsonl").stat().st_size
+    assert client.files.retrieve(uploaded.id).id == uploaded.id
+
+    created = client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "sdk-test"},
+    )
+    assert created.status in ("validating", "in_progress") and created.metadata == {
+        "job": "sdk-test"
+    }
+    assert created.expires_at == created.created_at + 24 * 3600
+    batch = wait_for(client, created.id)
+    assert batch.status == "completed", batch
+    assert batch.request_counts is not None
+    assert (
+        batch.request_counts.total,
+        batch.request_counts.completed,
+        batch.request_counts.failed,
+    ) == (7, 6, 1)
+    assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
+    assert batch.output_file_id and batch.error_file_id
+
+    output = jsonl(client.files.content(batch.output_file_id).text)
+    assert sorted(line["custom_id"] for line in output) == sorted(ids)
+    for line in output:
+        assert line["error"] is None and line["response"]["status_code"] == 200
+        assert line["response"]["request_id"] == f"{batch.id}:{line['custom_id']}:1"
+        assert line["response"]["body"]["choices"][0]["message"]["content"]
+        assert line["id"].startswith("batch_req_")
+    errors = jsonl(client.files.content(batch.error_file_id).text)
+    assert [e["custom_id"] for e in errors] == ["too-hot"]
+    assert errors[0]["response"]["status_code"] == 400
+    assert "temperature" in errors[0]["response"]["body"]["error"]["message"]
+    assert client.files.retrieve(batch.output_file_id).purpose == "batch_output"
+
+    listed = client.batches.list(limit=100)
+    assert batch.id in [b.id for b in listed.data]
+    sent = [e for e in request_log(daemon) if str(e["request_id"]).startswith(f"{batch.id}:")]
+    assert len(sent) == 7 and {e["model"] for e in sent} == {"smollm2"}
+    assert sorted(e["status"] for e in sent) == [200] * 6 + [400]
+
+
+def test_cancel_stops_a_running_batch(daemon: Daemon, tmp_path: Path) -> None:
+    client = client_for(daemon)
+    ids = [f"c{n}" for n in range(60)]
+    uploaded = upload(
+        client, tmp_path / "many.jsonl", [request_line(i, "/v1/completions") for i in ids]
+    )
+    created = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    wait_for(client, created.id, ("in_progress", *TERMINAL))
+    cancelling = client.batches.cancel(created.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    batch = wait_for(client, created.id)
+    assert batch.status == "cancelled" and batch.cancelled_at
+    assert batch.request_counts is not None and batch.request_counts.completed < 60
+    assert batch.output_file_id
+    output = jsonl(client.files.content(batch.output_file_id).text)
+    done = [line["custom_id"] for line in output]
+    assert len(done) == len(set(done)) == batch.request_counts.completed
+    with pytest.raises(openai.BadRequestError, match="already cancelled"):
+        client.batches.cancel(created.id)
+
+
+def test_bad_files_and_requests_are_refused_with_the_place(daemon: Daemon, tmp_path: Path) -> None:
+    client = client_for(daemon)
+    lines = [
+        request_line("ok"),
+        json.dumps({"method": "POST", "url": "/v1/chat/completions", "body": {"model": "m"}}),
+        request_line("ok"),
+        json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": {}}),
+        "not json",
+    ]
+    with pytest.raises(openai.BadRequestError) as caught:
+        upload(client, tmp_path / "bad.jsonl", lines)
+    message = str(caught.value)
+    assert "4 problem(s)" in message
+    assert "bad.jsonl:2 (custom_id)" in message
+    assert "bad.jsonl:3 (custom_id): custom_id 'ok' repeats line 1" in message
+    assert "bad.jsonl:4 (url)" in message and "bad.jsonl:5: not valid JSON" in message
+
+    with pytest.raises(openai.NotFoundError, match="no file with id 'file-nope'"):
+        client.batches.create(
+            input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    good = upload(client, tmp_path / "good.jsonl", [request_line("a", "/v1/completions")])
+    with pytest.raises(openai.BadRequestError, match="completion_window '1h'"):
+        client.batches.create(
+            input_file_id=good.id, endpoint="/v1/completions", completion_window="1h"
+        )  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+    # a file whose lines are for another endpoint: the batch fails validation, naming the line
+    mismatch = client.batches.create(
+        input_file_id=good.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    failed = wait_for(client, mismatch.id)
+    assert failed.status == "failed" and failed.errors and failed.errors.data
+    assert failed.errors.data[0].line == 1 and failed.errors.data[0].param == "url"
+    bare = httpx.post(daemon.url + "/v1/files", data={"purpose": "batch"}, timeout=30)
+    assert bare.status_code == 400 and bare.json()["error"]["param"] == "file"
+
+
+def test_request_ids_pass_through_and_are_logged(daemon: Daemon) -> None:
+    resp = httpx.post(
+        daemon.url + "/v1/completions",
+        headers={"X-Request-Id": "probe:1:1"},
+        json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2},
+        timeout=120,
+    )
+    assert resp.status_code == 200 and resp.headers["x-request-id"] == "probe:1:1"
+    entry = next(e for e in reversed(request_log(daemon)) if e["request_id"] == "probe:1:1")
+    assert entry["model"] == "smollm2" and entry["status"] == 200
+    assert entry["path"] == "/v1/completions" and entry["latency_ms"] > 0
+
+
+def test_daemon_sigkill_mid_batch_resumes_each_custom_id_once(
+    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    daemon = Daemon(new_home(models_home, tmp_path_factory, "batch-crash-home"), free_port())
+    daemon.start(wait_ready=False)
+    submit_demo(daemon)
+    wait_ready(daemon)
+    client = client_for(daemon)
+    ids = [f"k{n}" for n in range(30)]
+    uploaded = upload(
+        client,
+        daemon.home / "kill.jsonl",
+        [request_line(i, "/v1/completions", max_tokens=8, ignore_eos=True) for i in ids],
+    )
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 300
+    while completed(client, batch.id) < 5:
+        assert time.monotonic() < deadline, "no 5 requests done within 300 s"
+        time.sleep(0.05)
+    assert daemon.proc is not None
+    daemon.proc.kill()
+    daemon.proc.wait()
+    files_at_kill = {p.name: p.read_bytes() for p in (daemon.home / "files").iterdir()}
+    log_mark = len(request_log(daemon))
+
+    daemon.start()  # same KUNLUN_HOME: the workload and the batch come back by themselves
+    client = client_for(daemon)
+    done = wait_for(client, batch.id)
+    assert done.status == "completed", done
+    assert done.request_counts is not None and done.request_counts.completed == 30
+    output = jsonl(client.files.content(done.output_file_id or "").text)
+    assert sorted(line["custom_id"] for line in output) == sorted(ids)  # each exactly once
+    assert all(line["response"]["status_code"] == 200 for line in output)
+
+    at_kill = files_at_kill[done.output_file_id or ""]  # complete lines only (not a torn one)
+    before = {
+        json.loads(line)["custom_id"]
+        for line in at_kill.splitlines(keepends=True)
+        if line.endswith(b"\n")
+    }
+    assert 5 <= len(before) < 30, "the job was not in the middle when the daemon was killed"
+    assert f"resumed with {len(before)} of 30 requests done" in daemon.log()
+    sent_after = {
+        str(e["request_id"]).split(":")[1]
+        for e in request_log(daemon)[log_mark:]
+        if str(e["request_id"]).startswith(f"{batch.id}:")
+    }
+    assert sent_after and not sent_after & before  # nothing finished was sent again
+    assert daemon.stop() == 0
