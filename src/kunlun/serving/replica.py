@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 @dataclass
@@ -26,10 +27,29 @@ class Replica:
     max_queue: int = 64
     """Requests in flight or waiting at this replica before the gateway answers 429."""
     priority: str = "normal"
+    """The workload's priority class: a request's class unless its key or header says."""
+    max_num_seqs: int = 8
+    """Sequences the engine decodes together (the workload's ``batch_size``): the gateway
+    sends at most this many requests at once and holds the rest in its own queue."""
+    weight: float = 1.0
+    """Relative speed of the replica for load-aware routing (outstanding tokens are divided
+    by it); 1.0 unless something knows better."""
     ready: bool = False
     in_flight: int = 0
     """Maintained by the gateway: requests sent and not yet finished."""
+    outstanding_tokens: int = 0
+    """Maintained by the gateway: estimated tokens (prompt + ``max_tokens``) in flight."""
     pid: int | None = None
+
+    @property
+    def slots(self) -> int:
+        """Requests the gateway sends at once: ``max_num_seqs``, or ``max_queue`` if smaller."""
+        return min(self.max_num_seqs, self.max_queue)
+
+    @cached_property
+    def device_type(self) -> str:
+        """The pool of the device (``cpu`` for ``cpu:0``)."""
+        return self.device.partition(":")[0]
 
 
 @dataclass
