@@ -197,3 +197,18 @@ def test_waiters_of_a_model_no_longer_served_get_503() -> None:
         assert admission.num_waiting() == 0
 
     asyncio.run(scenario())
+
+
+def test_waiters_for_a_pool_no_longer_served_get_503() -> None:
+    async def scenario() -> None:
+        admission, replicas, [cpu, cuda] = make(["cpu:0", "cuda:0"], max_num_seqs=1)
+        admission.try_admit(Ticket(MODEL, "normal", "cuda", 10))
+        waiting = asyncio.create_task(admission.wait(Ticket(MODEL, "normal", "cuda", 10)))
+        await asyncio.sleep(0)
+        replicas.remove(cuda.replica_id)
+        admission.dispatch_all()
+        with pytest.raises(ServiceUnavailable, match="pool 'cuda' of model 'm'"):
+            await waiting
+        assert admission.num_waiting() == 0 and cpu.in_flight == 0
+
+    asyncio.run(scenario())

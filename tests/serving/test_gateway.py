@@ -264,6 +264,7 @@ def test_worker_killed_mid_request_ends_with_error(
                 rest = list(events)
             not_streamed = waiting.result()
         assert not_streamed.status_code == 502
+        assert not_streamed.headers["x-kunlun-device"] == "cpu:0"  # errors name the device too
         assert not_streamed.json()["error"]["code"] == "worker_died"
         assert rest and "[DONE]" not in rest
         error = json.loads(rest[-1])["error"]

@@ -177,16 +177,16 @@ class Admission:
         return admitted
 
     def dispatch_all(self, retry_after_s: int = 1) -> None:
-        """Admit what can go in every backlog, and refuse (503) the waiters of a model that
-        no longer has any replica (its workload stopped). Called periodically, so that a
-        replica becoming ready or a raised limit lets the backlog move."""
-        served = set(self.replicas.models())
+        """Admit what can go in every backlog, and refuse (503) the waiters that no replica
+        will ever take: their model, or their pool, has no replica left (its workload
+        stopped). Called periodically, so that a replica becoming ready lets the backlog
+        move."""
+        pools: dict[str, set[str]] = {}
+        for replica in self.replicas.all():
+            pools.setdefault(replica.model, set()).add(replica.device_type)
         for model, backlog in list(self.backlogs.items()):
-            if not backlog.num_waiting:
-                continue
-            if model not in served:
-                self._refuse_all(model, backlog, retry_after_s)
-            else:
+            if backlog.num_waiting:
+                self._refuse_orphans(model, backlog, pools.get(model, set()), retry_after_s)
                 self.dispatch(model)
 
     def num_waiting(self) -> int:
@@ -210,17 +210,22 @@ class Admission:
         replica.outstanding_tokens += ticket.tokens
         ticket.replica = replica
 
-    def _refuse_all(self, model: str, backlog: Backlog, retry_after_s: int) -> None:
-        error = ServiceUnavailable(
-            f"model {model!r} is no longer served here (its workload stopped)",
-            retry_after_s=retry_after_s,
-        )
+    def _refuse_orphans(
+        self, model: str, backlog: Backlog, pools: set[str], retry_after_s: int
+    ) -> None:
+        """Refuse (503) the waiters no replica will take: ``pools`` (the device types of the
+        model's replicas, ready or not) is empty, or lacks the pool they asked for."""
         for queue in backlog.queues.values():
-            while queue:
-                ticket = queue.popleft()
+            orphans = [t for t in queue if not pools or (t.pool and t.pool not in pools)]
+            for ticket in orphans:
+                backlog.remove(ticket)
+                what = f"pool {ticket.pool!r} of model {model!r}" if pools else f"model {model!r}"
+                error = ServiceUnavailable(
+                    f"{what} is no longer served here (its workload stopped)",
+                    retry_after_s=retry_after_s,
+                )
                 if ticket.future is not None and not ticket.future.done():
                     ticket.future.set_exception(error)
-        backlog.num_waiting = 0
 
 
 def _weights(config: SchedulerConfig) -> dict[str, float]:

@@ -24,6 +24,7 @@ import difflib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -198,12 +199,12 @@ class SchedulerConfigSource:
         """The error of the last reload that failed (cleared by one that succeeds)."""
         self._signature: tuple[int, int] | None = None
         self._checked = 0.0
-        self._listeners: list[Any] = []
+        self._listeners: list[Callable[[SchedulerConfig], None]] = []
 
     def load(self) -> SchedulerConfig:
         """Read the file now; raises :class:`ConfigError` (the daemon refuses to start)."""
         self._signature = self._stat()
-        self.apply(load_scheduler_config(self.path) if self._signature else SchedulerConfig())
+        self.apply(self._read())
         return self.config
 
     def poll(self) -> bool:
@@ -221,7 +222,7 @@ class SchedulerConfigSource:
         """Re-read the file; on an error keep the config in force and log the error."""
         signature = self._stat()
         try:
-            config = load_scheduler_config(self.path) if signature else SchedulerConfig()
+            config = self._read()
         except ConfigError as exc:
             self._signature = signature  # do not re-report the same bad file every second
             self.last_error = exc
@@ -233,7 +234,7 @@ class SchedulerConfigSource:
         logger.warning("scheduler config reloaded from %s: policy %s", self.path, config.policy)
         return True
 
-    def on_change(self, listener: Any) -> None:
+    def on_change(self, listener: Callable[[SchedulerConfig], None]) -> None:
         """Call ``listener(config)`` now and after every successful (re)load."""
         self._listeners.append(listener)
         listener(self.config)
@@ -243,6 +244,12 @@ class SchedulerConfigSource:
         self.config = config
         for listener in self._listeners:
             listener(config)
+
+    def _read(self) -> SchedulerConfig:
+        """The file's config, or the defaults when there is no file."""
+        if self.path is None or not self.path.exists():
+            return SchedulerConfig()
+        return load_scheduler_config(self.path)
 
     def _stat(self) -> tuple[int, int] | None:
         if self.path is None:
