@@ -105,14 +105,19 @@ def test_a_device_hot_for_30_s_gets_half_its_weight_until_it_cools() -> None:
 
 
 def test_a_brief_cool_spell_restarts_the_thermal_clock() -> None:
-    samples = DeviceSamples(thermal_limit_c=85.0)
-    samples["npu:0"] = DeviceSample(None, 90.0, 100.0)
-    samples["npu:0"] = DeviceSample(None, 80.0, 110.0)
-    samples["npu:0"] = DeviceSample(None, 90.0, 120.0)
-    samples["npu:0"] = DeviceSample(None, 90.0, 145.0)
-    assert samples.hot_for_s("npu:0") == 25.0
-    samples.update({"npu:0": DeviceSample(None, None, 150.0)})  # unknown temperature: not hot
-    assert samples.hot_for_s("npu:0") == 0.0
+    samples = DeviceSamples()  # 85 C for 30 s halves the weight
+
+    def factor_after(temperature_c: float | None, ts: float) -> float:
+        samples["npu:0"] = DeviceSample(None, temperature_c, ts)
+        return samples.views["npu:0"].weight_factor
+
+    assert factor_after(90.0, 100.0) == 1.0
+    assert factor_after(80.0, 110.0) == 1.0  # cooled: the clock restarts
+    assert factor_after(90.0, 120.0) == 1.0
+    assert factor_after(90.0, 145.0) == 1.0  # 25 s
+    assert factor_after(90.0, 150.0) == 0.5  # 30 s in a row
+    samples.update({"npu:0": DeviceSample(None, None, 151.0)})  # unknown: not hot
+    assert samples.views["npu:0"].weight_factor == 1.0
 
 
 def test_pool_restricts_the_choice_to_its_device_type() -> None:

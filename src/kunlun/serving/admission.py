@@ -97,7 +97,8 @@ class Admission:
         backlog = self.backlogs.get(ticket.model)
         if backlog is not None and backlog.num_waiting:
             return None
-        replica = self.router.choose(self.replicas.ready(ticket.model), ticket.pool, ticket.tokens)
+        replicas = self.replicas.serving(ticket.model)
+        replica = self.router.choose(replicas, ticket.pool, ticket.tokens)
         if replica is not None:
             self._hold(replica, ticket)
         return replica
@@ -163,7 +164,7 @@ class Admission:
         admitted: list[Ticket] = []
         if backlog is None:
             return admitted
-        replicas = self.replicas.ready(model)
+        replicas = self.replicas.serving(model)
         weights = _weights(self.router.source.config)
         while backlog.num_waiting:
             ticket, replica = self._next(backlog, replicas, weights)
@@ -194,7 +195,7 @@ class Admission:
 
     # ---- internals ----
     def _next(
-        self, backlog: Backlog, replicas: list[Replica], weights: dict[str, float]
+        self, backlog: Backlog, replicas: tuple[Replica, ...], weights: dict[str, float]
     ) -> tuple[Ticket | None, Replica | None]:
         for priority in backlog.order(weights):
             for ticket in backlog.queues[priority]:

@@ -198,8 +198,9 @@ def _ticket(request: Request, body: bytes, replicas: ReplicaSet, state: GatewayS
             "the platform is shutting down and takes no new requests",
             retry_after_s=state.retry_after_s,
         )
-    candidates = replicas.ready(model)
-    if not candidates:
+    serving = replicas.serving(model)
+    first_ready = next((r for r in serving if r.ready), None)
+    if first_ready is None:
         served = replicas.models()
         if model not in served:
             names = ", ".join(served) or "none"
@@ -210,16 +211,16 @@ def _ticket(request: Request, body: bytes, replicas: ReplicaSet, state: GatewayS
     pool = headers.get(_POOL_KEY)
     if pool is not None:
         pool = pool.strip()
-        if not any(r.device_type == pool for r in candidates):
+        if not any(r.ready and r.device_type == pool for r in serving):
             _refuse_pool(model, pool, replicas, state)
     priority = resolve_priority(
-        header_priority, request.scope.get(KEY_PRIORITY_SCOPE), candidates[0].priority
+        header_priority, request.scope.get(KEY_PRIORITY_SCOPE), first_ready.priority
     )
     return Ticket(model, priority, pool, _token_estimate(payload, len(body)))
 
 
 def _refuse_pool(model: str, pool: str, replicas: ReplicaSet, state: GatewayState) -> None:
-    pools = sorted({r.device_type for r in replicas.all() if r.model == model})
+    pools = sorted({r.device_type for r in replicas.serving(model)})
     if pool in pools:
         raise ServiceUnavailable(
             f"no replica of model {model!r} in pool {pool!r} is ready yet",

@@ -31,9 +31,6 @@ class Replica:
     max_num_seqs: int = 8
     """Sequences the engine decodes together (the workload's ``batch_size``): the gateway
     sends at most this many requests at once and holds the rest in its own queue."""
-    weight: float = 1.0
-    """Relative speed of the replica for load-aware routing (outstanding tokens are divided
-    by it); 1.0 unless something knows better."""
     ready: bool = False
     in_flight: int = 0
     """Maintained by the gateway: requests sent and not yet finished."""
@@ -58,14 +55,28 @@ class ReplicaSet:
 
     _replicas: dict[str, Replica] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _by_model: dict[str, tuple[Replica, ...]] = field(default_factory=dict)
 
     def upsert(self, replica: Replica) -> None:
         with self._lock:
             self._replicas[replica.replica_id] = replica
+            self._index()
 
     def remove(self, replica_id: str) -> None:
         with self._lock:
             self._replicas.pop(replica_id, None)
+            self._index()
+
+    def _index(self) -> None:
+        by_model: dict[str, list[Replica]] = {}
+        for r in self._replicas.values():
+            by_model.setdefault(r.model, []).append(r)
+        self._by_model = {model: tuple(rs) for model, rs in by_model.items()}
+
+    def serving(self, model: str) -> tuple[Replica, ...]:
+        """Every replica of ``model``, ready or not: a snapshot the gateway reads for each
+        request (no copy, no lock; ``upsert`` and ``remove`` replace it)."""
+        return self._by_model.get(model, ())
 
     def get(self, replica_id: str) -> Replica | None:
         with self._lock:

@@ -7,11 +7,11 @@ that type:
 
 * ``round-robin`` takes the replicas in turn, skipping those without a free slot;
 * ``load-aware`` takes the one with the least outstanding tokens (the prompt estimate plus
-  ``max_tokens`` of each request in flight, the new one included), divided by the device's
-  weight. A device whose utilization is above ``min_gpu_utilization_threshold`` gets no new
-  request while another candidate's device is at or below it. A device hotter than the
-  thermal limit for ``duration_s`` in a row has its weight multiplied by ``weight_factor``
-  (one half by default) until a sample shows it cooled.
+  ``max_tokens`` of each request in flight, the new one included). A device whose
+  utilization is above ``min_gpu_utilization_threshold`` gets no new request while another
+  candidate's device is at or below it. A device hotter than the thermal limit for
+  ``duration_s`` in a row has its weight multiplied by ``weight_factor`` (one half by
+  default: its outstanding tokens count double) until a sample shows it cooled.
 
 Device utilization and temperature come from :class:`DeviceSamples`, a mapping from device id
 (``cuda:0``, ``ascend:3``) to :class:`DeviceSample` that anything may write (the telemetry
@@ -23,14 +23,16 @@ The decision is one pass over the candidates with no allocation: it runs for eve
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kunlun.errors import Location, RequestError
 from kunlun.serving.replica import Replica
-from kunlun.serving.scheduler_config import SchedulerConfig, SchedulerConfigSource
+from kunlun.serving.scheduler_config import SchedulerConfig, SchedulerConfigSource, ThermalConfig
 
 PRIORITIES = ("high", "normal", "low")
 """The priority classes, most urgent first (ties in fair queuing go to the earlier one)."""
@@ -71,21 +73,50 @@ class DeviceSample:
     ts: float
 
 
+class DeviceView(NamedTuple):
+    """What routing reads of a device, worked out when its sample is written."""
+
+    utilization_pct: float | None
+    weight_factor: float
+    """``thermal.weight_factor`` once the device has been hot long enough, else 1."""
+    fresh_until: float
+    """``ts + sample_max_age_s``: after this the sample is ignored."""
+
+
 class DeviceSamples(MutableMapping[str, DeviceSample]):
     """Latest sample per device id, remembering since when each device has been above the
-    thermal limit (every sample written is checked, so brief cool spells reset it)."""
+    thermal limit (every sample written is checked, so a cool reading resets it).
 
-    def __init__(self, thermal_limit_c: float = 85.0) -> None:
-        self.thermal_limit_c = thermal_limit_c
+    Writing a sample also works out its :class:`DeviceView` under the thermal settings and
+    sample age in force (:meth:`configure`), so the per-request decision only looks it up."""
+
+    def __init__(self, thermal: ThermalConfig | None = None, max_age_s: float = 10.0) -> None:
+        self.thermal = thermal or ThermalConfig()
+        self.max_age_s = max_age_s
+        self.views: dict[str, DeviceView] = {}
+        """Device id -> what routing reads (kept in step with the samples)."""
         self._samples: dict[str, DeviceSample] = {}
         self._hot_since: dict[str, float] = {}
 
+    def configure(self, thermal: ThermalConfig, max_age_s: float) -> None:
+        """New thermal settings and sample age: every device's view is worked out again."""
+        self.thermal, self.max_age_s = thermal, max_age_s
+        for device_id, sample in list(self._samples.items()):
+            self._hot_since.pop(device_id, None)
+            self[device_id] = sample
+
     def __setitem__(self, device_id: str, sample: DeviceSample) -> None:
         self._samples[device_id] = sample
-        if sample.temperature_c is not None and sample.temperature_c > self.thermal_limit_c:
-            self._hot_since.setdefault(device_id, sample.ts)
+        factor = 1.0
+        if sample.temperature_c is not None and sample.temperature_c > self.thermal.limit_c:
+            since = self._hot_since.setdefault(device_id, sample.ts)
+            if sample.ts - since >= self.thermal.duration_s:
+                factor = self.thermal.weight_factor
         else:
             self._hot_since.pop(device_id, None)
+        self.views[device_id] = DeviceView(
+            sample.utilization_pct, factor, sample.ts + self.max_age_s
+        )
 
     def __getitem__(self, device_id: str) -> DeviceSample:
         return self._samples[device_id]
@@ -93,20 +124,13 @@ class DeviceSamples(MutableMapping[str, DeviceSample]):
     def __delitem__(self, device_id: str) -> None:
         del self._samples[device_id]
         self._hot_since.pop(device_id, None)
+        self.views.pop(device_id, None)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._samples)
 
     def __len__(self) -> int:
         return len(self._samples)
-
-    def get(self, device_id: str, default: DeviceSample | None = None) -> DeviceSample | None:  # type: ignore[override]
-        return self._samples.get(device_id, default)
-
-    def hot_for_s(self, device_id: str) -> float:
-        """How long the device has been above the limit, up to its latest sample (0 if not)."""
-        since = self._hot_since.get(device_id)
-        return 0.0 if since is None else self._samples[device_id].ts - since
 
 
 class Router:
@@ -119,57 +143,62 @@ class Router:
         source.on_change(self._configure)
 
     def _configure(self, config: SchedulerConfig) -> None:
-        self.samples.thermal_limit_c = config.thermal.limit_c
+        self.samples.configure(config.thermal, config.sample_max_age_s)
 
     def choose(self, replicas: Sequence[Replica], pool: str | None, tokens: int) -> Replica | None:
-        """The replica to send a request of about ``tokens`` tokens to, among ``replicas``
-        (ready, one model); None when none matching ``pool`` has a free slot."""
+        """The replica to send a request of about ``tokens`` tokens to, among the ready ones
+        of ``replicas`` (one model's); None when none matching ``pool`` has a free slot."""
         config = self.source.config
         if config.policy == "round-robin":
             return self._round_robin(replicas, pool)
-        return self._load_aware(replicas, pool, tokens, config)
+        return self._load_aware(replicas, pool, tokens, config.min_gpu_utilization_threshold)
 
     def _round_robin(self, replicas: Sequence[Replica], pool: str | None) -> Replica | None:
         n = len(replicas)
         start = self._turn
         for i in range(n):
             replica = replicas[(start + i) % n]
-            if replica.in_flight < replica.slots and (pool is None or replica.device_type == pool):
+            if (
+                replica.ready
+                and replica.in_flight < replica.slots
+                and (pool is None or replica.device_type == pool)
+            ):
                 self._turn = start + i + 1
                 return replica
         return None
 
     def _load_aware(
-        self, replicas: Sequence[Replica], pool: str | None, tokens: int, config: SchedulerConfig
+        self, replicas: Sequence[Replica], pool: str | None, tokens: int, threshold: float
     ) -> Replica | None:
-        threshold_pct = config.min_gpu_utilization_threshold * 100.0
-        oldest = time.time() - config.sample_max_age_s
-        thermal = config.thermal
-        samples = self.samples
+        threshold_pct = threshold * 100.0
+        now = time.time()
+        view_of = self.samples.views.get
         best_cool: Replica | None = None
         best_any: Replica | None = None
         score_cool = score_any = math.inf
-        n = len(replicas)
-        start = self._turn  # equal scores take turns
-        self._turn += 1
-        for i in range(n):
-            replica = replicas[(start + i) % n]
-            if replica.in_flight >= replica.slots or (
-                pool is not None and replica.device_type != pool
+        # start at a different replica each time, so that equal scores take turns
+        self._turn = start = (self._turn + 1) % (len(replicas) or 1)
+        for replica in itertools.chain(replicas[start:], replicas[:start]):
+            in_flight = replica.in_flight
+            if (
+                not replica.ready
+                or in_flight >= replica.max_num_seqs
+                or in_flight >= replica.max_queue
+                or (pool is not None and replica.device_type != pool)
             ):
                 continue
-            utilization = None
-            weight = replica.weight
-            sample = samples.get(replica.device)
-            if sample is not None and sample.ts >= oldest:
-                utilization = sample.utilization_pct
-                if samples.hot_for_s(replica.device) >= thermal.duration_s:
-                    weight *= thermal.weight_factor
-            if utilization is None:
-                utilization = 100.0 * replica.in_flight / replica.max_num_seqs
-            score = (replica.outstanding_tokens + tokens) / weight
+            score: float = replica.outstanding_tokens + tokens
+            view = view_of(replica.device)
+            if view is not None and view.fresh_until >= now:
+                utilization = view.utilization_pct
+                score /= view.weight_factor
+            else:
+                utilization = None
             if score < score_any:
                 best_any, score_any = replica, score
-            if utilization <= threshold_pct and score < score_cool:
-                best_cool, score_cool = replica, score
+            if score < score_cool:
+                if utilization is None:
+                    utilization = 100.0 * in_flight / replica.max_num_seqs
+                if utilization <= threshold_pct:
+                    best_cool, score_cool = replica, score
         return best_cool if best_cool is not None else best_any

@@ -47,28 +47,40 @@ class _Strict(BaseModel):
 class PriorityWeights(_Strict):
     """Weighted-fair-queuing weights: a backlogged class is admitted in proportion to them."""
 
-    high: float = Field(3.0, gt=0, le=1000, description="Weight of priority class high.")
-    normal: float = Field(2.0, gt=0, le=1000, description="Weight of priority class normal.")
-    low: float = Field(1.0, gt=0, le=1000, description="Weight of priority class low.")
+    high: float = Field(default=3.0, gt=0, le=1000, description="Weight of priority class high.")
+    normal: float = Field(
+        default=2.0, gt=0, le=1000, description="Weight of priority class normal."
+    )
+    low: float = Field(default=1.0, gt=0, le=1000, description="Weight of priority class low.")
 
 
 class QueueLimits(_Strict):
     """Requests of one class that may wait in the gateway for one model; one more gets 429."""
 
-    high: int = Field(256, ge=0, le=1_000_000, description="Waiting high requests per model.")
-    normal: int = Field(256, ge=0, le=1_000_000, description="Waiting normal requests per model.")
-    low: int = Field(256, ge=0, le=1_000_000, description="Waiting low requests per model.")
+    high: int = Field(
+        default=256, ge=0, le=1_000_000, description="Waiting high requests per model."
+    )
+    normal: int = Field(
+        default=256, ge=0, le=1_000_000, description="Waiting normal requests per model."
+    )
+    low: int = Field(default=256, ge=0, le=1_000_000, description="Waiting low requests per model.")
 
 
 class ThermalConfig(_Strict):
     """A device hotter than ``limit_c`` for ``duration_s`` in a row is derated until it cools."""
 
-    limit_c: float = Field(85.0, gt=0, le=200, description="Temperature limit, Celsius.")
+    limit_c: float = Field(default=85.0, gt=0, le=200, description="Temperature limit, Celsius.")
     duration_s: float = Field(
-        30.0, ge=0, le=3600, description="How long above the limit before derating, seconds."
+        default=30.0,
+        ge=0,
+        le=3600,
+        description="How long above the limit before derating, seconds.",
     )
     weight_factor: float = Field(
-        0.5, gt=0, le=1, description="Load-aware weight of a derated device (1 = no derating)."
+        default=0.5,
+        gt=0,
+        le=1,
+        description="Load-aware weight of a derated device (1 = no derating).",
     )
 
 
@@ -76,19 +88,22 @@ class SchedulerConfig(_Strict):
     """The gateway's admission and routing settings (defaults when the file is absent)."""
 
     policy: Literal["round-robin", "load-aware"] = Field(
-        "load-aware",
+        default="load-aware",
         description="Replica choice: take turns, or least outstanding tokens with the "
         "utilization threshold and thermal derating.",
     )
     min_gpu_utilization_threshold: float = Field(
-        0.7,
+        default=0.7,
         description="load-aware: a device busier than this fraction (0 to 1) gets no new "
         "requests while another candidate's device is at or below it.",
     )
     priority_weights: PriorityWeights = Field(default_factory=PriorityWeights)
     queue_limits: QueueLimits = Field(default_factory=QueueLimits)
     sample_max_age_s: float = Field(
-        10.0, gt=0, le=3600, description="Device samples older than this are ignored, seconds."
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="Device samples older than this are ignored, seconds.",
     )
     thermal: ThermalConfig = Field(default_factory=ThermalConfig)
 
