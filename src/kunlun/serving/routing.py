@@ -18,7 +18,9 @@ Device utilization and temperature come from :class:`DeviceSamples`, a mapping f
 collector does); samples older than ``sample_max_age_s`` are ignored. Without a fresh
 utilization figure a replica's own occupancy (in flight / ``max_num_seqs``) stands in for it.
 
-The decision is one pass over the candidates with no allocation: it runs for every request.
+The decision is one pass over the candidates that allocates nothing per replica (device
+figures are worked out when a sample is written, not when a request comes): it runs for
+every request.
 """
 
 from __future__ import annotations
