@@ -46,6 +46,8 @@ PROMPTS = [
     "One, two, three,",
 ]
 """Short prompts (well under one 16-token KV block)."""
+MAX_NUM_SEQS = 16
+"""The worker's batch, and so the gateway's slots for its replica."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -68,7 +70,8 @@ def serve_gateway(worker_url: str, ready_file: str) -> None:
     from kunlun.serving.worker import bind_socket
 
     replicas, state = ReplicaSet(), GatewayState()
-    replicas.upsert(Replica("r1", "w1", MODEL, "cpu:0", worker_url, ready=True))
+    replicas.upsert(Replica("r1", "w1", MODEL, "cpu:0", worker_url, ready=True,
+                            max_num_seqs=MAX_NUM_SEQS))  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> Any:
@@ -109,7 +112,7 @@ def start_processes(
     from kunlun.serving.worker import worker_command
 
     command = worker_command(demo_model_dir(), MODEL, ready_file=folder / "worker.json",
-                             max_num_seqs=16, kv_cache_memory_mb=256, max_model_len=1024,
+                             max_num_seqs=MAX_NUM_SEQS, kv_cache_memory_mb=256, max_model_len=1024,
                              num_threads=num_threads)  # fmt: skip
     log = (folder / "worker.log").open("wb")
     worker = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

@@ -54,6 +54,7 @@ def test_chat_answers_paris_through_the_gateway(client: openai.OpenAI) -> None:
     )
     assert raw.headers["x-kunlun-replica"] == "r1"
     assert raw.headers["x-kunlun-device"] == "cpu:0"
+    assert raw.headers["x-kunlun-priority"] == "normal"
     assert raw.headers["x-request-id"] == "req-paris"
     completion = raw.parse()
     assert "Paris" in completion.choices[0].message.content
@@ -192,6 +193,37 @@ def test_full_queue_answers_429_with_retry_after(
     assert wait_until(lambda: replica.in_flight == 0)
 
 
+def test_requests_beyond_max_num_seqs_wait_in_the_gateway_and_leave_when_clients_do(
+    client: openai.OpenAI, gateway: GatewayServer, worker: WorkerProcess
+) -> None:
+    replica, admission = gateway.replicas.get("r1"), gateway.state.admission
+    replica.max_num_seqs = 1
+    url = f"{gateway.base_url}/v1/completions"
+    try:
+        with client.completions.create(
+            model=MODEL,
+            prompt="Count:",
+            max_tokens=400,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ) as stream:
+            next(iter(stream))
+            with ThreadPoolExecutor(1) as pool:
+                body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+                queued = pool.submit(httpx.post, url, json=body, timeout=3.0)
+                assert wait_until(lambda: admission.num_waiting() == 1)
+                assert worker.stats()["num_unfinished_requests"] == 1  # it waits here
+                assert replica.in_flight == 1
+                with pytest.raises(httpx.ReadTimeout):
+                    queued.result()  # the client gives up while queued ...
+            assert wait_until(lambda: admission.num_waiting() == 0)  # ... and leaves the queue
+            assert replica.in_flight == 1
+    finally:
+        replica.max_num_seqs = 8
+    assert wait_until(lambda: replica.in_flight == 0 and replica.outstanding_tokens == 0)
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+
+
 def test_client_disconnect_aborts_generation(
     client: openai.OpenAI, gateway: GatewayServer, worker: WorkerProcess
 ) -> None:
@@ -232,6 +264,7 @@ def test_worker_killed_mid_request_ends_with_error(
                 rest = list(events)
             not_streamed = waiting.result()
         assert not_streamed.status_code == 502
+        assert not_streamed.headers["x-kunlun-device"] == "cpu:0"  # errors name the device too
         assert not_streamed.json()["error"]["code"] == "worker_died"
         assert rest and "[DONE]" not in rest
         error = json.loads(rest[-1])["error"]

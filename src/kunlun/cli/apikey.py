@@ -33,19 +33,31 @@ def _remote() -> DaemonClient | None:
 
 @app.command()
 @handle_errors
-def create(name: str, json: Annotated[bool, typer.Option("--json")] = False) -> None:
+def create(
+    name: str,
+    priority: Annotated[
+        str | None,
+        typer.Option(
+            help="Priority class of the key's requests: high, normal or low (default: the "
+            "workload's; the X-Kunlun-Priority header still overrides it)."
+        ),
+    ] = None,
+    json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
     """Create a key; it is printed once and never stored in clear."""
     remote = _remote()
     if remote:
-        out = remote.post("/api/v1/apikeys", json={"name": name})
+        out = remote.post("/api/v1/apikeys", json={"name": name, "priority": priority})
     else:
-        record, secret = create_key(_store(), name)
-        out = {"key_id": record.key_id, "name": record.name, "key": secret}
+        record, secret = create_key(_store(), name, priority)
+        out = {"key_id": record.key_id, "name": record.name, "key": secret,
+               "priority": record.priority}  # fmt: skip
     if json:
         print_json(out)
         return
+    klass = f", priority {out['priority']}" if out.get("priority") else ""
     console.print(
-        f"created key {out['key_id']} ({out['name']}); store it now, it is not shown again:"
+        f"created key {out['key_id']} ({out['name']}{klass}); store it now, it is not shown again:"
     )
     console.print(out["key"], markup=False)
 
@@ -59,7 +71,13 @@ def list_keys(json: Annotated[bool, typer.Option("--json")] = False) -> None:
         remote.get("/api/v1/apikeys")
         if remote
         else [
-            {"key_id": k.key_id, "name": k.name, "created": k.created, "revoked": k.revoked}
+            {
+                "key_id": k.key_id,
+                "name": k.name,
+                "created": k.created,
+                "revoked": k.revoked,
+                "priority": k.priority,
+            }
             for k in _store().list_api_keys()
         ]
     )
@@ -67,7 +85,7 @@ def list_keys(json: Annotated[bool, typer.Option("--json")] = False) -> None:
         print_json(rows)
         return
     table = Table(title="API keys", title_justify="left")
-    for col in ("KEY ID", "NAME", "CREATED", "STATE"):
+    for col in ("KEY ID", "NAME", "PRIORITY", "CREATED", "STATE"):
         table.add_column(col)
     for k in rows:
         state = (
@@ -76,7 +94,11 @@ def list_keys(json: Annotated[bool, typer.Option("--json")] = False) -> None:
             else "active"
         )
         table.add_row(
-            k["key_id"], k["name"], f"{datetime.fromtimestamp(k['created']):%Y-%m-%d %H:%M}", state
+            k["key_id"],
+            k["name"],
+            k.get("priority") or "-",
+            f"{datetime.fromtimestamp(k['created']):%Y-%m-%d %H:%M}",
+            state,
         )
     console.print(table)
 

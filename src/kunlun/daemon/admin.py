@@ -116,15 +116,25 @@ def admin_router(platform: Platform) -> APIRouter:
     @router.get("/apikeys")
     async def list_keys() -> list[dict[str, Any]]:
         return [
-            {"key_id": k.key_id, "name": k.name, "created": k.created, "revoked": k.revoked}
+            {
+                "key_id": k.key_id,
+                "name": k.name,
+                "created": k.created,
+                "revoked": k.revoked,
+                "priority": k.priority,
+            }
             for k in platform.store.list_api_keys()
         ]
 
     @router.post("/apikeys")
     async def new_key(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
-        record, secret = create_key(platform.store, str(body.get("name", "")))
+        priority = body.get("priority")
+        record, secret = create_key(
+            platform.store, str(body.get("name", "")), None if priority is None else str(priority)
+        )
         platform.keyring.refresh(force=True)
-        return {"key_id": record.key_id, "name": record.name, "key": secret}
+        return {"key_id": record.key_id, "name": record.name, "key": secret,
+                "priority": record.priority}  # fmt: skip
 
     @router.delete("/apikeys/{key}")
     async def revoke(key: str) -> dict[str, Any]:

@@ -37,6 +37,9 @@ from kunlun.node.agent import NodeAgent
 from kunlun.serving.gateway import GatewayState, error_response, gateway_router
 from kunlun.serving.protocol import AuthenticationError, error_json
 from kunlun.serving.replica import ReplicaSet
+from kunlun.serving.routing import KEY_PRIORITY_SCOPE
+from kunlun.serving.scheduler_config import FILE_NAME as SCHEDULER_CONFIG
+from kunlun.serving.scheduler_config import SchedulerConfigSource
 from kunlun.state.api_keys import KeyRing
 from kunlun.state.sqlite import SQLiteStore
 from kunlun.workload.manager import WorkloadManager
@@ -65,7 +68,13 @@ class Platform:
         return build_inventory(config=self.config)
 
 
-def make_platform(home: Path, config: Path | None = None) -> Platform:
+def make_platform(
+    home: Path, config: Path | None = None, scheduler_config: Path | None = None
+) -> Platform:
+    """The daemon's parts. ``scheduler_config`` defaults to ``KUNLUN_HOME/scheduler_config.yaml``
+    (absent: the defaults); a bad one raises :class:`~kunlun.errors.ConfigError`."""
+    scheduler = SchedulerConfigSource(scheduler_config or home / SCHEDULER_CONFIG)
+    scheduler.load()
     store = SQLiteStore(home / "state.db")
     replicas = ReplicaSet()
     holder: dict[str, WorkloadManager] = {}
@@ -75,7 +84,7 @@ def make_platform(home: Path, config: Path | None = None) -> Platform:
         store, agent, replicas, lambda: build_inventory(config=platform_config)
     )
     holder["m"] = manager
-    gateway = GatewayState()
+    gateway = GatewayState(scheduler=scheduler)
     request_log = RequestLog(home / "logs" / "requests.jsonl")
     files = FileStore(home / "files", store)
     send = in_process_sender(RequestLogMiddleware(gateway_app(replicas, gateway), request_log))
@@ -112,6 +121,9 @@ class ApiKeyMiddleware:
             elif name == b"x-api-key":
                 key = value.decode("latin-1").strip()
         if self.keyring.verify(key):
+            priority = self.keyring.priority(key)
+            if priority is not None:
+                scope[KEY_PRIORITY_SCOPE] = priority  # the request's class unless its header says
             await self.app(scope, receive, send)
             return
         message = "missing API key" if not key else "invalid API key"

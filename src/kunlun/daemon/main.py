@@ -138,6 +138,13 @@ def serve(
     demo: Annotated[
         bool, typer.Option("--demo", help="Import the demo model and serve it as 'smollm2'.")
     ] = False,
+    scheduler_config: Annotated[
+        Path | None,
+        typer.Option(
+            help="scheduler_config.yaml (default: KUNLUN_HOME/scheduler_config.yaml if present); "
+            "reloaded when it changes."
+        ),
+    ] = None,
 ) -> None:
     """Run the Kunlun Platform daemon in the foreground."""
     if ctx.invoked_subcommand is not None:
@@ -155,7 +162,9 @@ def serve(
         config = home / "device-plugin-config.yaml"
     if config is not None and not config.exists():
         raise ConfigError("device config not found", location=Location(str(config)))
-    platform = make_platform(home, config)
+    if scheduler_config is not None and not scheduler_config.exists():
+        raise ConfigError("scheduler config not found", location=Location(str(scheduler_config)))
+    platform = make_platform(home, config, scheduler_config)
     if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:
         raise DaemonError(
             f"refusing to listen on {host} with no API key configured",

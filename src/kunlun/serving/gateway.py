@@ -1,24 +1,31 @@
-"""The OpenAI-compatible gateway: picks a replica for each request and proxies to it.
+"""The OpenAI-compatible gateway: admits each request, picks a replica and proxies to it.
 
 :func:`gateway_router` serves ``GET /v1/models``, ``POST /v1/chat/completions`` and
-``POST /v1/completions`` over a :class:`ReplicaSet`. For each request it reads only the
-``model`` field, picks a ready replica (:func:`choose_replica`) and relays the worker's
-answer byte for byte (status, body, ``X-Request-Id``), adding ``X-Kunlun-Replica`` and
-``X-Kunlun-Device``. Refusals use the OpenAI error shape: unknown model 404 (listing the
-served ones), nothing ready or draining 503, every queue full 429 with ``Retry-After``.
+``POST /v1/completions`` over a :class:`ReplicaSet`. For each request it reads the ``model``
+(and, for the load estimate, ``max_tokens`` and ``n``), the ``X-Kunlun-Priority`` and
+``X-Kunlun-Pool`` headers, admits it to a replica with a free slot or holds it in the
+gateway's fair queue (:mod:`~kunlun.serving.admission`, replica choice by
+:mod:`~kunlun.serving.routing`), and relays the worker's answer byte for byte (status, body,
+``X-Request-Id``), adding ``X-Kunlun-Replica``, ``X-Kunlun-Device`` and the class it ran
+at, ``X-Kunlun-Priority``. Refusals use the OpenAI error shape: a bad priority header 400,
+unknown model or pool 404 (listing the served ones), nothing ready or draining 503, a full
+class queue 429 with ``Retry-After``.
 
 A worker that dies mid-stream ends the client's stream with one SSE error event (code
 ``worker_died``) and no ``[DONE]``; one that dies before answering gives 502. A client that
 disconnects closes the upstream response at once, which makes the worker abort the
 generation. Each request holds one unit of its replica's ``in_flight`` while its exchange
-with the worker runs, released whatever the ending.
+with the worker runs, released whatever the ending; a request still waiting in the queue
+when its client leaves is taken out of it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
+import contextlib
 import json
+import logging
+import signal
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,8 +34,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from kunlun.errors import KunlunError, RequestError
+from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.serving import sse
+from kunlun.serving.admission import Admission, Ticket
 from kunlun.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,6 +49,16 @@ from kunlun.serving.protocol import (
     param_error,
 )
 from kunlun.serving.replica import Replica, ReplicaSet
+from kunlun.serving.routing import (
+    KEY_PRIORITY_SCOPE,
+    POOL_HEADER,
+    PRIORITY_HEADER,
+    DeviceSamples,
+    PoolNotFound,
+    Router,
+    resolve_priority,
+)
+from kunlun.serving.scheduler_config import SchedulerConfigSource
 from kunlun.serving.upstream import (
     UpstreamBroken,
     UpstreamError,
@@ -54,6 +72,14 @@ _FORWARDED = (b"content-type", b"content-length", b"x-request-id", b"cache-contr
 _SSE = sse.MEDIA_TYPE.encode()
 _CHAT_BODY = openapi_body(ChatCompletionRequest)
 _COMPLETION_BODY = openapi_body(CompletionRequest)
+_PRIORITY_KEY = PRIORITY_HEADER.lower()
+_POOL_KEY = POOL_HEADER.lower()
+DEFAULT_MAX_TOKENS_ESTIMATE = 256
+"""Tokens counted for a request that sets no ``max_tokens`` (load-aware routing)."""
+TICK_S = 0.2
+"""How often the background task looks at the scheduler config and the backlogs."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -68,36 +94,56 @@ class GatewayState:
     connect_timeout_s: float = 5.0
     """How long to wait for a worker to accept a connection."""
     num_active: int = 0
-    """Requests admitted and not yet answered, over all replicas (for draining)."""
+    """Requests admitted or waiting and not yet answered, over all replicas (for draining)."""
+    scheduler: SchedulerConfigSource = field(default_factory=SchedulerConfigSource)
+    """``scheduler_config.yaml`` in force (reloaded when the file changes, and on SIGHUP)."""
+    samples: DeviceSamples = field(default_factory=DeviceSamples)
+    """Device id -> latest :class:`~kunlun.serving.routing.DeviceSample`; telemetry writes it."""
+    router: Router = field(init=False, repr=False)
+    admission: Admission | None = field(default=None, repr=False)
+    """Slots and backlogs (made by :func:`gateway_router`)."""
     upstream: UpstreamPool | None = field(default=None, repr=False)
     """Shared keep-alive connections to the workers (made by :meth:`start`)."""
+    _ticker: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.router = Router(self.scheduler, self.samples)
 
     async def start(self) -> None:
-        """Open the connection pool (call from the app's lifespan, in its event loop)."""
+        """Open the connection pool and start the background task that reloads the scheduler
+        config and moves the backlogs (call from the app's lifespan, in its event loop).
+        In the main thread, SIGHUP reloads the scheduler config too."""
         if self.upstream is None:
             self.upstream = UpstreamPool(connect_timeout_s=self.connect_timeout_s)
+        if self._ticker is None:
+            self._ticker = asyncio.create_task(self._tick())
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.scheduler.reload)
 
     async def close(self) -> None:
-        """Close every pooled connection."""
+        """Stop the background task and close every pooled connection."""
+        ticker, self._ticker = self._ticker, None
+        if ticker is not None:
+            ticker.cancel()
         upstream, self.upstream = self.upstream, None
         if upstream is not None:
             await upstream.close()
 
-
-_ties = itertools.count()
-
-
-def choose_replica(candidates: list[Replica]) -> Replica:
-    """The replica with the fewest requests in flight; ties take turns (round-robin).
-    ``candidates`` is non-empty and holds only replicas with room in their queue."""
-    least = min(r.in_flight for r in candidates)
-    tied = [r for r in candidates if r.in_flight == least]
-    return tied[next(_ties) % len(tied)] if len(tied) > 1 else tied[0]
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                self.scheduler.poll()
+                if self.admission is not None and self.admission.num_waiting():
+                    self.admission.dispatch_all(self.retry_after_s)
+            except Exception:  # keep serving; the next tick tries again
+                logger.exception("gateway background task")
 
 
 def gateway_router(replicas: ReplicaSet, state: GatewayState) -> APIRouter:
     """The ``/v1`` routes, to mount at the root of the daemon's app."""
     router = APIRouter()
+    state.admission = Admission(replicas, state.router)
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
@@ -127,16 +173,16 @@ async def _proxy(
 ) -> Response:
     body = await request.body()
     try:
-        model = _model_of(body)
-        request.state.model = model  # for the daemon's request log
-        replica = _admit(model, replicas, state)
+        ticket = _ticket(request, body, replicas, state)
+        request.state.model = ticket.model  # for the daemon's request log
     except KunlunError as exc:
         return error_response(exc)
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    return _Upstream(state, replica, path, body, request_id)  # counted in flight while it runs
+    return _Upstream(state, ticket, path, body, request_id)  # admitted when it runs
 
 
-def _model_of(body: bytes) -> str:
+def _ticket(request: Request, body: bytes, replicas: ReplicaSet, state: GatewayState) -> Ticket:
+    """What admission needs to know of a request, or the error that refuses it at once."""
     try:
         payload = json.loads(body)
     except ValueError as exc:
@@ -144,18 +190,18 @@ def _model_of(body: bytes) -> str:
     model = payload.get("model") if isinstance(payload, dict) else None
     if not isinstance(model, str):
         raise param_error("model", "the request has no model name (field 'model')")
-    return model
-
-
-def _admit(model: str, replicas: ReplicaSet, state: GatewayState) -> Replica:
-    """The replica that takes a request for ``model``, or the error that refuses it."""
+    headers = request.headers
+    header_priority = headers.get(_PRIORITY_KEY)
+    if header_priority is not None:
+        resolve_priority(header_priority, None, "normal")  # a bad value is a 400 first
     if state.draining:
         raise ServiceUnavailable(
             "the platform is shutting down and takes no new requests",
             retry_after_s=state.retry_after_s,
         )
-    candidates = replicas.ready(model)
-    if not candidates:
+    serving = replicas.serving(model)
+    first_ready = next((r for r in serving if r.ready), None)
+    if first_ready is None:
         served = replicas.models()
         if model not in served:
             names = ", ".join(served) or "none"
@@ -163,38 +209,80 @@ def _admit(model: str, replicas: ReplicaSet, state: GatewayState) -> Replica:
         raise ServiceUnavailable(
             f"no replica of model {model!r} is ready yet", retry_after_s=state.retry_after_s
         )
-    open_ = [r for r in candidates if r.in_flight < r.max_queue]
-    if not open_:
-        raise QueueFull(
-            f"every replica of model {model!r} has its queue full "
-            f"({sum(r.in_flight for r in candidates)} requests in flight)",
+    pool = headers.get(_POOL_KEY)
+    if pool is not None:
+        pool = pool.strip()
+        if not any(r.ready and r.device_type == pool for r in serving):
+            _refuse_pool(model, pool, replicas, state)
+    priority = resolve_priority(
+        header_priority, request.scope.get(KEY_PRIORITY_SCOPE), first_ready.priority
+    )
+    return Ticket(model, priority, pool, _token_estimate(payload, len(body)))
+
+
+def _refuse_pool(model: str, pool: str, replicas: ReplicaSet, state: GatewayState) -> None:
+    pools = sorted({r.device_type for r in replicas.serving(model)})
+    if pool in pools:
+        raise ServiceUnavailable(
+            f"no replica of model {model!r} in pool {pool!r} is ready yet",
             retry_after_s=state.retry_after_s,
         )
-    return choose_replica(open_)
+    raise PoolNotFound(
+        f"model {model!r} has no replica in pool {pool!r} (header {POOL_HEADER}); "
+        f"pools serving it: {', '.join(pools)}",
+        location=Location("request", field=POOL_HEADER),
+    )
+
+
+def _token_estimate(payload: dict[str, Any], body_bytes: int) -> int:
+    """Prompt tokens (about four body bytes each) plus ``max_tokens`` for each of ``n``."""
+    max_tokens = payload.get("max_tokens") or payload.get("max_completion_tokens")
+    n = payload.get("n")
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        max_tokens = DEFAULT_MAX_TOKENS_ESTIMATE
+    if not isinstance(n, int) or n < 1:
+        n = 1
+    return body_bytes // 4 + max_tokens * n
 
 
 class _Upstream(Response):
-    """The response to one admitted request: sends it to the replica and relays the answer.
+    """The response to one request: admits it, sends it to its replica, relays the answer.
 
-    Its ``__call__`` holds one unit of the replica's ``in_flight`` from its first line to its
-    ``finally``, so the unit is taken and released exactly once however the exchange ends. A task watches for the client disconnecting and
-    cancels the relay, which closes the upstream connection (the worker then aborts)."""
+    Its ``__call__`` takes a replica slot (at once, or after waiting in the gateway's queue)
+    and gives it back in its ``finally``, so the slot is taken and released exactly once
+    however the exchange ends. A task watches for the client disconnecting and cancels the
+    wait or the relay, which takes the request out of the queue or closes the upstream
+    connection (the worker then aborts)."""
 
     def __init__(
-        self, state: GatewayState, replica: Replica, path: str, body: bytes, request_id: str
+        self, state: GatewayState, ticket: Ticket, path: str, body: bytes, request_id: str
     ) -> None:
-        self.state, self.replica = state, replica
+        self.state, self.ticket = state, ticket
+        self.replica: Replica | None = None
         self.path, self.payload, self.request_id = path, body, request_id
         self.status_code, self.raw_headers, self.background = 200, [], None
         self._ended = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.replica.in_flight += 1
+        admission = self.state.admission
+        if admission is None:
+            raise RuntimeError("gateway_router() did not set up admission")
         self.state.num_active += 1
         relay = asyncio.current_task()
         watcher = asyncio.ensure_future(self._watch(receive, relay))
         try:
-            await self._exchange(send)
+            replica = admission.try_admit(self.ticket)
+            if replica is None:
+                try:
+                    replica = await admission.wait(self.ticket, self.state.retry_after_s)
+                except (QueueFull, ServiceUnavailable) as exc:
+                    await self._send_error(send, exc)
+                    return
+            self.replica = replica
+            try:
+                await self._exchange(send, replica)
+            finally:
+                admission.release(self.ticket)
         except asyncio.CancelledError:
             if not watcher.done() or watcher.cancelled():
                 raise  # cancelled from elsewhere
@@ -203,7 +291,6 @@ class _Upstream(Response):
         finally:
             self._ended = True
             watcher.cancel()
-            self.replica.in_flight -= 1
             self.state.num_active -= 1
 
     async def _watch(self, receive: Receive, relay: asyncio.Task[Any] | None) -> None:
@@ -212,26 +299,27 @@ class _Upstream(Response):
         if not self._ended and relay is not None:
             relay.cancel()
 
-    async def _exchange(self, send: Send) -> None:
+    async def _exchange(self, send: Send, replica: Replica) -> None:
         pool = self.state.upstream
         if pool is None:
             raise RuntimeError("GatewayState.start() was not called")
         headers = [(b"content-type", b"application/json"),
                    (b"x-request-id", self.request_id.encode())]  # fmt: skip
         try:
-            upstream = await pool.post(self.replica.base_url, self.path, headers, self.payload)
+            upstream = await pool.post(replica.base_url, self.path, headers, self.payload)
         except UpstreamError as exc:
-            await self._send_error(send, self._unreachable(exc))
+            await self._send_error(send, self._unreachable(replica, exc))
             return
         try:
-            await self._relay(upstream, send)
+            await self._relay(upstream, send, replica)
         finally:
             await upstream.close()
 
-    async def _relay(self, upstream: UpstreamResponse, send: Send) -> None:
+    async def _relay(self, upstream: UpstreamResponse, send: Send, replica: Replica) -> None:
         raw = [(k, v) for k, v in upstream.headers if k in _FORWARDED]
-        raw += [(b"x-kunlun-replica", self.replica.replica_id.encode()),
-                (b"x-kunlun-device", self.replica.device.encode())]  # fmt: skip
+        raw += [(b"x-kunlun-replica", replica.replica_id.encode()),
+                (b"x-kunlun-device", replica.device.encode()),
+                (b"x-kunlun-priority", self.ticket.priority.encode())]  # fmt: skip
         await send({"type": "http.response.start", "status": upstream.status_code, "headers": raw})
         last = b"\n\n"
         try:
@@ -241,7 +329,7 @@ class _Upstream(Response):
         except UpstreamBroken as exc:
             if (upstream.header(b"content-type") or b"").startswith(_SSE):
                 separator = b"" if last.endswith(b"\n\n") else b"\n\n"
-                event = separator + sse.error_event(self._died(exc))
+                event = separator + sse.error_event(self._died(replica, exc))
                 await send({"type": "http.response.body", "body": event, "more_body": True})
         self._ended = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -252,25 +340,28 @@ class _Upstream(Response):
         headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(payload)).encode()),
                    (b"x-request-id", self.request_id.encode()),
-                   (b"x-kunlun-replica", self.replica.replica_id.encode())]  # fmt: skip
+                   (b"x-kunlun-priority", self.ticket.priority.encode())]  # fmt: skip
+        if self.replica is not None:
+            headers += [(b"x-kunlun-replica", self.replica.replica_id.encode()),
+                        (b"x-kunlun-device", self.replica.device.encode())]  # fmt: skip
         headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
         await send({"type": "http.response.start", "status": status, "headers": headers})
         self._ended = True
         await send({"type": "http.response.body", "body": payload, "more_body": False})
 
-    def _died(self, exc: Exception) -> WorkerDied:
+    def _died(self, replica: Replica, exc: Exception) -> WorkerDied:
         return WorkerDied(
             f"the engine worker serving this request stopped before finishing it "
-            f"(replica {self.replica.replica_id} on {self.replica.device}: "
+            f"(replica {replica.replica_id} on {replica.device}: "
             f"{type(exc).__name__}: {exc})",
             hint="retry the request; the platform restarts the worker",
         )
 
-    def _unreachable(self, exc: Exception) -> KunlunError:
+    def _unreachable(self, replica: Replica, exc: Exception) -> KunlunError:
         if isinstance(exc, UpstreamUnreachable):
             return ServiceUnavailable(
-                f"the engine worker of replica {self.replica.replica_id} on "
-                f"{self.replica.device} is not reachable ({type(exc).__name__}: {exc})",
+                f"the engine worker of replica {replica.replica_id} on "
+                f"{replica.device} is not reachable ({type(exc).__name__}: {exc})",
                 retry_after_s=self.state.retry_after_s,
             )
-        return self._died(exc)
+        return self._died(replica, exc)

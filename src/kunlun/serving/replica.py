@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from functools import cached_property
 
 
 @dataclass
@@ -26,10 +27,26 @@ class Replica:
     max_queue: int = 64
     """Requests in flight or waiting at this replica before the gateway answers 429."""
     priority: str = "normal"
+    """The workload's priority class: a request's class unless its key or header says."""
+    max_num_seqs: int = 8
+    """Sequences the engine decodes together (the workload's ``batch_size``): the gateway
+    sends at most this many requests at once and holds the rest in its own queue."""
     ready: bool = False
     in_flight: int = 0
     """Maintained by the gateway: requests sent and not yet finished."""
+    outstanding_tokens: int = 0
+    """Maintained by the gateway: estimated tokens (prompt + ``max_tokens``) in flight."""
     pid: int | None = None
+
+    @property
+    def slots(self) -> int:
+        """Requests the gateway sends at once: ``max_num_seqs``, or ``max_queue`` if smaller."""
+        return min(self.max_num_seqs, self.max_queue)
+
+    @cached_property
+    def device_type(self) -> str:
+        """The pool of the device (``cpu`` for ``cpu:0``)."""
+        return self.device.partition(":")[0]
 
 
 @dataclass
@@ -38,14 +55,28 @@ class ReplicaSet:
 
     _replicas: dict[str, Replica] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _by_model: dict[str, tuple[Replica, ...]] = field(default_factory=dict)
 
     def upsert(self, replica: Replica) -> None:
         with self._lock:
             self._replicas[replica.replica_id] = replica
+            self._index()
 
     def remove(self, replica_id: str) -> None:
         with self._lock:
             self._replicas.pop(replica_id, None)
+            self._index()
+
+    def _index(self) -> None:
+        by_model: dict[str, list[Replica]] = {}
+        for r in self._replicas.values():
+            by_model.setdefault(r.model, []).append(r)
+        self._by_model = {model: tuple(rs) for model, rs in by_model.items()}
+
+    def serving(self, model: str) -> tuple[Replica, ...]:
+        """Every replica of ``model``, ready or not: a snapshot the gateway reads for each
+        request (no copy, no lock; ``upsert`` and ``remove`` replace it)."""
+        return self._by_model.get(model, ())
 
     def get(self, replica_id: str) -> Replica | None:
         with self._lock:

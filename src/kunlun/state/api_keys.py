@@ -14,7 +14,7 @@ import secrets
 import threading
 import time
 
-from kunlun.errors import RequestError
+from kunlun.errors import Location, RequestError
 from kunlun.state.store import ApiKeyRecord, StateStore
 
 PREFIX = "kl-"
@@ -24,14 +24,28 @@ def hash_key(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-def create_key(store: StateStore, name: str) -> tuple[ApiKeyRecord, str]:
-    """A new key; returns its record and the secret, which is never stored or shown again."""
+PRIORITIES = ("high", "normal", "low")
+
+
+def create_key(
+    store: StateStore, name: str, priority: str | None = None
+) -> tuple[ApiKeyRecord, str]:
+    """A new key; returns its record and the secret, which is never stored or shown again.
+    ``priority`` (high, normal, low) sets the class of the key's requests (overriding the
+    workload's; the ``X-Kunlun-Priority`` header overrides it in turn)."""
     name = name.strip()
     if not name or len(name) > 64:
         raise RequestError(f"key name must be 1-64 characters, got {name!r}")
+    if priority is not None and priority not in PRIORITIES:
+        raise RequestError(
+            f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}",
+            location=Location("--priority"),
+        )
     key_id = secrets.token_hex(4)
     secret = f"{PREFIX}{key_id}-{secrets.token_urlsafe(24)}"
-    record = ApiKeyRecord(key_id=key_id, name=name, key_hash=hash_key(secret), created=time.time())
+    record = ApiKeyRecord(
+        key_id=key_id, name=name, key_hash=hash_key(secret), created=time.time(), priority=priority
+    )
     store.put_api_key(record)
     return record, secret
 
@@ -55,6 +69,7 @@ class KeyRing:
         self._store = store
         self._lock = threading.Lock()
         self._hashes: list[str] = []
+        self._priorities: dict[str, str] = {}
         self._version: object = object()
         self._checked = 0.0
         self.refresh(force=True)
@@ -68,9 +83,11 @@ class KeyRing:
         version = getattr(self._store, "data_version", lambda: None)()
         if not force and version is not None and version == self._version:
             return
-        hashes = [k.key_hash for k in self._store.list_api_keys() if k.revoked is None]
+        active = [k for k in self._store.list_api_keys() if k.revoked is None]
+        hashes = [k.key_hash for k in active]
+        priorities = {k.key_hash: k.priority for k in active if k.priority}
         with self._lock:
-            self._hashes, self._version = hashes, version
+            self._hashes, self._priorities, self._version = hashes, priorities, version
 
     @property
     def enabled(self) -> bool:
@@ -88,3 +105,9 @@ class KeyRing:
         for h in self._hashes:
             ok |= hmac.compare_digest(digest, h)
         return ok
+
+    def priority(self, secret: str | None) -> str | None:
+        """The priority class of a (verified) key, or None when it has none."""
+        if not self._priorities or not secret:
+            return None
+        return self._priorities.get(hash_key(secret))

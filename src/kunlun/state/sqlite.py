@@ -30,7 +30,7 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_by_workload ON events(workload_id, id);
 CREATE TABLE IF NOT EXISTS api_keys (
   key_id TEXT PRIMARY KEY, name TEXT NOT NULL, key_hash TEXT NOT NULL, created REAL NOT NULL,
-  revoked REAL);
+  revoked REAL, priority TEXT);
 CREATE TABLE IF NOT EXISTS models (
   alias TEXT PRIMARY KEY, path TEXT NOT NULL, source TEXT NOT NULL, created REAL NOT NULL,
   meta TEXT NOT NULL);
@@ -49,6 +49,7 @@ class SQLiteStore(StateStore):
             self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=10)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(_SCHEMA)
+            _add_missing_columns(self._db)
         except sqlite3.DatabaseError as exc:
             raise ConfigError(
                 f"cannot open the state store: {exc}",
@@ -102,8 +103,15 @@ class SQLiteStore(StateStore):
     # API keys
     def put_api_key(self, record: ApiKeyRecord) -> None:
         self._exec(
-            "INSERT OR REPLACE INTO api_keys VALUES (?,?,?,?,?)",
-            (record.key_id, record.name, record.key_hash, record.created, record.revoked),
+            "INSERT OR REPLACE INTO api_keys VALUES (?,?,?,?,?,?)",
+            (
+                record.key_id,
+                record.name,
+                record.key_hash,
+                record.created,
+                record.revoked,
+                record.priority,
+            ),
         )
 
     def list_api_keys(self) -> list[ApiKeyRecord]:
@@ -163,6 +171,14 @@ class SQLiteStore(StateStore):
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+def _add_missing_columns(db: sqlite3.Connection) -> None:
+    """Bring a state file written by an older version up to the schema above."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(api_keys)")}
+    if "priority" not in columns:
+        with db:
+            db.execute("ALTER TABLE api_keys ADD COLUMN priority TEXT")
 
 
 def _workload(row: tuple[Any, ...]) -> WorkloadRecord:

@@ -42,6 +42,8 @@ class ApiKeyRecord:
     key_hash: str
     created: float
     revoked: float | None = None
+    priority: str | None = None
+    """Priority class of the key's requests (high, normal, low); None: the workload's."""
 
 
 @dataclass

@@ -147,6 +147,7 @@ class WorkloadManager:
                 base_url="",
                 max_queue=spec.max_queue,
                 priority=spec.priority,
+                max_num_seqs=spec.batch_size,
             )
             env = self.agent.worker_env(device.visibility_env, device.index, threads)
             local_index = 0 if device.visibility_env else device.index
