@@ -10,6 +10,7 @@ import typer
 from kunlun import __version__
 from kunlun.cli import apikey, device, model, workload
 from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.cli.plan import plan
 
 app = typer.Typer(
     help="Kunlun Platform: chip-agnostic LLM inference.",
@@ -20,6 +21,7 @@ app.add_typer(device.app, name="device")
 app.add_typer(workload.app, name="workload")
 app.add_typer(model.app, name="model")
 app.add_typer(apikey.app, name="apikey")
+app.command("plan")(plan)
 
 
 @app.command()
