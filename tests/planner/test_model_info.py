@@ -91,7 +91,7 @@ def test_count_equals_the_transformers_models_parameters(
     """Inspection counts exactly what transformers builds for the same config.json."""
     heads = kv_heads * group
     raw = {
-        "hidden_size": heads * head_dim + 8,  # head_dim given explicitly, not hidden / heads
+        "hidden_size": heads * head_dim * 2,  # head_dim given explicitly, not hidden / heads
         "head_dim": head_dim,
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,

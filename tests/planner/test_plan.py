@@ -76,11 +76,13 @@ def test_an_importable_extension_gets_the_vendor_kernel(
     (tmp_path / "torch_npu" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
     operators.importable.cache_clear()
+    operators.choose_operators.cache_clear()
     try:
         chosen = operators.choose_operators("npu", "w8a8")
     finally:
         sys.modules.pop("torch_npu", None)
         operators.importable.cache_clear()
+        operators.choose_operators.cache_clear()
     assert chosen["attention"].implementation == "npu_fusion_attention (torch_npu)"
     assert chosen["matmul"].implementation == "npu_quant_matmul (torch_npu)"
     assert not any(c.fallback for c in chosen.values())

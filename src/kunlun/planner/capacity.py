@@ -66,50 +66,54 @@ class DeviceCapacity:
 
 
 def capacity_of(profile: DeviceProfile) -> DeviceCapacity:
-    """The :class:`DeviceCapacity` of ``profile``."""
-    total = float(profile.get("memory_total_mb") or 0)
-    used = float(profile.get("memory_used_mb") or 0)
-    dtypes = frozenset(profile.get("supported_dtypes") or ())
-    attributes = profile.get("attributes") or {}
-    emulated = frozenset(d for d in dtypes if attributes.get(f"{d}_native") == "no")
-    compute = dict(profile.get("compute_tflops") or {})
-    bandwidth = profile.get("memory_bandwidth_gbps")
-    topology = profile.get("topology_distance")
-    host_field = next((f for f in _SPLIT if profile.get(f) is not None), None)
+    """The :class:`DeviceCapacity` of ``profile`` (reads each field once: this runs for every
+    device of an inventory)."""
+    fields = profile.fields
+
+    def value(name: str) -> Any:
+        f = fields.get(name)
+        return None if f is None else f.value
+
+    total = float(value("memory_total_mb") or 0)
+    dtypes = frozenset(value("supported_dtypes") or ())
+    attributes = value("attributes")
+    emulated = (
+        frozenset(d for d in dtypes if attributes.get(f"{d}_native") == "no")
+        if attributes
+        else frozenset()
+    )
+    compute = dict(value("compute_tflops") or {})
+    bandwidth = value("memory_bandwidth_gbps")
+    topology = value("topology_distance")
+    custom = dict(value("custom_attributes") or {})
+    host_field = next((f for f in _SPLIT if f in fields), None)
     source_field = _SPLIT[host_field] if host_field else "memory_total_mb"
-    provenance = profile.fields.get("memory_total_mb")
+    provenance = (
+        fields["memory_total_mb"].provenance.value if "memory_total_mb" in fields else "unknown"
+    )
     cap = DeviceCapacity(
-        device_id=profile.id,
+        device_id=f"{profile.device_type}:{profile.index}",
         device_type=profile.device_type,
         index=profile.index,
         status=profile.status,
         memory_total_mb=total,
-        usable_mb=max(0.0, total * MEMORY_UTILIZATION - used),
+        usable_mb=max(0.0, total * MEMORY_UTILIZATION - float(value("memory_used_mb") or 0)),
         dtypes=dtypes,
         emulated=emulated,
         compute=compute,
         bandwidth_gbps=float(bandwidth) if bandwidth else None,
-        p2p=bool(profile.get("p2p_enabled")),
+        p2p=bool(value("p2p_enabled")),
         topology=tuple(topology) if topology else None,
         torch_device_type=profile.torch_device_type,
         visibility_env=profile.visibility_env,
-        custom_attributes=dict(profile.get("custom_attributes") or {}),
-        memory_source=f"{source_field} ({provenance.provenance.value if provenance else 'unknown'})",
-        host_memory_mb=float(profile.get(host_field)) if host_field else None,
+        custom_attributes=custom,
+        memory_source=f"{source_field} ({provenance})",
+        host_memory_mb=float(value(host_field)) if host_field else None,
         reasons=tuple(profile.reasons),
     )
-    cap.signature = (
-        cap.device_type,
-        cap.status,
-        cap.memory_total_mb,
-        tuple(sorted(dtypes)),
-        tuple(sorted(emulated)),
-        tuple(sorted(compute.items())),
-        cap.bandwidth_gbps,
-        cap.p2p,
-        cap.torch_device_type,
-        tuple(sorted(cap.custom_attributes.items())),
-    )
+    cap.signature = (profile.device_type, profile.status, total, dtypes, emulated,
+                     tuple(compute.items()), cap.bandwidth_gbps, cap.p2p,
+                     profile.torch_device_type, tuple(custom.items()))  # fmt: skip
     return cap
 
 

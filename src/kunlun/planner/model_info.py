@@ -82,16 +82,14 @@ class ModelInfo:
     quantization: CheckpointQuantization | None
     parameters: dict[str, int]
     """Parameter count per part: embedding, lm_head, attention, mlp, norms."""
+    num_parameters: int
+    """Their sum."""
     linear_parameters: int
     """Parameters in the decoder layers' projection matrices (what w8a8/w4a16 quantize)."""
     linear_out_channels: int
     """Sum of the output rows of those matrices (one per-channel scale each)."""
     path: str | None = None
     """The directory the config came from."""
-
-    @property
-    def num_parameters(self) -> int:
-        return sum(self.parameters.values())
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         """Bytes of keys and values one token takes in the KV cache, all layers."""
@@ -201,6 +199,7 @@ def inspect_config(raw: dict[str, Any], name: str, source: str = "config.json") 
         checkpoint_dtype=_TORCH_DTYPES.get(str(raw.get("torch_dtype") or raw.get("dtype"))),
         quantization=_quantization(raw.get("quantization_config"), source),
         parameters=parameters,
+        num_parameters=sum(parameters.values()),
         linear_parameters=layers
         * (hidden * (q_rows + 2 * kv_rows) + q_rows * hidden + 3 * hidden * inter),
         linear_out_channels=layers * (q_rows + 2 * kv_rows + hidden + 2 * inter + hidden),

@@ -98,8 +98,10 @@ def importable(module: str) -> bool:
         return False
 
 
+@lru_cache(maxsize=64)
 def choose_operators(torch_device_type: str, quantization: str) -> dict[str, OperatorChoice]:
-    """The implementation of every operator on ``torch_device_type`` for ``quantization``."""
+    """The implementation of every operator on ``torch_device_type`` for ``quantization``
+    (decided once per process; callers must not modify the result)."""
     entries = REGISTRY.get(torch_device_type, {})
     out: dict[str, OperatorChoice] = {}
     for op in OPERATORS:

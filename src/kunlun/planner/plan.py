@@ -27,6 +27,7 @@ PRIORITY_WEIGHTS: dict[str, int] = {"high": 3, "normal": 2, "low": 1}
 #: Default KV budget on a device that computes in host RAM, unless the spec sets one.
 HOST_KV_CAP_MB = 1024
 TP_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16)
+_MAX_OPTIONS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,8 +101,10 @@ def quantization_problem(cap: DeviceCapacity, quantization: str, label: str) -> 
 def options(
     demand: Demand, cap: DeviceCapacity, num_devices: int, label: str
 ) -> tuple[list[Option], list[Rejection]]:
-    """Every (dtype, tp) that fits empty devices of this class, in preference order (dtype
-    first, then the smallest tp), and every alternative rejected, with its reason.
+    """The ways an empty device group of this class can run the demand, best first: the
+    first dtype in preference order that fits, at the smallest tensor-parallel size that fits
+    and the next two larger ones (placement falls back to those when devices are partly
+    used); and every alternative rejected, with its reason.
 
     ``num_devices`` is how many devices of the class may form a tensor-parallel group."""
     rejected: list[Rejection] = []
@@ -133,7 +136,7 @@ def options(
                     rate = tokens_per_s(demand.model, cap, dtype, demand.quantization, tp,
                                         demand.batch, demand.max_model_len)  # fmt: skip
                     found.append(Option(dtype, tp, need, rate))
-                    if tp >= num_devices:
+                    if tp >= num_devices or len(found) == _MAX_OPTIONS:
                         break
                     continue
                 why = (
@@ -144,6 +147,8 @@ def options(
             rejected.append(Rejection(label, dtype, tp, why))
             if tp >= num_devices:
                 break
+        if found:
+            break
     return found, rejected
 
 

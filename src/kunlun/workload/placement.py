@@ -31,15 +31,15 @@ from __future__ import annotations
 
 import bisect
 import importlib.util
-import itertools
-import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property, partial
 from typing import Any
 
 from kunlun.device.inventory import Inventory
 from kunlun.device.profile import Status
 from kunlun.errors import ConfigError, Location
-from kunlun.planner.capacity import DeviceCapacity, capacity_of, distance
+from kunlun.planner.capacity import DeviceCapacity, capacity_of
 from kunlun.planner.model_info import ModelInfo
 from kunlun.planner.plan import (
     Demand,
@@ -50,10 +50,11 @@ from kunlun.planner.plan import (
     kv_budget_mb,
     options,
 )
+from kunlun.workload.ledger import Ledger, Reservation
+from kunlun.workload.pool import DevicePool, nearest_group
 from kunlun.workload.spec import WorkloadSpec
 
 SCORERS: tuple[str, ...] = ("performance", "binpack", "spread")
-_MAX_COMBINATIONS = 5000
 _EXTENSIONS = {"npu": "torch_npu", "mlu": "torch_mlu", "musa": "torch_musa", "gcu": "torch_gcu"}
 
 
@@ -69,74 +70,29 @@ def runnable(device: DeviceCapacity) -> str | None:
 
 
 @dataclass
-class Reservation:
-    """Memory one replica holds on one device (MiB), and its priority weight."""
-
-    device: str
-    weights_mb: float
-    min_kv_mb: float
-    priority_weight: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"device": self.device, "weights_mb": round(self.weights_mb, 1),
-                "min_kv_mb": round(self.min_kv_mb, 1), "priority_weight": self.priority_weight}  # fmt: skip
-
-
-class Ledger:
-    """Memory promised to workloads on each device: weights, and priority-weighted KV."""
-
-    def __init__(self) -> None:
-        self.weights: dict[str, float] = {}
-        self.priority: dict[str, int] = {}
-        self.kv_per_weight: dict[str, float] = {}  # max over sharers of min_kv / priority
-        self.tenants: dict[str, int] = {}
-
-    @classmethod
-    def from_reservations(cls, reservations: list[dict[str, Any]]) -> Ledger:
-        ledger = cls()
-        for r in reservations:
-            ledger.add(
-                Reservation(r["device"], r["weights_mb"], r["min_kv_mb"], r["priority_weight"])
-            )
-        return ledger
-
-    def add(self, r: Reservation) -> None:
-        d = r.device
-        self.weights[d] = self.weights.get(d, 0.0) + r.weights_mb
-        self.priority[d] = self.priority.get(d, 0) + r.priority_weight
-        ratio = r.min_kv_mb / r.priority_weight
-        self.kv_per_weight[d] = max(self.kv_per_weight.get(d, 0.0), ratio)
-        self.tenants[d] = self.tenants.get(d, 0) + 1
-
-    def headroom(self, cap: DeviceCapacity) -> float:
-        """Memory not promised to weights."""
-        return cap.usable_mb - self.weights.get(cap.device_id, 0.0)
-
-    def share(
-        self, cap: DeviceCapacity, weights_mb: float, min_kv_mb: float, weight: int
-    ) -> float | None:
-        """The KV share a new sharer with ``weight`` would get on ``cap``, or None when it or
-        a sharer already there would be left less than its one full-length sequence."""
-        d = cap.device_id
-        free = cap.usable_mb - self.weights.get(d, 0.0) - weights_mb
-        total = self.priority.get(d, 0) + weight
-        per_weight = free / total
-        if per_weight < min_kv_mb / weight or per_weight < self.kv_per_weight.get(d, 0.0):
-            return None
-        return per_weight * weight
-
-
-@dataclass
 class Placement:
-    """Where a workload's replicas run, their plans, and why."""
+    """Where a workload's replicas run, their plans, and why.
+
+    ``alternatives`` (every devices/dtype/tp rejected, with the reason) and ``rejected`` (per
+    device class not chosen, why) are worked out when first read, so placing many workloads
+    does not format reasons nobody reads.
+    """
 
     groups: list[list[DeviceCapacity]]
     plans: list[ExecutionPlan]
     why: str
     scorer: str
-    rejected: dict[str, str] = field(default_factory=dict)
-    alternatives: list[Rejection] = field(default_factory=list)
     reservations: list[Reservation] = field(default_factory=list)
+    explain: Callable[[], list[Rejection]] = field(default=list, repr=False)
+    chosen: frozenset[str] = frozenset()
+
+    @cached_property
+    def alternatives(self) -> list[Rejection]:
+        return self.explain()
+
+    @cached_property
+    def rejected(self) -> dict[str, str]:
+        return _by_label([r for r in self.alternatives if r.devices not in self.chosen])
 
     @property
     def target_device(self) -> str:
@@ -160,28 +116,46 @@ class Placement:
         }
 
 
-class _Pool:
-    """One device class: identical devices, kept sorted by headroom."""
-
-    def __init__(self, caps: list[DeviceCapacity], ledger: Ledger) -> None:
-        self.caps = caps
-        self.first = max(caps, key=lambda c: c.usable_mb)  # the class's best case
-        self.label = _label(caps)
-        self.sorted = sorted((ledger.headroom(c), i) for i, c in enumerate(caps))
-
-    def update(self, i: int, old: float, new: float) -> None:
-        del self.sorted[bisect.bisect_left(self.sorted, (old, i))]
-        bisect.insort(self.sorted, (new, i))
-
-
 @dataclass
 class _Candidate:
-    pool: _Pool
+    pool: DevicePool
     option: Option
     group: list[int]
     shares: list[float]
     headroom: float
     rank: tuple[Any, ...] = ()
+
+
+@dataclass
+class _Judged:
+    """A class that can run a demand: its options and the best rank it could reach."""
+
+    pool: DevicePool
+    found: list[Option]
+    only: int | None
+    bound: tuple[Any, ...]
+
+
+def _rank_key(c: _Candidate) -> tuple[Any, ...]:
+    return c.rank
+
+
+@dataclass
+class _Ranking:
+    """One placement decision: rejections, candidates best first, classes not evaluated."""
+
+    rejected: list[Rejection]
+    candidates: list[_Candidate]
+    unranked: list[_Judged]
+
+    def explain(self, demand: Demand) -> list[Rejection]:
+        best = self.candidates[0]
+        out = list(self.rejected)
+        for c in self.candidates[1:]:
+            out.append(Rejection(c.pool.label, c.option.dtype, c.option.tp, _lost(demand, best, c)))
+        for j in self.unranked:
+            out.append(Rejection(j.pool.label, None, None, _skipped(demand, best, j)))
+        return out
 
 
 class Placer:
@@ -199,23 +173,49 @@ class Placer:
         classes: dict[tuple[Any, ...], list[DeviceCapacity]] = {}
         for c in capacities:
             classes.setdefault(c.signature, []).append(c)
-        self.pools = [_Pool(caps, self.ledger) for caps in classes.values()]
-        self._judged: dict[tuple[Any, ...], tuple[list[Option], list[Rejection]]] = {}
+        self.pools = [DevicePool(caps, self.ledger) for caps in classes.values()]
+        self._judged: dict[tuple[Any, ...], tuple[list[_Judged], list[Rejection]]] = {}
+        self._options: dict[tuple[Any, ...], tuple[list[Option], list[Rejection]]] = {}
 
-    # ---- filters ----
-    def _judge(
-        self, pool: _Pool, demand: Demand, num_devices: int
-    ) -> tuple[list[Option], list[Rejection]]:
-        key = (id(pool), num_devices, demand.model.name, demand.dtype, demand.quantization,
-               demand.max_model_len, demand.batch, demand.kv_cache_memory_mb)  # fmt: skip
-        judged = self._judged.get(key)
-        if judged is None:
-            judged = self._filter(pool, demand, num_devices)
-            self._judged[key] = judged
-        return judged
+    # ---- filters (once per kind of demand) ----
+    def _judge_all(self, demand: Demand) -> tuple[list[_Judged], list[Rejection]]:
+        """Every class judged for ``demand``, ordered by the best rank each could reach, and
+        the classes' rejections. Cached: the judgement does not depend on memory in use."""
+        key = (demand.model.name, demand.dtype, demand.quantization, demand.max_model_len,
+               demand.batch, demand.kv_cache_memory_mb, demand.device,
+               demand.preferred_device_types, demand.scorer)  # fmt: skip
+        cached = self._judged.get(key)
+        if cached is not None:
+            return cached
+        order = {t: i for i, t in enumerate(demand.preferred_device_types)}
+        judged: list[_Judged] = []
+        rejected: list[Rejection] = []
+        for pool in self._pools_for(demand):
+            only = self._explicit_index(pool, demand)
+            found, refused = self._filter(pool, demand, 1 if only is not None else len(pool.caps))
+            rejected.extend(refused)
+            if found:
+                best_rate = max((o.tokens_per_s or 0.0) for o in found)
+                prefix = (pool.first.degraded, order.get(pool.first.device_type, len(order)))
+                bound = (*prefix, -best_rate) if demand.scorer == "performance" else prefix
+                judged.append(_Judged(pool, found, only, bound))
+        judged.sort(key=lambda j: j.bound)
+        self._judged[key] = (judged, rejected)
+        return judged, rejected
 
     def _filter(
-        self, pool: _Pool, demand: Demand, num_devices: int
+        self, pool: DevicePool, demand: Demand, num_devices: int
+    ) -> tuple[list[Option], list[Rejection]]:
+        """The class's options and rejections for the demand's model and sizes (cached)."""
+        key = (id(pool), num_devices, demand.model.name, demand.dtype, demand.quantization,
+               demand.max_model_len, demand.batch, demand.kv_cache_memory_mb)  # fmt: skip
+        cached = self._options.get(key)
+        if cached is None:
+            cached = self._options[key] = self._judge_class(pool, demand, num_devices)
+        return cached
+
+    def _judge_class(
+        self, pool: DevicePool, demand: Demand, num_devices: int
     ) -> tuple[list[Option], list[Rejection]]:
         cap, label = pool.first, pool.label
         if cap.status not in (Status.READY, Status.DEGRADED):
@@ -230,65 +230,53 @@ class Placer:
     # ---- choosing ----
     def place(self, demand: Demand) -> Placement:
         """Place every replica of ``demand`` (reserving memory), or raise ConfigError listing
-        every rejected alternative.
-
-        The placement's ``rejected`` names, per device class not chosen, why; its
-        ``alternatives`` hold every (devices, dtype, tp) rejected, the chosen class's too.
-        """
+        every rejected alternative."""
         groups: list[list[DeviceCapacity]] = []
         plans: list[ExecutionPlan] = []
         reservations: list[Reservation] = []
         why = ""
-        rejected: list[Rejection] = []
         chosen: set[str] = set()
+        ranking = _Ranking([], [], [])
         for _ in range(demand.replicas):
-            best, rejected, ranked = self._best(demand)
-            if best is None:
-                detail = (
-                    "; ".join(f"{r.devices}: {r.reason}" for r in rejected) or "no device at all"
-                )
+            ranking = self._rank(demand)
+            if not ranking.candidates:
+                detail = "; ".join(f"{r.devices}: {r.reason}" for r in ranking.rejected)
                 raise ConfigError(
-                    f"no device can run this workload ({detail})", location=Location("device")
+                    f"no device can run this workload ({detail or 'no device at all'})",
+                    location=Location("device"),
                 )
+            best = ranking.candidates[0]
             group = [best.pool.caps[i] for i in best.group]
             plans.append(self._plan(demand, best, group))
             reservations += self._reserve(demand, best)
             groups.append(group)
             chosen.add(best.pool.label)
-            why = why or _why(demand, best, ranked)
-        others = [r for r in rejected if r.devices not in chosen]
-        return Placement(
-            groups, plans, why, demand.scorer, _by_label(others), rejected, reservations
-        )
+            why = why or _why(demand, best, len(ranking.candidates) + len(ranking.unranked))
+        return Placement(groups, plans, why, demand.scorer, reservations,
+                         partial(ranking.explain, demand), frozenset(chosen))  # fmt: skip
 
-    def _best(self, demand: Demand) -> tuple[_Candidate | None, list[Rejection], list[_Candidate]]:
-        rejected: list[Rejection] = []
+    def _rank(self, demand: Demand) -> _Ranking:
+        """Candidates best first. Classes are visited in the order of the best rank they could
+        reach; once that bound is worse than the best candidate found, the rest are skipped."""
+        judged, static = self._judge_all(demand)
+        rejected = list(static)
         candidates: list[_Candidate] = []
-        order = {t: i for i, t in enumerate(demand.preferred_device_types)}
-        for pool in self._pools_for(demand):
-            only = self._explicit_index(pool, demand)
-            found, refused = self._judge(pool, demand, 1 if only is not None else len(pool.caps))
-            rejected += refused
-            if not found:
-                continue
-            candidate = self._candidate(pool, demand, found, only)
+        best: _Candidate | None = None
+        for n, j in enumerate(judged):
+            if best is not None and j.bound > best.rank[: len(j.bound)]:
+                return _Ranking(rejected, sorted(candidates, key=_rank_key), judged[n:])
+            candidate = self._candidate(j.pool, demand, j.found, j.only)
             if candidate is None:
-                rejected.append(
-                    Rejection(
-                        pool.label, found[0].dtype, found[0].tp, self._full(pool, demand, found[0])
-                    )
-                )
+                why = self._full(j.pool, demand, j.found[0])
+                rejected.append(Rejection(j.pool.label, j.found[0].dtype, j.found[0].tp, why))
                 continue
-            candidate.rank = (pool.first.degraded, order.get(pool.first.device_type, len(order)),
-                              *_score(demand.scorer, candidate))  # fmt: skip
+            candidate.rank = (*j.bound[:2], *_score(demand.scorer, candidate))
             candidates.append(candidate)
-        candidates.sort(key=lambda c: c.rank)
-        for loser in candidates[1:]:
-            rejected.append(Rejection(loser.pool.label, loser.option.dtype, loser.option.tp,
-                                      _lost(demand, candidates[0], loser)))  # fmt: skip
-        return (candidates[0] if candidates else None), rejected, candidates
+            if best is None or candidate.rank < best.rank:
+                best = candidate
+        return _Ranking(rejected, sorted(candidates, key=_rank_key), [])
 
-    def _pools_for(self, demand: Demand) -> list[_Pool]:
+    def _pools_for(self, demand: Demand) -> list[DevicePool]:
         if demand.device is None:
             return self.pools
         if demand.device not in self.by_id:
@@ -298,18 +286,21 @@ class Placer:
         return [p for p in self.pools if any(c.device_id == demand.device for c in p.caps)]
 
     @staticmethod
-    def _explicit_index(pool: _Pool, demand: Demand) -> int | None:
+    def _explicit_index(pool: DevicePool, demand: Demand) -> int | None:
         if demand.device is None:
             return None
         return next(i for i, c in enumerate(pool.caps) if c.device_id == demand.device)
 
     def _candidate(
-        self, pool: _Pool, demand: Demand, found: list[Option], only: int | None
+        self, pool: DevicePool, demand: Demand, found: list[Option], only: int | None
     ) -> _Candidate | None:
         """The device (or tp-group) of ``pool`` the scorer prefers for the first option that
         still fits there, or None when every device is taken."""
         weight = demand.priority_weight
+        known_topology = pool.first.topology is not None
         for option in found:
+            # a group is chosen by topology among 4 x tp devices; without topology, the first
+            limit = 4 * option.tp if option.tp > 1 and known_topology else option.tp
             need = option.need
             if only is not None:
                 positions: range | list[int] = [only]
@@ -326,17 +317,17 @@ class Placer:
                 if share is not None:
                     group.append(i)
                     shares.append(share)
-                    if len(group) >= (1 if option.tp == 1 else 4 * option.tp):
+                    if len(group) >= limit:
                         break
             if len(group) < option.tp:
                 continue
             if option.tp > 1:
-                group, shares = _nearest(pool, group, shares, option.tp)
+                group, shares = nearest_group(pool, group, shares, option.tp)
             headroom = min(self.ledger.headroom(pool.caps[i]) for i in group)
             return _Candidate(pool, option, group, shares, headroom)
         return None
 
-    def _full(self, pool: _Pool, demand: Demand, option: Option) -> str:
+    def _full(self, pool: DevicePool, demand: Demand, option: Option) -> str:
         need = option.need.weights_mb + option.need.min_kv_mb
         what = f"{option.dtype} tp={option.tp} needs {need:.0f} MiB for weights + KV"
         if demand.device is not None:
@@ -350,8 +341,9 @@ class Placer:
         share = min(best.shares)
         kv = kv_budget_mb(demand, group[0], best.option.need, share)
         sharers = self.ledger.tenants.get(group[0].device_id, 0)
-        note = (f"KV: {kv:.0f} MiB per device, the {demand.priority} ({demand.priority_weight}) share "
-                f"of memory left after weights, shared with {sharers} other workload(s) (3:2:1)")  # fmt: skip
+        note = (f"KV {kv:.0f} MiB per device: its {demand.priority} share (weight "
+                f"{demand.priority_weight}, 3:2:1) of the memory left after weights is {share:.0f} MiB; "
+                f"{sharers} other workload(s) share the device")  # fmt: skip
         return build_plan(demand, group, best.option, kv, note)
 
     def _reserve(self, demand: Demand, best: _Candidate) -> list[Reservation]:
@@ -383,32 +375,6 @@ def _runnable_options(
     return kept, refused
 
 
-def _nearest(
-    pool: _Pool, group: list[int], shares: list[float], tp: int
-) -> tuple[list[int], list[float]]:
-    """The ``tp`` devices among ``group`` closest to each other: the smallest largest pairwise
-    topology distance, then the smallest sum (every combination when there are few, else
-    each device's nearest neighbours)."""
-    if math.comb(len(group), tp) <= _MAX_COMBINATIONS:
-        choices: list[tuple[int, ...]] = list(itertools.combinations(group, tp))
-    else:
-        choices = [
-            tuple(sorted(group, key=lambda j, s=seed: _dist(pool, s, j))[:tp]) for seed in group
-        ]
-    chosen = min(choices, key=lambda c: _cost(pool, c))
-    return list(chosen), [shares[group.index(i)] for i in chosen]
-
-
-def _cost(pool: _Pool, members: tuple[int, ...]) -> tuple[float, float]:
-    pairs = [_dist(pool, a, b) for a, b in itertools.combinations(members, 2)]
-    return (max(pairs), sum(pairs))
-
-
-def _dist(pool: _Pool, a: int, b: int) -> float:
-    d = distance(pool.caps[a], pool.caps[b])
-    return 0.0 if a == b else float(d) if d is not None else 0.0
-
-
 def _score(scorer: str, c: _Candidate) -> tuple[float, ...]:
     """Smaller is better."""
     if scorer == "binpack":
@@ -422,11 +388,13 @@ def _score(scorer: str, c: _Candidate) -> tuple[float, ...]:
 def _rate(c: _Candidate) -> str:
     rate = c.option.tokens_per_s
     return (
-        "no estimate (no compute or bandwidth declared)" if rate is None else f"{rate:.0f} tokens/s"
+        "no estimate (no compute or bandwidth declared)"
+        if rate is None
+        else f"estimated {rate:.0f} tokens/s"
     )
 
 
-def _why(demand: Demand, best: _Candidate, ranked: list[_Candidate]) -> str:
+def _why(demand: Demand, best: _Candidate, num_candidates: int) -> str:
     pool, option = best.pool, best.option
     chose = f"{', '.join(pool.caps[i].device_id for i in best.group)} ({option.dtype}"
     chose += f", {demand.quantization}" if demand.quantization != "none" else ""
@@ -439,11 +407,11 @@ def _why(demand: Demand, best: _Candidate, ranked: list[_Candidate]) -> str:
     if pool.first.degraded:
         parts.append("Degraded, but nothing Ready fits")
     if demand.scorer == "performance":
-        parts.append(f"performance: estimated {_rate(best)}")
+        parts.append(f"performance: {_rate(best)}")
     else:
         parts.append(f"{demand.scorer}: {best.headroom:.0f} MiB free before placing")
-    if len(ranked) > 1:
-        parts.append(f"{len(ranked) - 1} other candidate class(es) ranked lower")
+    if num_candidates > 1:
+        parts.append(f"{num_candidates - 1} other candidate class(es) ranked lower")
     return "; ".join(parts)
 
 
@@ -453,25 +421,20 @@ def _lost(demand: Demand, winner: _Candidate, loser: _Candidate) -> str:
     if winner.rank[1] != loser.rank[1]:
         return f"not earlier in preferred_device_types {list(demand.preferred_device_types)}"
     if demand.scorer == "performance":
-        return f"ranked lower by performance: estimated {_rate(loser)} vs {_rate(winner)}"
+        return f"ranked lower by performance: {_rate(loser)} vs {_rate(winner)}"
     return (
         f"ranked lower by {demand.scorer}: {loser.headroom:.0f} MiB free vs {winner.headroom:.0f}"
     )
 
 
-def _label(caps: list[DeviceCapacity]) -> str:
-    """``ascend:0-3`` for a class of devices 0..3, ``nvidia:0`` for one."""
-    indices = sorted(c.index for c in caps)
-    runs: list[str] = []
-    start = prev = indices[0]
-    for i in [*indices[1:], None]:
-        if i is not None and i == prev + 1:
-            prev = i
-            continue
-        runs.append(str(start) if start == prev else f"{start}-{prev}")
-        if i is not None:
-            start = prev = i
-    return f"{caps[0].device_type}:{','.join(runs)}"
+def _skipped(demand: Demand, best: _Candidate, j: _Judged) -> str:
+    """Why a class that was not evaluated could not have won."""
+    if j.bound[0] != best.rank[0]:
+        return "Degraded; a Ready device fits"
+    if j.bound[1] != best.rank[1]:
+        return f"not earlier in preferred_device_types {list(demand.preferred_device_types)}"
+    return (f"ranked lower by performance: estimated at most {-j.bound[2]:.0f} tokens/s vs "
+            f"{_rate(best)}")  # fmt: skip
 
 
 def _by_label(rejected: list[Rejection]) -> dict[str, str]:
@@ -495,7 +458,7 @@ def demand_of(spec: WorkloadSpec, model: ModelInfo) -> Demand:
             "(max_position_embeddings)",
             location=Location("max_model_len"),
         )
-    quantization = spec.quantization
+    quantization: str = spec.quantization
     checkpoint = model.quantization
     if checkpoint is not None:
         if quantization not in ("none", checkpoint.scheme):
