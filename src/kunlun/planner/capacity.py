@@ -16,6 +16,7 @@ from kunlun.device.profile import DeviceProfile, Status
 #: Fraction of a device's memory that Kunlun plans to use; the rest is left for activations,
 #: the framework's workspace and fragmentation.
 MEMORY_UTILIZATION = 0.9
+_NONE: frozenset[str] = frozenset()
 
 #: Host-side half of each vendor's memory split -> the device-side field that feeds
 #: ``memory_total_mb`` (see ``device.declaration.MEMORY_SPLIT_FIELDS``).
@@ -66,50 +67,45 @@ class DeviceCapacity:
 
 
 def capacity_of(profile: DeviceProfile) -> DeviceCapacity:
-    """The :class:`DeviceCapacity` of ``profile`` (reads each field once: this runs for every
-    device of an inventory)."""
-    fields = profile.fields
-
-    def value(name: str) -> Any:
-        f = fields.get(name)
-        return None if f is None else f.value
-
-    total = float(value("memory_total_mb") or 0)
-    dtypes = frozenset(value("supported_dtypes") or ())
-    attributes = value("attributes")
+    """The :class:`DeviceCapacity` of ``profile``. This runs for every device of an inventory,
+    so it reads each field once and shares (does not copy) the profile's dicts, which nothing
+    modifies."""
+    values = {name: f.value for name, f in profile.fields.items()}
+    get = values.get
+    total = float(get("memory_total_mb") or 0)
+    dtypes = frozenset(get("supported_dtypes") or ())
+    attributes = get("attributes")
     emulated = (
         frozenset(d for d in dtypes if attributes.get(f"{d}_native") == "no")
         if attributes
-        else frozenset()
+        else _NONE
     )
-    compute = dict(value("compute_tflops") or {})
-    bandwidth = value("memory_bandwidth_gbps")
-    topology = value("topology_distance")
-    custom = dict(value("custom_attributes") or {})
-    host_field = next((f for f in _SPLIT if f in fields), None)
-    source_field = _SPLIT[host_field] if host_field else "memory_total_mb"
-    provenance = (
-        fields["memory_total_mb"].provenance.value if "memory_total_mb" in fields else "unknown"
-    )
+    compute = get("compute_tflops") or {}
+    bandwidth = get("memory_bandwidth_gbps")
+    topology = get("topology_distance")
+    custom = get("custom_attributes") or {}
+    host_field = next((f for f in _SPLIT if f in values), None)
+    memory = profile.fields.get("memory_total_mb")
+    source = _SPLIT[host_field] if host_field else "memory_total_mb"
     cap = DeviceCapacity(
-        device_id=f"{profile.device_type}:{profile.index}",
-        device_type=profile.device_type,
-        index=profile.index,
-        status=profile.status,
-        memory_total_mb=total,
-        usable_mb=max(0.0, total * MEMORY_UTILIZATION - float(value("memory_used_mb") or 0)),
-        dtypes=dtypes,
-        emulated=emulated,
-        compute=compute,
-        bandwidth_gbps=float(bandwidth) if bandwidth else None,
-        p2p=bool(value("p2p_enabled")),
-        topology=tuple(topology) if topology else None,
-        torch_device_type=profile.torch_device_type,
-        visibility_env=profile.visibility_env,
-        custom_attributes=custom,
-        memory_source=f"{source_field} ({provenance})",
-        host_memory_mb=float(value(host_field)) if host_field else None,
-        reasons=tuple(profile.reasons),
+        f"{profile.device_type}:{profile.index}",
+        profile.device_type,
+        profile.index,
+        profile.status,
+        total,
+        max(0.0, total * MEMORY_UTILIZATION - float(get("memory_used_mb") or 0)),
+        dtypes,
+        emulated,
+        compute,
+        float(bandwidth) if bandwidth else None,
+        bool(get("p2p_enabled")),
+        tuple(topology) if topology else None,
+        profile.torch_device_type,
+        profile.visibility_env,
+        custom,
+        f"{source} ({memory.provenance.value if memory else 'unknown'})",
+        float(values[host_field]) if host_field else None,
+        tuple(profile.reasons),
     )
     cap.signature = (profile.device_type, profile.status, total, dtypes, emulated,
                      tuple(compute.items()), cap.bandwidth_gbps, cap.p2p,

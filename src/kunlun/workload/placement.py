@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import importlib.util
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, partial
@@ -256,15 +257,22 @@ class Placer:
                          partial(ranking.explain, demand), frozenset(chosen))  # fmt: skip
 
     def _rank(self, demand: Demand) -> _Ranking:
-        """Candidates best first. Classes are visited in the order of the best rank they could
-        reach; once that bound is worse than the best candidate found, the rest are skipped."""
+        """Candidates best first. Classes are visited in the order of the best rank each could
+        reach (for ``performance`` its best estimate; for ``binpack`` and ``spread`` the free
+        memory of its best-placed device); once that bound is worse than the best candidate
+        found, the remaining classes cannot win and are skipped."""
         judged, static = self._judge_all(demand)
+        if demand.scorer != "performance":
+            judged = sorted(judged, key=lambda j: (*j.bound, self._free_bound(j, demand.scorer)))
         rejected = list(static)
         candidates: list[_Candidate] = []
         best: _Candidate | None = None
         for n, j in enumerate(judged):
-            if best is not None and j.bound > best.rank[: len(j.bound)]:
-                return _Ranking(rejected, sorted(candidates, key=_rank_key), judged[n:])
+            if best is not None:
+                bound = j.bound if demand.scorer == "performance" else (
+                    *j.bound, self._free_bound(j, demand.scorer))  # fmt: skip
+                if bound > best.rank[: len(bound)]:
+                    return _Ranking(rejected, sorted(candidates, key=_rank_key), judged[n:])
             candidate = self._candidate(j.pool, demand, j.found, j.only)
             if candidate is None:
                 why = self._full(j.pool, demand, j.found[0])
@@ -275,6 +283,21 @@ class Placer:
             if best is None or candidate.rank < best.rank:
                 best = candidate
         return _Ranking(rejected, sorted(candidates, key=_rank_key), [])
+
+    @staticmethod
+    def _free_bound(j: _Judged, scorer: str) -> float:
+        """The best score a class's candidate could have: ``spread``, minus the most free
+        memory of its devices; ``binpack``, the least free memory that could still hold the
+        smallest per-device need of its options."""
+        ordered = j.pool.sorted
+        if j.only is not None:
+            free = next(h for h, i in ordered if i == j.only)
+            return -free if scorer == "spread" else free
+        if scorer == "spread":
+            return -ordered[-1][0]
+        smallest = min(o.need.weights_mb + o.need.min_kv_mb for o in j.found)
+        pos = bisect.bisect_left(ordered, (smallest, -1))
+        return ordered[pos][0] if pos < len(ordered) else math.inf
 
     def _pools_for(self, demand: Demand) -> list[DevicePool]:
         if demand.device is None:
@@ -433,8 +456,10 @@ def _skipped(demand: Demand, best: _Candidate, j: _Judged) -> str:
         return "Degraded; a Ready device fits"
     if j.bound[1] != best.rank[1]:
         return f"not earlier in preferred_device_types {list(demand.preferred_device_types)}"
-    return (f"ranked lower by performance: estimated at most {-j.bound[2]:.0f} tokens/s vs "
-            f"{_rate(best)}")  # fmt: skip
+    if demand.scorer == "performance":
+        return (f"ranked lower by performance: estimated at most {-j.bound[2]:.0f} tokens/s vs "
+                f"{_rate(best)}")  # fmt: skip
+    return f"ranked lower by {demand.scorer}: {best.headroom:.0f} MiB free on the chosen device"
 
 
 def _by_label(rejected: list[Rejection]) -> dict[str, str]:
