@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tests.planner.conftest import model
@@ -10,7 +13,8 @@ from kunlun.device.dtypes import normalize_compute
 from kunlun.device.profile import DeviceProfile, Provenance, Status
 from kunlun.errors import ConfigError
 from kunlun.planner.capacity import DeviceCapacity, capacity_of
-from kunlun.workload.placement import Placer, demand_of
+from kunlun.workload.ledger import Ledger
+from kunlun.workload.placement import Placement, Placer, demand_of
 from kunlun.workload.spec import WorkloadSpec
 
 MODELS = {name: model(name) for name in ("Qwen2-0.5B", "Llama-3-8B", "Qwen3-8B")}
@@ -104,23 +108,56 @@ def test_placement_never_overcommits_and_respects_capabilities(
             assert weights + kv_floor <= cap.usable_mb + 1e-6
 
 
-@settings(max_examples=40, deadline=None)
-@given(devices, st.sampled_from(sorted(MODELS)), st.sampled_from(["none", "w8a8"]))
-def test_performance_picks_the_highest_estimate_among_ready_classes(
-    device_spec: list[tuple[int, int, int, bool]], name: str, quantization: str
+@settings(max_examples=50, deadline=None)
+@given(
+    devices,
+    workloads,
+    st.sampled_from(sorted(MODELS)),
+    st.sampled_from(["none", "w8a8"]),
+    st.sampled_from(["performance", "binpack", "spread"]),
+)
+def test_the_scorer_picks_the_best_class(
+    device_spec: list[tuple[int, int, int, bool]],
+    prior: list[dict[str, object]],
+    name: str,
+    quantization: str,
+    scorer: str,
 ) -> None:
+    """After random earlier placements, the chosen device scores at least as well as what
+    each class alone would offer (classes skipped as unable to win really could not)."""
     caps = [c for c in inventory(device_spec) if not c.degraded]
     if not caps:
         return
-    demand = demand_of(WorkloadSpec(model=name, quantization=quantization), MODELS[name])
-    try:
-        chosen = Placer(caps).place(demand).plans[0]
-    except ConfigError:
-        return
-    for cap in caps:  # every class alone: none estimates more than the chosen one
+    earlier = Placer(caps)
+    held: list[dict[str, Any]] = []
+    for fields in prior:
+        spec = WorkloadSpec.model_validate(fields)
         try:
-            alone = Placer([c for c in caps if c.signature == cap.signature]).place(demand)
+            placed = earlier.place(demand_of(spec, MODELS[spec.model]))
         except ConfigError:
             continue
-        rate = alone.plans[0].estimated_tokens_per_s or 0.0
-        assert rate <= (chosen.estimated_tokens_per_s or 0.0) + 1e-6
+        held += [r.to_dict() for r in placed.reservations]
+    demand = demand_of(
+        WorkloadSpec(model=name, quantization=quantization, scorer=scorer), MODELS[name]
+    )
+    by_id = {c.device_id: c for c in caps}
+
+    def score(placement: Placement) -> float:
+        plan = placement.plans[0]
+        if scorer == "performance":
+            return -(plan.estimated_tokens_per_s or 0.0)
+        ledger = Ledger.from_reservations(held)
+        free = min(ledger.headroom(by_id[d]) for d in plan.devices)
+        return free if scorer == "binpack" else -free
+
+    try:
+        chosen = score(Placer(caps, Ledger.from_reservations(held)).place(demand))
+    except ConfigError:
+        chosen = math.inf
+    for signature in {c.signature for c in caps}:
+        alone = [c for c in caps if c.signature == signature]
+        try:
+            offer = score(Placer(alone, Ledger.from_reservations(held)).place(demand))
+        except ConfigError:
+            continue
+        assert chosen <= offer + 1e-6
