@@ -25,12 +25,16 @@ def test_this_cpu_gets_fp32_unless_it_computes_bf16_natively() -> None:
     inventory = build_inventory()  # live discovery: this machine's CPU
     cpu = inventory.get("cpu:0")
     assert cpu is not None
-    plan = place(WorkloadSpec(model="Qwen2-0.5B", max_model_len=2048), inventory, QWEN).plans[0]
+    placement = place(WorkloadSpec(model="Qwen2-0.5B", max_model_len=2048), inventory, QWEN)
+    plan = placement.plans[0]
     native = (cpu.get("attributes") or {}).get("bf16_native") == "yes"
     assert plan.devices == ["cpu:0"] and plan.dtype == ("bf16" if native else "fp32")
     assert plan.torch_device == "cpu" and plan.env == {}
     assert plan.fallback_ops == []  # torch's own CPU kernels are the native path
     assert plan.kv_cache_memory_mb <= 1024  # host RAM: KV capped unless the spec sets it
+    if not native:
+        reasons = [r.reason for r in placement.alternatives if r.dtype == "bf16"]
+        assert reasons == ["bf16 has no native units here (bf16_native: no); fp32 is preferred"]
 
 
 def test_dtype_order_prefers_the_checkpoint_and_native_units() -> None:

@@ -148,6 +148,17 @@ def options(
             if tp >= num_devices:
                 break
         if found:
+            later = wanted[wanted.index(dtype) + 1 :]
+            rejected += [
+                Rejection(
+                    label,
+                    d,
+                    None,
+                    f"{d} has no native units here ({d}_native: no); {dtype} is preferred",
+                )  # fmt: skip
+                for d in later
+                if d in cap.emulated
+            ]
             break
     return found, rejected
 
