@@ -10,6 +10,7 @@ import typer
 from kunlun import __version__
 from kunlun.cli import apikey, batch, device, model, workload
 from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.cli.plan import plan
 
 app = typer.Typer(
     help="Kunlun Platform: chip-agnostic LLM inference.",
@@ -21,6 +22,7 @@ app.add_typer(workload.app, name="workload")
 app.add_typer(model.app, name="model")
 app.add_typer(apikey.app, name="apikey")
 app.add_typer(batch.app, name="batch")
+app.command("plan")(plan)
 
 
 @app.command()

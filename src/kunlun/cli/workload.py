@@ -13,6 +13,7 @@ from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
 from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.planner.plan import ExecutionPlan
 from kunlun.workload.spec import load_spec_file, parse_spec
 
 app = typer.Typer(help="Workloads: submit, list, describe, logs, stop.", no_args_is_help=True)
@@ -27,6 +28,8 @@ def submit(
     file: Annotated[Path | None, typer.Option("--file", "-f", help="Workload spec YAML.")] = None,
     device: Annotated[str | None, typer.Option(help="Explicit device, e.g. cpu:0.")] = None,
     dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16.")] = None,
+    quantization: Annotated[str | None, typer.Option(help="none, w8a8 or w4a16.")] = None,
+    scorer: Annotated[str | None, typer.Option(help="performance, binpack or spread.")] = None,
     batch_size: Annotated[int | None, typer.Option(help="Sequences decoded together.")] = None,
     priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
     preferred_device_types: Annotated[
@@ -45,6 +48,8 @@ def submit(
         "model": model,
         "device": device,
         "dtype": dtype,
+        "quantization": quantization,
+        "scorer": scorer,
         "batch_size": batch_size,
         "priority": priority,
         "replicas": replicas,
@@ -67,9 +72,16 @@ def submit(
         f"{result['workload_id']} {verb}: model {result['name']} -> "
         f"target_device {result['target_device'] or '(planning)'} [{result['state']}]"
     )
-    why = (result.get("placement") or {}).get("why")
-    if why:
-        console.print(f"  why: {why}", markup=False)
+    placement = result.get("placement") or {}
+    if placement.get("why"):
+        console.print(f"  why: {placement['why']}", markup=False)
+    if placement.get("plan"):
+        console.print(
+            "  plan: " + ExecutionPlan.from_dict(placement["plan"]).summary(), markup=False
+        )
+    if dry_run:
+        for device, why in (placement.get("rejected") or {}).items():
+            console.print(f"  rejected {device}: {why}", markup=False)
 
 
 @app.command("list")
@@ -114,6 +126,8 @@ def describe(job: str, json: JsonOpt = False) -> None:
     )
     if placement.get("why"):
         console.print(f"why: {placement['why']}", markup=False)
+    if placement.get("plan"):
+        console.print("plan: " + ExecutionPlan.from_dict(placement["plan"]).summary(), markup=False)
     for device, why in (placement.get("rejected") or {}).items():
         console.print(f"  rejected {device}: {why}", markup=False)
     for r in d["replicas"]:

@@ -71,6 +71,11 @@ class NodeAgent:
     def log_path(self, workload_id: str) -> Path:
         return self.log_dir / f"{workload_id}.log"
 
+    def note(self, workload_id: str, line: str) -> None:
+        """Append one line of the platform's own (e.g. ``plan_cache: hit``) to the workload's log."""
+        with self.log_path(workload_id).open("a", encoding="utf-8") as log:
+            log.write(line.rstrip("\n") + "\n")
+
     # ---- starting and stopping ----
     def launch(self, replica: Replica, worker_args: list[str], env: dict[str, str]) -> Worker:
         """Register a replica; the supervisor loop starts its process at once."""

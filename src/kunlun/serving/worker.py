@@ -9,10 +9,11 @@ ready file atomically, as JSON::
      "compile_time_s": 0.0}
 
 and prints, for the node agent's log capture, ``Compilation Time: 0.00 s`` (the GGUF import
-when ``--model-dir`` names a ``.gguf`` file; 0 otherwise), ``Load Time: 1.23 s``,
-``First Token Latency: 45.6 ms``, then one line per finished request. SIGTERM stops
-accepting connections, lets in-flight requests finish, and exits 0. A bad argument or a
-model that cannot load prints the error and exits 2 (configuration) or 1.
+when ``--model-dir`` names a ``.gguf`` file, plus casting the weights to ``--dtype`` into
+``--plan-dir`` on a plan's first start, logged as ``conversion: ...``; 0 otherwise),
+``Load Time: 1.23 s``, ``First Token Latency: 45.6 ms``, then one line per finished request.
+SIGTERM stops accepting connections, lets in-flight requests finish, and exits 0. A bad
+argument or a model that cannot load prints the error and exits 2 (configuration) or 1.
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
     parser.add_argument(
         "--ready-file", type=Path, default=None, help="where to write the ready JSON once serving"
+    )
+    parser.add_argument(
+        "--plan-dir",
+        type=Path,
+        default=None,
+        help="plan-cache entry: weights cast to --dtype are kept in (and reused from) DIR/weights",
     )
     return parser.parse_args(argv)  # fmt: skip
 
@@ -131,6 +138,11 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, float, float]:
         from kunlun.paths import model_cache_dir
 
         model_dir = import_gguf(model_dir, model_cache_dir() / model_dir.stem)
+    if args.plan_dir is not None:
+        from kunlun.engine.convert import prepare_weights
+
+        model_dir, line = prepare_weights(model_dir, args.plan_dir / "weights", args.dtype)
+        say(line)
     compile_time = time.perf_counter() - started
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     kv_bytes = None if args.kv_cache_memory_mb is None else args.kv_cache_memory_mb << 20

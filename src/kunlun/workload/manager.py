@@ -13,12 +13,15 @@ import os
 import secrets
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from kunlun.catalog import resolve
 from kunlun.device.inventory import Inventory
-from kunlun.errors import ConfigError, KunlunError, Location
+from kunlun.errors import ConfigError, KunlunError, Location, ModelError
 from kunlun.node.agent import NodeAgent
+from kunlun.planner.cache import PlanCache
+from kunlun.planner.model_info import ModelInfo, inspect_model, locate_model
+from kunlun.planner.plan import ExecutionPlan
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.state.store import EventRecord, StateStore, WorkloadRecord
 from kunlun.workload.placement import Placement, place
@@ -66,22 +69,46 @@ class WorkloadManager:
             self._set(record, state)
 
     # ---- submit ----
-    def plan(self, spec: WorkloadSpec) -> Placement:
-        """Where ``spec`` would run, with the reasons; raises when nowhere fits."""
-        resolve(self.store, spec.model)
-        return place(spec, self.inventory())
+    def plan(self, spec: WorkloadSpec, exclude: str | None = None) -> Placement:
+        """Where ``spec`` would run and its plan, with the reasons; raises when nowhere fits.
+
+        Memory reserved by the other active workloads (all but ``exclude``) counts as used.
+        """
+        name, path = locate_model(self.store, spec.model)
+        return self._place(spec, inspect_model(path, name), exclude, starting=False)
+
+    def _place(
+        self, spec: WorkloadSpec, model: ModelInfo, exclude: str | None, *, starting: bool
+    ) -> Placement:
+        reservations = [
+            r
+            for w in self.store.list_workloads()
+            if w.state in ACTIVE and w.workload_id != exclude
+            for r in w.placement.get("reservations", [])
+        ]
+        return place(spec, self.inventory(), model, reservations, starting=starting)
 
     def submit(self, spec: WorkloadSpec, dry_run: bool = False) -> WorkloadRecord:
         """Create and start a workload (or, with ``dry_run``, only say where it would run).
 
-        A model or placement that cannot work is refused here, before anything is recorded.
+        An unknown model or a placement that cannot work is refused here, before anything is
+        recorded; a model whose files cannot be read is recorded and ends FAILED with the
+        reason (as when a worker cannot load it).
         """
         record = self._new_record(spec)
-        placement = self.plan(spec)
-        if dry_run:
-            record.state, record.target_device = "PLANNING", placement.target_device
-            record.placement = placement.to_dict()
-            return record
+        name, path = locate_model(self.store, spec.model)
+        try:
+            model = inspect_model(path, name)
+        except ModelError:
+            if dry_run:
+                raise
+            model = None
+        if model is not None:
+            placement = self._place(spec, model, None, starting=False)
+            if dry_run:
+                record.state, record.target_device = "PLANNING", placement.target_device
+                record.placement = placement.to_dict()
+                return record
         self.store.put_workload(record)
         self.event(
             record.workload_id, "submitted", f"spec: {spec.model_dump(exclude_defaults=True)}"
@@ -122,8 +149,9 @@ class WorkloadManager:
         self._set(record, "PLANNING")
         started = time.monotonic()
         try:
-            model = resolve(self.store, spec.model)
-            placement = place(spec, self.inventory())
+            name, path = locate_model(self.store, spec.model)
+            model = inspect_model(path, name)
+            placement = self._place(spec, model, record.workload_id, starting=True)
         except KunlunError as exc:
             self._set(record, "FAILED", str(exc))
             return
@@ -136,42 +164,45 @@ class WorkloadManager:
             f"target_device {placement.target_device}: {placement.why}",
         )
         self._set(record, "LOADING")
-        threads = max(1, (os.cpu_count() or 1) // spec.replicas)
-        for i in range(spec.replicas):
-            device = placement.devices[i % len(placement.devices)]
-            replica = Replica(
-                replica_id=f"{record.workload_id}-r{i}",
-                workload_id=record.workload_id,
-                model=record.name,
-                device=device.id,
-                base_url="",
-                max_queue=spec.max_queue,
-                priority=spec.priority,
-                max_num_seqs=spec.batch_size,
-            )
-            env = self.agent.worker_env(device.visibility_env, device.index, threads)
-            local_index = 0 if device.visibility_env else device.index
-            args = [
-                "--model-dir",
-                model.path,
-                "--served-name",
-                record.name,
-                "--device",
-                f"{device.torch_device_type}:{local_index}"
-                if device.torch_device_type != "cpu"
-                else "cpu",
-                "--dtype",
-                placement.dtype,
-                "--max-num-seqs",
-                str(spec.batch_size),
-                "--num-threads",
-                str(threads),
-            ]
-            if spec.max_model_len:
-                args += ["--max-model-len", str(spec.max_model_len)]
-            if spec.kv_cache_memory_mb:
-                args += ["--kv-cache-memory-mb", str(spec.kv_cache_memory_mb)]
-            self.agent.launch(replica, args, env)
+        cache = PlanCache(self.agent.home)
+        for i, (group, plan) in enumerate(zip(placement.groups, placement.plans, strict=True)):
+            entry = cache.entry(plan, path, group)
+            wid = record.workload_id
+            self.agent.note(wid, f"plan_cache: {'hit' if entry.hit else 'miss'} (key {entry.key})")
+            self.agent.note(wid, "plan: " + plan.summary())
+            self._launch(record, spec, i, plan, path, entry.path)
+
+    def _launch(
+        self,
+        record: WorkloadRecord,
+        spec: WorkloadSpec,
+        i: int,
+        plan: ExecutionPlan,
+        model_dir: Path,
+        plan_dir: Path,
+    ) -> None:
+        threads = plan.engine_options.get("num_threads") or max(
+            1, (os.cpu_count() or 1) // spec.replicas
+        )
+        replica = Replica(
+            replica_id=f"{record.workload_id}-r{i}",
+            workload_id=record.workload_id,
+            model=record.name,
+            device=plan.devices[0],
+            base_url="",
+            max_queue=spec.max_queue,
+            priority=spec.priority,
+            max_num_seqs=plan.max_num_seqs,
+        )
+        env = self.agent.worker_env(None, None, int(threads))
+        env.update(plan.env)
+        args = ["--model-dir", str(model_dir), "--served-name", record.name,
+                "--device", plan.torch_device, "--dtype", plan.dtype,
+                "--max-num-seqs", str(plan.max_num_seqs), "--num-threads", str(threads),
+                "--max-model-len", str(plan.max_model_len),
+                "--kv-cache-memory-mb", str(plan.kv_cache_memory_mb),
+                "--plan-dir", str(plan_dir)]  # fmt: skip
+        self.agent.launch(replica, args, env)
 
     def resume_all(self) -> None:
         """After a daemon (re)start: start again every workload that was active."""

@@ -31,6 +31,17 @@ class WorkloadSpec(BaseModel):
     dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
         None, description="Compute dtype; default: the best the device supports (fp32 on CPU)."
     )
+    quantization: Literal["none", "w8a8", "w4a16"] = Field(
+        "none",
+        description="Weight quantization: none; w8a8 (int8 weights and activations, needs int8 "
+        "in the device's supported_dtypes); w4a16 (4-bit weights, 16-bit activations). A "
+        "checkpoint that is already quantized keeps its own scheme.",
+    )
+    scorer: Literal["performance", "binpack", "spread"] = Field(
+        "performance",
+        description="How placement ranks devices that fit: estimated tokens/s, fewest free "
+        "MiB left (binpack) or most free MiB (spread).",
+    )
     batch_size: int = Field(
         8, ge=1, le=256, description="Sequences decoded together (max_num_seqs)."
     )

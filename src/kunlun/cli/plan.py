@@ -1,0 +1,111 @@
+"""``kunlun-cli plan``: the execution plan of a model on this node's (or a recorded node's)
+devices, and with ``--explain`` every alternative rejected and why.
+
+Planning needs no weights and starts nothing: a model may be a catalog alias, a local
+directory or a configuration shipped in ``examples/models``; devices may be replayed. Memory
+used by running workloads is not counted (ask a daemon with ``workload submit --dry-run``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.device.inventory import build_inventory
+from kunlun.errors import ConfigError, Location
+from kunlun.paths import kunlun_home
+from kunlun.planner.model_info import inspect_model, locate_model
+from kunlun.planner.plan import ExecutionPlan
+from kunlun.state.sqlite import SQLiteStore
+from kunlun.workload.placement import Placement, place
+from kunlun.workload.spec import parse_spec
+
+
+@handle_errors
+def plan(
+    model: Annotated[str, typer.Option(help="Alias, local HF directory, or examples/models name.")],
+    device: Annotated[str | None, typer.Option(help="Explicit device, e.g. ascend:0.")] = None,
+    pool: Annotated[str | None, typer.Option(help="Only devices of this type.")] = None,
+    replay: Annotated[Path | None, typer.Option(help="Recorded vendor-tool output.")] = None,
+    config: Annotated[Path | None, typer.Option(help="device-plugin-config.yaml.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16.")] = None,
+    quantization: Annotated[str | None, typer.Option(help="none, w8a8 or w4a16.")] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="Context limit.")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="max_num_seqs.")] = None,
+    priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
+    scorer: Annotated[str | None, typer.Option(help="performance, binpack or spread.")] = None,
+    explain: Annotated[bool, typer.Option("--explain", help="Every rejected alternative.")] = False,
+    json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Plan MODEL on the devices: dtype, quantization, TP, KV blocks, operators, options, env."""
+    fields = {"model": model, "device": device, "dtype": dtype, "quantization": quantization,
+              "max_model_len": max_model_len, "batch_size": batch_size, "priority": priority,
+              "scorer": scorer}  # fmt: skip
+    spec = parse_spec({k: v for k, v in fields.items() if v is not None}, "command line")
+    state = kunlun_home() / "state.db"
+    name, path = locate_model(SQLiteStore(state) if state.exists() else None, model)
+    info = inspect_model(path, name)
+    inventory = build_inventory(config=config, replay=replay)
+    if pool is not None:
+        types = sorted({p.device_type for p in inventory.profiles})
+        inventory.profiles = [p for p in inventory.profiles if p.device_type == pool]
+        if not inventory.profiles:
+            raise ConfigError(
+                f"no {pool!r} devices; device types here: {', '.join(types) or 'none'}",
+                location=Location("--pool"),
+            )
+    placement = place(spec, inventory, info)
+    if json:
+        out: dict[str, Any] = {"model": info.to_dict(), **placement.to_dict()}
+        out["alternatives"] = [r.to_dict() for r in placement.alternatives]
+        print_json(out)
+        return
+    render(placement, explain)
+
+
+def render(placement: Placement, explain: bool) -> None:
+    """The plan as text and tables; with ``explain``, the rejected alternatives too."""
+    p = placement.plans[0]
+    console.print(f"[bold]plan[/] {p.model} -> target_device {placement.target_device}")
+    console.print(f"why: {placement.why}", markup=False)
+    console.print(plan_lines(p), markup=False)
+    ops = Table(title="Operators", title_justify="left")
+    for col in ("OPERATOR", "IMPLEMENTATION", "FALLBACK", "WHY"):
+        ops.add_column(col)
+    for op, choice in p.operators.items():
+        ops.add_row(
+            op, choice["implementation"], "yes" if choice["fallback"] else "no", choice["why"]
+        )
+    console.print(ops)
+    for note in p.notes:
+        console.print(f"note: {note}", markup=False)
+    if explain:
+        table = Table(title="Rejected alternatives", title_justify="left")
+        for col in ("DEVICES", "DTYPE", "TP", "REASON"):
+            table.add_column(col)
+        for r in placement.alternatives:
+            table.add_row(r.devices, r.dtype or "-", str(r.tp or "-"), r.reason)
+        console.print(table)
+
+
+def plan_lines(p: ExecutionPlan) -> str:
+    """The plan's settings, a few per line."""
+    rate = "-" if p.estimated_tokens_per_s is None else f"{p.estimated_tokens_per_s:.0f}"
+    memory = p.memory
+    return "\n".join([
+        f"engine: {p.engine}  dtype: {p.dtype}  quantization: {p.quantization}  "
+        f"tensor_parallel_size: {p.tensor_parallel_size}  devices: {','.join(p.devices)} "
+        f"(torch device {p.torch_device})",
+        f"max_model_len: {p.max_model_len}  max_num_seqs: {p.max_num_seqs}  "
+        f"kv_cache: {p.num_kv_blocks} blocks of {p.block_size} ({p.kv_cache_memory_mb} MiB)  "
+        f"weights: {p.weight_memory_mb} MiB per device  estimated: {rate} tokens/s",
+        f"memory: {memory['device_memory_mb']:.0f} MiB from {memory['source']}, "
+        f"{memory['usable_mb']} usable; host memory {memory['host_memory_mb'] or '-'} MiB "
+        "(not used for KV)",
+        f"engine options: {p.engine_options or '-'}  env: {p.env or '-'}  "
+        f"fallback ops: {', '.join(p.fallback_ops) or 'none'}",
+    ])  # fmt: skip

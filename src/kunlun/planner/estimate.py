@@ -1,0 +1,89 @@
+"""Memory need and estimated decode throughput of a model on a device.
+
+Throughput is a roofline estimate of steady-state decoding with ``batch`` sequences running,
+each with ``PLANNING_CONTEXT_TOKENS`` of context on average, on a tensor-parallel group of
+``tp`` identical devices:
+
+- memory-bound rate: one decode step reads every weight once and the KV of every running
+  sequence, so ``tokens/s = batch * bandwidth * tp / (weight_bytes + batch * context * kv_bytes_per_token)``;
+- compute-bound rate: ``tokens/s = compute(dtype) * tp / flops_per_token``, with the
+  normalized per-dtype figure of the profile (int8 TOPS for w8a8, else the activation dtype's
+  TFLOPS) and ``flops_per_token = 2 * matmul weights``;
+- the estimate is the smaller of the two. Without a declared ``memory_bandwidth_gbps`` only the
+  compute bound is known; with neither figure there is no estimate (``None``).
+
+Decode is usually memory-bound, so a device's bandwidth tends to decide; compute decides only
+when a large batch amortizes the weight reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kunlun.planner.capacity import DeviceCapacity
+from kunlun.planner.model_info import ModelInfo
+
+#: Average context (tokens) of a decoding sequence assumed by the throughput estimate.
+PLANNING_CONTEXT_TOKENS = 1024
+#: Token slots per KV block (the embedded engine's default).
+BLOCK_SIZE = 16
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryNeed:
+    """Per-device memory, MiB, of one replica on a group of ``tp`` devices."""
+
+    weights_mb: float
+    min_kv_mb: float
+    """KV for one sequence of ``max_model_len`` tokens (the least that makes the workload
+    usable)."""
+    wanted_kv_mb: float
+    """KV for ``batch`` sequences of ``max_model_len`` tokens (more is never used)."""
+
+
+def compute_dtype(dtype: str, quantization: str) -> str:
+    """The dtype whose compute figure applies: int8 for w8a8, else the activation dtype."""
+    return "int8" if quantization == "w8a8" else dtype
+
+
+def memory_need(
+    model: ModelInfo,
+    dtype: str,
+    quantization: str,
+    tp: int,
+    max_model_len: int,
+    batch: int,
+    kv_cache_memory_mb: int | None = None,
+) -> MemoryNeed:
+    """What one replica needs on each of its ``tp`` devices (KV in ``dtype``). A given
+    ``kv_cache_memory_mb`` (per replica) is both the least and the most KV it takes."""
+    weights = model.weight_bytes(dtype, quantization) / tp / MIB
+    if kv_cache_memory_mb is not None:
+        return MemoryNeed(weights, kv_cache_memory_mb / tp, kv_cache_memory_mb / tp)
+    blocks = -(-max_model_len // BLOCK_SIZE)
+    one_sequence = blocks * BLOCK_SIZE * model.kv_bytes_per_token(dtype)
+    return MemoryNeed(weights, one_sequence / tp / MIB, one_sequence * batch / tp / MIB)
+
+
+def tokens_per_s(
+    model: ModelInfo,
+    device: DeviceCapacity,
+    dtype: str,
+    quantization: str,
+    tp: int,
+    batch: int,
+    max_model_len: int,
+) -> float | None:
+    """Estimated decode tokens/s of ``model`` on ``tp`` devices like ``device`` (see module)."""
+    compute = device.compute.get(compute_dtype(dtype, quantization))
+    rates: list[float] = []
+    if compute:
+        rates.append(compute * 1e12 * tp / model.flops_per_token())
+    if device.bandwidth_gbps:
+        context = min(max_model_len, PLANNING_CONTEXT_TOKENS)
+        step_bytes = model.weight_bytes(dtype, quantization) + batch * context * (
+            model.kv_bytes_per_token(dtype)
+        )
+        rates.append(batch * device.bandwidth_gbps * 1e9 * tp / step_bytes)
+    return min(rates) if rates else None

@@ -1,0 +1,302 @@
+"""The execution plan: how one replica of a workload runs on its concrete devices.
+
+The planner's decisions for one device class are :func:`options` (which dtype and
+tensor-parallel size could work, in preference order, and why the others cannot);
+:func:`build_plan` turns the option placement picked, on the device group it picked, into an
+:class:`ExecutionPlan`: engine, dtype, quantization, tensor-parallel size, KV-cache blocks
+from the memory budget (device memory such as HBM; the host half of a vendor split is not
+used), ``max_num_seqs``, operator implementations with their fallbacks, engine options from
+vendor attributes, and the visibility environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kunlun.planner.capacity import DeviceCapacity
+from kunlun.planner.engine_options import engine_options
+from kunlun.planner.estimate import BLOCK_SIZE, MIB, MemoryNeed, memory_need, tokens_per_s
+from kunlun.planner.model_info import ModelInfo
+from kunlun.planner.operators import choose_operators
+
+#: Activation and KV dtypes the embedded engine runs, in the default preference order.
+ENGINE_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
+#: KV-cache reservation weight of each priority class (the seed's 3:2:1).
+PRIORITY_WEIGHTS: dict[str, int] = {"high": 3, "normal": 2, "low": 1}
+#: Default KV budget on a device that computes in host RAM, unless the spec sets one.
+HOST_KV_CAP_MB = 1024
+TP_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16)
+_MAX_OPTIONS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """A workload spec as the planner sees it, resolved against its model."""
+
+    model: ModelInfo
+    dtype: str | None
+    quantization: str
+    """Effective weight quantization: the spec's, or the checkpoint's scheme."""
+    max_model_len: int
+    batch: int
+    priority: str
+    kv_cache_memory_mb: int | None = None
+    device: str | None = None
+    preferred_device_types: tuple[str, ...] = ()
+    scorer: str = "performance"
+    replicas: int = 1
+    engine: str = "embedded"
+
+    @property
+    def priority_weight(self) -> int:
+        return PRIORITY_WEIGHTS[self.priority]
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One way a device class can run the demand: dtype, tensor-parallel size, its needs."""
+
+    dtype: str
+    tp: int
+    need: MemoryNeed
+    tokens_per_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """An alternative that was considered and rejected, with the reason."""
+
+    devices: str
+    dtype: str | None
+    tp: int | None
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"devices": self.devices, "dtype": self.dtype, "tp": self.tp, "reason": self.reason}
+
+
+def dtype_order(model: ModelInfo, cap: DeviceCapacity) -> list[str]:
+    """Engine dtypes in preference order: the checkpoint's 16-bit dtype, bf16, fp16, then fp32;
+    dtypes the device only emulates (a CPU without native bf16) come after fp32."""
+    order = list(ENGINE_DTYPES)
+    if model.checkpoint_dtype in ("bf16", "fp16"):
+        order.remove(model.checkpoint_dtype)
+        order.insert(0, model.checkpoint_dtype)
+    native = [d for d in order if d not in cap.emulated]
+    return native + [d for d in order if d in cap.emulated]
+
+
+def quantization_problem(cap: DeviceCapacity, quantization: str, label: str) -> str | None:
+    """Why ``cap`` cannot run weights quantized as ``quantization``, or None."""
+    needed = {"w8a8": "int8", "fp8": "fp8_e4m3"}.get(quantization)
+    if needed is not None and needed not in cap.dtypes:
+        return (
+            f"quantization={quantization} needs {needed} but {label} has supported_dtypes "
+            f"{sorted(cap.dtypes)}"
+        )
+    return None
+
+
+def options(
+    demand: Demand, cap: DeviceCapacity, num_devices: int, label: str
+) -> tuple[list[Option], list[Rejection]]:
+    """The ways an empty device group of this class can run the demand, best first: the
+    first dtype in preference order that fits, at the smallest tensor-parallel size that fits
+    and the next two larger ones (placement falls back to those when devices are partly
+    used); and every alternative rejected, with its reason.
+
+    ``num_devices`` is how many devices of the class may form a tensor-parallel group."""
+    rejected: list[Rejection] = []
+    if (why := quantization_problem(cap, demand.quantization, label)) is not None:
+        return [], [Rejection(label, None, None, why)]
+    wanted = [demand.dtype] if demand.dtype else dtype_order(demand.model, cap)
+    found: list[Option] = []
+    for dtype in wanted:
+        if dtype not in cap.dtypes:
+            rejected.append(
+                Rejection(
+                    label,
+                    dtype,
+                    None,
+                    f"dtype {dtype} not in supported_dtypes {sorted(cap.dtypes)}",
+                )
+            )
+            continue
+        if demand.quantization == "w4a16" and dtype == "fp32":
+            rejected.append(Rejection(label, dtype, None, "w4a16 needs bf16 or fp16 activations"))
+            continue
+        for tp in TP_SIZES:
+            why = _tp_problem(demand, cap, tp, num_devices)
+            if why is None:
+                need = memory_need(demand.model, dtype, demand.quantization, tp,
+                                   demand.max_model_len, demand.batch,
+                                   demand.kv_cache_memory_mb)  # fmt: skip
+                if need.weights_mb + need.min_kv_mb <= cap.usable_mb:
+                    rate = tokens_per_s(demand.model, cap, dtype, demand.quantization, tp,
+                                        demand.batch, demand.max_model_len)  # fmt: skip
+                    found.append(Option(dtype, tp, need, rate))
+                    if tp >= num_devices or len(found) == _MAX_OPTIONS:
+                        break
+                    continue
+                why = (
+                    f"needs {need.weights_mb + need.min_kv_mb:.0f} MiB per device (weights "
+                    f"{need.weights_mb:.0f} + KV for max_model_len={demand.max_model_len} "
+                    f"{need.min_kv_mb:.0f}); {cap.usable_mb:.0f} MiB usable"
+                )
+            rejected.append(Rejection(label, dtype, tp, why))
+            if tp >= num_devices:
+                break
+        if found:
+            later = wanted[wanted.index(dtype) + 1 :]
+            rejected += [
+                Rejection(
+                    label,
+                    d,
+                    None,
+                    f"{d} has no native units here ({d}_native: no); {dtype} is preferred",
+                )  # fmt: skip
+                for d in later
+                if d in cap.emulated
+            ]
+            break
+    return found, rejected
+
+
+def _tp_problem(demand: Demand, cap: DeviceCapacity, tp: int, num_devices: int) -> str | None:
+    model = demand.model
+    if tp > num_devices:
+        return f"tp={tp} needs {tp} devices; {num_devices} in this class"
+    if model.num_attention_heads % tp or (model.num_kv_heads % tp and tp % model.num_kv_heads):
+        return (
+            f"tp={tp} does not divide {model.num_attention_heads} attention heads / "
+            f"{model.num_kv_heads} KV heads"
+        )
+    if tp > 1 and not cap.p2p:
+        return f"tp={tp} needs peer-to-peer between devices; p2p_enabled is false"
+    return None
+
+
+@dataclass
+class ExecutionPlan:
+    """How one replica runs: everything the engine worker is started with, and why."""
+
+    model: str
+    model_path: str | None
+    architecture: str
+    engine: str
+    devices: list[str]
+    device_type: str
+    torch_device: str
+    dtype: str
+    quantization: str
+    tensor_parallel_size: int
+    max_model_len: int
+    max_num_seqs: int
+    block_size: int
+    num_kv_blocks: int
+    kv_cache_memory_mb: int
+    weight_memory_mb: int
+    memory: dict[str, Any]
+    operators: dict[str, dict[str, Any]]
+    engine_options: dict[str, Any]
+    env: dict[str, str]
+    estimated_tokens_per_s: float | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fallback_ops(self) -> list[str]:
+        return [op for op, choice in self.operators.items() if choice["fallback"]]
+
+    def summary(self) -> str:
+        """One line: what the replica runs with (the workload log and the CLI print it)."""
+        rate = self.estimated_tokens_per_s
+        return (
+            f"{self.model} on {','.join(self.devices)}: engine {self.engine}, dtype {self.dtype}, "
+            f"quantization {self.quantization}, tp {self.tensor_parallel_size}, "
+            f"max_model_len {self.max_model_len}, max_num_seqs {self.max_num_seqs}, "
+            f"KV {self.num_kv_blocks} blocks ({self.kv_cache_memory_mb} MiB), "
+            f"estimated {'-' if rate is None else f'{rate:.0f}'} tokens/s, "
+            f"fallback ops {', '.join(self.fallback_ops) or 'none'}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["fallback_ops"] = self.fallback_ops
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ExecutionPlan:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}  # not fallback_ops
+        return cls(**known)
+
+
+def kv_budget_mb(demand: Demand, cap: DeviceCapacity, need: MemoryNeed, share_mb: float) -> float:
+    """Per-device KV memory of one replica on ``cap``: its priority share of the memory left
+    after weights, no more than it can use (``batch`` full-length sequences, or the spec's
+    ``kv_cache_memory_mb``), capped on host RAM unless the spec set it; never below one
+    full-length sequence."""
+    budget = min(share_mb, need.wanted_kv_mb)
+    if demand.kv_cache_memory_mb is not None:
+        return budget
+    if cap.host_memory:
+        budget = min(budget, HOST_KV_CAP_MB)
+    return max(budget, need.min_kv_mb)
+
+
+def build_plan(
+    demand: Demand, group: list[DeviceCapacity], option: Option, kv_mb: float, share_note: str
+) -> ExecutionPlan:
+    """The plan for one replica of ``demand`` on ``group`` with ``option``."""
+    first, model = group[0], demand.model
+    kv_token = model.kv_bytes_per_token(option.dtype)
+    blocks = int(kv_mb * MIB * option.tp // (BLOCK_SIZE * kv_token))
+    if blocks * BLOCK_SIZE < demand.max_model_len:
+        notes_kv = [f"KV ({blocks} blocks) is shorter than max_model_len={demand.max_model_len}"]
+    else:
+        notes_kv = []
+    ops = choose_operators(first.torch_device_type, demand.quantization)
+    opts, env, notes = engine_options(first.custom_attributes)
+    if first.visibility_env:
+        env[first.visibility_env] = ",".join(str(c.index) for c in group)
+    local = 0 if first.visibility_env else first.index
+    notes[:0] = [share_note, *notes_kv]
+    if blocks * BLOCK_SIZE < demand.batch * demand.max_model_len:
+        notes.append(
+            f"KV holds {blocks * BLOCK_SIZE} tokens: {demand.batch} sequences run together "
+            f"when they average at most {blocks * BLOCK_SIZE // demand.batch} tokens"
+        )
+    return ExecutionPlan(
+        model=model.name,
+        model_path=model.path,
+        architecture=model.architecture,
+        engine=demand.engine,
+        devices=[c.device_id for c in group],
+        device_type=first.device_type,
+        torch_device="cpu"
+        if first.torch_device_type == "cpu"
+        else f"{first.torch_device_type}:{local}",
+        dtype=option.dtype,
+        quantization=demand.quantization,
+        tensor_parallel_size=option.tp,
+        max_model_len=demand.max_model_len,
+        max_num_seqs=demand.batch,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=blocks,
+        kv_cache_memory_mb=int(kv_mb * option.tp),
+        weight_memory_mb=int(round(option.need.weights_mb)),
+        memory={
+            "device_memory_mb": first.memory_total_mb,
+            "source": first.memory_source,
+            "usable_mb": round(first.usable_mb),
+            "host_memory_mb": first.host_memory_mb,
+            "host_memory_used": False,
+        },
+        operators={op: c.to_dict() for op, c in ops.items()},
+        engine_options=opts,
+        env=env,
+        estimated_tokens_per_s=None
+        if option.tokens_per_s is None
+        else round(option.tokens_per_s, 1),
+        notes=notes,
+    )

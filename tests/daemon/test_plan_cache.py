@@ -1,0 +1,82 @@
+"""The plan cache with a real daemon and the demo model: a dry run starts nothing; the second
+start of a workload is a hit that converts nothing; a changed device declaration is a miss."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from tests.daemon.conftest import Daemon, free_port, new_home, submit_demo, wait_ready
+
+BF16 = "dtype: bf16\n"  # the demo model is stored in fp32: bf16 needs a conversion
+
+
+def logs(daemon: Daemon, job: str) -> str:
+    proc = daemon.cli("workload", "logs", job)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def stop(daemon: Daemon, job: str) -> None:
+    assert daemon.cli("workload", "stop", job).returncode == 0
+    deadline = time.monotonic() + 60
+    while daemon.get("/readyz").status_code == 200:
+        assert time.monotonic() < deadline, "replica still ready after stop"
+        time.sleep(0.2)
+
+
+def test_plan_cache_hit_reuses_conversion_and_a_changed_declaration_misses(
+    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    home = new_home(models_home, tmp_path_factory, "plan-cache-home")
+    daemon = Daemon(home, free_port())
+    daemon.start(wait_ready=False)
+    try:
+        dry = daemon.cli("workload", "submit", "--model", "smollm2", "--dtype", "bf16", "--dry-run")
+        assert dry.returncode == 0, dry.stderr
+        assert "would run" in dry.stdout and "target_device cpu:0" in dry.stdout
+        assert "why: cpu:0 (bf16, tp=1)" in dry.stdout and "plan: smollm2 on cpu:0" in dry.stdout
+        listed = daemon.cli("workload", "list", "--json")
+        assert json.loads(listed.stdout) == [] and not (home / "plan-cache").exists()
+
+        first = submit_demo(daemon, BF16)
+        wait_ready(daemon)
+        text = logs(daemon, first)
+        assert "plan_cache: miss" in text and "conversion: cast" in text
+        assert "plan: smollm2 on cpu:0: engine embedded, dtype bf16" in text
+        (artifact,) = home.glob("plan-cache/*/weights/model.safetensors")
+        written = artifact.stat()
+        described = daemon.describe(first)
+        assert described["target_device"] == "cpu:0" and described["placement"]["why"]
+        assert described["placement"]["plan"]["dtype"] == "bf16"
+        stop(daemon, first)
+
+        second = submit_demo(daemon, BF16)
+        wait_ready(daemon)
+        text = logs(daemon, second)
+        assert "plan_cache: hit" in text and "conversion: reused" in text
+        assert "conversion: cast" not in text
+        assert (artifact.stat().st_mtime_ns, artifact.stat().st_ino) == (
+            written.st_mtime_ns,
+            written.st_ino,
+        )
+        describe = daemon.cli("workload", "describe", second)
+        assert "target_device: cpu:0" in describe.stdout and "why: cpu:0" in describe.stdout
+        assert daemon.stop() == 0
+
+        config = home / "device-plugin-config.yaml"
+        config.write_text(
+            "devices:\n  - device_type: cpu\n    device_id: 0\n"
+            "    custom_attributes: {num_threads: 1}\n"
+        )
+        daemon.start("--config", str(config), wait_ready=False)
+        wait_ready(daemon)  # the daemon resumes the workload under the new declaration
+        text = logs(daemon, second)
+        after_restart = text[text.rindex("plan_cache:") :]  # this start's lines
+        assert after_restart.startswith("plan_cache: miss") and "conversion: cast" in after_restart
+        plan = daemon.describe(second)["placement"]["plan"]
+        assert plan["engine_options"] == {"num_threads": 1}
+    finally:
+        daemon.stop()

@@ -1,0 +1,121 @@
+"""The execution plan's parts: dtype order, KV blocks from memory, operators and their
+fallbacks, vendor attributes as engine options, and the visibility environment."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from tests.planner.conftest import EditConfig, model, node
+
+from kunlun.device.inventory import build_inventory
+from kunlun.planner import operators
+from kunlun.planner.capacity import capacity_of
+from kunlun.planner.engine_options import engine_options
+from kunlun.planner.estimate import BLOCK_SIZE
+from kunlun.planner.plan import dtype_order
+from kunlun.workload.placement import place
+from kunlun.workload.spec import WorkloadSpec
+
+QWEN = model("Qwen2-0.5B")
+
+
+def test_this_cpu_gets_fp32_unless_it_computes_bf16_natively() -> None:
+    inventory = build_inventory()  # live discovery: this machine's CPU
+    cpu = inventory.get("cpu:0")
+    assert cpu is not None
+    placement = place(WorkloadSpec(model="Qwen2-0.5B", max_model_len=2048), inventory, QWEN)
+    plan = placement.plans[0]
+    native = (cpu.get("attributes") or {}).get("bf16_native") == "yes"
+    assert plan.devices == ["cpu:0"] and plan.dtype == ("bf16" if native else "fp32")
+    assert plan.torch_device == "cpu" and plan.env == {}
+    assert plan.fallback_ops == []  # torch's own CPU kernels are the native path
+    assert plan.kv_cache_memory_mb <= 1024  # host RAM: KV capped unless the spec sets it
+    if not native:
+        reasons = [r.reason for r in placement.alternatives if r.dtype == "bf16"]
+        assert reasons == ["bf16 has no native units here (bf16_native: no); fp32 is preferred"]
+
+
+def test_dtype_order_prefers_the_checkpoint_and_native_units() -> None:
+    caps = {p.device_type: capacity_of(p) for p in node("mixed").profiles}
+    assert dtype_order(QWEN, caps["ascend"]) == ["bf16", "fp16", "fp32"]
+    plan = place(WorkloadSpec(model="Qwen2-0.5B", device="nvidia:0"), node("mixed"), QWEN)
+    assert plan.dtype == "fp16"  # the T4 has no bf16
+    assert "dtype bf16 not in supported_dtypes" in " ".join(r.reason for r in plan.alternatives)
+
+
+def test_kv_blocks_come_from_the_device_memory_budget() -> None:
+    placement = place(
+        WorkloadSpec(model="Llama-3-8B", batch_size=64), node("mixed"), model("Llama-3-8B")
+    )
+    plan = placement.plans[0]
+    per_token = model("Llama-3-8B").kv_bytes_per_token(plan.dtype)
+    assert plan.num_kv_blocks == plan.kv_cache_memory_mb * (1 << 20) // (BLOCK_SIZE * per_token)
+    memory = plan.memory
+    assert memory["source"] == "hbm_memory_mb (validated)" and memory["host_memory_mb"] == 1024
+    assert memory["host_memory_used"] is False
+    # 64 x 8192 tokens want 64 GiB: the budget is what is left after the weights
+    left = memory["usable_mb"] - plan.weight_memory_mb
+    assert plan.kv_cache_memory_mb == pytest.approx(left, abs=2)
+    assert plan.max_num_seqs == 64
+
+
+def test_operators_fall_back_to_generic_torch_when_the_vendor_extension_is_missing() -> None:
+    chosen = operators.choose_operators("npu", "none")
+    assert {op: c.fallback for op, c in chosen.items()} == dict.fromkeys(operators.OPERATORS, True)
+    assert chosen["attention"].implementation == operators.GENERIC["attention"]
+    assert chosen["attention"].why == "torch_npu not importable"
+    quantized = operators.choose_operators("cpu", "w4a16")["matmul"]
+    assert quantized.fallback and quantized.implementation.startswith("dequantize")
+    unknown = operators.choose_operators("gcu", "none")["rmsnorm"]
+    assert unknown.fallback and "no gcu kernel registered" in unknown.why
+
+
+def test_an_importable_extension_gets_the_vendor_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A package named torch_npu on the path is what makes the Ascend kernels eligible."""
+    (tmp_path / "torch_npu").mkdir()
+    (tmp_path / "torch_npu" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    operators.importable.cache_clear()
+    operators.choose_operators.cache_clear()
+    try:
+        chosen = operators.choose_operators("npu", "w8a8")
+    finally:
+        sys.modules.pop("torch_npu", None)
+        operators.importable.cache_clear()
+        operators.choose_operators.cache_clear()
+    assert chosen["attention"].implementation == "npu_fusion_attention (torch_npu)"
+    assert chosen["matmul"].implementation == "npu_quant_matmul (torch_npu)"
+    assert not any(c.fallback for c in chosen.values())
+
+
+def test_vendor_attributes_become_engine_options_and_environment() -> None:
+    options, env, notes = engine_options(
+        {"hipblaslt_enabled": True, "num_threads": 4, "mystery": 1}
+    )
+    assert options == {"hipblaslt": True, "num_threads": 4}
+    assert env == {"TORCH_BLAS_PREFER_HIPBLASLT": "1"}
+    assert any("mystery" in n and "not used" in n for n in notes)
+    plan = place(WorkloadSpec(model="Qwen2-0.5B"), node("mixed"), QWEN).plans[0]
+    assert plan.engine_options == {"operator_fusion": True}  # aclnn_fusion_enabled
+    amd = node("amd-rx7800xt")
+    amd_plan = place(WorkloadSpec(model="Qwen2-0.5B"), amd, QWEN).plans[0]
+    assert amd_plan.env["TORCH_BLAS_PREFER_HIPBLASLT"] == "0"  # hipblaslt_enabled: false
+    assert amd_plan.env["HIP_VISIBLE_DEVICES"] == "0"
+
+
+def test_memory_split_fields_feed_the_budget(edited_config: EditConfig) -> None:
+    def smaller_hbm(device: dict[str, object]) -> None:
+        if device["device_type"] == "ascend":
+            device["hbm_memory_mb"] = 16384
+
+    plan = place(
+        WorkloadSpec(model="Qwen2-0.5B", preferred_device_types=["ascend"]),
+        node("mixed", edited_config("mixed", smaller_hbm)),
+        QWEN,
+    ).plans[0]
+    assert plan.memory["device_memory_mb"] == 16384
+    assert plan.memory["source"] == "hbm_memory_mb (validated)"
