@@ -26,6 +26,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from kunlun.device.dtypes import normalize_compute
 from kunlun.device.profile import DeviceProfile, Provenance, Status
@@ -114,27 +115,34 @@ def run_once(profiles: list[DeviceProfile], specs: list[WorkloadSpec],
             "placed": placed, "refused": refused, "classes": len(placer.pools)}  # fmt: skip
 
 
+def measure(
+    num_workloads: int = 1000, num_devices: int = 10000, repeats: int = 3
+) -> dict[str, Any]:
+    """The placement figures as one dict (``benchmarks/scheduler.py`` folds them in)."""
+    rng = random.Random(20261130)
+    specs = workloads(num_workloads, rng)
+    models = {spec.model: inspect_model(MODELS / spec.model) for spec in specs}
+    runs = [run_once(inventory(num_devices, random.Random(7)), specs, models)
+            for _ in range(repeats)]  # fmt: skip
+    best = min(runs, key=lambda r: r["total_s"])
+    key = f"placement_s_{num_workloads}_workloads_{num_devices}_devices"
+    return {
+        key: round(best["total_s"], 4),
+        "placement_median_s": round(statistics.median(r["total_s"] for r in runs), 4),
+        "placement_best_run": {k: round(v, 4) for k, v in best.items()},
+        "placement_runs_s": [round(r["total_s"], 4) for r in runs],
+        "placement_target_s": 1.0,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workloads", type=int, default=1000)
     parser.add_argument("--devices", type=int, default=10000)
     args = parser.parse_args()
-    rng = random.Random(20261130)
-    specs = workloads(args.workloads, rng)
-    models = {spec.model: inspect_model(MODELS / spec.model) for spec in specs}
-    runs = [run_once(inventory(args.devices, random.Random(7)), specs, models)
-            for _ in range(args.repeats)]  # fmt: skip
-    best = min(runs, key=lambda r: r["total_s"])
-    key = f"placement_s_{args.workloads}_workloads_{args.devices}_devices"
-    print(json.dumps({
-        key: round(best["total_s"], 4),
-        "median_s": round(statistics.median(r["total_s"] for r in runs), 4),
-        "best_run": {k: round(v, 4) for k, v in best.items()},
-        "runs_s": [round(r["total_s"], 4) for r in runs],
-        "python": platform.python_version(),
-        "target_s": 1.0,
-    }))  # fmt: skip
+    result = measure(args.workloads, args.devices, args.repeats)
+    print(json.dumps({**result, "python": platform.python_version()}))
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ import heapq
 import json
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from kunlun.serving.admission import Admission, Ticket
@@ -37,6 +39,9 @@ from kunlun.serving.scheduler_config import (
     SchedulerConfig,
     SchedulerConfigSource,
 )
+
+sys.path.insert(0, str(Path(__file__).parent))
+import placement  # noqa: E402  (benchmarks/placement.py, a sibling script)
 
 MODEL = "m"
 SERVICE_RATES = (1.0, 0.8, 0.5, 0.3)
@@ -209,7 +214,7 @@ def main() -> None:
     iterations, num_requests = (5_000, 20_000) if args.quick else (100_000, 200_000)
 
     result: dict[str, Any] = {}
-    # placement_s_1000_workloads_10000_devices: folded in here from benchmarks/placement.py
+    result.update(placement.measure(repeats=1 if args.quick else 3))
     result.update(route_decision(iterations))
     round_robin = simulate("round-robin", num_requests)
     load_aware = simulate("load-aware", num_requests)
