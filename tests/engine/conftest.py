@@ -37,7 +37,9 @@ def demo_model_dir(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return import_gguf(demo_gguf, tmp_path_factory.mktemp("models") / "smollm2")
 
 
-def _tiny_config(arch: str, tie_word_embeddings: bool, llama3_rope: bool):  # noqa: ANN202
+def _tiny_config(  # noqa: ANN202
+    arch: str, tie_word_embeddings: bool, llama3_rope: bool, attention_bias: bool = False
+):
     import transformers
 
     common = dict(
@@ -66,7 +68,9 @@ def _tiny_config(arch: str, tie_word_embeddings: bool, llama3_rope: bool):  # no
                 "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64,
             }
-        return transformers.LlamaConfig(**common, rope_parameters=rope)
+        return transformers.LlamaConfig(
+            **common, rope_parameters=rope, attention_bias=attention_bias
+        )
     if arch == "Qwen2ForCausalLM":
         return transformers.Qwen2Config(**common)
     if arch == "Qwen3ForCausalLM":
@@ -80,7 +84,12 @@ def build_tiny_model(
     """Save a seeded random ``arch`` model plus ``tokenizer_dir``'s tokenizer in ``out_dir``."""
     import transformers
 
-    config = _tiny_config(arch, tie_word_embeddings, options.get("llama3_rope", False))
+    config = _tiny_config(
+        arch,
+        tie_word_embeddings,
+        options.get("llama3_rope", False),
+        options.get("attention_bias", False),
+    )
     torch.manual_seed(0)
     model = getattr(transformers, arch)(config).eval()
     with torch.no_grad():
@@ -103,7 +112,7 @@ def make_tiny_model(demo_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
     """Factory ``(arch, tie_word_embeddings, **options) -> model dir`` (cached per arguments).
 
     ``arch`` is one of :data:`TINY_ARCHITECTURES`; options: ``llama3_rope`` (Llama with
-    llama3 RoPE scaling), ``sharded`` (weights split into several safetensors files).
+    llama3 RoPE scaling), ``attention_bias`` (Llama with q/k/v/o biases), ``sharded`` (weights split into several safetensors files).
     """
     root = tmp_path_factory.mktemp("tiny")
     cache: dict[tuple, Path] = {}

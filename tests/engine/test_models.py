@@ -101,6 +101,7 @@ def test_demo_greedy_matches_transformers(
 TINY_CASES = [
     ("LlamaForCausalLM", False, {}),
     ("LlamaForCausalLM", True, {"llama3_rope": True}),
+    ("LlamaForCausalLM", False, {"attention_bias": True}),
     ("Qwen2ForCausalLM", False, {}),
     ("Qwen2ForCausalLM", True, {}),
     ("Qwen3ForCausalLM", True, {}),

@@ -72,6 +72,9 @@ class ModelConfig:
     """The LM head reuses the embedding matrix."""
     attention_bias: bool = False
     """q/k/v projections carry a bias (always true for Qwen2)."""
+    o_proj_bias: bool = False
+    """The attention output projection carries a bias (Llama and Qwen3 with
+    ``attention_bias``; never Qwen2, whose bias is on q/k/v only)."""
     mlp_bias: bool = False
     """The MLP projections carry a bias (Llama's ``mlp_bias``)."""
     qk_norm: bool = False
@@ -137,6 +140,7 @@ class ModelConfig:
             rope_scaling=_rope_scaling(raw, source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
+            o_proj_bias=not is_qwen2 and bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=architecture == "Qwen3ForCausalLM",
             bos_token_id=raw.get("bos_token_id"),
