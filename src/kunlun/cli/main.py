@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from kunlun import __version__
-from kunlun.cli import apikey, device, model, workload
+from kunlun.cli import apikey, bench, device, model, telemetry, workload
 from kunlun.cli.output import console, handle_errors, print_json
 
 app = typer.Typer(
@@ -20,6 +20,8 @@ app.add_typer(device.app, name="device")
 app.add_typer(workload.app, name="workload")
 app.add_typer(model.app, name="model")
 app.add_typer(apikey.app, name="apikey")
+app.add_typer(telemetry.app, name="telemetry")
+app.command("bench")(bench.bench)
 
 
 @app.command()

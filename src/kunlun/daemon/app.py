@@ -3,7 +3,9 @@
 Routes:
 - ``/healthz`` (liveness) and ``/readyz`` (200 once a replica has loaded and warmed up);
 - ``/api/v1/...``: devices, workloads, models and API keys (what ``kunlun-cli`` calls);
-- ``/v1/...``: the OpenAI-compatible gateway (:mod:`kunlun.serving.gateway`).
+- ``/v1/...``: the OpenAI-compatible gateway (:mod:`kunlun.serving.gateway`);
+- ``/metrics``: Prometheus exposition of devices, replicas and requests
+  (:mod:`kunlun.telemetry.exposition`).
 
 Once any API key exists, every route but ``/healthz`` and ``/readyz`` needs one
 (``Authorization: Bearer <key>``); the check is a plain ASGI middleware so streaming is not
@@ -33,6 +35,7 @@ from kunlun.serving.protocol import AuthenticationError, error_json
 from kunlun.serving.replica import ReplicaSet
 from kunlun.state.api_keys import KeyRing
 from kunlun.state.sqlite import SQLiteStore
+from kunlun.telemetry.exposition import PlatformTelemetry  # telemetry
 from kunlun.workload.manager import WorkloadManager
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
@@ -106,10 +109,14 @@ class ApiKeyMiddleware:
 
 def create_app(platform: Platform) -> FastAPI:
     """The daemon's app over ``platform`` (started and stopped by the app's lifespan)."""
+    telemetry = PlatformTelemetry(  # telemetry: /metrics and device samples (.devices.latest())
+        platform.replicas, platform.agent, platform.gateway.metrics, platform.inventory
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await platform.gateway.start()
+        await telemetry.start()  # telemetry
         reaped = platform.agent.reap_leftovers()
         if reaped:
             print(
@@ -122,12 +129,14 @@ def create_app(platform: Platform) -> FastAPI:
             yield
         finally:
             supervisor.cancel()
+            await telemetry.close()  # telemetry
             await asyncio.to_thread(platform.agent.stop_all)
             await platform.gateway.close()
             platform.store.close()
 
     app = FastAPI(title="Kunlun Platform", version=__version__, lifespan=lifespan)
     app.state.platform = platform
+    app.state.telemetry = telemetry  # telemetry
 
     @app.exception_handler(KunlunError)
     async def kunlun_error(request: Request, exc: KunlunError) -> Response:
@@ -151,5 +160,6 @@ def create_app(platform: Platform) -> FastAPI:
 
     app.include_router(admin_router(platform), prefix="/api/v1")
     app.include_router(gateway_router(platform.replicas, platform.gateway))
+    app.include_router(telemetry.router())  # telemetry: GET /metrics (API key when keys exist)
     app.add_middleware(ApiKeyMiddleware, keyring=platform.keyring)
     return app

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,7 @@ from kunlun.serving.upstream import (
     UpstreamResponse,
     UpstreamUnreachable,
 )
+from kunlun.telemetry.gateway_metrics import CLIENT_GONE, GatewayMetrics  # telemetry
 
 _FORWARDED = (b"content-type", b"content-length", b"x-request-id", b"cache-control")
 """Upstream response headers passed to the client."""
@@ -71,6 +73,8 @@ class GatewayState:
     """Requests admitted and not yet answered, over all replicas (for draining)."""
     upstream: UpstreamPool | None = field(default=None, repr=False)
     """Shared keep-alive connections to the workers (made by :meth:`start`)."""
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics, repr=False)  # telemetry
+    """Request counters and latency histograms (part of the daemon's ``/metrics``)."""
 
     async def start(self) -> None:
         """Open the connection pool (call from the app's lifespan, in its event loop)."""
@@ -125,13 +129,19 @@ def error_response(exc: BaseException) -> Response:
 async def _proxy(
     request: Request, path: str, replicas: ReplicaSet, state: GatewayState
 ) -> Response:
+    arrived = time.perf_counter()  # telemetry
     body = await request.body()
+    model = None
     try:
-        replica = _admit(_model_of(body), replicas, state)
+        model = _model_of(body)
+        replica = _admit(model, replicas, state)
     except KunlunError as exc:
+        state.metrics.refused(model, model in replicas.models(), exc)  # telemetry
         return error_response(exc)
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    return _Upstream(state, replica, path, body, request_id)  # counted in flight while it runs
+    upstream = _Upstream(state, replica, path, body, request_id)  # counted in flight while it runs
+    upstream.arrived = arrived  # telemetry
+    return upstream
 
 
 def _model_of(body: bytes) -> str:
@@ -185,6 +195,7 @@ class _Upstream(Response):
         self.path, self.payload, self.request_id = path, body, request_id
         self.status_code, self.raw_headers, self.background = 200, [], None
         self._ended = False
+        self.arrived, self.dispatched = time.perf_counter(), None  # telemetry: perf_counter
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.replica.in_flight += 1
@@ -198,11 +209,15 @@ class _Upstream(Response):
                 raise  # cancelled from elsewhere
             if relay is not None:
                 relay.uncancel()  # the client left: nothing to answer
+            self.status_code = CLIENT_GONE  # telemetry
         finally:
             self._ended = True
             watcher.cancel()
             self.replica.in_flight -= 1
             self.state.num_active -= 1
+            r = self.replica  # telemetry: a few counter increments, no body parsing
+            self.state.metrics.finished(r.model, r.replica_id, r.priority, self.status_code,
+                                        self.arrived, self.dispatched)  # fmt: skip
 
     async def _watch(self, receive: Receive, relay: asyncio.Task[Any] | None) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -216,6 +231,7 @@ class _Upstream(Response):
             raise RuntimeError("GatewayState.start() was not called")
         headers = [(b"content-type", b"application/json"),
                    (b"x-request-id", self.request_id.encode())]  # fmt: skip
+        self.dispatched = time.perf_counter()  # telemetry: end of the gateway queue time
         try:
             upstream = await pool.post(self.replica.base_url, self.path, headers, self.payload)
         except UpstreamError as exc:
@@ -230,6 +246,7 @@ class _Upstream(Response):
         raw = [(k, v) for k, v in upstream.headers if k in _FORWARDED]
         raw += [(b"x-kunlun-replica", self.replica.replica_id.encode()),
                 (b"x-kunlun-device", self.replica.device.encode())]  # fmt: skip
+        self.status_code = upstream.status_code  # telemetry
         await send({"type": "http.response.start", "status": upstream.status_code, "headers": raw})
         last = b"\n\n"
         try:
@@ -237,6 +254,7 @@ class _Upstream(Response):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 last = chunk
         except UpstreamBroken as exc:
+            self.status_code = WorkerDied.http_status  # telemetry
             if (upstream.header(b"content-type") or b"").startswith(_SSE):
                 separator = b"" if last.endswith(b"\n\n") else b"\n\n"
                 event = separator + sse.error_event(self._died(exc))
@@ -252,6 +270,7 @@ class _Upstream(Response):
                    (b"x-request-id", self.request_id.encode()),
                    (b"x-kunlun-replica", self.replica.replica_id.encode())]  # fmt: skip
         headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
+        self.status_code = status  # telemetry
         await send({"type": "http.response.start", "status": status, "headers": headers})
         self._ended = True
         await send({"type": "http.response.body", "body": payload, "more_body": False})

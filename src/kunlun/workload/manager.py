@@ -21,6 +21,7 @@ from kunlun.errors import ConfigError, KunlunError, Location
 from kunlun.node.agent import NodeAgent
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.state.store import EventRecord, StateStore, WorkloadRecord
+from kunlun.telemetry.spec import worker_profiling_args
 from kunlun.workload.placement import Placement, place
 from kunlun.workload.spec import WorkloadSpec, parse_spec
 
@@ -170,6 +171,7 @@ class WorkloadManager:
                 args += ["--max-model-len", str(spec.max_model_len)]
             if spec.kv_cache_memory_mb:
                 args += ["--kv-cache-memory-mb", str(spec.kv_cache_memory_mb)]
+            args += worker_profiling_args(spec.telemetry, self.agent.log_dir, replica.replica_id)
             self.agent.launch(replica, args, env)
 
     def resume_all(self) -> None:
