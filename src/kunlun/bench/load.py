@@ -60,8 +60,9 @@ class Target:
     def client(self, max_connections: int | None = None) -> httpx.AsyncClient:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=None)
-        return httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits,
-                                 timeout=self.timeout_s)  # fmt: skip
+        return httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, limits=limits, timeout=self.timeout_s
+        )
 
 
 def make_prompts(count: int, input_len: int, seed: int) -> list[list[int]]:
@@ -74,9 +75,15 @@ async def send(
     client: httpx.AsyncClient, target: Target, prompt: list[int], output_len: int
 ) -> RequestRecord:
     """Stream one completion and time it (see the module docstring for the request)."""
-    body = {"model": target.model, "prompt": prompt, "max_tokens": output_len,
-            "ignore_eos": True, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": target.model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     record = RequestRecord(start=time.perf_counter())
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -175,10 +182,14 @@ class PlatformProbe:
             return []
         keys = ("compile", "load", "warmup_ttft", "total")
         return [
-            {"replica": r["replica"], "device": r.get("device"),
-             **{f"{k}_s": r.get(f"startup_{k}_s") for k in keys}}
-            for r in snapshot["replicas"] if r.get("model") == self.target.model
-        ]  # fmt: skip
+            {
+                "replica": r["replica"],
+                "device": r.get("device"),
+                **{f"{k}_s": r.get(f"startup_{k}_s") for k in keys},
+            }
+            for r in snapshot["replicas"]
+            if r.get("model") == self.target.model
+        ]
 
     @contextlib.asynccontextmanager
     async def peak_memory(self) -> AsyncIterator[dict[str, float | None]]:

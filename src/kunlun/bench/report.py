@@ -22,11 +22,23 @@ def run_label(run: dict[str, Any]) -> str:
 
 def table(doc: dict[str, Any]) -> Table:
     """One row per run."""
-    title = (f"bench {doc['model']} at {doc['endpoint']}: {doc['input_len']} prompt + "
-             f"{doc['output_len']} output tokens per request")  # fmt: skip
+    title = (
+        f"bench {doc['model']} at {doc['endpoint']}: {doc['input_len']} prompt + "
+        f"{doc['output_len']} output tokens per request"
+    )
     t = Table(title=title, title_justify="left")
-    columns = ("RUN", "OK/ALL", "REQ/S", "OUT TOK/S", "GOODPUT REQ/S", "TTFT p50/p90/p99 ms",
-               "TPOT p50/p90/p99 ms", "ITL p50/p99 ms", "E2E p50/p90/p99 ms", "PEAK MEMORY")  # fmt: skip
+    columns = (
+        "RUN",
+        "OK/ALL",
+        "REQ/S",
+        "OUT TOK/S",
+        "GOODPUT REQ/S",
+        "TTFT p50/p90/p99 ms",
+        "TPOT p50/p90/p99 ms",
+        "ITL p50/p99 ms",
+        "E2E p50/p90/p99 ms",
+        "PEAK MEMORY",
+    )
     for column in columns:
         t.add_column(column, no_wrap=True)
     for run in doc["runs"]:
@@ -85,8 +97,9 @@ def write_chart(doc: dict[str, Any], path: Path) -> Path:
     runs = sorted(runs, key=lambda r: r[axis])
     xs = [r[axis] for r in runs]
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    figure.suptitle(f"{doc['model']}: {doc['input_len']} prompt + {doc['output_len']} output "
-                    f"tokens per request")  # fmt: skip
+    figure.suptitle(
+        f"{doc['model']}: {doc['input_len']} prompt + {doc['output_len']} output tokens per request"
+    )
     left.plot(xs, [r["output_tokens_per_s"] or 0 for r in runs], "o-", label="output tokens/s")
     if any(r["goodput_requests_per_s"] is not None for r in runs):
         goodput = [(r["goodput_requests_per_s"] or 0) * doc["output_len"] for r in runs]
@@ -98,8 +111,12 @@ def write_chart(doc: dict[str, Any], path: Path) -> Path:
     requests.plot(xs, [r["requests_per_s"] or 0 for r in runs], "^:", color="grey")
     requests.set_ylabel("requests/s (grey)")
     left.legend(loc="upper left", fontsize="small")
-    for key, quantile, style in (("ttft_ms", "p50", "o-"), ("ttft_ms", "p99", "o--"),
-                                 ("tpot_ms", "p50", "s-"), ("e2e_ms", "p50", "^-")):  # fmt: skip
+    for key, quantile, style in (
+        ("ttft_ms", "p50", "o-"),
+        ("ttft_ms", "p99", "o--"),
+        ("tpot_ms", "p50", "s-"),
+        ("e2e_ms", "p50", "^-"),
+    ):
         values = [r[key][quantile] for r in runs]
         if any(v is not None for v in values):
             name = f"{key.removesuffix('_ms').upper()} {quantile}"

@@ -86,9 +86,16 @@ async def run(options: BenchOptions, progress: Any = None) -> dict[str, Any]:
                     target, prompts, rate, options.output_len, options.seed + index
                 )
         summary = summarize(records, options.slo_ttft_ms, options.slo_tpot_ms)
-        runs.append({"mode": mode, "concurrency": concurrency, "rate": rate,
-                     "peak_memory_bytes": peak["peak_bytes"], **summary,
-                     "requests": [r.to_dict() for r in records]})  # fmt: skip
+        runs.append(
+            {
+                "mode": mode,
+                "concurrency": concurrency,
+                "rate": rate,
+                "peak_memory_bytes": peak["peak_bytes"],
+                **summary,
+                "requests": [r.to_dict() for r in records],
+            }
+        )
     busiest = max(runs, key=lambda r: (r["concurrency"] or 0, r["rate"] or 0), default=None)
     return {
         "endpoint": target.base_url,

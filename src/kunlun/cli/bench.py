@@ -51,7 +51,7 @@ def bench(
         typer.Option(
             help="Closed-loop sweep: concurrent clients per run (default 1,4,16; none "
             "when only --rate is given)."
-        ),  # fmt: skip
+        ),
     ] = None,
     rate: Annotated[
         str | None, typer.Option(help="Poisson run(s): mean requests per second, e.g. 2 or 1,2,4.")
@@ -60,7 +60,7 @@ def bench(
         int | None,
         typer.Option(
             min=1, help="Requests per run (default: 4 per client, at least 8; 32 per Poisson run)."
-        ),  # fmt: skip
+        ),
     ] = None,
     input_len: Annotated[int, typer.Option(min=1, help="Prompt tokens per request.")] = 128,
     output_len: Annotated[

@@ -30,7 +30,7 @@ def metrics(
             "--filter",
             help="Show rows whose label LABEL has VALUE (LABEL=VALUE, e.g. "
             "device_type=cpu, model=smollm2); repeat to combine.",
-        ),  # fmt: skip
+        ),
     ] = None,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh until Ctrl-C.")] = False,
     interval: Annotated[float, typer.Option(help="Seconds between refreshes with --watch.")] = 2.0,
@@ -87,8 +87,16 @@ def render(snapshot: Snapshot, endpoint: str) -> RenderableType:
 
 def device_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="Devices", title_justify="left")
-    for column in ("DEVICE", "TYPE", "STATUS", "UTILIZATION", "MEMORY", "MEM BANDWIDTH",
-                   "TEMPERATURE", "POWER"):  # fmt: skip
+    for column in (
+        "DEVICE",
+        "TYPE",
+        "STATUS",
+        "UTILIZATION",
+        "MEMORY",
+        "MEM BANDWIDTH",
+        "TEMPERATURE",
+        "POWER",
+    ):
         table.add_column(column, no_wrap=True)
     for d in rows:
         table.add_row(
@@ -106,9 +114,23 @@ def device_table(rows: list[dict[str, Any]]) -> Table:
 
 def replica_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="Replicas", title_justify="left")
-    for column in ("MODEL", "REPLICA", "PRIORITY", "DEVICE", "READY", "REQUESTS", "QUEUE",
-                   "RUN/WAIT", "KV CACHE", "TTFT p50/p99", "TPOT p50", "E2E p50", "TOKENS IN/OUT",
-                   "MEMORY", "RESTARTS"):  # fmt: skip
+    for column in (
+        "MODEL",
+        "REPLICA",
+        "PRIORITY",
+        "DEVICE",
+        "READY",
+        "REQUESTS",
+        "QUEUE",
+        "RUN/WAIT",
+        "KV CACHE",
+        "TTFT p50/p99",
+        "TPOT p50",
+        "E2E p50",
+        "TOKENS IN/OUT",
+        "MEMORY",
+        "RESTARTS",
+    ):
         table.add_column(column, no_wrap=True)
     for r in rows:
         table.add_row(

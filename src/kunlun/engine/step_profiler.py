@@ -94,10 +94,20 @@ class StepProfiler:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file: TextIO | None = self.path.open("w", encoding="utf-8")
         self._first = True
-        meta = {"name": "process_name", "ph": "M", "pid": self._pid, "tid": 0,
-                "args": {"name": f"kunlun {name} (pid {self._pid})"}}  # fmt: skip
-        thread = {"name": "thread_name", "ph": "M", "pid": self._pid, "tid": 0,
-                  "args": {"name": "engine steps"}}  # fmt: skip
+        meta = {
+            "name": "process_name",
+            "ph": "M",
+            "pid": self._pid,
+            "tid": 0,
+            "args": {"name": f"kunlun {name} (pid {self._pid})"},
+        }
+        thread = {
+            "name": "thread_name",
+            "ph": "M",
+            "pid": self._pid,
+            "tid": 0,
+            "args": {"name": "engine steps"},
+        }
         self._pending += [meta, thread]
         self.flush()
 
@@ -118,15 +128,43 @@ class StepProfiler:
         """Queue the events of one traced step (``marks``: phase name, end time in ns)."""
         start, end = marks[0][1], marks[-1][1]
         common = {"pid": self._pid, "tid": 0, "cat": "engine"}
-        args = {"step": self._num_steps, "batch_size": batch_size, "num_tokens": num_tokens,
-                "num_prefill": num_prefill, "num_decode": batch_size - num_prefill}  # fmt: skip
-        events = [{"name": "step", "ph": "X", "ts": self._us(start),
-                   "dur": (end - start) / 1e3, "args": args, **common}]  # fmt: skip
+        args = {
+            "step": self._num_steps,
+            "batch_size": batch_size,
+            "num_tokens": num_tokens,
+            "num_prefill": num_prefill,
+            "num_decode": batch_size - num_prefill,
+        }
+        events = [
+            {
+                "name": "step",
+                "ph": "X",
+                "ts": self._us(start),
+                "dur": (end - start) / 1e3,
+                "args": args,
+                **common,
+            }
+        ]
         for (_, began), (phase, ended) in zip(marks, marks[1:], strict=False):
-            events.append({"name": phase, "ph": "X", "ts": self._us(began),
-                           "dur": (ended - began) / 1e3, **common})  # fmt: skip
-        events.append({"name": "batch", "ph": "C", "ts": self._us(start), "pid": self._pid,
-                       "tid": 0, "args": {"seqs": batch_size, "tokens": num_tokens}})  # fmt: skip
+            events.append(
+                {
+                    "name": phase,
+                    "ph": "X",
+                    "ts": self._us(began),
+                    "dur": (ended - began) / 1e3,
+                    **common,
+                }
+            )
+        events.append(
+            {
+                "name": "batch",
+                "ph": "C",
+                "ts": self._us(start),
+                "pid": self._pid,
+                "tid": 0,
+                "args": {"seqs": batch_size, "tokens": num_tokens},
+            }
+        )
         with self._lock:
             self._pending += events
             self.num_traced += 1

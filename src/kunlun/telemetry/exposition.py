@@ -99,7 +99,7 @@ class PlatformTelemetry:
         families += _relabelled(
             (_replica_labels(r), text) for r, text in zip(replicas, scraped, strict=True) if text
         )
-        return generate_latest(self.gateway.registry) + generate_latest(_Families(families))  # type: ignore[arg-type]
+        return generate_latest(self.gateway.registry) + generate_latest(_Families(families))
 
     async def _scrape(self, replica: Replica) -> str | None:
         if not (replica.ready and replica.base_url and self._http is not None):
@@ -117,15 +117,23 @@ class PlatformTelemetry:
         yield from _memory_families(replicas)
         yield from _device_families(self.devices.latest().values())
         collector = self.devices
-        yield CounterMetricFamily("kunlun_device_samples", "Device samples taken by the "
-                                  "collector.", collector.num_samples)  # fmt: skip
-        yield CounterMetricFamily("kunlun_device_sample_errors", "Device samples that failed "
-                                  "(the previous sample is kept).", collector.num_errors)  # fmt: skip
+        yield CounterMetricFamily(
+            "kunlun_device_samples", "Device samples taken by the collector.", collector.num_samples
+        )
+        yield CounterMetricFamily(
+            "kunlun_device_sample_errors",
+            "Device samples that failed (the previous sample is kept).",
+            collector.num_errors,
+        )
 
 
 def _replica_labels(replica: Replica) -> dict[str, str]:
-    return {"model": replica.model, "replica": replica.replica_id,
-            "priority": replica.priority, "device": replica.device}  # fmt: skip
+    return {
+        "model": replica.model,
+        "replica": replica.replica_id,
+        "priority": replica.priority,
+        "device": replica.device,
+    }
 
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
@@ -136,20 +144,33 @@ def _replica_families(
     replicas: list[Replica], scraped: list[str | None], agent: NodeAgent
 ) -> Iterator[Metric]:
     keys = ["model", "replica", "priority"]
-    info = _gauge("kunlun_replica_info", "One series per replica (value 1) naming its "
-                  "workload, device and device type.",
-                  [*keys, "workload", "device", "device_type"])  # fmt: skip
+    info = _gauge(
+        "kunlun_replica_info",
+        "One series per replica (value 1) naming its workload, device and device type.",
+        [*keys, "workload", "device", "device_type"],
+    )
     ready = _gauge("kunlun_replica_ready", "1 when the replica takes requests.", keys)
-    depth = _gauge("kunlun_replica_queue_depth", "Requests admitted to the replica and not "
-                   "finished (the gateway answers 429 at the limit).", keys)  # fmt: skip
+    depth = _gauge(
+        "kunlun_replica_queue_depth",
+        "Requests admitted to the replica and not finished (the gateway answers 429 at the limit).",
+        keys,
+    )
     limit = _gauge("kunlun_replica_queue_limit", "The replica's max_queue.", keys)
-    up = _gauge("kunlun_replica_scrape_up", "1 when the worker's /metrics answered this "
-                "scrape.", keys)  # fmt: skip
-    restarts = CounterMetricFamily("kunlun_replica_restarts", "Times the node agent restarted "
-                                   "the replica's worker after it died.", labels=keys)  # fmt: skip
-    startup = _gauge("kunlun_replica_startup_seconds", "Start-up of the replica's current "
-                     "worker, by phase: compile (model import), load, warmup_ttft, and total "
-                     "(process start to ready).", [*keys, "phase"])  # fmt: skip
+    up = _gauge(
+        "kunlun_replica_scrape_up", "1 when the worker's /metrics answered this scrape.", keys
+    )
+    restarts = CounterMetricFamily(
+        "kunlun_replica_restarts",
+        "Times the node agent restarted the replica's worker after it died.",
+        labels=keys,
+    )
+    startup = _gauge(
+        "kunlun_replica_startup_seconds",
+        "Start-up of the replica's current "
+        "worker, by phase: compile (model import), load, warmup_ttft, and total "
+        "(process start to ready).",
+        [*keys, "phase"],
+    )
     for replica, text in zip(replicas, scraped, strict=True):
         values = [replica.model, replica.replica_id, replica.priority]
         device_type = replica.device.split(":", 1)[0]
@@ -171,8 +192,11 @@ def _startup(
     info: dict[str, Any], started_at: float, ready_at: float | None
 ) -> Iterator[tuple[str, float]]:
     """(phase, seconds) from a worker's ready file and the agent's start and ready times."""
-    for phase, key, scale in (("compile", "compile_time_s", 1.0), ("load", "load_time_s", 1.0),
-                              ("warmup_ttft", "warmup_ttft_ms", 1e-3)):  # fmt: skip
+    for phase, key, scale in (
+        ("compile", "compile_time_s", 1.0),
+        ("load", "load_time_s", 1.0),
+        ("warmup_ttft", "warmup_ttft_ms", 1e-3),
+    ):
         value = info.get(key)
         if isinstance(value, int | float):
             yield phase, value * scale
@@ -182,8 +206,11 @@ def _startup(
 
 def _memory_families(replicas: list[Replica]) -> Iterator[Metric]:
     """Resident memory of the daemon, of each worker, and of the daemon's process tree."""
-    process = _gauge("kunlun_process_resident_memory_bytes", "Resident memory of the daemon "
-                     "(replica \"-\") and of each replica's worker.", ["process", "replica"])  # fmt: skip
+    process = _gauge(
+        "kunlun_process_resident_memory_bytes",
+        'Resident memory of the daemon (replica "-") and of each replica\'s worker.',
+        ["process", "replica"],
+    )
     me = psutil.Process(os.getpid())
     tree = 0
     try:
@@ -197,9 +224,11 @@ def _memory_families(replicas: list[Replica]) -> Iterator[Metric]:
         if rss:
             process.add_metric(["worker", replica.replica_id], rss)
     yield process
-    yield GaugeMetricFamily("kunlun_platform_resident_memory_bytes", "Resident memory of the "
-                            "daemon's whole process tree (daemon and every engine worker).",
-                            tree)  # fmt: skip
+    yield GaugeMetricFamily(
+        "kunlun_platform_resident_memory_bytes",
+        "Resident memory of the daemon's whole process tree (daemon and every engine worker).",
+        tree,
+    )
 
 
 def _rss(pid: int) -> int:
@@ -211,26 +240,44 @@ def _rss(pid: int) -> int:
 
 
 _DEVICE_GAUGES = (
-    ("kunlun_device_utilization_percent", "utilization_pct", 1.0,
-     "Compute utilization as the vendor tool reports it (0 to 100)."),
+    (
+        "kunlun_device_utilization_percent",
+        "utilization_pct",
+        1.0,
+        "Compute utilization as the vendor tool reports it (0 to 100).",
+    ),
     ("kunlun_device_memory_used_bytes", "memory_used_mb", _MB, "Device memory in use."),
     ("kunlun_device_memory_total_bytes", "memory_total_mb", _MB, "Device memory in all."),
     ("kunlun_device_temperature_celsius", "temperature_c", 1.0, "Device temperature."),
     ("kunlun_device_power_watts", "power_w", 1.0, "Device power draw."),
-    ("kunlun_device_memory_bandwidth_utilization_percent", "memory_bandwidth_util_pct", 1.0,
-     "Share of time device memory was read or written (0 to 100)."),
-    ("kunlun_device_memory_bandwidth_bytes_per_second", "memory_bandwidth_gbps", 1e9,
-     "Peak memory bandwidth as declared in device-plugin-config.yaml."),
-)  # fmt: skip
+    (
+        "kunlun_device_memory_bandwidth_utilization_percent",
+        "memory_bandwidth_util_pct",
+        1.0,
+        "Share of time device memory was read or written (0 to 100).",
+    ),
+    (
+        "kunlun_device_memory_bandwidth_bytes_per_second",
+        "memory_bandwidth_gbps",
+        1e9,
+        "Peak memory bandwidth as declared in device-plugin-config.yaml.",
+    ),
+)
 
 
 def _device_families(samples: Iterable[DeviceSample]) -> Iterator[Metric]:
     samples = list(samples)
     keys = ["device_type", "device"]
-    status = _gauge("kunlun_device_status", "1 for the device's inventory status (Ready, "
-                    "Degraded, Unhealthy, Excluded).", [*keys, "status"])  # fmt: skip
-    age = _gauge("kunlun_device_sample_timestamp_seconds", "When the device was last sampled "
-                 "(Unix time).", keys)  # fmt: skip
+    status = _gauge(
+        "kunlun_device_status",
+        "1 for the device's inventory status (Ready, Degraded, Unhealthy, Excluded).",
+        [*keys, "status"],
+    )
+    age = _gauge(
+        "kunlun_device_sample_timestamp_seconds",
+        "When the device was last sampled (Unix time).",
+        keys,
+    )
     for sample in samples:
         status.add_metric([sample.device_type, sample.device_id, sample.status], 1)
         age.add_metric([sample.device_type, sample.device_id], sample.ts)

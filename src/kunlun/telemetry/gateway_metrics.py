@@ -22,8 +22,8 @@ from kunlun.errors import KunlunError
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 """Seconds; end-to-end latency of a request (prefill plus every output token)."""
-QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                 1, 2.5, 5, 10, 30, 60)  # fmt: skip
+QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                 2.5, 5, 10, 30, 60)  # fmt: skip
 """Seconds; time between a request's arrival and its dispatch to a replica."""
 NONE = "-"
 """Label value where a request has no replica, or names a model nobody serves."""
@@ -78,9 +78,14 @@ class GatewayMetrics:
         self._series: dict[tuple[str, str, str], _ReplicaSeries] = {}
 
     def finished(
-        self, model: str, replica_id: str, priority: str, status: int,
-        arrived: float, dispatched: float | None,
-    ) -> None:  # fmt: skip
+        self,
+        model: str,
+        replica_id: str,
+        priority: str,
+        status: int,
+        arrived: float,
+        dispatched: float | None,
+    ) -> None:
         """An admitted request ended with ``status``; times are ``time.perf_counter()``
         readings (``dispatched`` is None when it never reached the replica)."""
         now = time.perf_counter()

@@ -69,21 +69,39 @@ class WorkerTelemetry:
         disable_created_metrics()  # no *_created series: the daemon relays every sample
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.calls = Counter("kunlun_worker_requests", "API calls answered by the engine "
-                             "worker, by HTTP status.", ["status"], registry=r)  # fmt: skip
-        self.ttft = Histogram("kunlun_time_to_first_token_seconds", "Time from the worker "
-                              "receiving a call to its first generated token.",
-                              buckets=TTFT_BUCKETS, registry=r)  # fmt: skip
-        self.tpot = Histogram("kunlun_time_per_output_token_seconds", "Per engine request: "
-                              "(finish - first token) / (output tokens - 1).",
-                              buckets=TPOT_BUCKETS, registry=r)  # fmt: skip
-        self.queue = Histogram("kunlun_engine_queue_time_seconds", "Per engine request: time "
-                               "from arrival in the engine to its first admission into a batch.",
-                               buckets=QUEUE_BUCKETS, registry=r)  # fmt: skip
-        self.prompt_tokens = Counter("kunlun_prompt_tokens", "Prompt tokens of finished calls "
-                                     "(tokens in).", registry=r)  # fmt: skip
-        self.generation_tokens = Counter("kunlun_generation_tokens", "Generated tokens of "
-                                         "finished calls (tokens out).", registry=r)  # fmt: skip
+        self.calls = Counter(
+            "kunlun_worker_requests",
+            "API calls answered by the engine worker, by HTTP status.",
+            ["status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kunlun_time_to_first_token_seconds",
+            "Time from the worker receiving a call to its first generated token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "kunlun_time_per_output_token_seconds",
+            "Per engine request: (finish - first token) / (output tokens - 1).",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "kunlun_engine_queue_time_seconds",
+            "Per engine request: time "
+            "from arrival in the engine to its first admission into a batch.",
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kunlun_prompt_tokens", "Prompt tokens of finished calls (tokens in).", registry=r
+        )
+        self.generation_tokens = Counter(
+            "kunlun_generation_tokens",
+            "Generated tokens of finished calls (tokens out).",
+            registry=r,
+        )
         r.register(_EngineState(engine))
 
     def observe(self, call: CallRecord) -> None:
@@ -118,22 +136,43 @@ class _EngineState(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self.engine.stats()
         usage = s.num_blocks_used / s.num_blocks_total if s.num_blocks_total else 0.0
-        yield GaugeMetricFamily("kunlun_kv_cache_usage_ratio",
-                                "Share of KV-cache blocks held by sequences (0 to 1).", usage)  # fmt: skip
-        yield GaugeMetricFamily("kunlun_kv_cache_blocks", "KV-cache blocks of the engine.",
-                                s.num_blocks_total)  # fmt: skip
-        yield GaugeMetricFamily("kunlun_kv_cache_used_blocks", "KV-cache blocks held by "
-                                "sequences.", s.num_blocks_used)  # fmt: skip
-        yield GaugeMetricFamily("kunlun_engine_running_sequences", "Sequences in the running "
-                                "batch.", s.num_running)  # fmt: skip
-        yield GaugeMetricFamily("kunlun_engine_waiting_sequences", "Sequences waiting for "
-                                "admission (the engine's queue depth).", s.num_waiting)  # fmt: skip
-        yield CounterMetricFamily("kunlun_engine_preemptions", "Sequences preempted (KV blocks "
-                                  "ran out) and queued again.", s.num_preemptions)  # fmt: skip
+        yield GaugeMetricFamily(
+            "kunlun_kv_cache_usage_ratio",
+            "Share of KV-cache blocks held by sequences (0 to 1).",
+            usage,
+        )
+        yield GaugeMetricFamily(
+            "kunlun_kv_cache_blocks", "KV-cache blocks of the engine.", s.num_blocks_total
+        )
+        yield GaugeMetricFamily(
+            "kunlun_kv_cache_used_blocks", "KV-cache blocks held by sequences.", s.num_blocks_used
+        )
+        yield GaugeMetricFamily(
+            "kunlun_engine_running_sequences", "Sequences in the running batch.", s.num_running
+        )
+        yield GaugeMetricFamily(
+            "kunlun_engine_waiting_sequences",
+            "Sequences waiting for admission (the engine's queue depth).",
+            s.num_waiting,
+        )
+        yield CounterMetricFamily(
+            "kunlun_engine_preemptions",
+            "Sequences preempted (KV blocks ran out) and queued again.",
+            s.num_preemptions,
+        )
         yield CounterMetricFamily("kunlun_engine_steps", "Engine steps run.", s.num_steps)
-        yield CounterMetricFamily("kunlun_engine_failed_steps", "Engine steps in which the "
-                                  "model failed some request.", s.num_failed_steps)  # fmt: skip
-        yield CounterMetricFamily("kunlun_prefix_cache_hit_tokens", "Prompt tokens served "
-                                  "from the prefix cache.", s.prefix_cache_hit_tokens)  # fmt: skip
-        yield CounterMetricFamily("kunlun_prefix_cache_query_tokens", "Prompt tokens looked "
-                                  "up in the prefix cache.", s.prefix_cache_query_tokens)  # fmt: skip
+        yield CounterMetricFamily(
+            "kunlun_engine_failed_steps",
+            "Engine steps in which the model failed some request.",
+            s.num_failed_steps,
+        )
+        yield CounterMetricFamily(
+            "kunlun_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache.",
+            s.prefix_cache_hit_tokens,
+        )
+        yield CounterMetricFamily(
+            "kunlun_prefix_cache_query_tokens",
+            "Prompt tokens looked up in the prefix cache.",
+            s.prefix_cache_query_tokens,
+        )
