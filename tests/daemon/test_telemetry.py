@@ -57,21 +57,37 @@ def total(text: str, name: str, **labels: str) -> float:
     )
 
 
-def metrics(daemon: Daemon, key: str) -> str:
-    response = daemon.get("/metrics", headers={"Authorization": f"Bearer {key}"})
-    assert response.status_code == 200, response.text
-    return response.text
+def metrics(
+    daemon: Daemon, key: str, until: tuple[str, dict[str, str], float] | None = None
+) -> str:
+    """The daemon's exposition; with ``until=(name, labels, minimum)``, the first one (within
+    30 s) where that sum reached the minimum: a request is counted when the gateway has
+    finished with it, which may be just after the client has the whole answer."""
+    deadline = time.monotonic() + 30
+    while True:
+        response = daemon.get("/metrics", headers={"Authorization": f"Bearer {key}"})
+        assert response.status_code == 200, response.text
+        if until is None or total(response.text, until[0], **until[1]) >= until[2]:
+            return response.text
+        if time.monotonic() > deadline:
+            lines = [line for line in response.text.splitlines() if until[0] in line]
+            pytest.fail(f"{until} not reached: {lines}")
+        time.sleep(0.1)
 
 
 def chat(daemon: Daemon, key: str, count: int) -> None:
+    """``count`` chat completions, every other one streamed (and read to its end)."""
     client = openai.OpenAI(base_url=daemon.url + "/v1", api_key=key, max_retries=0)
+    question = [{"role": "user", "content": "Say hello."}]
     for i in range(count):
-        client.chat.completions.create(
-            model="smollm2",
-            messages=[{"role": "user", "content": f"Say {i}."}],
-            max_tokens=4,
-            stream=i % 2 == 1,
-        )
+        if i % 2:
+            stream = client.chat.completions.create(
+                model="smollm2", messages=question, max_tokens=4, stream=True
+            )
+            assert [chunk for chunk in stream]
+        else:
+            reply = client.chat.completions.create(model="smollm2", messages=question, max_tokens=4)
+            assert reply.choices
 
 
 def test_metrics_need_the_key_and_describe_the_platform(keyed: tuple[Daemon, str]) -> None:
@@ -86,9 +102,9 @@ def test_metrics_need_the_key_and_describe_the_platform(keyed: tuple[Daemon, str
         json={"model": "nope", "messages": []},
     )
     assert missing.status_code == 404
-    text = metrics(daemon, key)
     replica = f"{daemon.job}-r0"  # type: ignore[attr-defined]
     mine = {"model": "smollm2", "replica": replica, "priority": "normal"}
+    text = metrics(daemon, key, until=("kunlun_requests_total", {"status": "200", **mine}, 2))
     assert total(text, "kunlun_replica_info", device="cpu:0", device_type="cpu", **mine) == 1
     assert total(text, "kunlun_replica_ready", **mine) == 1
     assert total(text, "kunlun_replica_restarts_total", **mine) == 0
@@ -218,7 +234,7 @@ def test_cli_telemetry_metrics(keyed: tuple[Daemon, str]) -> None:
     assert json.loads(none.stdout)["devices"] == [] and json.loads(none.stdout)["replicas"] == []
     table = daemon.cli("telemetry", "metrics", key=key)
     assert table.returncode == 0, table.stderr
-    for word in ("Devices", "cpu:0", "Replicas", "smollm2", "TTFT p50/p99", "platform memory"):
+    for word in ("Devices", "cpu:0", "Replicas", "smollm2", "TTFT ms p50/p99", "platform memory"):
         assert word in table.stdout
     bad = daemon.cli("telemetry", "metrics", "--filter", "device_type", key=key)
     assert bad.returncode == 2 and "'device_type' is not LABEL=VALUE" in bad.stderr

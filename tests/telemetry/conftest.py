@@ -10,5 +10,5 @@ MIXED = Path(__file__).parents[2] / "examples" / "nodes" / "mixed"
 
 
 def mixed_inventory() -> Inventory:
-    """The mixed server (4 Ascend, 2 Cambricon, 1 NVIDIA T4, this CPU) from its recordings."""
+    """The mixed server (4 Ascend, 2 Cambricon, 1 NVIDIA T4) from its recordings."""
     return build_inventory(config=MIXED / "device-plugin-config.yaml", replay=MIXED)

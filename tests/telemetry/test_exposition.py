@@ -93,7 +93,7 @@ def test_exposition_round_trip(tmp_path: Path) -> None:
     assert {d["device"] for d in ascend.devices} == {f"ascend:{i}" for i in range(4)}
     assert ascend.replicas == []
     cpu = snapshot.filtered(parse_filters(["device_type=cpu"]))
-    assert [d["device"] for d in cpu.devices] == ["cpu:0"] and len(cpu.replicas) == 1
+    assert cpu.devices == [] and len(cpu.replicas) == 1  # the recordings have no lscpu
 
 
 def test_histogram_quantile_like_prometheus() -> None:

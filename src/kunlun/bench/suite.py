@@ -70,6 +70,7 @@ async def run(options: BenchOptions, progress: Any = None) -> dict[str, Any]:
             hint="check --endpoint, --model and the API key (--api-key or KUNLUN_API_KEY)",
         )
     runs = []
+    plan: list[tuple[str, int | None, float | None]]
     plan = [("concurrency", c, None) for c in options.concurrencies]
     plan += [("poisson", None, r) for r in options.rates]
     for index, (mode, concurrency, rate) in enumerate(plan):

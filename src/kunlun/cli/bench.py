@@ -13,6 +13,8 @@ import typer
 from kunlun.cli.output import console, err_console, handle_errors, print_json
 from kunlun.errors import ConfigError, Location
 
+DEFAULT_OUT = Path("kunlun-bench")
+
 
 def _positive_ints(text: str, option: str) -> tuple[int, ...]:
     try:
@@ -72,9 +74,7 @@ def bench(
     slo_tpot_ms: Annotated[
         float | None, typer.Option(min=0, help="Goodput SLO on time per output token.")
     ] = None,
-    out: Annotated[Path, typer.Option(help="Folder for bench.json and bench.png.")] = Path(
-        "kunlun-bench"
-    ),
+    out: Annotated[Path, typer.Option(help="Folder for bench.json and bench.png.")] = DEFAULT_OUT,
     api_key: Annotated[
         str | None, typer.Option(help="Bearer token (default: $KUNLUN_API_KEY, $OPENAI_API_KEY).")
     ] = None,

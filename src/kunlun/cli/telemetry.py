@@ -113,35 +113,23 @@ def device_table(rows: list[dict[str, Any]]) -> Table:
 
 
 def replica_table(rows: list[dict[str, Any]]) -> Table:
+    """REQUESTS: count per HTTP status; QUEUE: requests at the replica / its limit; WAIT: sequences the engine has not admitted
+    yet; KV: share of the KV cache in use; times in ms (p50, p99 from the histograms)."""
     table = Table(title="Replicas", title_justify="left")
-    for column in (
-        "MODEL",
-        "REPLICA",
-        "PRIORITY",
-        "DEVICE",
-        "READY",
-        "REQUESTS",
-        "QUEUE",
-        "RUN/WAIT",
-        "KV CACHE",
-        "TTFT p50/p99",
-        "TPOT p50",
-        "E2E p50",
-        "TOKENS IN/OUT",
-        "MEMORY",
-        "RESTARTS",
-    ):
-        table.add_column(column, no_wrap=True)
+    columns = ("MODEL", "REPLICA", "DEVICE", "PRIO", "READY", "REQUESTS", "QUEUE", "WAIT", "KV",
+               "TTFT ms p50/p99", "TPOT ms", "E2E ms", "TOKENS IN/OUT", "MEMORY", "RESTARTS")  # fmt: skip
+    for column in columns:  # statuses wrap onto more lines rather than squeeze the others
+        table.add_column(column, no_wrap=column != "REQUESTS")
     for r in rows:
         table.add_row(
             r.get("model", "-"),
             r["replica"],
-            r.get("priority", "-"),
             r.get("device", "-"),
+            r.get("priority", "-"),
             {1.0: "yes", 0.0: "no"}.get(r.get("ready", -1), "-"),
             _statuses(r.get("requests") or {}),
             f"{_num(r.get('queue_depth'), '{:.0f}')}/{_num(r.get('queue_limit'), '{:.0f}')}",
-            f"{_num(r.get('running'), '{:.0f}')}/{_num(r.get('waiting'), '{:.0f}')}",
+            _num(r.get("waiting"), "{:.0f}"),
             _num(_times(r.get("kv_cache_usage"), 100), "{:.0f}%"),
             f"{_ms(r.get('ttft_p50_s'))}/{_ms(r.get('ttft_p99_s'))}",
             _ms(r.get("tpot_p50_s")),
@@ -162,7 +150,7 @@ def _times(value: float | None, factor: float) -> float | None:
 
 
 def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
 
 
 def _bytes(value: float | None) -> str:

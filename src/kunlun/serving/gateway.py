@@ -195,7 +195,8 @@ class _Upstream(Response):
         self.path, self.payload, self.request_id = path, body, request_id
         self.status_code, self.raw_headers, self.background = 200, [], None
         self._ended = False
-        self.arrived, self.dispatched = time.perf_counter(), None  # telemetry: perf_counter
+        self.arrived = time.perf_counter()  # telemetry: perf_counter readings
+        self.dispatched: float | None = None  # telemetry
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.replica.in_flight += 1
