@@ -43,7 +43,7 @@ def test_bench_sweep_poisson_json_and_chart(daemon: Daemon, tmp_path: Path) -> N
         "concurrency 1",
         "concurrency 2",
         "Poisson 8/s",
-        "TTFT p50/p90/p99 ms",
+        "TTFT ms p50/p90/p99",
         "platform memory",
         "start-up of",
     ):

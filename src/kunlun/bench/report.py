@@ -1,8 +1,9 @@
 """The benchmark's outputs: a rich table, notes on memory and start-up, and a PNG chart.
 
-The chart has two panels against concurrency (or, with Poisson runs only, against the
-arrival rate): throughput (output tokens/s, with goodput when SLOs were given, requests/s
-on a second axis) and latency (TTFT p50 and p99, TPOT p50, end-to-end p50, in ms). It is
+The chart has two panels against concurrency (log scale; or, with Poisson runs only,
+against the arrival rate): throughput (output tokens/s, with goodput when SLOs were given;
+requests/s on the right-hand axis when every request returned exactly ``output_len``
+tokens, so that the two are proportional) and latency (TTFT p50 and p99, TPOT p50, end-to-end p50, in ms). It is
 drawn with matplotlib's Agg backend, so no display is needed.
 """
 
@@ -27,18 +28,8 @@ def table(doc: dict[str, Any]) -> Table:
         f"{doc['output_len']} output tokens per request"
     )
     t = Table(title=title, title_justify="left")
-    columns = (
-        "RUN",
-        "OK/ALL",
-        "REQ/S",
-        "OUT TOK/S",
-        "GOODPUT REQ/S",
-        "TTFT p50/p90/p99 ms",
-        "TPOT p50/p90/p99 ms",
-        "ITL p50/p99 ms",
-        "E2E p50/p90/p99 ms",
-        "PEAK MEMORY",
-    )
+    columns = ("RUN", "OK/ALL", "REQ/S", "OUT TOK/S", "GOODPUT REQ/S", "TTFT ms p50/p90/p99",
+               "TPOT ms p50/p90/p99", "ITL ms p50/p99", "E2E ms p50/p90/p99", "PEAK MEMORY")  # fmt: skip
     for column in columns:
         t.add_column(column, no_wrap=True)
     for run in doc["runs"]:
@@ -103,14 +94,17 @@ def write_chart(doc: dict[str, Any], path: Path) -> Path:
     left.plot(xs, [r["output_tokens_per_s"] or 0 for r in runs], "o-", label="output tokens/s")
     if any(r["goodput_requests_per_s"] is not None for r in runs):
         goodput = [(r["goodput_requests_per_s"] or 0) * doc["output_len"] for r in runs]
-        left.plot(xs, goodput, "s--", label="goodput (tokens/s of requests within SLO)")
+        left.plot(xs, goodput, "s--", label="goodput: output tokens/s of requests within SLO")
     left.set_xlabel(xlabel)
     left.set_ylabel("output tokens/s")
     left.set_title("throughput")
-    requests = left.twinx()
-    requests.plot(xs, [r["requests_per_s"] or 0 for r in runs], "^:", color="grey")
-    requests.set_ylabel("requests/s (grey)")
-    left.legend(loc="upper left", fontsize="small")
+    left.set_ylim(bottom=0)
+    length = doc["output_len"]
+    if all(r["total_output_tokens"] == r["num_ok"] * length for r in runs):
+        # every request returned exactly output_len tokens: requests/s is tokens/s / output_len
+        scale = (lambda t: t / length, lambda q: q * length)
+        left.secondary_yaxis("right", functions=scale).set_ylabel("requests/s")
+    left.legend(loc="best", fontsize="small")
     for key, quantile, style in (
         ("ttft_ms", "p50", "o-"),
         ("ttft_ms", "p99", "o--"),
@@ -129,7 +123,10 @@ def write_chart(doc: dict[str, Any], path: Path) -> Path:
     right.set_title("latency")
     right.legend(fontsize="small")
     for ax in (left, right):
-        ax.set_xticks(xs)
+        if axis == "concurrency":
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.minorticks_off()
         ax.grid(alpha=0.3)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,7 +140,8 @@ def _num(value: float | None, form: str) -> str:
 
 
 def _dist(dist: dict[str, float | None], keys: tuple[str, ...]) -> str:
-    return "/".join(_num(dist[k], "{:.1f}") for k in keys)
+    """Milliseconds, whole above 100 (the JSON keeps every digit)."""
+    return "/".join(_num(dist[k], "{:.0f}" if (dist[k] or 0) >= 100 else "{:.1f}") for k in keys)
 
 
 def _mib(value: float | None) -> str:
