@@ -50,6 +50,14 @@ class DaemonClient:
         self._http = httpx.Client(base_url=self.endpoint, headers=headers, timeout=timeout)
 
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        """The JSON answer of ``method path``; clear errors for failures."""
+        return self._send(method, path, **kwargs).json()
+
+    def get_text(self, path: str) -> str:
+        """The text answer of ``GET path`` (e.g. the Prometheus exposition of ``/metrics``)."""
+        return self._send("GET", path).text
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             resp = self._http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
@@ -70,7 +78,7 @@ class DaemonClient:
             failure.exit_code = 2 if resp.status_code in (400, 404, 422) else 1
             failure.remote_code = code
             raise failure
-        return resp.json()
+        return resp
 
     def get(self, path: str, **kwargs: Any) -> Any:
         return self.request("GET", path, **kwargs)

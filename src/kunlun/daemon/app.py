@@ -6,6 +6,8 @@ Routes:
 - ``/v1/...``: the OpenAI-compatible gateway (:mod:`kunlun.serving.gateway`) and the Batch
   API (:mod:`kunlun.daemon.batch_api`); each finished ``/v1`` request is logged to
   ``KUNLUN_HOME/logs/requests.jsonl`` (:mod:`kunlun.daemon.request_log`).
+- ``/metrics``: Prometheus exposition of devices, replicas and requests
+  (:mod:`kunlun.telemetry.exposition`).
 
 Once any API key exists, every route but ``/healthz`` and ``/readyz`` needs one
 (``Authorization: Bearer <key>``); the check is a plain ASGI middleware so streaming is not
@@ -37,11 +39,12 @@ from kunlun.node.agent import NodeAgent
 from kunlun.serving.gateway import GatewayState, error_response, gateway_router
 from kunlun.serving.protocol import AuthenticationError, error_json
 from kunlun.serving.replica import ReplicaSet
-from kunlun.serving.routing import KEY_PRIORITY_SCOPE
+from kunlun.serving.routing import KEY_PRIORITY_SCOPE, DeviceSample
 from kunlun.serving.scheduler_config import FILE_NAME as SCHEDULER_CONFIG
 from kunlun.serving.scheduler_config import SchedulerConfigSource
 from kunlun.state.api_keys import KeyRing
 from kunlun.state.sqlite import SQLiteStore
+from kunlun.telemetry.exposition import PlatformTelemetry  # telemetry
 from kunlun.workload.manager import WorkloadManager
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
@@ -141,12 +144,25 @@ class ApiKeyMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
+def feed_routing(gateway: GatewayState, samples: dict[str, Any]) -> None:
+    """Give gateway routing the collector's utilization and temperature of each device."""
+    for device_id, sample in samples.items():
+        gateway.samples[device_id] = DeviceSample(
+            sample.utilization_pct, sample.temperature_c, sample.ts
+        )
+
+
 def create_app(platform: Platform) -> FastAPI:
     """The daemon's app over ``platform`` (started and stopped by the app's lifespan)."""
+    telemetry = PlatformTelemetry(  # telemetry: /metrics and device samples (.devices.latest())
+        platform.replicas, platform.agent, platform.gateway.metrics, platform.inventory
+    )
+    telemetry.devices.listeners.append(lambda samples: feed_routing(platform.gateway, samples))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await platform.gateway.start()
+        await telemetry.start()  # telemetry
         reaped = platform.agent.reap_leftovers()
         if reaped:
             print(
@@ -161,6 +177,7 @@ def create_app(platform: Platform) -> FastAPI:
         finally:
             await platform.batches.close()
             supervisor.cancel()
+            await telemetry.close()  # telemetry
             await asyncio.to_thread(platform.agent.stop_all)
             await platform.gateway.close()
             platform.request_log.close()
@@ -168,6 +185,7 @@ def create_app(platform: Platform) -> FastAPI:
 
     app = FastAPI(title="Kunlun Platform", version=__version__, lifespan=lifespan)
     app.state.platform = platform
+    app.state.telemetry = telemetry  # telemetry
 
     @app.exception_handler(KunlunError)
     async def kunlun_error(request: Request, exc: KunlunError) -> Response:
@@ -192,6 +210,7 @@ def create_app(platform: Platform) -> FastAPI:
     app.include_router(admin_router(platform), prefix="/api/v1")
     app.include_router(gateway_router(platform.replicas, platform.gateway))
     app.include_router(batch_router(platform.files, platform.batches))
+    app.include_router(telemetry.router())  # telemetry: GET /metrics (API key when keys exist)
     app.add_middleware(ApiKeyMiddleware, keyring=platform.keyring)
     app.add_middleware(RequestLogMiddleware, log=platform.request_log)  # outermost: 401s too
     return app

@@ -50,6 +50,7 @@ class ProbedDevice:
     memory_total_mb: int | None = None
     memory_used_mb: int | None = None
     utilization_pct: float | None = None
+    memory_bandwidth_util_pct: float | None = None  # % of time device memory was busy
     temperature_c: float | None = None
     power_w: float | None = None
     health: Health = Health.UNKNOWN

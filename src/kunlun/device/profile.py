@@ -125,6 +125,7 @@ def from_probe(plugin: DevicePlugin, probed: ProbedDevice) -> DeviceProfile:
         "memory_total_mb",
         "memory_used_mb",
         "utilization_pct",
+        "memory_bandwidth_util_pct",
         "temperature_c",
         "power_w",
         "supported_dtypes",

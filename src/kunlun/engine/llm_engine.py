@@ -33,6 +33,7 @@ from kunlun.engine.sampler import Sampler, top_logprobs
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kunlun.engine.sequence import Sequence, TopLogprobs
+from kunlun.engine.step_profiler import NO_TRACE, StepProfiler
 from kunlun.errors import EngineError, KunlunError, PromptTooLong, RequestError
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class LLMEngine:
         self._num_steps = 0
         self._num_generated = 0
         self._num_failed_steps = 0
+        self.profiler: StepProfiler | None = None
+        """Traces sampled steps when set (``advanced_profiling``); see :meth:`set_profiler`."""
 
     @classmethod
     def from_model(cls, model_dir: str | Path, **settings: Any) -> LLMEngine:
@@ -154,17 +157,29 @@ class LLMEngine:
         return bool(self._requests)
 
     # ---- the step loop ----
+    def set_profiler(self, profiler: StepProfiler | None) -> None:
+        """Trace sampled steps with ``profiler`` (None: stop). Call between steps."""
+        self.profiler = profiler
+
     def step(self) -> list[RequestOutputDelta]:
         """Run one scheduled step; return what each touched completion gained."""
+        trace = self.profiler.begin() if self.profiler is not None else NO_TRACE
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if batch.num_preempted == 0 and self.scheduler.has_unfinished():
                 raise EngineError("the scheduler could not place any waiting sequence")
             return []
+        trace.mark("schedule")
+        self.runner.trace = trace
         sampled, failures = self._run(batch)
+        trace.mark("sample")
         deltas = self._fail(failures)
         self.scheduler.postprocess(batch, [s[0] if s else None for s in sampled])
-        return deltas + self._outputs(batch, sampled)
+        trace.mark("postprocess")
+        deltas += self._outputs(batch, sampled)
+        trace.mark("detokenize")
+        trace.end(batch.num_new_tokens)
+        return deltas
 
     def stats(self) -> EngineStats:
         blocks = self.block_manager.stats()
@@ -397,6 +412,9 @@ def _final_output(request: Request, error: KunlunError | None) -> RequestOutput:
         num_cached_tokens=first.num_cached_tokens,
         error=error,
         arrival_time=request.arrival_time,
+        first_scheduled_time=min(
+            (s.first_scheduled_time for s in request.seqs if s.first_scheduled_time), default=None
+        ),
         first_token_time=min(
             (s.first_token_time for s in request.seqs if s.first_token_time), default=None
         ),

@@ -20,6 +20,7 @@ from kunlun.engine.device import resolve_device
 from kunlun.engine.loader import load_weights
 from kunlun.engine.models import build_model
 from kunlun.engine.models.llama import LlamaForCausalLM
+from kunlun.engine.step_profiler import NO_TRACE, StepTrace
 from kunlun.engine.tokenizer import Tokenizer
 from kunlun.errors import ConfigError, EngineError
 
@@ -91,6 +92,8 @@ class ModelRunner:
         self.model = self._load_model(Path(model_dir))
         self.num_blocks = self._num_blocks(num_blocks, kv_cache_memory_bytes)
         self._allocate_kv_cache()
+        self.trace: StepTrace = NO_TRACE
+        """The current step's trace; the engine sets it when it profiles (a no-op otherwise)."""
 
     def _max_model_len(self, requested: int | None) -> int:
         limit = self.config.max_position_embeddings
@@ -167,6 +170,7 @@ class ModelRunner:
         prefill = [i for i, seq in enumerate(seqs) if seq.num_new != 1]
         order = decode + prefill
         step = _StepBuilder(self, [seqs[i] for i in order], len(decode))
+        self._end_phase("prepare")
         hidden = self.model(step.input_ids, step.positions, step.context)
         logits = self.model.compute_logits(hidden.index_select(0, step.last_index)).float()
         if prefill and decode and decode[-1] > prefill[0]:  # undo the decode-first order
@@ -179,7 +183,16 @@ class ModelRunner:
                 start, count = step.spans[position]
                 rows = hidden[start : start + count]
                 prompt_logits[index] = self.model.compute_logits(rows).float()
+        self._end_phase("forward")
         return StepOutput(logits=logits, prompt_logits=prompt_logits)
+
+    def _end_phase(self, phase: str) -> None:
+        """Mark ``phase`` ended in a traced step, once the device has finished its work
+        (queued kernels would otherwise be counted in the next phase)."""
+        if self.trace.active:
+            if self.device.type != "cpu":
+                torch.accelerator.synchronize(self.device)
+            self.trace.mark(phase)
 
     def _validate(self, index: int, seq: StepSeq) -> None:
         where = f"seqs[{index}]"

@@ -42,6 +42,9 @@ class RequestOutput:
     error: KunlunError | None = None
     """Why the request failed (finish_reason is then "abort")."""
     arrival_time: float = 0.0
+    """When the request was made (``time.monotonic``, like the times below)."""
+    first_scheduled_time: float | None = None
+    """When the scheduler first admitted one of its sequences (the end of its queue time)."""
     first_token_time: float | None = None
     finish_time: float | None = None
 

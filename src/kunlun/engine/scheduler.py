@@ -18,6 +18,7 @@ and share them.
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from kunlun.engine.block_manager import NO_MATCH, BlockManager
@@ -158,6 +159,7 @@ class Scheduler:
             seq.num_computed = match.num_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = match.num_tokens
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.seqs.append(seq)

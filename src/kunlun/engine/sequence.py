@@ -62,6 +62,8 @@ class Sequence:
         """Prompt tokens served from the prefix cache at (first) admission."""
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
+        self.first_scheduled_time: float | None = None
+        """When the scheduler first admitted it (``time.monotonic``): its queue time ends."""
         self.finish_reason: str | None = None
         self.logprobs: list[TopLogprobs] = []
         self.cumulative_logprob = 0.0

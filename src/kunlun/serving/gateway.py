@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import signal
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,7 @@ from kunlun.serving.upstream import (
     UpstreamResponse,
     UpstreamUnreachable,
 )
+from kunlun.telemetry.gateway_metrics import CLIENT_GONE, GatewayMetrics  # telemetry
 
 _FORWARDED = (b"content-type", b"content-length", b"x-request-id", b"cache-control")
 """Upstream response headers passed to the client."""
@@ -104,6 +106,8 @@ class GatewayState:
     """Slots and backlogs (made by :func:`gateway_router`)."""
     upstream: UpstreamPool | None = field(default=None, repr=False)
     """Shared keep-alive connections to the workers (made by :meth:`start`)."""
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics, repr=False)  # telemetry
+    """Request counters and latency histograms (part of the daemon's ``/metrics``)."""
     _ticker: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -171,14 +175,18 @@ def error_response(exc: BaseException) -> Response:
 async def _proxy(
     request: Request, path: str, replicas: ReplicaSet, state: GatewayState
 ) -> Response:
+    arrived = time.perf_counter()  # telemetry
     body = await request.body()
     try:
         ticket = _ticket(request, body, replicas, state)
-        request.state.model = ticket.model  # for the daemon's request log
     except KunlunError as exc:
+        model = getattr(request.state, "model", None)
+        state.metrics.refused(model, model in replicas.models(), exc)  # telemetry
         return error_response(exc)
     request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-    return _Upstream(state, ticket, path, body, request_id)  # admitted when it runs
+    upstream = _Upstream(state, ticket, path, body, request_id)  # admitted when it runs
+    upstream.arrived = arrived  # telemetry
+    return upstream
 
 
 def _ticket(request: Request, body: bytes, replicas: ReplicaSet, state: GatewayState) -> Ticket:
@@ -190,6 +198,7 @@ def _ticket(request: Request, body: bytes, replicas: ReplicaSet, state: GatewayS
     model = payload.get("model") if isinstance(payload, dict) else None
     if not isinstance(model, str):
         raise param_error("model", "the request has no model name (field 'model')")
+    request.state.model = model  # for the daemon's request log and the metrics
     headers = request.headers
     header_priority = headers.get(_PRIORITY_KEY)
     if header_priority is not None:
@@ -262,6 +271,9 @@ class _Upstream(Response):
         self.path, self.payload, self.request_id = path, body, request_id
         self.status_code, self.raw_headers, self.background = 200, [], None
         self._ended = False
+        self._refusal: KunlunError | None = None
+        self.arrived = time.perf_counter()  # telemetry: perf_counter readings
+        self.dispatched: float | None = None  # telemetry
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         admission = self.state.admission
@@ -276,6 +288,7 @@ class _Upstream(Response):
                 try:
                     replica = await admission.wait(self.ticket, self.state.retry_after_s)
                 except (QueueFull, ServiceUnavailable) as exc:
+                    self._refusal = exc
                     await self._send_error(send, exc)
                     return
             self.replica = replica
@@ -288,10 +301,22 @@ class _Upstream(Response):
                 raise  # cancelled from elsewhere
             if relay is not None:
                 relay.uncancel()  # the client left: nothing to answer
+            self.status_code = CLIENT_GONE  # telemetry
         finally:
             self._ended = True
             watcher.cancel()
             self.state.num_active -= 1
+            self._count()
+
+    def _count(self) -> None:
+        """Telemetry: a few counter increments, no body parsing."""
+        r, metrics = self.replica, self.state.metrics
+        if r is None:  # refused while waiting in the gateway's queue
+            if self._refusal is not None:
+                metrics.refused(self.ticket.model, True, self._refusal)
+            return
+        metrics.finished(r.model, r.replica_id, self.ticket.priority, self.status_code,
+                         self.arrived, self.dispatched)  # fmt: skip
 
     async def _watch(self, receive: Receive, relay: asyncio.Task[Any] | None) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -305,6 +330,7 @@ class _Upstream(Response):
             raise RuntimeError("GatewayState.start() was not called")
         headers = [(b"content-type", b"application/json"),
                    (b"x-request-id", self.request_id.encode())]  # fmt: skip
+        self.dispatched = time.perf_counter()  # telemetry: end of the gateway queue time
         try:
             upstream = await pool.post(replica.base_url, self.path, headers, self.payload)
         except UpstreamError as exc:
@@ -320,6 +346,7 @@ class _Upstream(Response):
         raw += [(b"x-kunlun-replica", replica.replica_id.encode()),
                 (b"x-kunlun-device", replica.device.encode()),
                 (b"x-kunlun-priority", self.ticket.priority.encode())]  # fmt: skip
+        self.status_code = upstream.status_code  # telemetry
         await send({"type": "http.response.start", "status": upstream.status_code, "headers": raw})
         last = b"\n\n"
         try:
@@ -327,6 +354,7 @@ class _Upstream(Response):
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 last = chunk
         except UpstreamBroken as exc:
+            self.status_code = WorkerDied.http_status  # telemetry
             if (upstream.header(b"content-type") or b"").startswith(_SSE):
                 separator = b"" if last.endswith(b"\n\n") else b"\n\n"
                 event = separator + sse.error_event(self._died(replica, exc))
@@ -345,6 +373,7 @@ class _Upstream(Response):
             headers += [(b"x-kunlun-replica", self.replica.replica_id.encode()),
                         (b"x-kunlun-device", self.replica.device.encode())]  # fmt: skip
         headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
+        self.status_code = status  # telemetry
         await send({"type": "http.response.start", "status": status, "headers": headers})
         self._ended = True
         await send({"type": "http.response.body", "body": payload, "more_body": False})

@@ -69,6 +69,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="plan-cache entry: weights cast to --dtype are kept in (and reused from) DIR/weights",
     )
+    parser.add_argument(
+        "--trace-prefix",
+        default=None,
+        help="advanced profiling: write a Chrome trace of engine steps to PREFIX.<pid>.trace.json",
+    )
+    parser.add_argument(
+        "--profiling-interval-ms",
+        type=_non_negative,
+        default=50.0,
+        help="with --trace-prefix: trace at most one step per interval (0: every step)",
+    )
     return parser.parse_args(argv)  # fmt: skip
 
 
@@ -109,6 +120,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 0")
     return value
 
 
@@ -205,6 +223,7 @@ async def serve(args: argparse.Namespace) -> None:
     engine.start()
     ttft_ms = await warm_up(engine)
     say(f"First Token Latency: {ttft_ms:.1f} ms")
+    profiler = start_profiler(engine, args)
     sock = bind_socket(args.host, args.port)
     port = sock.getsockname()[1]
     app = create_worker_app(engine, args.served_name, say)
@@ -227,6 +246,24 @@ async def serve(args: argparse.Namespace) -> None:
         await task
     finally:
         await asyncio.to_thread(engine.shutdown)
+        if profiler is not None:
+            profiler.close()
+
+
+def start_profiler(engine: Any, args: argparse.Namespace) -> Any:
+    """The engine's step profiler when ``--trace-prefix`` asks for one (after the warm-up,
+    so the trace holds served requests only), else None."""
+    if args.trace_prefix is None:
+        return None
+    from kunlun.engine.step_profiler import StepProfiler
+    from kunlun.telemetry.spec import trace_path
+
+    path = trace_path(args.trace_prefix, os.getpid())
+    profiler = StepProfiler(path, args.profiling_interval_ms, name=args.served_name)
+    engine.engine.set_profiler(profiler)
+    say(f"Advanced profiling: engine steps traced to {path} "
+        f"(at most one step per {args.profiling_interval_ms:g} ms)")  # fmt: skip
+    return profiler
 
 
 def main(argv: list[str] | None = None) -> int:

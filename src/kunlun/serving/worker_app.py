@@ -1,7 +1,8 @@
 """The engine worker's HTTP app: the OpenAI API over one :class:`AsyncLLMEngine`.
 
 Routes: ``POST /v1/chat/completions`` and ``/v1/completions`` (JSON, or SSE with
-``stream``), ``GET /v1/models``, ``GET /health`` and ``GET /stats`` (engine statistics).
+``stream``), ``GET /v1/models``, ``GET /health``, ``GET /stats`` (engine statistics) and
+``GET /metrics`` (Prometheus; :mod:`kunlun.telemetry.worker_metrics`).
 Bad input answers 400 in the OpenAI error shape before anything is queued; a client that
 goes away aborts its generation (the engine frees its KV blocks); a request that fails while
 streaming ends with one SSE error event and no ``[DONE]``. One line per finished request is
@@ -33,6 +34,7 @@ from kunlun.serving.protocol import (
     error_status_and_body,
     parse_request,
 )
+from kunlun.telemetry.worker_metrics import WorkerTelemetry  # telemetry
 
 _T = TypeVar("_T")
 _CLIENT_GONE = 499
@@ -50,8 +52,11 @@ class _Call:
     num_completion: int = 0
     num_prompt: dict[int, int] = dataclasses.field(default_factory=dict)
     num_cached: dict[int, int] = dataclasses.field(default_factory=dict)
+    finals: list[RequestOutput] = dataclasses.field(default_factory=list)  # telemetry
 
     def observe(self, prompt_index: int, delta: RequestOutputDelta) -> None:
+        if delta.final is not None:  # telemetry: engine timings of the finished request
+            self.finals.append(delta.final)
         if delta.token_ids:
             if self.first_token is None:
                 self.first_token = time.perf_counter()
@@ -87,6 +92,7 @@ class WorkerApp:
         self.log = log
         self.num_active = 0
         self.created = int(time.time())
+        self.telemetry = WorkerTelemetry(engine)  # telemetry: served as GET /metrics
 
     # ---- routes ----
     async def chat_completions(self, request: Request) -> Response:
@@ -151,6 +157,7 @@ class WorkerApp:
         call = _new_call(request)
         call.status = status
         self.log(call.log_line())
+        self.telemetry.observe(call)  # telemetry
         headers["X-Request-Id"] = call.request_id
         return JSONResponse(body, status_code=status, headers=headers)
 
@@ -212,6 +219,7 @@ class WorkerApp:
 
     def _finish(self, call: _Call, response: Response) -> Response:
         self.log(call.log_line())
+        self.telemetry.observe(call)  # telemetry
         return response
 
     def _sse(self, call: _Call, submitted: _Submitted, events: AsyncIterator[bytes]) -> Response:
@@ -315,6 +323,7 @@ def create_worker_app(
     app.get("/v1/models")(worker.models)
     app.get("/health")(worker.health)
     app.get("/stats")(worker.stats)
+    app.get("/metrics")(worker.telemetry.metrics)  # telemetry
     app.add_exception_handler(KunlunError, worker.error)
     app.add_exception_handler(Exception, worker.error)
     return app
@@ -349,6 +358,7 @@ class _EventStream(StreamingResponse):
                 self.call.status = _CLIENT_GONE
                 await self.worker._abort(self.submitted)
             self.worker.log(self.call.log_line())
+            self.worker.telemetry.observe(self.call)  # telemetry
 
     async def _relay(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         try:

@@ -24,6 +24,7 @@ from kunlun.planner.model_info import ModelInfo, inspect_model, locate_model
 from kunlun.planner.plan import ExecutionPlan
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.state.store import EventRecord, StateStore, WorkloadRecord
+from kunlun.telemetry.spec import worker_profiling_args
 from kunlun.workload.placement import Placement, place
 from kunlun.workload.spec import WorkloadSpec, parse_spec
 
@@ -202,6 +203,7 @@ class WorkloadManager:
                 "--max-model-len", str(plan.max_model_len),
                 "--kv-cache-memory-mb", str(plan.kv_cache_memory_mb),
                 "--plan-dir", str(plan_dir)]  # fmt: skip
+        args += worker_profiling_args(spec.telemetry, self.agent.log_dir, replica.replica_id)
         self.agent.launch(replica, args, env)
 
     def resume_all(self) -> None:

@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kunlun.errors import ConfigError, Location
+from kunlun.telemetry.spec import TelemetrySpec
 
 Priority = Literal["high", "normal", "low"]
 
@@ -58,6 +59,9 @@ class WorkloadSpec(BaseModel):
     )
     kv_cache_memory_mb: int | None = Field(None, ge=1, description="KV-cache budget per replica.")
     engine: Literal["embedded"] = Field("embedded", description="Inference engine.")
+    telemetry: TelemetrySpec | None = Field(
+        None, description="Per-step engine profiling (advanced_profiling, profiling_interval_ms)."
+    )
 
     @field_validator("device")
     @classmethod

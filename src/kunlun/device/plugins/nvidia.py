@@ -241,6 +241,8 @@ def _nvml_device(nvml: Any, index: int, handle: Any) -> ProbedDevice:
         device.memory_used_mb = int(memory.used) // 2**20
     rates = _try(nvml.nvmlDeviceGetUtilizationRates, handle)
     device.utilization_pct = None if rates is None else float(rates.gpu)
+    memory_busy = getattr(rates, "memory", None)  # % of time device memory was read/written
+    device.memory_bandwidth_util_pct = None if memory_busy is None else float(memory_busy)
     temp = _try(nvml.nvmlDeviceGetTemperature, handle, getattr(nvml, "NVML_TEMPERATURE_GPU", 0))
     device.temperature_c = None if temp is None else float(temp)
     power_mw = _try(nvml.nvmlDeviceGetPowerUsage, handle)

@@ -1,0 +1,218 @@
+"""Load generators for ``kunlun-cli bench`` and the platform figures read alongside.
+
+Every request is a streamed ``POST /v1/completions`` whose prompt is a list of token ids
+(exactly ``input_len`` of them, drawn at random per request from ids 1000..9999 so the
+prefix cache does not shortcut them) with ``max_tokens = output_len``, ``ignore_eos`` and
+``temperature`` 0, so every request does the same work. ``stream_options.include_usage``
+asks for the token counts. Two ways to send them:
+
+- :func:`closed_loop`: ``concurrency`` clients, each sending its next request as soon as
+  the previous one ends;
+- :func:`poisson`: requests sent at exponentially distributed intervals with mean
+  ``1 / rate`` (an open loop: arrivals do not wait for answers).
+
+:class:`PlatformProbe` reads the daemon's ``/metrics`` (when the endpoint is a Kunlun
+daemon): the resident memory of its process tree, sampled while a run goes on, and the
+start-up times of the model's replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kunlun.bench.stats import RequestRecord
+from kunlun.errors import ConfigError, Location
+from kunlun.telemetry.view import parse
+
+TOKEN_ID_RANGE = (1000, 10000)
+"""Prompt token ids are drawn from here: inside the vocabulary of any current LLM."""
+MEMORY_SAMPLE_S = 0.2
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and what to benchmark."""
+
+    base_url: str
+    """The server's root, e.g. ``http://127.0.0.1:8470`` (a trailing ``/v1`` is dropped)."""
+    model: str
+    api_key: str | None = None
+    timeout_s: float = 600.0
+
+    @classmethod
+    def parse(cls, endpoint: str, model: str, api_key: str | None, timeout_s: float) -> Target:
+        url = endpoint.strip().rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"endpoint {endpoint!r} is not an http(s) URL", location=Location("--endpoint")
+            )
+        return cls(url.removesuffix("/v1"), model, api_key, timeout_s)
+
+    def client(self, max_connections: int | None = None) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=None)
+        return httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, limits=limits, timeout=self.timeout_s
+        )
+
+
+def make_prompts(count: int, input_len: int, seed: int) -> list[list[int]]:
+    """``count`` prompts of ``input_len`` random token ids each (reproducible by ``seed``)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(*TOKEN_ID_RANGE) for _ in range(input_len)] for _ in range(count)]
+
+
+async def send(
+    client: httpx.AsyncClient, target: Target, prompt: list[int], output_len: int
+) -> RequestRecord:
+    """Stream one completion and time it (see the module docstring for the request)."""
+    body = {
+        "model": target.model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    record = RequestRecord(start=time.perf_counter())
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                record.error = f"HTTP {response.status_code}: {text[:200]}"
+            else:
+                async for payload in _events(response):
+                    _take(record, payload, time.perf_counter())
+    except (httpx.HTTPError, ValueError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    record.end = time.perf_counter()
+    return record
+
+
+async def _events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of an SSE stream, up to ``[DONE]``."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def _take(record: RequestRecord, payload: dict[str, Any], now: float) -> None:
+    if "error" in payload:
+        record.error = str(payload["error"].get("message", payload["error"]))
+        return
+    if any(choice.get("text") for choice in payload.get("choices") or []):
+        record.chunk_times.append(now)
+    usage = payload.get("usage")
+    if usage:
+        record.num_output_tokens = usage.get("completion_tokens")
+        record.num_prompt_tokens = usage.get("prompt_tokens")
+
+
+async def closed_loop(
+    target: Target, prompts: list[list[int]], concurrency: int, output_len: int
+) -> list[RequestRecord]:
+    """Send ``prompts`` from ``concurrency`` clients, each waiting for its previous answer."""
+    pending = iter(prompts)
+    records: list[RequestRecord] = []
+    async with target.client(concurrency) as client:
+
+        async def one_client() -> None:
+            for prompt in pending:
+                records.append(await send(client, target, prompt, output_len))
+
+        await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    return records
+
+
+async def poisson(
+    target: Target, prompts: list[list[int]], rate: float, output_len: int, seed: int
+) -> list[RequestRecord]:
+    """Send ``prompts`` at Poisson arrivals of ``rate`` per second, not waiting for answers."""
+    rng = random.Random(seed)
+    async with target.client() as client:
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.ensure_future(send(client, target, prompt, output_len)))
+            await asyncio.sleep(rng.expovariate(rate))
+        return list(await asyncio.gather(*tasks))
+
+
+class PlatformProbe:
+    """Reads the daemon's ``/metrics``; every figure is None when the endpoint has none."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.available = False
+
+    async def read(self) -> dict[str, Any] | None:
+        """The parsed snapshot as a dict, or None (no Kunlun ``/metrics`` there)."""
+        try:
+            async with self.target.client() as client:
+                response = await client.get("/metrics", timeout=10)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200 or "kunlun_" not in response.text:
+            return None
+        self.available = True
+        return parse(response.text).to_dict()
+
+    async def memory(self) -> float | None:
+        """Resident memory of the daemon's process tree, in bytes."""
+        snapshot = await self.read()
+        return None if snapshot is None else snapshot["platform"].get("resident_memory_bytes")
+
+    async def startup(self) -> list[dict[str, Any]]:
+        """Start-up phases (seconds) of every replica serving the target's model."""
+        snapshot = await self.read()
+        if snapshot is None:
+            return []
+        keys = ("compile", "load", "warmup_ttft", "total")
+        return [
+            {
+                "replica": r["replica"],
+                "device": r.get("device"),
+                **{f"{k}_s": r.get(f"startup_{k}_s") for k in keys},
+            }
+            for r in snapshot["replicas"]
+            if r.get("model") == self.target.model
+        ]
+
+    @contextlib.asynccontextmanager
+    async def peak_memory(self) -> AsyncIterator[dict[str, float | None]]:
+        """Sample memory while the body runs; the yielded dict gets ``peak_bytes``."""
+        result: dict[str, float | None] = {"peak_bytes": None}
+        if not self.available:
+            yield result
+            return
+
+        async def sample() -> None:
+            while True:
+                value = await self.memory()
+                if value is not None:
+                    result["peak_bytes"] = max(value, result["peak_bytes"] or 0.0)
+                await asyncio.sleep(MEMORY_SAMPLE_S)
+
+        sampler = asyncio.ensure_future(sample())
+        try:
+            yield result
+        finally:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
+            last = await self.memory()  # once more after the run, in case it was short
+            if last is not None:
+                result["peak_bytes"] = max(last, result["peak_bytes"] or 0.0)

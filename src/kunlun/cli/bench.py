@@ -1,0 +1,119 @@
+"""``kunlun-cli bench``: TTFT, TPOT, ITL, latency, throughput and goodput of an endpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json as jsonlib
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kunlun.cli.output import console, err_console, handle_errors, print_json
+from kunlun.errors import ConfigError, Location
+
+DEFAULT_OUT = Path("kunlun-bench")
+
+
+def _positive_ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise ConfigError(
+            f"{text!r} is not a comma-separated list of integers >= 1 (e.g. 1,4,16)",
+            location=Location(option),
+        )
+    return values
+
+
+def _positive_floats(text: str, option: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        values = ()
+    if not values or not min(values) > 0:
+        raise ConfigError(
+            f"{text!r} is not a comma-separated list of numbers > 0 (e.g. 2 or 1,2,4)",
+            location=Location(option),
+        )
+    return values
+
+
+@handle_errors
+def bench(
+    endpoint: Annotated[
+        str, typer.Option(help="Server root or its /v1 URL, e.g. http://127.0.0.1:8470.")
+    ],
+    model: Annotated[str, typer.Option(help="Model name to send.")],
+    concurrency: Annotated[
+        str | None,
+        typer.Option(
+            help="Closed-loop sweep: concurrent clients per run (default 1,4,16; none "
+            "when only --rate is given)."
+        ),
+    ] = None,
+    rate: Annotated[
+        str | None, typer.Option(help="Poisson run(s): mean requests per second, e.g. 2 or 1,2,4.")
+    ] = None,
+    num_prompts: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Requests per run (default: 4 per client, at least 8; 32 per Poisson run)."
+        ),
+    ] = None,
+    input_len: Annotated[int, typer.Option(min=1, help="Prompt tokens per request.")] = 128,
+    output_len: Annotated[
+        int, typer.Option(min=1, help="Output tokens per request (sent with ignore_eos).")
+    ] = 128,
+    slo_ttft_ms: Annotated[
+        float | None, typer.Option(min=0, help="Goodput SLO on time to first token.")
+    ] = None,
+    slo_tpot_ms: Annotated[
+        float | None, typer.Option(min=0, help="Goodput SLO on time per output token.")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Folder for bench.json and bench.png.")] = DEFAULT_OUT,
+    api_key: Annotated[
+        str | None, typer.Option(help="Bearer token (default: $KUNLUN_API_KEY, $OPENAI_API_KEY).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the random prompts and arrivals.")] = 0,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds one request may take.")] = 600.0,
+    json: Annotated[
+        bool, typer.Option("--json", help="Print the JSON document, not the table.")
+    ] = False,
+) -> None:
+    """Benchmark an OpenAI-compatible endpoint (streaming /v1/completions, fixed lengths).
+
+    Runs a warm-up request, a closed-loop concurrency sweep and Poisson runs, then prints a
+    table, writes OUT/bench.json and OUT/bench.png (throughput and latency against
+    concurrency), and reads the platform's memory and start-up times from /metrics when the
+    endpoint is a Kunlun daemon. Exit status 1 when any request failed.
+    """
+    from kunlun.bench import load, report, suite
+
+    key = api_key or os.environ.get("KUNLUN_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    target = load.Target.parse(endpoint, model, key, timeout)
+    rates = _positive_floats(rate, "--rate") if rate is not None else ()
+    if concurrency is not None:
+        levels = _positive_ints(concurrency, "--concurrency")
+    else:
+        levels = () if rates else (1, 4, 16)
+    options = suite.BenchOptions(
+        target, levels, rates, num_prompts, input_len, output_len, slo_ttft_ms, slo_tpot_ms, seed
+    )
+    doc = asyncio.run(suite.run(options, lambda message: err_console.print(message, markup=False)))
+    out.mkdir(parents=True, exist_ok=True)
+    chart = report.write_chart(doc, out / "bench.png")
+    doc["chart"] = str(chart)
+    (out / "bench.json").write_text(jsonlib.dumps(doc, indent=2) + "\n")
+    if json:
+        print_json(doc)
+    else:
+        console.print(report.table(doc))
+        for line in report.notes(doc):
+            console.print(line, markup=False)
+        console.print(f"wrote {out / 'bench.json'} and {chart}")
+    if any(run["num_errors"] for run in doc["runs"]):
+        raise SystemExit(1)

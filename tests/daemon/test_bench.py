@@ -1,0 +1,121 @@
+"""``kunlun-cli bench`` against a real daemon serving the demo model, at tiny sizes."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from tests.daemon.conftest import Daemon
+
+INPUT_LEN, OUTPUT_LEN, NUM_PROMPTS = 8, 4, 3
+
+
+def test_bench_sweep_poisson_json_and_chart(daemon: Daemon, tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    proc = daemon.cli(
+        "bench",
+        "--endpoint",
+        daemon.url + "/v1",
+        "--model",
+        "smollm2",
+        "--concurrency",
+        "1,2",
+        "--rate",
+        "8",
+        "--num-prompts",
+        str(NUM_PROMPTS),
+        "--input-len",
+        str(INPUT_LEN),
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--slo-ttft-ms",
+        "60000",
+        "--slo-tpot-ms",
+        "1",
+        "--out",
+        str(out),
+        remote=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for word in (
+        "concurrency 1",
+        "concurrency 2",
+        "Poisson 8/s",
+        "TTFT ms p50/p90/p99",
+        "platform memory",
+        "start-up of",
+    ):
+        assert word in proc.stdout
+    doc = json.loads((out / "bench.json").read_text())
+    assert [(r["mode"], r["concurrency"], r["rate"]) for r in doc["runs"]] == [
+        ("concurrency", 1, None),
+        ("concurrency", 2, None),
+        ("poisson", None, 8.0),
+    ]
+    for run in doc["runs"]:
+        assert (run["num_requests"], run["num_ok"], run["num_errors"]) == (
+            NUM_PROMPTS,
+            NUM_PROMPTS,
+            0,
+        )
+        assert run["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN  # ignore_eos held
+        assert run["total_prompt_tokens"] == NUM_PROMPTS * INPUT_LEN  # token-id prompts, exact
+        assert run["output_tokens_per_s"] == pytest.approx(
+            run["total_output_tokens"] / run["duration_s"], rel=1e-3
+        )
+        assert run["requests_per_s"] == pytest.approx(NUM_PROMPTS / run["duration_s"], rel=1e-3)
+        assert run["num_slo_met"] == 0  # nothing makes a 1 ms TPOT on this CPU
+        assert run["goodput_requests_per_s"] == 0
+        for request in run["requests"]:
+            assert request["num_output_tokens"] == OUTPUT_LEN
+            assert request["num_prompt_tokens"] == INPUT_LEN
+            assert 0 < request["ttft_ms"] <= request["e2e_ms"]
+            assert 1 <= request["num_chunks"] <= OUTPUT_LEN
+            tpot = (request["e2e_ms"] - request["ttft_ms"]) / (OUTPUT_LEN - 1)
+            assert request["tpot_ms"] == pytest.approx(tpot, abs=0.01)
+            assert request["e2e_ms"] <= run["duration_s"] * 1e3 + 0.1  # duration: 0.1 ms steps
+        assert run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"] <= run["e2e_ms"]["p99"]
+        assert run["peak_memory_bytes"] > 0
+    memory = doc["memory"]
+    assert memory["idle_bytes"] > 0 and memory["one_request_bytes"] > 0
+    assert memory["full_concurrency_bytes"] == doc["runs"][1]["peak_memory_bytes"]
+    (startup,) = doc["startup"]
+    assert startup["device"] == "cpu:0" and startup["load_s"] > 0 and startup["total_s"] > 0
+    png = (out / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", png[16:24])
+    assert (width, height) == (1200, 450)  # 12 x 4.5 inches at 100 dpi
+    from PIL import Image
+
+    with Image.open(out / "bench.png") as image:
+        image.verify()  # the whole file decodes
+
+
+def test_bench_errors(daemon: Daemon, tmp_path: Path) -> None:
+    wrong = daemon.cli(
+        "bench",
+        "--endpoint",
+        daemon.url,
+        "--model",
+        "no-such-model",
+        "--out",
+        str(tmp_path),
+        remote=False,
+    )
+    assert wrong.returncode == 1
+    assert "warm-up request" in wrong.stderr and "no-such-model" in wrong.stderr
+    bad = daemon.cli(
+        "bench",
+        "--endpoint",
+        daemon.url,
+        "--model",
+        "smollm2",
+        "--concurrency",
+        "1,x",
+        remote=False,
+    )
+    assert bad.returncode == 2 and "--concurrency" in bad.stderr and "'1,x'" in bad.stderr
+    url = daemon.cli("bench", "--endpoint", "localhost:8470", "--model", "m", remote=False)
+    assert url.returncode == 2 and "not an http(s) URL" in url.stderr
