@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from kunlun import __version__
-from kunlun.cli import apikey, device, model, workload
+from kunlun.cli import apikey, device, model, validate, workload
 from kunlun.cli.output import console, handle_errors, print_json
 
 app = typer.Typer(
@@ -20,6 +20,7 @@ app.add_typer(device.app, name="device")
 app.add_typer(workload.app, name="workload")
 app.add_typer(model.app, name="model")
 app.add_typer(apikey.app, name="apikey")
+app.command("validate")(validate.validate)
 
 
 @app.command()
