@@ -42,6 +42,12 @@ def test_each_failure_is_named(text: str, reason: str) -> None:
 
 
 def test_short_repetition_is_not_judged() -> None:
-    ratio, num_tokens = repetition("yes yes yes yes")
-    assert ratio > 0.5 and num_tokens == 4
-    assert garbage_reasons("yes yes yes yes") == []
+    ratio, num_tokens = repetition("yes yes yes yes yes yes")
+    assert ratio == 0.75 and num_tokens == 6
+    assert garbage_reasons("yes yes yes yes yes yes") == []
+
+
+def test_a_character_cut_by_the_length_limit_is_not_mojibake() -> None:
+    assert garbage_reasons("The emoji is \ufffd") == []
+    assert garbage_reasons("in the middle \ufffd of it") == ["1 U+FFFD replacement character(s)"]
+    assert garbage_reasons("\ufffd\ufffd\ufffd") == ["3 U+FFFD replacement character(s)"]

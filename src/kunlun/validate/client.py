@@ -54,6 +54,20 @@ class Answer:
         """The first choice's text (chat ``message.content`` or completion ``text``)."""
         return choice_text(self.choice)
 
+    def spelling(self) -> str | None:
+        """The text the chat logprobs' token bytes spell, or None without logprobs. An answer
+        that ended on its end-of-sequence token lists that token last, without text: it is
+        left out then. Only a server that generated the text token by token knows this."""
+        entries = (self.choice.get("logprobs") or {}).get("content")
+        if not isinstance(entries, list):
+            return None
+        pieces = [bytes(e["bytes"]) if isinstance(e.get("bytes"), list)
+                  else str(e.get("token")).encode() for e in entries]  # fmt: skip
+        spelled = b"".join(pieces).decode("utf-8", errors="replace")
+        if spelled != self.text and self.choice.get("finish_reason") == "stop" and pieces:
+            return b"".join(pieces[:-1]).decode("utf-8", errors="replace")
+        return spelled
+
     @property
     def usage(self) -> dict[str, Any]:
         usage = self.body.get("usage")

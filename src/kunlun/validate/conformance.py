@@ -220,7 +220,6 @@ def logprobs(ctx: Context) -> Cell:
     if not entries:
         return failed("no logprobs", "logprobs=true gave no logprobs.content")
     problems = []
-    spelled = b""
     for i, entry in enumerate(entries):
         top = entry.get("top_logprobs") or []
         values = [t.get("logprob", 0.0) for t in top]
@@ -230,10 +229,9 @@ def logprobs(ctx: Context) -> Cell:
             problems.append(f"token {i}: top_logprobs not 3 sorted entries: {values}")
         elif top[0].get("token") != entry.get("token") or abs(values[0] - entry["logprob"]) > 1e-3:
             problems.append(f"token {i}: greedy chose {entry.get('token')!r}, not the top one")
-        data = entry.get("bytes")
-        spelled += bytes(data) if isinstance(data, list) else str(entry.get("token")).encode()
-    if spelled.decode("utf-8", errors="replace") != answer.text:
-        problems.append(f"tokens spell {spelled[:80]!r}, not the text {answer.text[:80]!r}")
+    spelled = answer.spelling()
+    if spelled != answer.text:
+        problems.append(f"the tokens spell {spelled!r}, not the text {answer.text!r}")
     if problems:
         return failed(f"{len(problems)} problem(s)", "; ".join(problems[:3]))
     return passed(f"{len(entries)} tokens ok")

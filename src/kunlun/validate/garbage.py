@@ -6,7 +6,8 @@ failure seen when a model runs wrong on a new chip:
 - **empty**: nothing but whitespace (a model that emits EOS at once, a dropped body);
 - **``!`` runs**: six or more ``!`` in a row (token 0 of many vocabularies is ``!``: what
   an fp16 overflow or all-NaN logits decode to);
-- **mojibake**: U+FFFD (bytes that were not UTF-8), UTF-8 read as Latin-1 / cp1252
+- **mojibake**: U+FFFD (bytes that were not UTF-8; one or two at the very end are a
+  character cut by the length limit and pass), UTF-8 read as Latin-1 / cp1252
   (``Ã©`` for ``é``, ``â€™`` for ``’``), or C0 control characters other than tab and newlines;
 - **runaway repetition**: in an answer of at least :data:`MIN_REPEAT_TOKENS` words, more than
   :data:`MAX_REPEATED_TRIGRAMS` of its word trigrams repeat an earlier one (a decoder stuck in
@@ -38,8 +39,9 @@ def garbage_reasons(text: str) -> list[str]:
     run = max((len(m) for m in re.findall(r"!+", text)), default=0)
     if run >= BANG_RUN:
         reasons.append(f"a run of {run} '!'")
-    if "\ufffd" in text:
-        reasons.append(f"{text.count(chr(0xFFFD))} U+FFFD replacement character(s)")
+    replaced = _without_cut_character(text).count("\ufffd")
+    if replaced:
+        reasons.append(f"{replaced} U+FFFD replacement character(s)")
     for match in _MOJIBAKE.finditer(text):
         if _is_mojibake(match.group()):
             reasons.append(f"mojibake {match.group()!r} (UTF-8 read as Latin-1)")
@@ -62,6 +64,13 @@ def repetition(text: str) -> tuple[float, int]:
     if not trigrams:
         return 0.0, len(tokens)
     return 1 - len(set(trigrams)) / len(trigrams), len(tokens)
+
+
+def _without_cut_character(text: str) -> str:
+    """``text`` less one character cut in half at its end (up to two U+FFFD after other
+    text): what a length limit falling inside a multi-byte character leaves, not garbage."""
+    body = text.rstrip("\ufffd")
+    return body if body.strip() and len(text) - len(body) <= 2 else text
 
 
 def _is_mojibake(chunk: str) -> bool:

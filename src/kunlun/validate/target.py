@@ -134,6 +134,11 @@ def with_reference(columns: list[Column], reference: str | None, model: str | No
         if reference in names:
             index = names.index(reference)
         else:
+            if not reference.startswith(("http://", "https://")):
+                raise ConfigError(
+                    f"{reference!r} is neither a column ({', '.join(names)}) nor an http(s) URL",
+                    location=Location("--reference"),
+                )
             url = normalize_endpoint(reference, "--reference")
             same = [i for i, c in enumerate(columns) if c.endpoint == url]
             if len(same) == 1:
