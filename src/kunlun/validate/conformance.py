@@ -194,7 +194,7 @@ def n_choices(ctx: Context) -> Cell:
     answer = ctx.client.chat("n", STORY, n=3, temperature=1.0, logprobs=True,
                              max_tokens=ctx.settings.max_tokens)  # fmt: skip
     choices = answer.body.get("choices") or []
-    indices = sorted(c.get("index") for c in choices if isinstance(c, dict))
+    indices = sorted(int(c.get("index", -1)) for c in choices if isinstance(c, dict))
     if indices != [0, 1, 2]:
         return failed(f"{len(choices)} choices", f"choice indices {indices}, expected [0, 1, 2]")
     texts = [(c.get("message") or {}).get("content") or "" for c in choices]

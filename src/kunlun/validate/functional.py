@@ -136,7 +136,7 @@ def long_text(ctx: Context) -> Cell:
         return failed("code missing", f"planted {code!r}; answer {answer.text!r}", **figures)
     if question in answer.text or any(sentence in answer.text for sentence in FILLER):
         return failed("echo", f"the answer repeats the prompt: {answer.text[:200]!r}", **figures)
-    return passed(f"code found, {prompt_tokens} prompt tokens", **figures)
+    return passed(f"code found, {prompt_tokens} prompt tokens", "", **figures)
 
 
 @check(CHECKS, "functional.multi_turn", "5-turn memory")
