@@ -103,13 +103,15 @@ def faulty(platform: Daemon) -> Iterator[str]:
 
 
 FAULT_ROWS = {
-    "bad_sse": ["api.sse"],
-    "wrong_usage": ["api.usage"],
-    "flaky_500": ["functional.concurrency"],
-    "garbage": ["functional.short_text", "quality.garbage"],
-    "drop_history": ["functional.multi_turn"],
-    "truncate": ["functional.long_text"],
+    "bad_sse": {"api.sse": "no 'data: [DONE]' event"},
+    "wrong_usage": {"api.usage": "length finish miscounted"},
+    "flaky_500": {"functional.concurrency": "HTTP 500"},
+    "garbage": {"functional.short_text": "capital of", "quality.garbage": "a run of"},
+    "drop_history": {"functional.multi_turn": "prompt_tokens did not grow"},
+    "truncate": {"functional.long_text": "truncated?"},
 }
+"""For each broken endpoint: the rows that must fail, and words their figure or detail must
+hold."""
 
 
 @pytest.mark.parametrize("fault", sorted(FAULT_ROWS))
@@ -121,10 +123,11 @@ def test_broken_endpoint_fails_its_row(
     proc = validate(platform, "--target", f"{fault}={faulty}/{fault},model={FP32}", *only,
                     "--out", str(tmp_path))  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    run = load(tmp_path)
-    for row in rows:
-        assert status(run, fault, row) == "FAIL", run["cells"][fault][row]
-    assert f"FAIL {rows[-1]} on {fault}" in proc.stdout
+    cells = load(tmp_path)["cells"][fault]
+    for row, words in rows.items():
+        said = f"{cells[row]['figure']}: {cells[row]['detail']}"
+        assert cells[row]["status"] == "FAIL" and words in said, cells[row]
+        assert f"FAIL {row} on {fault}: " in proc.stdout
 
 
 def test_healthy_proxy_passes_the_rows_the_faults_fail(
