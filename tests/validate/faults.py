@@ -101,7 +101,11 @@ def _break_answer(
 
 
 async def _stream(
-    fault: str, client: httpx.AsyncClient, path: str, body: dict[str, Any], in_flight: dict[str, int]
+    fault: str,
+    client: httpx.AsyncClient,
+    path: str,
+    body: dict[str, Any],
+    in_flight: dict[str, int],
 ) -> AsyncIterator[bytes]:
     texts: list[str] = []
     try:

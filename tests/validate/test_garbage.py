@@ -8,7 +8,7 @@ from kunlun.validate.garbage import garbage_reasons, repetition
 
 FINE = [
     "The capital of France is Paris.",
-    "Sure! Here is a JSON object: {\"a\": [1, 2, 3]}",
+    'Sure! Here is a JSON object: {"a": [1, 2, 3]}',
     "café, naïve, 中文, €5 - Größe",
     "Once upon a time, a cat named Tom lived in a small house by the river. Every morning he "
     "walked to the market, where the baker gave him a piece of bread and the fishmonger a fish.",

@@ -44,7 +44,7 @@ def test_junit_and_html() -> None:
     failure = bf16.find("testcase[@name='functional.short_text']/failure")
     assert failure is not None and failure.get("message") == "1/3 correct"
     page = report.to_html(sample())
-    assert "<td style=\"background:#f9d0d0\" title=\"&#x27;x&#x27; -&gt; &#x27;y&#x27; | z\">" in page
+    assert '<td style="background:#f9d0d0" title="&#x27;x&#x27; -&gt; &#x27;y&#x27; | z">' in page
 
 
 def test_json_round_trip(tmp_path: Path) -> None:
