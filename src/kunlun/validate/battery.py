@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
+import httpx
+
 from kunlun import __version__
 from kunlun.errors import ConfigError, Location
 from kunlun.validate import baseline as baseline_gate
@@ -26,6 +28,8 @@ from kunlun.validate.matrix import Cell, Column, Matrix, Row, failed, passed, sk
 GARBAGE = Row("quality.garbage", "garbage detector (every answer)")
 ROUTING = Row("quality.routing", "X-Kunlun-Device")
 OnCell = Callable[[Column, Row, Cell], None]
+PREFLIGHT_TIMEOUT_S = 30.0
+"""How long the first request to a target may take before the target counts as down."""
 
 
 def all_checks(settings: Settings) -> list[Check]:
@@ -102,19 +106,31 @@ def _run_column(
     client = TargetClient(column, settings.api_key, settings.timeout_s)
     rng = random.Random(f"{settings.seed}:{column.name}")
     ctx = Context(column, client, settings, rng, None if column.reference else reference)
+
+    def put(row: Row, cell: Cell) -> None:
+        matrix.set(column.name, row.id, cell)
+        if on_cell is not None:
+            on_cell(column, row, cell)
+
     try:
+        down = unreachable(client)
         for check in checks:
-            cell = run_check(check, ctx)
-            matrix.set(column.name, check.row.id, cell)
-            if on_cell is not None:
-                on_cell(column, check.row, cell)
-        for row, cell in ((GARBAGE, garbage_cell(client)), (ROUTING, routing_cell(client))):
-            matrix.set(column.name, row.id, cell)
-            if on_cell is not None:
-                on_cell(column, row, cell)
+            put(check.row, failed("unreachable", down) if down else run_check(check, ctx))
+        put(GARBAGE, failed("unreachable", down) if down else garbage_cell(client))
+        put(ROUTING, failed("unreachable", down) if down else routing_cell(client))
     finally:
         client.close()
     return ctx
+
+
+def unreachable(client: TargetClient) -> str | None:
+    """Why the target cannot be reached at all (then every check of it fails at once,
+    rather than each waiting for its own timeout), or None."""
+    try:
+        client.http.get("/v1/models", timeout=PREFLIGHT_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        return f"GET {client.column.endpoint}/v1/models: {type(exc).__name__}: {exc}"
+    return None
 
 
 def run_check(check: Check, ctx: Context) -> Cell:
