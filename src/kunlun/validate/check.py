@@ -41,7 +41,7 @@ class Settings:
     perf_requests: tuple[tuple[int, int], ...] = ((1, 3), (4, 8))
     """``(concurrency, requests)`` of each performance row."""
     seed: int = 0
-    """Seeds the random words, names and codes the checks plant (recorded with the run)."""
+    """Seeds the random numbers, questions and ids the checks draw (recorded with the run)."""
 
 
 @dataclass
