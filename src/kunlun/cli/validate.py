@@ -52,7 +52,8 @@ def validate(
     ] = None,
     max_tokens: Annotated[int, typer.Option(min=4, max=4096, help="Answer budget.")] = 24,
     seed: Annotated[
-        int | None, typer.Option(help="Seed of the numbers, questions and ids drawn (default: random).")
+        int | None,
+        typer.Option(help="Seed of the numbers, questions and ids drawn (default: random)."),
     ] = None,
 ) -> None:
     """Run the validation battery and print the chip-by-test matrix; exit 1 on any FAIL."""
