@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from kunlun import __version__
-from kunlun.cli import apikey, batch, bench, device, model, telemetry, workload
+from kunlun.cli import apikey, batch, bench, device, model, telemetry, validate, workload
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.cli.plan import plan
 
@@ -25,6 +25,7 @@ app.add_typer(batch.app, name="batch")
 app.command("plan")(plan)
 app.add_typer(telemetry.app, name="telemetry")
 app.command("bench")(bench.bench)
+app.command("validate")(validate.validate)
 
 
 @app.command()

@@ -1,0 +1,118 @@
+"""``kunlun-cli validate``: the standard battery on every target, printed as a matrix."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kunlun.cli.client import DEFAULT_ENDPOINT, running_endpoint
+from kunlun.cli.output import console, err_console, handle_errors
+from kunlun.errors import ConfigError, Location
+from kunlun.validate.matrix import Cell, Column, Row
+
+
+@handle_errors
+def validate(
+    endpoint: Annotated[
+        list[str] | None,
+        typer.Option(help="OpenAI-compatible server root (repeatable); default: the daemon."),
+    ] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(help="Served model name (repeatable: one column per endpoint x model)."),
+    ] = None,
+    target: Annotated[
+        list[str] | None,
+        typer.Option(help="A named column NAME=URL[,model=M][,pool=P] (repeatable)."),
+    ] = None,
+    reference: Annotated[
+        str | None,
+        typer.Option(help="Column name or endpoint URL to compare numerics with (default: first)."),
+    ] = None,
+    baseline: Annotated[
+        Path | None, typer.Option(help="A saved validation.json: fail on regressions against it.")
+    ] = None,
+    out: Annotated[
+        Path, typer.Option(help="Where the matrix is written (Markdown, HTML, JSON, JUnit XML).")
+    ] = Path("kunlun-validation"),
+    all_pools: Annotated[
+        bool,
+        typer.Option("--all-pools", help="One column per device pool serving the model."),
+    ] = False,
+    api_key: Annotated[
+        str | None, typer.Option(help="API key (default: $KUNLUN_API_KEY).", show_default=False)
+    ] = None,
+    only: Annotated[
+        list[str] | None,
+        typer.Option(help="Run only these checks or groups, e.g. functional, api.sse."),
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(min=4, max=4096, help="Answer budget.")] = 24,
+    seed: Annotated[
+        int | None,
+        typer.Option(help="Seed of the numbers, questions and ids drawn (default: random)."),
+    ] = None,
+) -> None:
+    """Run the validation battery and print the chip-by-test matrix; exit 1 on any FAIL."""
+    from kunlun.validate import battery, report
+    from kunlun.validate.check import Settings
+    from kunlun.validate.matrix import Status, load_matrix
+    from kunlun.validate.target import (
+        cross_columns,
+        discover_pools,
+        normalize_endpoint,
+        parse_target,
+        with_reference,
+    )
+
+    key = api_key or os.environ.get("KUNLUN_API_KEY") or None
+    models = list(model or [])
+    columns = [parse_target(spec, models[0] if models else None) for spec in target or []]
+    if endpoint or not target:
+        if not models:
+            raise ConfigError("which model? give --model M", location=Location("--model"))
+        urls = [normalize_endpoint(u) for u in endpoint or [running_endpoint() or DEFAULT_ENDPOINT]]
+        pools = None
+        if all_pools:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            pools = {(u, m): discover_pools(u, m, headers) for u in urls for m in models}
+            empty = [f"{m} at {u}" for (u, m), found in pools.items() if not found]
+            if empty:
+                raise ConfigError(
+                    f"no RUNNING workload serves {', '.join(empty)}",
+                    location=Location("--all-pools"),
+                    hint="check `kunlun-cli workload list`",
+                )
+        columns += cross_columns(urls, models, pools)
+    columns = with_reference(columns, reference, models[0] if models else None)
+    saved = load_matrix(baseline) if baseline is not None else None
+    settings = Settings(
+        work_dir=out / "work",
+        api_key=key,
+        max_tokens=max_tokens,
+        seed=secrets.randbelow(1 << 31) if seed is None else seed,
+    )
+    err_console.print(
+        f"validating {len(columns)} target(s): "
+        + ", ".join(
+            f"{c.name} ({c.endpoint} {c.model}{' pool ' + c.pool if c.pool else ''})"
+            for c in columns
+        )  # fmt: skip
+        + f"; reference {columns[0].name}; seed {settings.seed}",
+        markup=False,
+    )
+
+    def progress(column: Column, row: Row, cell: Cell) -> None:
+        line = f"  {column.name:<16} {row.id:<28} {cell.status.value} {cell.figure}"
+        err_console.print(line, markup=False)
+
+    matrix = battery.run_battery(columns, settings, only or (), saved, progress)
+    paths = report.write_all(matrix, out)
+    console.print(report.rich_table(matrix))
+    for line in report.notes_lines(matrix):
+        console.print(line, markup=False)
+    console.print("written: " + ", ".join(str(p) for p in paths.values()), markup=False)
+    raise SystemExit(1 if any(c.status is Status.FAIL for _, _, c in matrix.failures()) else 0)

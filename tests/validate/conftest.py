@@ -1,0 +1,90 @@
+"""One real daemon for the validation tests, serving the demo model three ways on cpu:0.
+
+``smollm2-fp32`` and ``smollm2-bf16`` are the demo model at two dtypes (the reference and
+the column under test); ``smollm2-perturbed`` is a copy of its weights with a little noise
+added to every linear layer: a real engine computing a slightly different model, the
+negative control of the numerics rows.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tests.daemon.conftest import BIN, Daemon, free_port, models_home, new_home
+
+__all__ = ["BIN", "models_home"]  # models_home is a fixture used here
+
+SPEC = """\
+model: {model}
+name: {name}
+dtype: {dtype}
+batch_size: 8
+max_model_len: 1024
+kv_cache_memory_mb: 96
+"""
+WORKLOADS = ("smollm2-fp32", "smollm2-bf16", "smollm2-perturbed")
+PERTURBATION = 0.05
+"""Noise added to each linear weight, as a fraction of that weight's standard deviation."""
+
+
+def perturbed_copy(source: Path, target: Path, scale: float = PERTURBATION) -> Path:
+    """``source`` (an HF model directory) with Gaussian noise added to its linear layers."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    target.mkdir(parents=True)
+    for path in source.iterdir():
+        if path.name not in ("model.safetensors", "kunlun-import.json"):
+            shutil.copy(path, target / path.name)
+    tensors = load_file(source / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for name, tensor in tensors.items():
+        if tensor.ndim == 2 and "embed_tokens" not in name:
+            noise = torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype)
+            tensor += noise * tensor.std() * scale
+    save_file(tensors, target / "model.safetensors")
+    return target
+
+
+@pytest.fixture(scope="module")
+def platform(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A daemon with the three workloads RUNNING (one replica each on cpu:0)."""
+    home = new_home(models_home, tmp_path_factory, "validate-home")
+    daemon = Daemon(home, free_port())
+    daemon.start(wait_ready=False)
+    perturbed = perturbed_copy(models_home / "models" / "smollm2", home / "perturbed")
+    sources = {"smollm2-fp32": ("smollm2", "fp32"), "smollm2-bf16": ("smollm2", "bf16"),
+               "smollm2-perturbed": (str(perturbed), "fp32")}  # fmt: skip
+    for name, (model, dtype) in sources.items():
+        spec = home / f"{name}.yaml"
+        spec.write_text(SPEC.format(model=model, name=name, dtype=dtype))
+        proc = daemon.cli("workload", "submit", "--file", str(spec), "--json")
+        assert proc.returncode == 0, proc.stderr
+    try:
+        wait_running(daemon, WORKLOADS)
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+def wait_running(daemon: Daemon, names: tuple[str, ...], timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = json.loads(daemon.cli("workload", "list", "--json").stdout or "[]")
+        ready = {w["name"] for w in rows if w["state"] == "RUNNING" and w["ready_replicas"] >= 1}
+        if ready >= set(names):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"workloads not RUNNING: {rows}\n{daemon.log()}")
+        time.sleep(0.5)
+
+
+def validate(daemon: Daemon, *args: str, timeout: float = 1200) -> subprocess.CompletedProcess[str]:
+    """``kunlun-cli validate ARGS`` as a subprocess (KUNLUN_ENDPOINT set to ``daemon``)."""
+    return daemon.cli("validate", *args, timeout=timeout)

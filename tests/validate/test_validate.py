@@ -1,0 +1,168 @@
+"""``kunlun-cli validate`` against a real daemon: the demo model passes, broken servers fail.
+
+The positive run is the command ``docs/validation.md`` shows: the demo model served as an
+fp32 and a bf16 workload, two columns, fp32 the reference. The negative controls are real
+HTTP servers on loopback (:mod:`tests.validate.faults`) in front of the same daemon, each
+broken one way, and a workload whose weights carry noise; each must fail its own row.
+"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tests.daemon.conftest import Daemon
+from tests.serving.conftest import serve_in_thread
+from tests.validate.conftest import validate
+from tests.validate.faults import faulty_app
+
+from kunlun.validate.functional import batch_runner_installed
+
+FP32, BF16, PERTURBED = "smollm2-fp32", "smollm2-bf16", "smollm2-perturbed"
+ALLOWED_SKIPS = {"api.error_401": "the endpoint has no API keys"}
+
+
+def load(out: Path) -> dict[str, Any]:
+    return json.loads((out / "validation.json").read_text())
+
+
+def status(run: dict[str, Any], column: str, row: str) -> str:
+    return str(run["cells"][column][row]["status"])
+
+
+def test_demo_model_passes_with_fp32_reference_and_bf16(platform: Daemon, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = validate(platform, "--endpoint", platform.url, "--model", FP32, "--model", BF16,
+                    "--reference", FP32, "--out", str(out), "--seed", "7")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = load(out)
+    assert [c["name"] for c in run["columns"]] == [FP32, BF16]
+    assert run["columns"][0]["reference"] is True
+    allowed = dict(ALLOWED_SKIPS)
+    if not batch_runner_installed():
+        allowed["functional.batch"] = "batch runner not installed"
+    for column in (FP32, BF16):
+        cells = run["cells"][column]
+        assert len(cells) == len(run["rows"]) >= 25
+        for row, cell in cells.items():
+            if cell["status"] == "SKIP":
+                assert row in allowed and allowed[row] in cell["detail"], (column, row, cell)
+            else:
+                assert cell["status"] == "PASS", (column, row, cell)
+    assert "mean" in run["cells"][BF16]["numerics.prompt_logprobs"]["figure"]
+    assert run["cells"][BF16]["quality.routing"]["figure"] == "cpu:0"
+    # every format says the same
+    markdown = (out / "validation.md").read_text()
+    assert f"| check | {FP32} (reference) | {BF16} |" in markdown
+    assert "| long text (3,000 chars) | PASS code found" in markdown
+    suites = ET.parse(out / "validation.junit.xml").getroot()
+    assert [s.get("name") for s in suites] == [FP32, BF16]
+    assert all(s.get("failures") == "0" for s in suites)
+    assert "<table>" in (out / "validation.html").read_text()
+    assert "PASS" in proc.stdout and "written:" in proc.stdout
+
+    # the same run as a baseline: no regression; a doctored baseline: a regression
+    again = tmp_path / "again"
+    proc = validate(platform, "--endpoint", platform.url, "--model", BF16, "--only", "perf.c1",
+                    "--only", "api.models", "--baseline", str(out / "validation.json"),
+                    "--out", str(again))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert status(load(again), BF16, "regression.baseline") == "PASS"
+    doctored = load(out)
+    doctored["cells"][BF16]["perf.c1"]["metrics"]["output_tok_s"] *= 10
+    (tmp_path / "doctored.json").write_text(json.dumps(doctored))
+    proc = validate(platform, "--endpoint", platform.url, "--model", BF16, "--only", "perf.c1",
+                    "--baseline", str(tmp_path / "doctored.json"), "--out", str(again))  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    cell = load(again)["cells"][BF16]["regression.baseline"]
+    assert cell["status"] == "FAIL" and "perf.c1 output_tok_s" in cell["detail"]
+
+
+def test_all_pools_makes_one_column_per_pool(platform: Daemon, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = validate(platform, "--all-pools", "--model", FP32, "--only", "functional.short_text",
+                    "--out", str(out))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = load(out)
+    assert [(c["name"], c["pool"]) for c in run["columns"]] == [("cpu", "cpu")]
+    assert status(run, "cpu", "functional.short_text") == "PASS"
+    assert run["cells"]["cpu"]["quality.routing"]["figure"] == "cpu:0"
+
+
+@pytest.fixture(scope="module")
+def faulty(platform: Daemon) -> Iterator[str]:
+    """The broken endpoints' root: ``{root}/{fault}`` is one endpoint per fault."""
+    server, base_url, thread = serve_in_thread(faulty_app(platform.url))
+    yield base_url
+    server.should_exit = True  # type: ignore[attr-defined]
+    thread.join(10)
+
+
+FAULT_ROWS = {
+    "bad_sse": {"api.sse": "no 'data: [DONE]' event"},
+    "wrong_usage": {"api.usage": "length finish miscounted"},
+    "flaky_500": {"functional.concurrency": "HTTP 500"},
+    "garbage": {"functional.short_text": "capital of", "quality.garbage": "a run of"},
+    "drop_history": {"functional.multi_turn": "prompt_tokens did not grow"},
+    "truncate": {"functional.long_text": "truncated?"},
+}
+"""For each broken endpoint: the rows that must fail, and words their figure or detail must
+hold."""
+
+
+@pytest.mark.parametrize("fault", sorted(FAULT_ROWS))
+def test_broken_endpoint_fails_its_row(
+    platform: Daemon, faulty: str, fault: str, tmp_path: Path
+) -> None:
+    rows = FAULT_ROWS[fault]
+    only = [arg for row in rows if row != "quality.garbage" for arg in ("--only", row)]
+    proc = validate(platform, "--target", f"{fault}={faulty}/{fault},model={FP32}", *only,
+                    "--out", str(tmp_path))  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    cells = load(tmp_path)["cells"][fault]
+    for row, words in rows.items():
+        said = f"{cells[row]['figure']}: {cells[row]['detail']}"
+        assert cells[row]["status"] == "FAIL" and words in said, cells[row]
+        assert f"FAIL {row} on {fault}: " in proc.stdout
+
+
+def test_healthy_proxy_passes_the_rows_the_faults_fail(
+    platform: Daemon, faulty: str, tmp_path: Path
+) -> None:
+    """The control: the same proxy forwarding untouched fails none of those rows."""
+    rows = sorted({row for rows in FAULT_ROWS.values() for row in rows} - {"quality.garbage"})
+    only = [arg for row in rows for arg in ("--only", row)]
+    proc = validate(platform, "--target", f"healthy={faulty}/healthy,model={FP32}", *only,
+                    "--out", str(tmp_path))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cells = load(tmp_path)["cells"]["healthy"]
+    assert {row: cells[row]["status"] for row in [*rows, "quality.garbage"]} == {
+        row: "PASS" for row in [*rows, "quality.garbage"]
+    }
+
+
+def test_perturbed_weights_fail_the_numerics(platform: Daemon, tmp_path: Path) -> None:
+    proc = validate(platform, "--endpoint", platform.url, "--model", FP32, "--model", PERTURBED,
+                    "--only", "numerics", "--out", str(tmp_path))  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    run = load(tmp_path)
+    for row in ("numerics.prompt_logprobs", "numerics.greedy_divergence"):
+        assert status(run, FP32, row) == "PASS"  # the reference against itself
+        assert status(run, PERTURBED, row) == "FAIL", run["cells"][PERTURBED][row]
+
+
+def test_wrong_key_gets_401_once_keys_exist(platform: Daemon, tmp_path: Path) -> None:
+    created = platform.cli("apikey", "create", "validate-test", "--json")
+    assert created.returncode == 0, created.stderr
+    key, key_id = json.loads(created.stdout)["key"], json.loads(created.stdout)["key_id"]
+    try:
+        proc = validate(platform, "--endpoint", platform.url, "--model", FP32, "--only",
+                        "api.error_401", "--api-key", key, "--out", str(tmp_path))  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert status(load(tmp_path), FP32, "api.error_401") == "PASS"
+    finally:
+        assert platform.cli("apikey", "revoke", key_id, key=key).returncode == 0
