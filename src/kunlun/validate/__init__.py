@@ -10,5 +10,5 @@ Modules: ``matrix`` (cells, rows, columns, JSON), ``target`` (columns and pools)
 (requests that record answers and devices; SSE parsing), ``garbage`` (the detector),
 ``check`` (the check contract), ``functional``, ``conformance``, ``performance``,
 ``numerics`` (the checks), ``baseline`` (the regression gate), ``battery`` (the runner),
-``report`` (Markdown, HTML, JSON, JUnit XML, rich).
+``report`` (Markdown, HTML, JSON, JUnit XML, rich), ``relay`` (the batch runner to one pool).
 """

@@ -176,7 +176,7 @@ class TargetClient:
             raise CheckFailed(
                 "no answer", f"{method} {path}: {type(exc).__name__}: {exc}"
             ) from None
-        self._saw(path, resp)
+        self.saw(path, resp)
         return resp
 
     def chat(self, check: str, messages: list[dict[str, Any]], **params: Any) -> Answer:
@@ -209,7 +209,7 @@ class TargetClient:
         first: float | None = None
         try:
             with self.http.stream("POST", path, json=payload) as resp:
-                self._saw(path, resp)
+                self.saw(path, resp)
                 if resp.status_code != 200:
                     resp.read()
                     raise CheckFailed(
@@ -259,7 +259,7 @@ class TargetClient:
             answers = list(self.answers)
         return [(c, t, r) for c, t in answers if (r := garbage_reasons(t))]
 
-    def _saw(self, path: str, resp: httpx.Response) -> None:
+    def saw(self, path: str, resp: httpx.Response) -> None:
         """Count the device a completion was answered from (errors and model lists are
         answered by the gateway itself, without one)."""
         if resp.status_code == 200 and path.endswith("completions"):

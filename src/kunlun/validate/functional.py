@@ -8,6 +8,7 @@ can match; the rules are in ``docs/validation.md``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from typing import Any
 from kunlun.validate.check import Check, Context, check
 from kunlun.validate.client import CheckFailed
 from kunlun.validate.matrix import Cell, failed, passed, skipped
+from kunlun.validate.relay import PoolRelay
 
 CHECKS: list[Check] = []
 
@@ -267,11 +269,9 @@ def temperature(ctx: Context) -> Cell:
 @check(CHECKS, "functional.batch", "batch of 10 (batch runner)")
 def batch(ctx: Context) -> Cell:
     """Ten lines through ``kunlun-cli batch run``: one result per id, each answering its
-    own line."""
+    own line. On a pool column the runner is pointed at a :class:`PoolRelay`."""
     if not batch_runner_installed():
         return skipped("batch runner not installed")
-    if ctx.column.pool:
-        return skipped("the batch runner cannot target one pool")
     folder = ctx.settings.work_dir / f"batch-{_slug(ctx.column.name)}"
     out_dir = folder / "out"
     shutil.rmtree(folder, ignore_errors=True)  # a leftover results.jsonl would be resumed
@@ -287,12 +287,16 @@ def batch(ctx: Context) -> Cell:
     ]  # fmt: skip
     input_file = folder / "input.jsonl"
     input_file.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
-    proc = run_cli(
-        ["batch", "run", "--endpoint", ctx.column.endpoint, "--model-alias", ctx.column.model,
-         "--input-file", str(input_file), "--output-dir", str(out_dir),
-         "--batch-size", str(ctx.settings.batch_size), "--task-name", "kunlun-validate"],
-        ctx.settings.api_key, timeout_s=ctx.settings.timeout_s * 2,
-    )  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        endpoint = ctx.column.endpoint
+        if ctx.column.pool:  # the runner takes no pool header: relay through one that adds it
+            endpoint = stack.enter_context(PoolRelay(ctx.client))
+        proc = run_cli(
+            ["batch", "run", "--endpoint", endpoint, "--model-alias", ctx.column.model,
+             "--input-file", str(input_file), "--output-dir", str(out_dir),
+             "--batch-size", str(ctx.settings.batch_size), "--task-name", "kunlun-validate"],
+            ctx.settings.api_key, timeout_s=ctx.settings.timeout_s * 2,
+        )  # fmt: skip
     if proc.returncode != 0:
         return failed(f"exit {proc.returncode}", (proc.stderr or proc.stdout)[-300:])
     return _judge_batch(ctx, out_dir, expected)
