@@ -78,9 +78,8 @@ class Answer:
 
 @dataclass
 class Stream:
-    """A streamed completion, read raw."""
+    """A streamed completion (answered 200), read raw."""
 
-    status: int
     content_type: str
     events: list[str]
     """Each event's data, in order (``[DONE]`` included)."""
@@ -223,13 +222,11 @@ class TargetClient:
                         )
                         if any(_has_text(block) for block in complete):
                             first = time.perf_counter() - started
-                status, content_type = resp.status_code, resp.headers.get("content-type", "")
+                content_type = resp.headers.get("content-type", "")
         except httpx.HTTPError as exc:
             raise CheckFailed("stream broke", f"{type(exc).__name__}: {exc}") from None
         events, problems = parse_sse(bytes(raw))
-        result = Stream(
-            status, content_type, events, problems, first, time.perf_counter() - started
-        )
+        result = Stream(content_type, events, problems, first, time.perf_counter() - started)
         for data in events:
             if data == "[DONE]":
                 continue
