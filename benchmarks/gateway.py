@@ -1,7 +1,7 @@
 """Gateway overhead: the same streaming workload through the gateway and to the worker.
 
 Starts one engine worker (demo model, fp32, cpu) and, in its own process, a gateway app
-(``gateway_router`` over a replica set holding that worker). Then, from this process:
+(``mount_gateway`` over a replica set holding that worker, on uvloop as in the daemon). Then, from this process:
 
 * TTFT: sequential streaming ``/v1/completions`` requests (short prompts, ``max_tokens``
   2), alternating gateway and direct; each adjacent pair gives one difference (gateway
@@ -65,7 +65,7 @@ def serve_gateway(worker_url: str, ready_file: str) -> None:
     import uvicorn
     from fastapi import FastAPI
 
-    from kunlun.serving.gateway import GatewayState, gateway_router
+    from kunlun.serving.gateway import GatewayState, mount_gateway
     from kunlun.serving.replica import Replica, ReplicaSet
     from kunlun.serving.worker import bind_socket
 
@@ -80,7 +80,7 @@ def serve_gateway(worker_url: str, ready_file: str) -> None:
         await state.close()
 
     app = FastAPI(lifespan=lifespan)
-    app.include_router(gateway_router(replicas, state))
+    mount_gateway(app, replicas, state)
     sock = bind_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
 
@@ -91,7 +91,12 @@ def serve_gateway(worker_url: str, ready_file: str) -> None:
         Path(ready_file).write_text(json.dumps({"port": sock.getsockname()[1]}))
         await task
 
-    asyncio.run(run())
+    try:  # the daemon runs on uvloop (uvicorn's default where it is installed)
+        import uvloop
+    except ImportError:
+        asyncio.run(run())
+    else:
+        uvloop.run(run())
 
 
 # ---- processes ----

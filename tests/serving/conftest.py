@@ -2,7 +2,7 @@
 
 ``worker`` is ONE engine worker subprocess on the demo model (fp32, cpu, small KV cache,
 ``max_num_seqs`` 8), shared by the whole session. ``gateway`` is a uvicorn server in a
-thread serving a FastAPI app that mounts :func:`gateway_router` over a :class:`ReplicaSet`
+thread serving a FastAPI app that mounts the gateway (:func:`mount_gateway`) over a :class:`ReplicaSet`
 holding that worker (ready, as replica ``r1`` of model ``smollm2``). ``start_worker``
 starts extra workers for tests that kill one. Clients are the real ``openai`` SDK.
 """
@@ -128,7 +128,7 @@ def serve_in_thread(app: object) -> tuple[object, str, threading.Thread]:
 def gateway(worker: WorkerProcess) -> Iterator[GatewayServer]:
     from fastapi import FastAPI
 
-    from kunlun.serving.gateway import GatewayState, gateway_router
+    from kunlun.serving.gateway import GatewayState, mount_gateway
 
     replicas, state = ReplicaSet(), GatewayState()
 
@@ -140,7 +140,7 @@ def gateway(worker: WorkerProcess) -> Iterator[GatewayServer]:
 
     replicas.upsert(Replica("r1", "w1", MODEL, "cpu:0", worker.base_url, ready=True))
     app = FastAPI(lifespan=lifespan)
-    app.include_router(gateway_router(replicas, state))
+    mount_gateway(app, replicas, state)
     server, base_url, thread = serve_in_thread(app)
     yield GatewayServer(replicas, state, base_url, server)
     server.should_exit = True  # type: ignore[attr-defined]

@@ -142,6 +142,28 @@ def test_bad_json_and_missing_model(gateway: GatewayServer) -> None:
     assert response.json()["error"]["param"] == "model"
 
 
+def test_oversized_body_answers_413(gateway: GatewayServer) -> None:
+    from kunlun.serving.gateway import MAX_BODY_BYTES
+
+    url = f"{gateway.base_url}/v1/completions"
+    body = b'{"model": "smollm2", "prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+    response = httpx.post(url, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    error = response.json()["error"]
+    assert error["code"] == "serving.body_too_large" and str(MAX_BODY_BYTES) in error["message"]
+
+
+def test_request_ids_are_passed_on_or_made_up(gateway: GatewayServer) -> None:
+    url = f"{gateway.base_url}/v1/completions"
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
+    mine = httpx.post(url, json=body, headers={"x-request-id": "batch-7 line 3"}, timeout=60)
+    assert mine.status_code == 200 and mine.headers["x-request-id"] == "batch-7 line 3"
+    made = [httpx.post(url, json=body, timeout=60).headers["x-request-id"] for _ in range(2)]
+    assert made[0] != made[1] and all(len(i) == 16 for i in made)
+    bad = httpx.post(url, json=body, headers={"x-request-id": b"caf\xe9"}, timeout=60)
+    assert bad.status_code == 200 and len(bad.headers["x-request-id"]) == 16  # made up
+
+
 def test_unknown_model_404_lists_served_models(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model="gpt-4", messages=PARIS)

@@ -124,3 +124,47 @@ def test_server_closing_without_answer_on_a_fresh_connection_is_broken() -> None
             await UpstreamPool().post(base_url, "/", [], b"")
 
     asyncio.run(with_server(handler, client))
+
+
+def test_a_slow_reader_pauses_the_worker_side_and_gets_every_byte() -> None:
+    from kunlun.serving.upstream import HIGH_WATER_BYTES
+
+    total = 8 * HIGH_WATER_BYTES
+    piece = bytes(range(256)) * 256  # 64 KiB
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % total)
+        for _ in range(total // len(piece)):
+            writer.write(piece)
+            await writer.drain()  # blocks while the gateway side has stopped reading
+        writer.close()
+
+    async def client(base_url: str) -> None:
+        response = await UpstreamPool().post(base_url, "/", [], b"")
+        received, largest = bytearray(), 0
+        async for chunk in response.iter_raw():
+            largest = max(largest, len(chunk))
+            received += chunk
+            await asyncio.sleep(0.01)  # a slow client
+        assert len(received) == total and received == piece * (total // len(piece))
+        # reading paused at the high-water mark: no piece is more than it plus one socket
+        # read (256 KiB); without the pause the whole body would pile up
+        assert largest <= HIGH_WATER_BYTES + 256 * 1024 < total
+        await response.close()
+
+    asyncio.run(with_server(handler, client))
+
+
+def test_a_response_that_is_not_http_is_broken() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def client(base_url: str) -> None:
+        with pytest.raises(UpstreamBroken, match="not valid HTTP"):
+            await UpstreamPool().post(base_url, "/", [], b"")
+
+    asyncio.run(with_server(handler, client))

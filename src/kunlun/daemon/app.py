@@ -36,7 +36,7 @@ from kunlun.daemon.request_log import RequestLog, RequestLogMiddleware
 from kunlun.device.inventory import Inventory, build_inventory
 from kunlun.errors import KunlunError
 from kunlun.node.agent import NodeAgent
-from kunlun.serving.gateway import GatewayState, error_response, gateway_router
+from kunlun.serving.gateway import GatewayState, error_response, mount_gateway
 from kunlun.serving.protocol import AuthenticationError, error_json
 from kunlun.serving.replica import ReplicaSet
 from kunlun.serving.routing import KEY_PRIORITY_SCOPE, DeviceSample
@@ -208,7 +208,7 @@ def create_app(platform: Platform) -> FastAPI:
         return JSONResponse({"status": "no replica has loaded and warmed up yet"}, status_code=503)
 
     app.include_router(admin_router(platform), prefix="/api/v1")
-    app.include_router(gateway_router(platform.replicas, platform.gateway))
+    mount_gateway(app, platform.replicas, platform.gateway)  # innermost middleware
     app.include_router(batch_router(platform.files, platform.batches))
     app.include_router(telemetry.router())  # telemetry: GET /metrics (API key when keys exist)
     app.add_middleware(ApiKeyMiddleware, keyring=platform.keyring)

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp
 from kunlun.batch.files import FileStore, file_object
 from kunlun.batch.jobs import BatchJobs, Reply, Send
 from kunlun.batch.objects import batch_object
-from kunlun.serving.gateway import GatewayState, gateway_router
+from kunlun.serving.gateway import GatewayState, mount_gateway
 from kunlun.serving.protocol import param_error, parse_request
 from kunlun.serving.replica import ReplicaSet
 
@@ -106,7 +106,7 @@ def batch_router(files: FileStore, jobs: BatchJobs) -> APIRouter:
 def gateway_app(replicas: ReplicaSet, state: GatewayState) -> FastAPI:
     """An app with only the gateway's ``/v1`` inference routes, sharing ``state``."""
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-    app.include_router(gateway_router(replicas, state))
+    mount_gateway(app, replicas, state)
     return app
 
 

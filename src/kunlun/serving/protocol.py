@@ -39,6 +39,13 @@ class ModelNotFound(RequestError):
     http_status = 404
 
 
+class BodyTooLarge(RequestError):
+    """The request body is larger than the gateway accepts."""
+
+    code = "serving.body_too_large"
+    http_status = 413
+
+
 class AuthenticationError(KunlunError):
     """The API key is missing or wrong."""
 
@@ -81,6 +88,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }
