@@ -4,6 +4,8 @@ count checked against the engine's own model code for random shapes."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,6 +63,17 @@ def test_qwen2_0_5b_is_tied_and_long() -> None:
 
 def test_planner_architectures_match_the_engine() -> None:
     assert ARCHITECTURES == SUPPORTED_ARCHITECTURES
+
+
+def test_planning_imports_no_torch() -> None:
+    """The planner (and the config.json reader it shares with the engine) runs without torch;
+    checked in a fresh interpreter, since this one has torch loaded already."""
+    code = (
+        "import sys, kunlun.planner.model_info, kunlun.workload.placement; "
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 @settings(max_examples=30, deadline=None)
@@ -139,7 +152,7 @@ def test_bad_configs_name_the_field_and_file(tmp_path: Path) -> None:
     )
     with pytest.raises(ModelError) as caught:
         inspect_model(tmp_path)
-    assert "num_attention_heads is missing" in str(caught.value)
+    assert "'num_attention_heads' is missing" in str(caught.value)
     assert str(tmp_path / "config.json") in str(caught.value)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelError, match="cannot parse config.json"):

@@ -1,0 +1,119 @@
+"""Why a placement chose what it chose, and why each alternative lost.
+
+The filters say why a class cannot run a demand at all; this module words the rest: why the
+chosen devices won (:func:`why`), why a ranked candidate lost (:func:`lost`), why a class
+the placer did not evaluate could not have won (:func:`skipped`), and why a class that fits
+had no device left (:func:`taken`). Reasons for the alternatives are only worded when
+someone reads them (:meth:`Ranking.explain`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kunlun.planner.capacity import DeviceCapacity
+from kunlun.planner.plan import Demand, Option, Rejection
+from kunlun.workload.ledger import Ledger
+from kunlun.workload.placement.scorers import Candidate, Judged
+from kunlun.workload.pool import DevicePool
+
+
+@dataclass
+class Ranking:
+    """One placement decision: rejections, candidates best first, classes not evaluated."""
+
+    rejected: list[Rejection]
+    candidates: list[Candidate]
+    unranked: list[Judged]
+
+    def explain(self, demand: Demand) -> list[Rejection]:
+        best = self.candidates[0]
+        out = list(self.rejected)
+        for c in self.candidates[1:]:
+            out.append(Rejection(c.pool.label, c.option.dtype, c.option.tp, lost(demand, best, c)))
+        for j in self.unranked:
+            out.append(Rejection(j.pool.label, None, None, skipped(demand, best, j)))
+        return out
+
+
+def rate(c: Candidate) -> str:
+    tokens_per_s = c.option.tokens_per_s
+    return (
+        "no estimate (no compute or bandwidth declared)"
+        if tokens_per_s is None
+        else f"estimated {tokens_per_s:.0f} tokens/s"
+    )
+
+
+def why(demand: Demand, best: Candidate, num_candidates: int) -> str:
+    pool, option = best.pool, best.option
+    chose = f"{', '.join(pool.caps[i].device_id for i in best.group)} ({option.dtype}"
+    chose += f", {demand.quantization}" if demand.quantization != "none" else ""
+    chose += f", tp={option.tp})"
+    if demand.device:
+        return f"explicit device {demand.device}: {chose}"
+    parts = [chose]
+    if pool.first.device_type in demand.preferred_device_types:
+        parts.append(f"preferred device type {pool.first.device_type}")
+    if pool.first.degraded:
+        parts.append("Degraded, but nothing Ready fits")
+    if demand.scorer == "performance":
+        parts.append(f"performance: {rate(best)}")
+    else:
+        parts.append(f"{demand.scorer}: {best.headroom:.0f} MiB free before placing")
+    if num_candidates > 1:
+        parts.append(f"{num_candidates - 1} other candidate class(es) ranked lower")
+    return "; ".join(parts)
+
+
+def lost(demand: Demand, winner: Candidate, loser: Candidate) -> str:
+    if winner.rank[0] != loser.rank[0]:
+        return "Degraded; a Ready device fits"
+    if winner.rank[1] != loser.rank[1]:
+        return f"not earlier in preferred_device_types {list(demand.preferred_device_types)}"
+    if demand.scorer == "performance":
+        return f"ranked lower by performance: {rate(loser)} vs {rate(winner)}"
+    return (
+        f"ranked lower by {demand.scorer}: {loser.headroom:.0f} MiB free vs {winner.headroom:.0f}"
+    )
+
+
+def skipped(demand: Demand, best: Candidate, j: Judged) -> str:
+    """Why a class that was not evaluated could not have won."""
+    if j.bound[0] != best.rank[0]:
+        return "Degraded; a Ready device fits"
+    if j.bound[1] != best.rank[1]:
+        return f"not earlier in preferred_device_types {list(demand.preferred_device_types)}"
+    if demand.scorer == "performance":
+        return (f"ranked lower by performance: estimated at most {-j.bound[2]:.0f} tokens/s vs "
+                f"{rate(best)}")  # fmt: skip
+    return f"ranked lower by {demand.scorer}: {best.headroom:.0f} MiB free on the chosen device"
+
+
+def taken(
+    pool: DevicePool,
+    demand: Demand,
+    option: Option,
+    ledger: Ledger,
+    by_id: dict[str, DeviceCapacity],
+) -> str:
+    """Why a class that can run ``demand`` got no candidate: its devices are in use."""
+    need = option.need.weights_mb + option.need.min_kv_mb
+    what = f"{option.dtype} tp={option.tp} needs {need:.0f} MiB for weights + KV"
+    if demand.device is not None:
+        free = ledger.headroom(by_id[demand.device])
+        return (
+            f"{demand.device} is taken: {what} at its {demand.priority} share; {free:.0f} MiB free"
+        )
+    most = pool.sorted[-1][0]
+    return f"every device is taken: {what} at its {demand.priority} share; most free {most:.0f} MiB"
+
+
+def by_label(rejected: list[Rejection]) -> dict[str, str]:
+    """The rejections merged into one line per device class."""
+    out: dict[str, str] = {}
+    for r in rejected:
+        what = " ".join(x for x in (r.dtype, f"tp={r.tp}" if r.tp else None) if x)
+        line = f"{what}: {r.reason}" if what else r.reason
+        out[r.devices] = f"{out[r.devices]}; {line}" if r.devices in out else line
+    return out
