@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -64,8 +65,11 @@ class RequestLog:
         """Entries written so far."""
         self.num_dropped = 0
         """Entries lost to write errors or a full queue."""
-        self._pending: list[dict[str, Any]] = []
-        self._wake = threading.Condition()
+        self._pending: deque[dict[str, Any]] = deque()
+        """Appended by :meth:`write`, drained by the writer (a deque: both thread-safe)."""
+        self._wake = threading.Event()
+        """Set to write before the interval ends: many entries wait, or closing."""
+        self._start_lock = threading.Lock()
         self._io_lock = threading.Lock()
         """Held by whoever writes the file (the writer thread, or :meth:`close`)."""
         self._closed = False
@@ -76,29 +80,25 @@ class RequestLog:
         """A write failed and was reported; the next success says so and clears it."""
 
     def write(self, entry: dict[str, Any]) -> None:
-        """Queue one entry (cheap: no encoding, no I/O here)."""
-        with self._wake:
-            if len(self._pending) >= self.config.max_pending:
-                self.num_dropped += 1
-                return
-            self._pending.append(entry)
-            if self._thread is None and not self._closed:
-                self._thread = threading.Thread(
-                    target=self._run, name="kunlun-request-log", daemon=True
-                )
-                self._thread.start()
-                atexit.register(self.close)  # a shutdown that skips the lifespan still flushes
-            if len(self._pending) >= self.config.flush_at_entries:
-                self._wake.notify()
+        """Queue one entry (cheap: a deque append; no lock, no encoding, no I/O here)."""
+        pending = self._pending
+        if len(pending) >= self.config.max_pending:
+            self.num_dropped += 1
+            return
+        pending.append(entry)
+        if self._thread is None:
+            self._start()
+        elif len(pending) >= self.config.flush_at_entries:
+            self._wake.set()
         if self._closed:  # after close: write at once, so nothing is lost
             self._flush()
 
     def close(self) -> None:
         """Write every queued entry, stop the writer and close the file (idempotent)."""
-        with self._wake:
+        with self._start_lock:
             self._closed = True
-            self._wake.notify()
             thread = self._thread
+        self._wake.set()
         if thread is not None and thread is not threading.current_thread():
             thread.join()
         atexit.unregister(self.close)
@@ -106,21 +106,30 @@ class RequestLog:
         with self._io_lock:
             self._close_file()
 
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is not None or self._closed:
+                return
+            self._thread = threading.Thread(
+                target=self._run, name="kunlun-request-log", daemon=True
+            )
+            self._thread.start()
+        atexit.register(self.close)  # a shutdown that skips the daemon's lifespan still writes
+
     # ---- the writer thread ----
     def _run(self) -> None:
         while True:
-            with self._wake:
-                if not self._closed and len(self._pending) < self.config.flush_at_entries:
-                    self._wake.wait(self.config.flush_interval_s)
-                closed = self._closed
+            self._wake.wait(self.config.flush_interval_s)
+            self._wake.clear()  # a set() lost to this race only waits for the next interval
+            closed = self._closed
             self._flush()
             if closed:
                 return
 
     def _flush(self) -> None:
         with self._io_lock:
-            with self._wake:
-                entries, self._pending = self._pending, []
+            pending = self._pending
+            entries = [pending.popleft() for _ in range(len(pending))]
             if entries:
                 self._write_entries(entries)
 
