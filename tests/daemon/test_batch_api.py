@@ -293,6 +293,13 @@ def test_daemon_sigkill_mid_batch_resumes_each_custom_id_once(
 
     daemon.start("--batch-max-jobs", "1")  # same KUNLUN_HOME: workload and batches come back
     client = client_for(daemon)
+    third = client.batches.create(  # behind the resumed job and the waiting one
+        input_file_id=small.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    client.batches.cancel(third.id)
+    dropped = wait_for(client, third.id)
+    assert dropped.status == "cancelled" and dropped.in_progress_at is None, dropped
+    assert dropped.output_file_id is None and dropped.usage is None
     done = wait_for(client, batch.id)
     assert done.status == "completed", done
     assert done.request_counts is not None and done.request_counts.completed == 30
