@@ -114,6 +114,25 @@ class Daemon:
         return json.loads(proc.stdout)
 
 
+def settled_request_log(
+    home: Path, quiet_s: float = 0.8, timeout: float = 60
+) -> list[dict[str, Any]]:
+    """The entries of ``home``'s request log once it has stopped growing for ``quiet_s``
+    (the daemon writes queued entries in batches, up to 0.5 s after each request ends)."""
+    path = home / "logs" / "requests.jsonl"
+    deadline = time.monotonic() + timeout
+    size = -1
+    while True:
+        now = path.stat().st_size if path.exists() else 0
+        if now == size or time.monotonic() > deadline:
+            break
+        size = now
+        time.sleep(quiet_s)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 @pytest.fixture(scope="session")
 def models_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A KUNLUN_HOME with the demo model imported (through the real CLI), to copy from."""

@@ -1,8 +1,10 @@
 """The OpenAI Batch API on a real daemon, driven by the real ``openai`` SDK.
 
-Upload, create, retrieve, list, download output and error files, cancel; refusals of bad
-input files; and a daemon SIGKILLed in the middle of a job that, started again on the same
-``KUNLUN_HOME``, finishes it with each ``custom_id`` exactly once.
+Upload, list, delete, create, retrieve, list, download output and error files, token usage,
+cancel; refusals of bad input files and of deleting a file a running batch reads; and a
+daemon (running one job at a time) SIGKILLed in the middle of a job that, started again on
+the same ``KUNLUN_HOME``, finishes it with each ``custom_id`` exactly once, then runs the job
+that waited for it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from tests.daemon.conftest import Daemon, free_port, new_home, submit_demo, wait_ready
+from tests.daemon.conftest import (
+    Daemon,
+    free_port,
+    new_home,
+    settled_request_log,
+    submit_demo,
+    wait_ready,
+)
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -70,8 +79,13 @@ def completed(client: openai.OpenAI, batch_id: str) -> int:
     return counts.completed if counts is not None else 0
 
 
+def total(client: openai.OpenAI, batch_id: str) -> int:
+    counts = client.batches.retrieve(batch_id).request_counts
+    return counts.total if counts is not None else 0
+
+
 def request_log(daemon: Daemon) -> list[dict[str, Any]]:
-    return jsonl((daemon.home / "logs" / "requests.jsonl").read_text())
+    return settled_request_log(daemon.home)
 
 
 def test_batch_with_the_openai_sdk(daemon: Daemon, tmp_path: Path) -> None:
@@ -111,6 +125,12 @@ def test_batch_with_the_openai_sdk(daemon: Daemon, tmp_path: Path) -> None:
         assert line["response"]["request_id"] == f"{batch.id}:{line['custom_id']}:1"
         assert line["response"]["body"]["choices"][0]["message"]["content"]
         assert line["id"].startswith("batch_req_")
+    usages = [line["response"]["body"]["usage"] for line in output]
+    assert all(u["completion_tokens"] >= 1 for u in usages)
+    assert batch.model == "smollm2" and batch.usage is not None
+    assert batch.usage.input_tokens == sum(u["prompt_tokens"] for u in usages) > 0
+    assert batch.usage.output_tokens == sum(u["completion_tokens"] for u in usages)
+    assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
     errors = jsonl(client.files.content(batch.error_file_id).text)
     assert [e["custom_id"] for e in errors] == ["too-hot"]
     assert errors[0]["response"]["status_code"] == 400
@@ -134,6 +154,10 @@ def test_cancel_stops_a_running_batch(daemon: Daemon, tmp_path: Path) -> None:
         input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
     )
     wait_for(client, created.id, ("in_progress", *TERMINAL))
+    with pytest.raises(openai.ConflictError) as in_use:
+        client.files.delete(uploaded.id)
+    assert in_use.value.code == "file_in_use" and created.id in in_use.value.message
+    assert client.files.retrieve(uploaded.id).id == uploaded.id  # still there
     cancelling = client.batches.cancel(created.id)
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
     batch = wait_for(client, created.id)
@@ -145,6 +169,38 @@ def test_cancel_stops_a_running_batch(daemon: Daemon, tmp_path: Path) -> None:
     assert len(done) == len(set(done)) == batch.request_counts.completed
     with pytest.raises(openai.BadRequestError, match="already cancelled"):
         client.batches.cancel(created.id)
+    assert client.files.delete(uploaded.id).deleted  # the batch has ended: the file can go
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(uploaded.id)
+
+
+def test_files_list_paginate_filter_and_delete(daemon: Daemon, tmp_path: Path) -> None:
+    client = client_for(daemon)
+    made = [
+        upload(client, tmp_path / f"list-{n}.jsonl", [request_line(f"l{n}", "/v1/completions")])
+        for n in range(3)
+    ]
+    ids = [f.id for f in made]
+    newest_first = [f.id for f in client.files.list() if f.id in ids]
+    assert newest_first == ids[::-1]
+    oldest_first = [f.id for f in client.files.list(order="asc", limit=2) if f.id in ids]
+    assert oldest_first == ids  # the SDK follows `after` over pages of 2
+    page = client.files.list(purpose="batch", order="asc", after=ids[0], limit=1)
+    assert [f.id for f in page.data] == [ids[1]] and page.has_more
+    assert all(f.purpose == "batch_output" for f in client.files.list(purpose="batch_output"))
+
+    deleted = client.files.delete(ids[1])
+    assert (deleted.id, deleted.deleted, deleted.object) == (ids[1], True, "file")
+    assert [f.id for f in client.files.list(order="asc") if f.id in ids] == [ids[0], ids[2]]
+    assert not (daemon.home / "files" / ids[1]).exists()
+    with pytest.raises(openai.NotFoundError, match=f"no file with id '{ids[1]}'"):
+        client.files.delete(ids[1])
+    with pytest.raises(openai.NotFoundError):
+        client.files.content(ids[1])
+    with pytest.raises(openai.BadRequestError, match="'limit' must be an integer from 1 to"):
+        client.files.list(limit=0)
+    with pytest.raises(openai.BadRequestError, match="'order' must be 'asc' or 'desc'"):
+        client.files.list(order="sideways")  # type: ignore[arg-type]
 
 
 def test_bad_files_and_requests_are_refused_with_the_place(daemon: Daemon, tmp_path: Path) -> None:
@@ -203,7 +259,7 @@ def test_daemon_sigkill_mid_batch_resumes_each_custom_id_once(
     models_home: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     daemon = Daemon(new_home(models_home, tmp_path_factory, "batch-crash-home"), free_port())
-    daemon.start(wait_ready=False)
+    daemon.start("--batch-max-jobs", "1", wait_ready=False)
     submit_demo(daemon)
     wait_ready(daemon)
     client = client_for(daemon)
@@ -220,14 +276,30 @@ def test_daemon_sigkill_mid_batch_resumes_each_custom_id_once(
     while completed(client, batch.id) < 5:
         assert time.monotonic() < deadline, "no 5 requests done within 300 s"
         time.sleep(0.05)
+    small = upload(client, daemon.home / "after.jsonl", [request_line("w1", "/v1/completions")])
+    waiting = client.batches.create(
+        input_file_id=small.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    while total(client, waiting.id) != 1:  # validated, then it waits for the running job
+        assert time.monotonic() < deadline, "the second batch was not validated"
+        time.sleep(0.02)
+    queued = client.batches.retrieve(waiting.id)  # one job at a time: it waits its turn
+    assert queued.status == "validating" and queued.in_progress_at is None, queued
     assert daemon.proc is not None
     daemon.proc.kill()
     daemon.proc.wait()
     files_at_kill = {p.name: p.read_bytes() for p in (daemon.home / "files").iterdir()}
     log_mark = len(request_log(daemon))
 
-    daemon.start()  # same KUNLUN_HOME: the workload and the batch come back by themselves
+    daemon.start("--batch-max-jobs", "1")  # same KUNLUN_HOME: workload and batches come back
     client = client_for(daemon)
+    third = client.batches.create(  # behind the resumed job and the waiting one
+        input_file_id=small.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    client.batches.cancel(third.id)
+    dropped = wait_for(client, third.id)
+    assert dropped.status == "cancelled" and dropped.in_progress_at is None, dropped
+    assert dropped.output_file_id is None and dropped.usage is None
     done = wait_for(client, batch.id)
     assert done.status == "completed", done
     assert done.request_counts is not None and done.request_counts.completed == 30
@@ -249,4 +321,7 @@ def test_daemon_sigkill_mid_batch_resumes_each_custom_id_once(
         if str(e["request_id"]).startswith(f"{batch.id}:")
     }
     assert sent_after and not sent_after & before  # nothing finished was sent again
+    second = wait_for(client, waiting.id)  # resumed after the first, oldest first
+    assert second.status == "completed" and second.in_progress_at and done.completed_at
+    assert second.in_progress_at >= done.completed_at
     assert daemon.stop() == 0

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.daemon.conftest import BIN, Daemon
+from tests.daemon.conftest import BIN, Daemon, settled_request_log
 
 NUM_LINES = 40
 TASK = "kill40"
@@ -26,8 +26,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def request_log(daemon: Daemon) -> list[dict[str, Any]]:
-    path = daemon.home / "logs" / "requests.jsonl"
-    return read_jsonl(path) if path.exists() else []
+    return settled_request_log(daemon.home)
 
 
 def item_id(entry: dict[str, Any]) -> str:

@@ -85,8 +85,16 @@ def iter_lines(path: Path) -> Iterator[BatchLine]:
                 yield parse_line(raw, number, path.name)
 
 
+class FileInUse(RequestError):
+    """A file an unfinished batch still reads cannot be deleted."""
+
+    code = "file_in_use"
+    http_status = 409
+
+
 class FileStore:
-    """Stored files: :meth:`upload` and :meth:`register` add, :meth:`get` and :meth:`path` read."""
+    """Stored files: :meth:`upload` and :meth:`register` add, :meth:`get`, :meth:`path` and
+    :meth:`page` read, :meth:`delete` removes."""
 
     def __init__(self, root: Path, store: StateStore) -> None:
         self.root = root
@@ -106,6 +114,37 @@ class FileStore:
                 f"no file with id {file_id!r}", location=Location("request", field="file_id")
             )
         return record
+
+    def page(
+        self,
+        limit: int,
+        after: str | None = None,
+        purpose: str | None = None,
+        newest_first: bool = True,
+    ) -> list[FileRecord]:
+        """At most ``limit`` files in ``created_at`` order, those after the file ``after``
+        (the last id of the previous page; an unknown id gives an empty page)."""
+        records = [r for r in self.store.list_files() if purpose is None or r.purpose == purpose]
+        if newest_first:
+            records.reverse()
+        if after is not None:
+            ids = [r.file_id for r in records]
+            records = records[ids.index(after) + 1 :] if after in ids else []
+        return records[:limit]
+
+    def delete(self, file_id: str, used_by: list[str]) -> None:
+        """Remove a file's record and bytes; refused while ``used_by`` (the ids of the
+        unfinished batches that read it) is not empty."""
+        self.get(file_id)
+        if used_by:
+            raise FileInUse(
+                f"file {file_id!r} is the input of batch {', '.join(used_by)}, which has not "
+                "finished",
+                location=Location("request", field="file_id"),
+                hint="wait for the batch to end, or cancel it, then delete the file",
+            )
+        self.store.delete_file(file_id)  # first: a crash leaves stray bytes, not a dead record
+        self.path(file_id).unlink(missing_ok=True)
 
     def upload(self, source: IO[bytes], filename: str, purpose: str) -> FileRecord:
         """Store an upload (blocking: run it in a thread). Purpose ``batch`` only."""

@@ -2,7 +2,8 @@
 
 A job moves ``validating -> in_progress -> finalizing -> completed``; or ``failed`` (the
 input does not fit the endpoint), ``cancelling -> cancelled``, ``expired`` (past its 24 h
-window). Each request goes through :attr:`BatchJobs.send` (the daemon passes its own gateway,
+window). At most ``max_running_jobs`` jobs are ``in_progress`` at once; a validated job waits
+for a free slot as ``validating`` (oldest first), so many jobs cannot flood the replicas. Each request goes through :attr:`BatchJobs.send` (the daemon passes its own gateway,
 in-process) with ``X-Request-Id: <batch_id>:<custom_id>:<attempt>``, a bounded number in
 flight. Answers are appended to the job's output file (2xx) or error file (anything else,
 after retries) through a :class:`~kunlun.batch.journal.Journal`, fsynced line by line.
@@ -25,12 +26,21 @@ from typing import Any
 
 from kunlun.batch.files import SUPPORTED_URLS, BatchLine, FileStore, NotFound, iter_lines
 from kunlun.batch.journal import Journal
-from kunlun.batch.objects import TERMINAL, answer_line, batch_error, failure_line
+from kunlun.batch.objects import (
+    TERMINAL,
+    add_usage,
+    answer_line,
+    batch_error,
+    failure_line,
+    token_usage,
+)
 from kunlun.batch.retry import RetryPolicy, is_retryable, retry_after_s
 from kunlun.errors import Location, RequestError
 from kunlun.state.store import BatchRecord, StateStore
 
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}
+MAX_RUNNING_JOBS = 4
+"""Default number of jobs sending requests at once (``kunlun-platform --batch-max-jobs``)."""
 WAIT_STATUSES = frozenset({429, 503})
 """"Not now" answers (queue full, replica still loading): waited out, not counted as
 failures, for as long as the job lives."""
@@ -68,6 +78,7 @@ class BatchJobs:
         concurrency: int = 8,
         policy: RetryPolicy | None = None,
         request_timeout_s: float = 600.0,
+        max_running_jobs: int = MAX_RUNNING_JOBS,
     ) -> None:
         self.store = store
         self.files = files
@@ -77,12 +88,15 @@ class BatchJobs:
         self.policy = policy or RetryPolicy(max_retries=2, max_delay_s=10.0)
         """For 5xx and transport failures; 429 and 503 are waited out (see WAIT_STATUSES)."""
         self.request_timeout_s = request_timeout_s
+        self.max_running_jobs = max_running_jobs
+        """Jobs in progress at once, across all jobs (each with ``concurrency`` requests)."""
+        self._slots = asyncio.Semaphore(max_running_jobs)
         self._jobs: dict[str, _Job] = {}
 
     # ---- lifecycle (the daemon's lifespan) ----
     async def start(self) -> None:
         """Run every job left unfinished by an earlier daemon."""
-        for record in self.store.list_batches():
+        for record in reversed(self.store.list_batches()):  # oldest first: first to a slot
             if record.status not in TERMINAL:
                 print(f"batch {record.batch_id}: resuming ({record.status})", flush=True)
                 self._spawn(record)
@@ -157,6 +171,14 @@ class BatchJobs:
             records = records[ids.index(after) + 1 :] if after in ids else []
         return records[:limit]
 
+    def readers(self, file_id: str) -> list[str]:
+        """The unfinished batches whose input is ``file_id``."""
+        return [
+            job.record.batch_id
+            for job in self._jobs.values()
+            if job.record.input_file_id == file_id and job.record.status not in TERMINAL
+        ]
+
     def cancel(self, batch_id: str) -> BatchRecord:
         """Stop taking requests; in-flight ones finish, then the job is ``cancelled``."""
         record = self.get(batch_id)
@@ -187,9 +209,13 @@ class BatchJobs:
         try:
             if record.status == "validating":
                 await self._validate(record)
-            if record.status == "in_progress":
-                await self._execute(job)
-            if record.status in ("in_progress", "finalizing", "cancelling"):
+            if record.status in ("validating", "in_progress") and await self._take_slot(job):
+                try:
+                    self._begin(record)
+                    await self._execute(job)
+                finally:
+                    self._slots.release()
+            if record.status in ("validating", "in_progress", "finalizing", "cancelling"):
                 self._finalize(record)
         except asyncio.CancelledError:
             raise  # the daemon is stopping: the job resumes at the next start
@@ -222,6 +248,32 @@ class BatchJobs:
             self._fail(record, errors[:20])
             return
         record.request_counts = {"total": len(lines), "completed": 0, "failed": 0}
+        record.model = lines[0].body["model"] if lines else None
+        self.store.put_batch(record)
+
+    async def _take_slot(self, job: _Job) -> bool:
+        """Wait for one of the ``max_running_jobs`` slots: True holding it, False when the
+        job was cancelled or expired meanwhile (then no slot is held)."""
+        acquire = asyncio.ensure_future(self._slots.acquire())
+        stopped = asyncio.ensure_future(job.stop.wait())
+        keep = False
+        try:
+            left_s = max(0.0, job.record.expires_at - time.time())
+            await asyncio.wait(
+                {acquire, stopped}, timeout=left_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            keep = acquire.done() and not self._stopping(job)
+            return keep
+        finally:
+            stopped.cancel()
+            acquire.cancel()  # a no-op once it holds the slot
+            if not keep and acquire.done() and not acquire.cancelled():
+                self._slots.release()
+
+    def _begin(self, record: BatchRecord) -> None:
+        """``validating -> in_progress`` (a resumed job is already there)."""
+        if record.status != "validating":
+            return
         record.output_file_id, record.error_file_id = FileStore.new_id(), FileStore.new_id()
         record.status, record.in_progress_at = "in_progress", int(time.time())
         self.store.put_batch(record)
@@ -234,6 +286,7 @@ class BatchJobs:
         try:
             done = output.ids | errors.ids
             record.request_counts.update(completed=len(output.ids), failed=len(errors.ids))
+            record.usage = token_usage(output.records())
             if done:
                 print(
                     f"batch {record.batch_id}: resumed with {len(done)} of "
@@ -264,6 +317,8 @@ class BatchJobs:
                 return
             if await (output if ok else errors).append(entry):
                 counts["completed" if ok else "failed"] += 1
+                if ok:
+                    add_usage(job.record.usage, entry)
 
     @staticmethod
     def _stopping(job: _Job) -> bool:
@@ -323,6 +378,8 @@ class BatchJobs:
             if file_id is not None:
                 journal = Journal.open(self.files.path(file_id), "custom_id")
                 counts[name] = len(journal.ids)
+                if file_id == record.output_file_id:
+                    record.usage = token_usage(journal.records())
                 journal.close()
         now = int(time.time())
         if record.status == "cancelling":

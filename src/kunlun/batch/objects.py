@@ -43,6 +43,50 @@ def batch_object(record: BatchRecord) -> dict[str, Any]:
             "failed": failed,
         },
         "metadata": record.metadata,
+        "model": record.model,
+        "usage": usage_object(record.usage),
+    }
+
+
+USAGE_FIELDS = ("prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens")
+
+
+def add_usage(totals: dict[str, int], line: Mapping[str, Any]) -> None:
+    """Add an output line's ``response.body.usage`` to ``totals`` (keys :data:`USAGE_FIELDS`)."""
+    body = (line.get("response") or {}).get("body")
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return
+    details = usage.get("prompt_tokens_details") or {}
+    found = {
+        "prompt_tokens": usage.get("prompt_tokens"),
+        "cached_tokens": details.get("cached_tokens") if isinstance(details, dict) else None,
+        "completion_tokens": usage.get("completion_tokens"),
+        "total_tokens": usage.get("total_tokens"),
+    }
+    for name, value in found.items():
+        if isinstance(value, int):
+            totals[name] = totals.get(name, 0) + value
+
+
+def token_usage(lines: list[dict[str, Any]]) -> dict[str, int]:
+    """The token totals of a batch's output lines."""
+    totals = dict.fromkeys(USAGE_FIELDS, 0)
+    for line in lines:
+        add_usage(totals, line)
+    return totals
+
+
+def usage_object(totals: dict[str, int]) -> dict[str, Any] | None:
+    """The batch object's ``usage`` (OpenAI's input/output naming); None before any count."""
+    if not totals:
+        return None
+    return {
+        "input_tokens": totals.get("prompt_tokens", 0),
+        "input_tokens_details": {"cached_tokens": totals.get("cached_tokens", 0)},
+        "output_tokens": totals.get("completion_tokens", 0),
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": totals.get("total_tokens", 0),
     }
 
 

@@ -29,10 +29,10 @@ from fastapi.responses import JSONResponse, Response
 
 from kunlun import __version__
 from kunlun.batch.files import FileStore
-from kunlun.batch.jobs import BatchJobs
+from kunlun.batch.jobs import MAX_RUNNING_JOBS, BatchJobs
 from kunlun.daemon.admin import admin_router
 from kunlun.daemon.batch_api import batch_router, gateway_app, in_process_sender
-from kunlun.daemon.request_log import RequestLog, RequestLogMiddleware
+from kunlun.daemon.request_log import RequestLog, RequestLogConfig, RequestLogMiddleware
 from kunlun.device.inventory import Inventory, build_inventory
 from kunlun.errors import KunlunError
 from kunlun.node.agent import NodeAgent
@@ -72,10 +72,15 @@ class Platform:
 
 
 def make_platform(
-    home: Path, config: Path | None = None, scheduler_config: Path | None = None
+    home: Path,
+    config: Path | None = None,
+    scheduler_config: Path | None = None,
+    request_log_config: RequestLogConfig | None = None,
+    batch_max_jobs: int = MAX_RUNNING_JOBS,
 ) -> Platform:
     """The daemon's parts. ``scheduler_config`` defaults to ``KUNLUN_HOME/scheduler_config.yaml``
-    (absent: the defaults); a bad one raises :class:`~kunlun.errors.ConfigError`."""
+    (absent: the defaults); a bad one raises :class:`~kunlun.errors.ConfigError`.
+    ``batch_max_jobs``: Batch API jobs that send requests at once (the rest wait)."""
     scheduler = SchedulerConfigSource(scheduler_config or home / SCHEDULER_CONFIG)
     scheduler.load()
     store = SQLiteStore(home / "state.db")
@@ -88,7 +93,7 @@ def make_platform(
     )
     holder["m"] = manager
     gateway = GatewayState(scheduler=scheduler)
-    request_log = RequestLog(home / "logs" / "requests.jsonl")
+    request_log = RequestLog(home / "logs" / "requests.jsonl", request_log_config)
     files = FileStore(home / "files", store)
     send = in_process_sender(RequestLogMiddleware(gateway_app(replicas, gateway), request_log))
     return Platform(
@@ -100,7 +105,7 @@ def make_platform(
         manager,
         gateway,
         files,
-        BatchJobs(store, files, send),
+        BatchJobs(store, files, send, max_running_jobs=batch_max_jobs),
         request_log,
         config,
     )

@@ -1,9 +1,11 @@
 """The OpenAI Batch API routes, and how the daemon's batch jobs reach its own gateway.
 
-``POST /v1/files`` (multipart: ``file``, ``purpose=batch``), ``GET /v1/files/{id}``,
-``GET /v1/files/{id}/content``; ``POST /v1/batches``, ``GET /v1/batches``,
-``GET /v1/batches/{id}``, ``POST /v1/batches/{id}/cancel``. Bodies and errors are OpenAI's
-shapes; the routes sit behind the same API-key middleware as every other route.
+``POST /v1/files`` (multipart: ``file``, ``purpose=batch``), ``GET /v1/files`` (``purpose``,
+``limit``, ``after``, ``order``), ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content``,
+``DELETE /v1/files/{id}`` (refused with a 409 while an unfinished batch reads the file);
+``POST /v1/batches``, ``GET /v1/batches`` (``limit``, ``after``), ``GET /v1/batches/{id}``,
+``POST /v1/batches/{id}/cancel``. Bodies and errors are OpenAI's shapes; the routes sit
+behind the same API-key middleware as every other route.
 
 Batch requests go through the gateway *in-process* (:func:`in_process_sender`): an ASGI
 call into an app holding only the gateway's routes, sharing its state. So they take the same
@@ -18,7 +20,7 @@ import asyncio
 from typing import Any
 
 import httpx
-from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import UploadFile
@@ -59,9 +61,27 @@ def batch_router(files: FileStore, jobs: BatchJobs) -> APIRouter:
             record = await asyncio.to_thread(files.upload, upload.file, name, purpose)
         return file_object(record)
 
+    @router.get("/v1/files")
+    async def list_files(
+        purpose: str | None = None,
+        limit: str | None = None,
+        after: str | None = None,
+        order: str = "desc",
+    ) -> dict[str, Any]:
+        count = limit_param(limit, 10_000, 10_000)
+        if order not in ("asc", "desc"):
+            raise param_error("order", f"'order' must be 'asc' or 'desc', got {order!r}")
+        records = files.page(count + 1, after, purpose, newest_first=order == "desc")
+        return page_object([file_object(r) for r in records[:count]], len(records) > count)
+
     @router.get("/v1/files/{file_id}")
     async def retrieve_file(file_id: str) -> dict[str, Any]:
         return file_object(files.get(file_id))
+
+    @router.delete("/v1/files/{file_id}")
+    async def delete_file(file_id: str) -> dict[str, Any]:
+        files.delete(file_id, jobs.readers(file_id))  # on the loop: no batch can start meanwhile
+        return {"id": file_id, "object": "file", "deleted": True}
 
     @router.get("/v1/files/{file_id}/content")
     async def file_content(file_id: str) -> FileResponse:
@@ -79,18 +99,10 @@ def batch_router(files: FileStore, jobs: BatchJobs) -> APIRouter:
         return batch_object(record)
 
     @router.get("/v1/batches")
-    async def list_batches(
-        limit: int = Query(20, ge=1, le=100), after: str | None = Query(None)
-    ) -> dict[str, Any]:
-        records = jobs.page(limit + 1, after)
-        data = [batch_object(r) for r in records[:limit]]
-        return {
-            "object": "list",
-            "data": data,
-            "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None,
-            "has_more": len(records) > limit,
-        }
+    async def list_batches(limit: str | None = None, after: str | None = None) -> dict[str, Any]:
+        count = limit_param(limit, 20, 100)
+        records = jobs.page(count + 1, after)
+        return page_object([batch_object(r) for r in records[:count]], len(records) > count)
 
     @router.get("/v1/batches/{batch_id}")
     async def retrieve(batch_id: str) -> dict[str, Any]:
@@ -101,6 +113,30 @@ def batch_router(files: FileStore, jobs: BatchJobs) -> APIRouter:
         return batch_object(jobs.cancel(batch_id))
 
     return router
+
+
+def limit_param(raw: str | None, default: int, maximum: int) -> int:
+    """A list route's ``limit``: 1 to ``maximum``, or an OpenAI-shaped 400 naming it."""
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= maximum:
+        raise param_error("limit", f"'limit' must be an integer from 1 to {maximum}, got {raw!r}")
+    return value
+
+
+def page_object(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """OpenAI's cursor page: the next page starts ``after`` ``last_id``."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
 
 
 def gateway_app(replicas: ReplicaSet, state: GatewayState) -> FastAPI:

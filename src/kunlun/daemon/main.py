@@ -23,7 +23,9 @@ import psutil
 import typer
 import uvicorn
 
+from kunlun.batch.jobs import MAX_RUNNING_JOBS
 from kunlun.cli.output import console, handle_errors
+from kunlun.daemon.request_log import RequestLogConfig
 from kunlun.errors import ConfigError, KunlunError, Location
 from kunlun.paths import kunlun_home
 
@@ -145,6 +147,39 @@ def serve(
             "reloaded when it changes."
         ),
     ] = None,
+    request_log_max_mb: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            envvar="KUNLUN_REQUEST_LOG_MAX_MB",
+            help="Rotate KUNLUN_HOME/logs/requests.jsonl past this many MiB.",
+        ),
+    ] = 64,
+    request_log_backups: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            envvar="KUNLUN_REQUEST_LOG_BACKUPS",
+            help="Rotated request logs kept (requests.jsonl.1 ... .N).",
+        ),
+    ] = 5,
+    request_log_flush_s: Annotated[
+        float,
+        typer.Option(
+            min=0.01,
+            max=60.0,
+            envvar="KUNLUN_REQUEST_LOG_FLUSH_S",
+            help="Longest time a request log entry waits in memory before it is written.",
+        ),
+    ] = 0.5,
+    batch_max_jobs: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            envvar="KUNLUN_BATCH_MAX_JOBS",
+            help="Batch API jobs that run at once; later ones wait (status 'validating').",
+        ),
+    ] = MAX_RUNNING_JOBS,
 ) -> None:
     """Run the Kunlun Platform daemon in the foreground."""
     if ctx.invoked_subcommand is not None:
@@ -164,7 +199,12 @@ def serve(
         raise ConfigError("device config not found", location=Location(str(config)))
     if scheduler_config is not None and not scheduler_config.exists():
         raise ConfigError("scheduler config not found", location=Location(str(scheduler_config)))
-    platform = make_platform(home, config, scheduler_config)
+    log_config = RequestLogConfig(
+        max_bytes=request_log_max_mb << 20,
+        num_backups=request_log_backups,
+        flush_interval_s=request_log_flush_s,
+    )
+    platform = make_platform(home, config, scheduler_config, log_config, batch_max_jobs)
     if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:
         raise DaemonError(
             f"refusing to listen on {host} with no API key configured",

@@ -86,6 +86,7 @@ class WorkerDied(KunlunError):
 
 _TYPES = {
     400: "invalid_request_error",
+    409: "invalid_request_error",
     401: "authentication_error",
     404: "invalid_request_error",
     413: "invalid_request_error",

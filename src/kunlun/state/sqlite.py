@@ -150,6 +150,14 @@ class SQLiteStore(StateStore):
         rows = self._exec("SELECT data FROM files WHERE file_id = ?", (file_id,))
         return FileRecord(**json.loads(rows[0][0])) if rows else None
 
+    def list_files(self) -> list[FileRecord]:
+        rows = self._exec("SELECT data FROM files ORDER BY rowid")
+        return [FileRecord(**json.loads(r[0])) for r in rows]
+
+    def delete_file(self, file_id: str) -> bool:
+        with self._lock, self._db:
+            return self._db.execute("DELETE FROM files WHERE file_id = ?", (file_id,)).rowcount > 0
+
     def put_batch(self, record: BatchRecord) -> None:
         self._exec(
             "INSERT OR REPLACE INTO batches VALUES (?,?,?)",

@@ -89,6 +89,10 @@ class BatchRecord:
     expired_at: int | None = None
     cancelling_at: int | None = None
     cancelled_at: int | None = None
+    model: str | None = None
+    """The model the input file's requests name (the first line's)."""
+    usage: dict[str, int] = field(default_factory=dict)
+    """Token totals of the answered requests: prompt, cached, completion, total."""
 
 
 class StateStore(ABC):
@@ -141,6 +145,14 @@ class StateStore(ABC):
 
     @abstractmethod
     def get_file(self, file_id: str) -> FileRecord | None: ...
+
+    @abstractmethod
+    def list_files(self) -> list[FileRecord]:
+        """Every file record, oldest first."""
+
+    @abstractmethod
+    def delete_file(self, file_id: str) -> bool:
+        """Remove a file record; False when there is none."""
 
     @abstractmethod
     def put_batch(self, record: BatchRecord) -> None:
