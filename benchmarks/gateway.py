@@ -1,7 +1,9 @@
 """Gateway overhead: the same streaming workload through the gateway and to the worker.
 
 Starts one engine worker (demo model, fp32, cpu) and, in its own process, a gateway app
-(``mount_gateway`` over a replica set holding that worker, on uvloop as in the daemon). Then, from this process:
+built as the daemon builds its own: ``mount_gateway`` over a replica set holding that
+worker, inside the daemon's API-key check (one key exists, so every request is verified)
+and request log, on uvloop. Then, from this process:
 
 * TTFT: sequential streaming ``/v1/completions`` requests (short prompts, ``max_tokens``
   2), alternating gateway and direct; each adjacent pair gives one difference (gateway
@@ -14,6 +16,10 @@ Starts one engine worker (demo model, fp32, cpu) and, in its own process, a gate
   direct output tokens/s.
 
 Prints one JSON object. ``--quick`` runs a smaller workload (for a smoke check).
+``--model tiny`` serves a tiny seeded random model (:mod:`kunlun.engine.tiny`, with the
+demo's tokenizer) instead of the demo: its engine time is a few milliseconds with little
+jitter, so the paired differences resolve a fraction of a millisecond (with the demo
+model the engine's own TTFT varies by tens of milliseconds from request to request).
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ PROMPTS = [
     "One, two, three,",
 ]
 """Short prompts (well under one 16-token KV block)."""
+API_KEYS: dict[str, str] = {}
+"""Base URL -> the key to send (the gateway's; the worker's endpoint takes none)."""
 MAX_NUM_SEQS = 16
 """The worker's batch, and so the gateway's slots for its replica."""
 
@@ -54,6 +62,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller workload")
     parser.add_argument("--num-threads", type=int, default=1, help="the worker's torch threads")
+    parser.add_argument("--model", choices=("demo", "tiny"), default="demo",
+                        help="the served model: the demo, or a tiny random one")  # fmt: skip
     parser.add_argument("--serve-gateway", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-url", help=argparse.SUPPRESS)
     parser.add_argument("--ready-file", help=argparse.SUPPRESS)
@@ -65,9 +75,13 @@ def serve_gateway(worker_url: str, ready_file: str) -> None:
     import uvicorn
     from fastapi import FastAPI
 
+    from kunlun.daemon.app import ApiKeyMiddleware
+    from kunlun.daemon.request_log import RequestLog, RequestLogMiddleware
     from kunlun.serving.gateway import GatewayState, mount_gateway
     from kunlun.serving.replica import Replica, ReplicaSet
-    from kunlun.serving.worker import bind_socket
+    from kunlun.serving.worker import bind_socket, run_event_loop
+    from kunlun.state.api_keys import KeyRing, create_key
+    from kunlun.state.sqlite import SQLiteStore
 
     replicas, state = ReplicaSet(), GatewayState()
     replicas.upsert(Replica("r1", "w1", MODEL, "cpu:0", worker_url, ready=True,
@@ -78,9 +92,17 @@ def serve_gateway(worker_url: str, ready_file: str) -> None:
         await state.start()
         yield
         await state.close()
+        request_log.close()
 
+    # as in the daemon: the gateway inside API-key checks (a key exists) and the request log
+    folder = Path(ready_file).parent
+    store = SQLiteStore(folder / "state.db")
+    _, api_key = create_key(store, "benchmark")
+    request_log = RequestLog(folder / "requests.jsonl")
     app = FastAPI(lifespan=lifespan)
     mount_gateway(app, replicas, state)
+    app.add_middleware(ApiKeyMiddleware, keyring=KeyRing(store))
+    app.add_middleware(RequestLogMiddleware, log=request_log)
     sock = bind_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
 
@@ -88,15 +110,11 @@ def serve_gateway(worker_url: str, ready_file: str) -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started:
             await asyncio.sleep(0.01)
-        Path(ready_file).write_text(json.dumps({"port": sock.getsockname()[1]}))
+        ready = {"port": sock.getsockname()[1], "api_key": api_key}
+        Path(ready_file).write_text(json.dumps(ready))
         await task
 
-    try:  # the daemon runs on uvloop (uvicorn's default where it is installed)
-        import uvloop
-    except ImportError:
-        asyncio.run(run())
-    else:
-        uvloop.run(run())
+    run_event_loop(run())  # uvloop, as in the daemon
 
 
 # ---- processes ----
@@ -110,13 +128,23 @@ def wait_ready(process: subprocess.Popen[bytes], path: Path, what: str) -> dict[
     return json.loads(path.read_text())
 
 
-def start_processes(
-    folder: Path, num_threads: int
-) -> tuple[list[subprocess.Popen[bytes]], str, str]:
+def model_dir(which: str, folder: Path) -> Path:
+    """The served checkpoint: the imported demo, or a tiny random Llama with its tokenizer."""
     from kunlun.engine.gguf import demo_model_dir
+
+    if which == "demo":
+        return demo_model_dir()
+    from kunlun.engine.tiny import build_tiny_model
+
+    return build_tiny_model("LlamaForCausalLM", False, folder / "tiny", demo_model_dir())
+
+
+def start_processes(
+    folder: Path, num_threads: int, which: str
+) -> tuple[list[subprocess.Popen[bytes]], str, str]:
     from kunlun.serving.worker import worker_command
 
-    command = worker_command(demo_model_dir(), MODEL, ready_file=folder / "worker.json",
+    command = worker_command(model_dir(which, folder), MODEL, ready_file=folder / "worker.json",
                              max_num_seqs=MAX_NUM_SEQS, kv_cache_memory_mb=256, max_model_len=1024,
                              num_threads=num_threads)  # fmt: skip
     log = (folder / "worker.log").open("wb")
@@ -125,8 +153,10 @@ def start_processes(
     gateway_command = [sys.executable, __file__, "--serve-gateway", "--worker-url", direct,
                        "--ready-file", str(folder / "gateway.json")]  # fmt: skip
     gateway = subprocess.Popen(gateway_command)
-    port = wait_ready(gateway, folder / "gateway.json", "gateway")["port"]
-    return [worker, gateway], f"http://127.0.0.1:{port}", direct
+    ready = wait_ready(gateway, folder / "gateway.json", "gateway")
+    gateway_url = f"http://127.0.0.1:{ready['port']}"
+    API_KEYS[gateway_url] = ready["api_key"]
+    return [worker, gateway], gateway_url, direct
 
 
 # ---- measurements ----
@@ -135,7 +165,9 @@ async def stream_once(client: httpx.AsyncClient, base_url: str, prompt: str, max
     """One streaming completion: (seconds to the first text chunk, output tokens)."""
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    headers = {"X-Request-Id": request_id} if request_id else None
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    if base_url in API_KEYS:
+        headers["Authorization"] = f"Bearer {API_KEYS[base_url]}"
     started = time.perf_counter()
     ttft, tokens = None, 0
     async with client.stream("POST", f"{base_url}/v1/completions", json=body,
@@ -273,7 +305,7 @@ def main() -> None:
         serve_gateway(args.worker_url, args.ready_file)
         return
     with tempfile.TemporaryDirectory() as folder:
-        processes, gateway, direct = start_processes(Path(folder), args.num_threads)
+        processes, gateway, direct = start_processes(Path(folder), args.num_threads, args.model)
         try:
             results = asyncio.run(
                 measure(gateway, direct, args.quick, Path(folder), processes[1].pid)
@@ -286,7 +318,9 @@ def main() -> None:
     added, ratio = results["ttft_p50_added_ms"], results["throughput_ratio_16_streams"]
     report = {
         "benchmark": "gateway",
-        "model": f"{MODEL} (SmolLM2-135M-Instruct demo), fp32, cpu",
+        "model": f"{MODEL} (SmolLM2-135M-Instruct demo), fp32, cpu"
+        if args.model == "demo"
+        else "tiny random Llama (3 layers, hidden 64, demo tokenizer), fp32, cpu",
         "endpoint": "POST /v1/completions, streaming",
         "direct_path": "worker endpoint",
         "quick": args.quick,

@@ -26,6 +26,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -266,12 +267,23 @@ def start_profiler(engine: Any, args: argparse.Namespace) -> Any:
     return profiler
 
 
+def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run ``main`` on uvloop where it is installed, as uvicorn does for the daemon (a loop
+    and transports written in C: less CPU per request on the worker's HTTP side)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
+
+
 def main(argv: list[str] | None = None) -> int:
     from kunlun.errors import KunlunError
 
     args = parse_args(argv)
     try:
-        asyncio.run(serve(args))
+        run_event_loop(serve(args))
     except KunlunError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
