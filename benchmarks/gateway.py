@@ -1,9 +1,9 @@
 """Gateway overhead: the same streaming workload through the gateway and to the worker.
 
 Starts one engine worker (demo model, fp32, cpu) and, in its own process, a gateway app
-built as the daemon builds its own: ``mount_gateway`` over a replica set holding that
-worker, inside the daemon's API-key check (one key exists, so every request is verified)
-and request log, on uvloop. Then, from this process:
+built as the daemon builds its own (``daemon_entry``: request log, API-key check with one
+key in force, so every request is verified, and the gateway's endpoints, in front of a
+FastAPI app with the gateway's routes) over a replica set holding that worker, on uvloop. Then, from this process:
 
 * TTFT: sequential streaming ``/v1/completions`` requests (short prompts, ``max_tokens``
   2), alternating gateway and direct; each adjacent pair gives one difference (gateway
@@ -75,9 +75,9 @@ def serve_gateway(worker_url: str, ready_file: str) -> None:
     import uvicorn
     from fastapi import FastAPI
 
-    from kunlun.daemon.app import ApiKeyMiddleware
-    from kunlun.daemon.request_log import RequestLog, RequestLogMiddleware
-    from kunlun.serving.gateway import GatewayState, mount_gateway
+    from kunlun.daemon.app import daemon_entry
+    from kunlun.daemon.request_log import RequestLog
+    from kunlun.serving.gateway import GatewayState, gateway_router
     from kunlun.serving.replica import Replica, ReplicaSet
     from kunlun.serving.worker import bind_socket, run_event_loop
     from kunlun.state.api_keys import KeyRing, create_key
@@ -100,11 +100,10 @@ def serve_gateway(worker_url: str, ready_file: str) -> None:
     _, api_key = create_key(store, "benchmark")
     request_log = RequestLog(folder / "requests.jsonl")
     app = FastAPI(lifespan=lifespan)
-    mount_gateway(app, replicas, state)
-    app.add_middleware(ApiKeyMiddleware, keyring=KeyRing(store))
-    app.add_middleware(RequestLogMiddleware, log=request_log)
+    app.include_router(gateway_router(replicas, state))
+    entry = daemon_entry(app, replicas, state, KeyRing(store), request_log)
     sock = bind_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server = uvicorn.Server(uvicorn.Config(entry, log_level="warning", access_log=False))
 
     async def run() -> None:
         task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -122,7 +121,9 @@ def wait_ready(process: subprocess.Popen[bytes], path: Path, what: str) -> dict[
     deadline = time.monotonic() + 600
     while not path.exists():
         if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"{what} did not start (exit status {process.poll()})")
+            log = path.with_suffix(".log")
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise SystemExit(f"{what} did not start (exit status {process.poll()})\n{tail}")
         time.sleep(0.1)
     time.sleep(0.05)  # the gateway writes non-atomically; the worker atomically
     return json.loads(path.read_text())
@@ -145,7 +146,7 @@ def start_processes(
     from kunlun.serving.worker import worker_command
 
     command = worker_command(model_dir(which, folder), MODEL, ready_file=folder / "worker.json",
-                             max_num_seqs=MAX_NUM_SEQS, kv_cache_memory_mb=256, max_model_len=1024,
+                             max_num_seqs=MAX_NUM_SEQS, kv_cache_memory_mb=256, max_model_len=512,
                              num_threads=num_threads)  # fmt: skip
     log = (folder / "worker.log").open("wb")
     worker = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

@@ -44,6 +44,32 @@ def test_ready_file_and_startup_log(worker: WorkerProcess) -> None:
         assert line in log
 
 
+def test_every_worker_thread_runs_at_the_worker_niceness(worker: WorkerProcess) -> None:
+    import os
+    from pathlib import Path
+
+    from kunlun.serving.worker import WORKER_NICE
+
+    base = os.nice(0)  # the worker adds its niceness to the one it inherits (ours)
+    tasks = list(Path(f"/proc/{worker.process.pid}/task").iterdir())
+    assert len(tasks) > 2  # the event loop, the engine and torch threads
+    for task in tasks:
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        assert int(fields[16]) == min(19, base + WORKER_NICE), task.name  # field 19: nice
+
+
+def test_bad_niceness_is_refused_naming_the_setting() -> None:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KUNLUN_WORKER_NICE": "fast"}
+    done = subprocess.run([sys.executable, "-m", "kunlun.serving.worker", "--model-dir", "m",
+                           "--served-name", "x"], env=env, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2
+    assert "KUNLUN_WORKER_NICE" in done.stderr and "'fast'" in done.stderr
+
+
 def test_health_models_and_stats(worker: WorkerProcess) -> None:
     assert httpx.get(f"{worker.base_url}/health").status_code == 200
     models = httpx.get(f"{worker.base_url}/v1/models").json()

@@ -184,7 +184,7 @@ def serve(
     """Run the Kunlun Platform daemon in the foreground."""
     if ctx.invoked_subcommand is not None:
         return
-    from kunlun.daemon.app import create_app, make_platform
+    from kunlun.daemon.app import create_asgi, make_platform
 
     home = kunlun_home()
     running = pid_info(home)
@@ -215,7 +215,7 @@ def serve(
     if demo:
         _ensure_demo(platform)
     server = DrainingServer(
-        uvicorn.Config(create_app(platform), log_level="warning", timeout_graceful_shutdown=30),
+        uvicorn.Config(create_asgi(platform), log_level="warning", timeout_graceful_shutdown=30),
         platform,
     )
     pid_path = home / PID_FILE

@@ -185,10 +185,11 @@ class GatewayEndpoints:
     """ASGI middleware that serves ``POST /v1/chat/completions`` and ``/v1/completions``
     itself and passes everything else on.
 
-    The inference routes are the gateway's hot path: answering them here, inside the
-    app's own middleware (API keys, request log) but before its exception handling,
-    routing and dependency machinery, takes a third off the gateway's CPU per request
-    (``benchmarks/gateway.py``). The body is capped at :data:`MAX_BODY_BYTES` (413)."""
+    The inference routes are the gateway's hot path: answered here, ahead of the app's
+    exception handling, routing and dependency machinery (the daemon puts this outside its
+    FastAPI app altogether, :func:`kunlun.daemon.app.daemon_entry`), they cost the gateway
+    about half the CPU per request (``benchmarks/gateway.py``). The body is capped at
+    :data:`MAX_BODY_BYTES` (413)."""
 
     def __init__(self, app: ASGIApp, replicas: ReplicaSet, state: GatewayState) -> None:
         self.app, self.replicas, self.state = app, replicas, state
