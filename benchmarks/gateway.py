@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -64,6 +65,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-threads", type=int, default=1, help="the worker's torch threads")
     parser.add_argument("--model", choices=("demo", "tiny"), default="demo",
                         help="the served model: the demo, or a tiny random one")  # fmt: skip
+    parser.add_argument("--pairs", type=int, default=300,
+                        help="TTFT pairs (gateway, direct) in a full run; at least 250")  # fmt: skip
     parser.add_argument("--serve-gateway", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-url", help=argparse.SUPPRESS)
     parser.add_argument("--ready-file", help=argparse.SUPPRESS)
@@ -220,11 +223,22 @@ async def measure_ttft(client: httpx.AsyncClient, gateway: str, direct: str, num
         "ttft_p50_direct_ms": round(statistics.median(direct_ms), 3),
         "ttft_p50_added_ms": round(statistics.median(added), 3),
         "ttft_added_ms_p25_p75": [round(quartiles[0], 3), round(quartiles[2], 3)],
+        "ttft_p50_added_ms_ci95": median_ci95(added),
         "ttft_p50_added_ms_engine_time_removed": round(statistics.median(outside), 3)
         if outside
         else None,
         "gateway_cpu_ms_per_request": cpu_ms,
     }
+
+
+def median_ci95(values: list[float], resamples: int = 2000) -> list[float]:
+    """A 95 % bootstrap interval of the median of ``values`` (fixed seed): how precisely
+    this run pins the figure down."""
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples)
+    )
+    return [round(medians[int(0.025 * resamples)], 3), round(medians[int(0.975 * resamples)], 3)]
 
 
 def worker_ttfts(log_path: Path) -> dict[str, float]:
@@ -286,13 +300,13 @@ async def measure_throughput(client: httpx.AsyncClient, gateway: str, direct: st
     }
 
 
-async def measure(gateway: str, direct: str, quick: bool, folder: Path, gateway_pid: int
-                  ) -> dict[str, Any]:  # fmt: skip
+async def measure(gateway: str, direct: str, quick: bool, pairs: int, folder: Path,
+                  gateway_pid: int) -> dict[str, Any]:  # fmt: skip
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=300, limits=limits, trust_env=False) as client:
         for base_url in (gateway, direct, gateway, direct):  # warm connections and caches
             await stream_once(client, base_url, PROMPTS[0], 2)
-        num_pairs = 60 if quick else 300
+        num_pairs = 60 if quick else pairs
         ttft = await measure_ttft(client, gateway, direct, num_pairs, folder, gateway_pid)
         throughput = await measure_throughput(
             client, gateway, direct, 2 if quick else 6, 32 if quick else 48, 8 if quick else 16
@@ -302,6 +316,8 @@ async def measure(gateway: str, direct: str, quick: bool, folder: Path, gateway_
 
 def main() -> None:
     args = parse_args()
+    if args.pairs < 250:
+        raise SystemExit(f"--pairs {args.pairs}: at least 250 (500 requests) are needed")
     if args.serve_gateway:
         serve_gateway(args.worker_url, args.ready_file)
         return
@@ -309,7 +325,7 @@ def main() -> None:
         processes, gateway, direct = start_processes(Path(folder), args.num_threads, args.model)
         try:
             results = asyncio.run(
-                measure(gateway, direct, args.quick, Path(folder), processes[1].pid)
+                measure(gateway, direct, args.quick, args.pairs, Path(folder), processes[1].pid)
             )
         finally:
             for process in reversed(processes):

@@ -101,7 +101,8 @@ def test_chat_logprobs_shape(worker: WorkerProcess) -> None:
     content = completion.choices[0].logprobs.content
     assert len(content) == 2
     for entry in content:
-        assert bytes(entry.bytes).decode() == entry.token
+        # a token may be part of a character: its text shows the bytes with U+FFFD
+        assert bytes(entry.bytes).decode(errors="replace") == entry.token
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
 

@@ -96,8 +96,9 @@ class WorkerApp:
 
     # ---- routes ----
     async def chat_completions(self, request: Request) -> Response:
-        call = _new_call(request)
-        req = parse_request(ChatCompletionRequest, await request.body())
+        body = await request.body()
+        call = _new_call(request)  # timed from the whole request's arrival
+        req = parse_request(ChatCompletionRequest, body)
         self._check_model(req.model)
         params = req.to_sampling_params()
         messages = [m.template_dict() for m in req.messages]
@@ -117,8 +118,9 @@ class WorkerApp:
         return self._finish(call, _json(call, body))
 
     async def completions(self, request: Request) -> Response:
-        call = _new_call(request)
-        req = parse_request(CompletionRequest, await request.body())
+        body = await request.body()
+        call = _new_call(request)  # timed from the whole request's arrival
+        req = parse_request(CompletionRequest, body)
         self._check_model(req.model)
         params = req.to_sampling_params()
         prompts = req.prompts()
