@@ -1,6 +1,6 @@
 """Gateway overhead: the same streaming workload through the gateway and to the worker.
 
-Starts one engine worker (demo model, fp32, cpu) and, in its own process, a gateway app
+Starts one engine worker (the served model, fp32, cpu) and, in its own process, a gateway app
 built as the daemon builds its own (``daemon_entry``: request log, API-key check with one
 key in force, so every request is verified, and the gateway's endpoints, in front of a
 FastAPI app with the gateway's routes) over a replica set holding that worker, on uvloop. Then, from this process:
@@ -16,10 +16,13 @@ FastAPI app with the gateway's routes) over a replica set holding that worker, o
   direct output tokens/s.
 
 Prints one JSON object. ``--quick`` runs a smaller workload (for a smoke check).
-``--model tiny`` serves a tiny seeded random model (:mod:`kunlun.engine.tiny`, with the
-demo's tokenizer) instead of the demo: its engine time is a few milliseconds with little
-jitter, so the paired differences resolve a fraction of a millisecond (with the demo
-model the engine's own TTFT varies by tens of milliseconds from request to request).
+The served model is by default a tiny seeded random one (:mod:`kunlun.engine.tiny`, with
+the demo's tokenizer): its engine time is a few milliseconds with little jitter, so 1000
+paired differences pin the median down to about a tenth of a millisecond
+(``ttft_p50_added_ms_ci95``). ``--model demo`` serves the demo model instead, the realistic
+engine cost: its own TTFT varies by tens of milliseconds from request to request, too much
+for the paired differences to resolve one millisecond, but its throughput rounds show what
+the gateway costs a real engine.
 """
 
 from __future__ import annotations
@@ -63,10 +66,17 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smaller workload")
     parser.add_argument("--num-threads", type=int, default=1, help="the worker's torch threads")
-    parser.add_argument("--model", choices=("demo", "tiny"), default="demo",
-                        help="the served model: the demo, or a tiny random one")  # fmt: skip
-    parser.add_argument("--pairs", type=int, default=300,
-                        help="TTFT pairs (gateway, direct) in a full run; at least 250")  # fmt: skip
+    parser.add_argument("--model", choices=("tiny", "demo"), default="tiny",
+                        help="the served model: a tiny random one (default), or the demo")  # fmt: skip
+    parser.add_argument("--pairs", type=int, default=None,
+                        help="TTFT pairs (gateway, direct) in a full run, at least 250 "
+                             "(default 1000 with the tiny model, 300 with the demo)")  # fmt: skip
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="throughput rounds (default 20 with the tiny model, 6 with the demo)",
+    )
     parser.add_argument("--serve-gateway", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-url", help=argparse.SUPPRESS)
     parser.add_argument("--ready-file", help=argparse.SUPPRESS)
@@ -227,6 +237,7 @@ async def measure_ttft(client: httpx.AsyncClient, gateway: str, direct: str, num
         "ttft_p50_added_ms_engine_time_removed": round(statistics.median(outside), 3)
         if outside
         else None,
+        "ttft_p50_added_ms_engine_time_removed_ci95": median_ci95(outside) if outside else None,
         "gateway_cpu_ms_per_request": cpu_ms,
     }
 
@@ -300,8 +311,8 @@ async def measure_throughput(client: httpx.AsyncClient, gateway: str, direct: st
     }
 
 
-async def measure(gateway: str, direct: str, quick: bool, pairs: int, folder: Path,
-                  gateway_pid: int) -> dict[str, Any]:  # fmt: skip
+async def measure(gateway: str, direct: str, quick: bool, pairs: int, rounds: int,
+                  folder: Path, gateway_pid: int) -> dict[str, Any]:  # fmt: skip
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=300, limits=limits, trust_env=False) as client:
         for base_url in (gateway, direct, gateway, direct):  # warm connections and caches
@@ -309,15 +320,19 @@ async def measure(gateway: str, direct: str, quick: bool, pairs: int, folder: Pa
         num_pairs = 60 if quick else pairs
         ttft = await measure_ttft(client, gateway, direct, num_pairs, folder, gateway_pid)
         throughput = await measure_throughput(
-            client, gateway, direct, 2 if quick else 6, 32 if quick else 48, 8 if quick else 16
+            client, gateway, direct, 2 if quick else rounds, 32 if quick else 48, 8 if quick else 16
         )
     return {**ttft, **throughput}
 
 
 def main() -> None:
     args = parse_args()
-    if args.pairs < 250:
-        raise SystemExit(f"--pairs {args.pairs}: at least 250 (500 requests) are needed")
+    tiny = args.model == "tiny"
+    pairs = args.pairs if args.pairs is not None else 1000 if tiny else 300
+    rounds = args.rounds if args.rounds is not None else 20 if tiny else 6
+    if pairs < 250 or rounds < 1:
+        raise SystemExit(f"--pairs {pairs} --rounds {rounds}: at least 250 pairs (500 requests) "
+                         "and one round are needed")  # fmt: skip
     if args.serve_gateway:
         serve_gateway(args.worker_url, args.ready_file)
         return
@@ -325,7 +340,7 @@ def main() -> None:
         processes, gateway, direct = start_processes(Path(folder), args.num_threads, args.model)
         try:
             results = asyncio.run(
-                measure(gateway, direct, args.quick, args.pairs, Path(folder), processes[1].pid)
+                measure(gateway, direct, args.quick, pairs, rounds, Path(folder), processes[1].pid)
             )
         finally:
             for process in reversed(processes):
