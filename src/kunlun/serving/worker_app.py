@@ -96,9 +96,9 @@ class WorkerApp:
 
     # ---- routes ----
     async def chat_completions(self, request: Request) -> Response:
-        body = await request.body()
+        raw = await request.body()
         call = _new_call(request)  # timed from the whole request's arrival
-        req = parse_request(ChatCompletionRequest, body)
+        req = parse_request(ChatCompletionRequest, raw)
         self._check_model(req.model)
         params = req.to_sampling_params()
         messages = [m.template_dict() for m in req.messages]
@@ -118,9 +118,9 @@ class WorkerApp:
         return self._finish(call, _json(call, body))
 
     async def completions(self, request: Request) -> Response:
-        body = await request.body()
+        raw = await request.body()
         call = _new_call(request)  # timed from the whole request's arrival
-        req = parse_request(CompletionRequest, body)
+        req = parse_request(CompletionRequest, raw)
         self._check_model(req.model)
         params = req.to_sampling_params()
         prompts = req.prompts()
