@@ -96,6 +96,17 @@ def test_errors_in_openai_shape(client: openai.OpenAI) -> None:
     assert "smollm2" in str(missing.value)
 
 
+def test_bad_parameters_of_platform_routes_answer_400_naming_the_field(daemon: Daemon) -> None:
+    job = daemon.job  # type: ignore[attr-defined]
+    resp = httpx.get(f"{daemon.url}/api/v1/workloads/{job}/logs", params={"offset": -5})
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == "query.offset" and error["type"] == "invalid_request_error"
+    assert "-5" in error["message"] and "offset" in error["message"]
+    resp = httpx.post(f"{daemon.url}/v1/batches", json={"endpoint": "/v1/completions"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "input_file_id"
+
+
 def test_32_concurrent_streams(client: openai.OpenAI) -> None:
     def one(i: int) -> str:
         stream = client.chat.completions.create(

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -36,7 +37,7 @@ from kunlun.daemon.admin import admin_router
 from kunlun.daemon.batch_api import batch_router, gateway_app, in_process_sender
 from kunlun.daemon.request_log import RequestLog, RequestLogConfig, RequestLogMiddleware
 from kunlun.device.inventory import Inventory, build_inventory
-from kunlun.errors import KunlunError
+from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.node.agent import NodeAgent
 from kunlun.serving.gateway import (
     GatewayEndpoints,
@@ -156,6 +157,20 @@ class ApiKeyMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
+def validation_error(exc: RequestValidationError) -> RequestError:
+    """FastAPI's check of a route's parameters or body, as a 400 in the OpenAI error shape
+    naming the first bad field and its value (FastAPI alone answers 422 in its own shape)."""
+    errors = exc.errors() or [{"loc": ("body",), "msg": "invalid request"}]
+    first = errors[0]
+    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or "body"
+    got = f" (got {first['input']!r})" if "input" in first else ""
+    more = f"; {len(errors) - 1} more problem(s)" if len(errors) > 1 else ""
+    return RequestError(
+        f"{where}: {first.get('msg', 'invalid')}{got}{more}",
+        location=Location("request", field=where),
+    )
+
+
 def feed_routing(gateway: GatewayState, samples: dict[str, Any]) -> None:
     """Give gateway routing the collector's utilization and temperature of each device."""
     for device_id, sample in samples.items():
@@ -202,6 +217,10 @@ def create_app(platform: Platform) -> FastAPI:
     @app.exception_handler(KunlunError)
     async def kunlun_error(request: Request, exc: KunlunError) -> Response:
         return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(validation_error(exc))
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
