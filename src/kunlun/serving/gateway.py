@@ -2,22 +2,16 @@
 
 :func:`mount_gateway` adds to an app ``GET /v1/models``, ``POST /v1/chat/completions`` and
 ``POST /v1/completions`` over a :class:`ReplicaSet` (the two inference routes answered by
-the :class:`GatewayEndpoints` middleware, ahead of the app's routing). For each request it reads the ``model``
-(and, for the load estimate, ``max_tokens`` and ``n``), the ``X-Kunlun-Priority`` and
-``X-Kunlun-Pool`` headers, admits it to a replica with a free slot or holds it in the
-gateway's fair queue (:mod:`~kunlun.serving.admission`, replica choice by
-:mod:`~kunlun.serving.routing`), and relays the worker's answer byte for byte (status, body,
-``X-Request-Id``), adding ``X-Kunlun-Replica``, ``X-Kunlun-Device`` and the class it ran
-at, ``X-Kunlun-Priority``. Refusals use the OpenAI error shape: a bad priority header 400,
-unknown model or pool 404 (listing the served ones), nothing ready or draining 503, a full
-class queue 429 with ``Retry-After``.
-
-A worker that dies mid-stream ends the client's stream with one SSE error event (code
-``worker_died``) and no ``[DONE]``; one that dies before answering gives 502. A client that
-disconnects closes the upstream response at once, which makes the worker abort the
-generation. Each request holds one unit of its replica's ``in_flight`` while its exchange
-with the worker runs, released whatever the ending; a request still waiting in the queue
-when its client leaves is taken out of it.
+the :class:`GatewayEndpoints` middleware, ahead of the app's routing). For each request it
+reads the ``model`` (and, for the load estimate, ``max_tokens`` and ``n``), the
+``X-Kunlun-Priority`` and ``X-Kunlun-Pool`` headers, and either refuses it in the OpenAI
+error shape (a bad priority header 400, unknown model or pool 404 listing the served ones,
+nothing ready or draining 503, a body over :data:`MAX_BODY_BYTES` 413) or answers with a
+:class:`~kunlun.serving.relay.Relay`, which admits it to a replica with a free slot or holds
+it in the gateway's fair queue (:mod:`~kunlun.serving.admission`, replica choice by
+:mod:`~kunlun.serving.routing`; a full class queue is 429 with ``Retry-After``) and relays
+the worker's answer. Each request holds one unit of its replica's ``in_flight`` while its
+exchange with the worker runs, released whatever the ending.
 """
 
 from __future__ import annotations
@@ -38,21 +32,19 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kunlun.errors import KunlunError, Location, RequestError
-from kunlun.serving import sse
 from kunlun.serving.admission import Admission, Ticket
 from kunlun.serving.protocol import (
     BodyTooLarge,
     ChatCompletionRequest,
     CompletionRequest,
     ModelNotFound,
-    QueueFull,
     ServiceUnavailable,
-    WorkerDied,
     error_status_and_body,
     openapi_body,
     param_error,
 )
-from kunlun.serving.replica import Replica, ReplicaSet
+from kunlun.serving.relay import Relay
+from kunlun.serving.replica import ReplicaSet
 from kunlun.serving.routing import (
     KEY_PRIORITY_SCOPE,
     POOL_HEADER,
@@ -64,17 +56,10 @@ from kunlun.serving.routing import (
 )
 from kunlun.serving.scheduler_config import SchedulerConfigSource
 from kunlun.serving.upstream import (
-    UpstreamBroken,
-    UpstreamError,
     UpstreamPool,
-    UpstreamResponse,
-    UpstreamUnreachable,
 )
-from kunlun.telemetry.gateway_metrics import CLIENT_GONE, GatewayMetrics  # telemetry
+from kunlun.telemetry.gateway_metrics import GatewayMetrics  # telemetry
 
-_FORWARDED = (b"content-type", b"content-length", b"x-request-id", b"cache-control")
-"""Upstream response headers passed to the client."""
-_SSE = sse.MEDIA_TYPE.encode()
 _CHAT_BODY = openapi_body(ChatCompletionRequest)
 _COMPLETION_BODY = openapi_body(CompletionRequest)
 _PRIORITY_KEY = PRIORITY_HEADER.lower().encode()
@@ -241,9 +226,9 @@ def respond(scope: Scope, body: bytes, replicas: ReplicaSet, state: GatewayState
         model = (scope.get("state") or {}).get("model")
         state.metrics.refused(model, model in replicas.models(), exc)  # telemetry
         return error_response(exc)
-    upstream = _Upstream(state, ticket, scope["path"], body, headers.request_id or new_request_id())
-    upstream.arrived = arrived  # telemetry
-    return upstream
+    relay = Relay(state, ticket, scope["path"], body, headers.request_id or new_request_id())
+    relay.arrived = arrived  # telemetry
+    return relay
 
 
 class _Headers:
@@ -330,150 +315,3 @@ def _token_estimate(payload: dict[str, Any], body_bytes: int) -> int:
     if not isinstance(n, int) or n < 1:
         n = 1
     return body_bytes // 4 + max_tokens * n
-
-
-class _Upstream(Response):
-    """The response to one request: admits it, sends it to its replica, relays the answer.
-
-    Its ``__call__`` takes a replica slot (at once, or after waiting in the gateway's queue)
-    and gives it back in its ``finally``, so the slot is taken and released exactly once
-    however the exchange ends. A task watches for the client disconnecting and cancels the
-    wait or the relay, which takes the request out of the queue or closes the upstream
-    connection (the worker then aborts)."""
-
-    def __init__(
-        self, state: GatewayState, ticket: Ticket, path: str, body: bytes, request_id: str
-    ) -> None:
-        self.state, self.ticket = state, ticket
-        self.replica: Replica | None = None
-        self.path, self.payload, self.request_id = path, body, request_id
-        self.status_code, self.raw_headers, self.background = 200, [], None
-        self._ended = False
-        self._refusal: KunlunError | None = None
-        self.arrived = time.perf_counter()  # telemetry: perf_counter readings
-        self.dispatched: float | None = None  # telemetry
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        admission = self.state.admission
-        if admission is None:
-            raise RuntimeError("gateway_router() did not set up admission")
-        self.state.num_active += 1
-        relay = asyncio.current_task()
-        watcher = asyncio.ensure_future(self._watch(receive, relay))
-        try:
-            replica = admission.try_admit(self.ticket)
-            if replica is None:
-                try:
-                    replica = await admission.wait(self.ticket, self.state.retry_after_s)
-                except (QueueFull, ServiceUnavailable) as exc:
-                    self._refusal = exc
-                    await self._send_error(send, exc)
-                    return
-            self.replica = replica
-            try:
-                await self._exchange(send, replica)
-            finally:
-                admission.release(self.ticket)
-        except asyncio.CancelledError:
-            if not watcher.done() or watcher.cancelled():
-                raise  # cancelled from elsewhere
-            if relay is not None:
-                relay.uncancel()  # the client left: nothing to answer
-            self.status_code = CLIENT_GONE  # telemetry
-        finally:
-            self._ended = True
-            watcher.cancel()
-            self.state.num_active -= 1
-            self._count()
-
-    def _count(self) -> None:
-        """Telemetry: a few counter increments, no body parsing."""
-        r, metrics = self.replica, self.state.metrics
-        if r is None:  # refused while waiting in the gateway's queue
-            if self._refusal is not None:
-                metrics.refused(self.ticket.model, True, self._refusal)
-            return
-        metrics.finished(r.model, r.replica_id, self.ticket.priority, self.status_code,
-                         self.arrived, self.dispatched)  # fmt: skip
-
-    async def _watch(self, receive: Receive, relay: asyncio.Task[Any] | None) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if not self._ended and relay is not None:
-            relay.cancel()
-
-    async def _exchange(self, send: Send, replica: Replica) -> None:
-        pool = self.state.upstream
-        if pool is None:
-            raise RuntimeError("GatewayState.start() was not called")
-        headers = [(b"content-type", b"application/json"),
-                   (b"x-request-id", self.request_id.encode())]  # fmt: skip
-        self.dispatched = time.perf_counter()  # telemetry: end of the gateway queue time
-        try:
-            upstream = await pool.post(replica.base_url, self.path, headers, self.payload)
-        except UpstreamError as exc:
-            await self._send_error(send, self._unreachable(replica, exc))
-            return
-        try:
-            await self._relay(upstream, send, replica)
-        finally:
-            await upstream.close()
-
-    async def _relay(self, upstream: UpstreamResponse, send: Send, replica: Replica) -> None:
-        raw = [(k, v) for k, v in upstream.headers if k in _FORWARDED]
-        raw += [(b"x-kunlun-replica", replica.replica_id.encode()),
-                (b"x-kunlun-device", replica.device.encode()),
-                (b"x-kunlun-priority", self.ticket.priority.encode())]  # fmt: skip
-        self.status_code = upstream.status_code  # telemetry
-        await send({"type": "http.response.start", "status": upstream.status_code, "headers": raw})
-        last, final = b"\n\n", False
-        try:
-            async for chunk in upstream.iter_raw():
-                final = upstream.complete  # then the end of the body goes with this write
-                self._ended = final
-                await send({"type": "http.response.body", "body": chunk, "more_body": not final})
-                if final:
-                    break
-                last = chunk
-        except UpstreamBroken as exc:
-            self.status_code = WorkerDied.http_status  # telemetry
-            if (upstream.header(b"content-type") or b"").startswith(_SSE):
-                separator = b"" if last.endswith(b"\n\n") else b"\n\n"
-                event = separator + sse.error_event(self._died(replica, exc))
-                await send({"type": "http.response.body", "body": event, "more_body": True})
-        if not final:
-            self._ended = True
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def _send_error(self, send: Send, exc: KunlunError) -> None:
-        status, body, extra = error_status_and_body(exc)
-        payload = sse.dumps(body)
-        headers = [(b"content-type", b"application/json"),
-                   (b"content-length", str(len(payload)).encode()),
-                   (b"x-request-id", self.request_id.encode()),
-                   (b"x-kunlun-priority", self.ticket.priority.encode())]  # fmt: skip
-        if self.replica is not None:
-            headers += [(b"x-kunlun-replica", self.replica.replica_id.encode()),
-                        (b"x-kunlun-device", self.replica.device.encode())]  # fmt: skip
-        headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
-        self.status_code = status  # telemetry
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        self._ended = True
-        await send({"type": "http.response.body", "body": payload, "more_body": False})
-
-    def _died(self, replica: Replica, exc: Exception) -> WorkerDied:
-        return WorkerDied(
-            f"the engine worker serving this request stopped before finishing it "
-            f"(replica {replica.replica_id} on {replica.device}: "
-            f"{type(exc).__name__}: {exc})",
-            hint="retry the request; the platform restarts the worker",
-        )
-
-    def _unreachable(self, replica: Replica, exc: Exception) -> KunlunError:
-        if isinstance(exc, UpstreamUnreachable):
-            return ServiceUnavailable(
-                f"the engine worker of replica {replica.replica_id} on "
-                f"{replica.device} is not reachable ({type(exc).__name__}: {exc})",
-                retry_after_s=self.state.retry_after_s,
-            )
-        return self._died(replica, exc)
