@@ -147,7 +147,8 @@ def gateway_router(replicas: ReplicaSet, state: GatewayState) -> APIRouter:
     front of the app's routing; these routes then document the endpoints (OpenAPI) and
     answer only where the middleware is absent."""
     router = APIRouter()
-    state.admission = Admission(replicas, state.router)
+    if state.admission is None:  # the daemon mounts the routes twice (API, batch runner)
+        state.admission = Admission(replicas, state.router)
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
