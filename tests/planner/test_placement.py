@@ -38,8 +38,9 @@ def test_int8_llama_goes_to_the_pool_with_the_higher_int8_throughput() -> None:
     mlu = tokens_per_s(LLAMA, caps["cambricon"], "bf16", "w8a8", 1, 8, 8192)
     assert mlu is not None and plan.estimated_tokens_per_s is not None
     assert plan.estimated_tokens_per_s > mlu
-    assert "performance: estimated" in placement.why
+    assert "performance: int8 compute 512 TOPS" in placement.why
     assert "ranked lower by performance" in placement.rejected["cambricon:0-1"]
+    assert "would rank ahead" not in placement.why  # the decode estimate agrees
 
 
 def _swap(device: dict[str, Any], fields: tuple[str, ...]) -> None:
@@ -53,14 +54,27 @@ def _swap(device: dict[str, Any], fields: tuple[str, ...]) -> None:
             device[name] = figures[other][name]
 
 
-def test_swapping_the_pools_int8_throughput_swaps_the_placement(
-    edited_config: EditConfig,
-) -> None:
-    fields = ("int8_compute_power_tflops", "memory_bandwidth_gbps")
-    swapped = edited_config("mixed", lambda d: _swap(d, fields))
+def test_swapping_the_pools_int8_figures_swaps_the_placement(edited_config: EditConfig) -> None:
+    swapped = edited_config("mixed", lambda d: _swap(d, ("int8_compute_power_tflops",)))
     placement = place(int8_llama(), node("mixed", swapped), LLAMA)
     assert device_types(placement.target_device) == {"cambricon"}
-    assert "ranked lower by performance" in placement.rejected["ascend:0-3"]
+    assert placement.plans[0].compute_tokens_per_s == pytest.approx(
+        512e12 / LLAMA.flops_per_token(), rel=1e-3
+    )
+    assert "performance: int8 compute 512 TOPS" in placement.why
+    assert "ranked lower by performance: int8 compute 256 TOPS" in placement.rejected["ascend:0-3"]
+    # the decode estimate disagrees (1600 vs 307 GB/s), and the reasons say so
+    assert "ascend:0-3 would rank ahead under scorer roofline" in placement.why
+
+
+def test_swapping_tops_and_bandwidth_swaps_both_scorers(edited_config: EditConfig) -> None:
+    fields = ("int8_compute_power_tflops", "memory_bandwidth_gbps")
+    swapped = node("mixed", edited_config("mixed", lambda d: _swap(d, fields)))
+    for scorer in ("performance", "roofline"):
+        placement = place(int8_llama(scorer=scorer), swapped, LLAMA)
+        assert device_types(placement.target_device) == {"cambricon"}, scorer
+        assert f"ranked lower by {scorer}" in placement.rejected["ascend:0-3"]
+        assert "would rank ahead" not in placement.why
 
 
 def test_without_bandwidth_figures_the_int8_tops_alone_decide(edited_config: EditConfig) -> None:
@@ -68,17 +82,23 @@ def test_without_bandwidth_figures_the_int8_tops_alone_decide(edited_config: Edi
         _swap(device, ("int8_compute_power_tflops",))
         device.pop("memory_bandwidth_gbps", None)
 
-    placement = place(int8_llama(), node("mixed", edited_config("mixed", tops_only)), LLAMA)
-    assert device_types(placement.target_device) == {"cambricon"}
+    inventory = node("mixed", edited_config("mixed", tops_only))
+    for scorer in ("performance", "roofline"):
+        placement = place(int8_llama(scorer=scorer), inventory, LLAMA)
+        assert device_types(placement.target_device) == {"cambricon"}, scorer
 
 
-def test_decode_stays_bandwidth_bound_when_only_the_tops_are_swapped(
-    edited_config: EditConfig,
-) -> None:
+def test_roofline_ranks_by_decode_which_bandwidth_decides(edited_config: EditConfig) -> None:
     """Llama-3-8B decoding reads ~9 GB per step: 1600 GB/s beats 307 GB/s whatever the TOPS."""
     swapped = edited_config("mixed", lambda d: _swap(d, ("int8_compute_power_tflops",)))
-    placement = place(int8_llama(), node("mixed", swapped), LLAMA)
+    placement = place(int8_llama(scorer="roofline"), node("mixed", swapped), LLAMA)
     assert device_types(placement.target_device) == {"ascend"}
+    plan = placement.plans[0]
+    assert plan.estimated_tokens_per_s is not None and plan.compute_tokens_per_s is not None
+    assert plan.estimated_tokens_per_s < plan.compute_tokens_per_s  # bandwidth-bound
+    assert "roofline: decode estimate" in placement.why
+    assert "cambricon:0-1 would rank ahead under scorer performance" in placement.why
+    assert "ranked lower by roofline" in placement.rejected["cambricon:0-1"]
 
 
 def test_preferred_device_types_override_the_score() -> None:

@@ -42,6 +42,27 @@ def test_plan_explain_prints_the_plan_and_every_rejected_alternative(tmp_path: P
         assert expected in out
 
 
+def test_swapping_the_declared_int8_tops_swaps_the_plan(
+    tmp_path: Path, edited_config: EditConfig
+) -> None:
+    """The mixed node as shipped and with the two pools' int8 TOPS exchanged (512 <-> 256)."""
+    tops = {"ascend": 256, "cambricon": 512}
+
+    def swap(device: dict[str, object]) -> None:
+        device["int8_compute_power_tflops"] = tops.get(
+            str(device["device_type"]), device["int8_compute_power_tflops"]
+        )
+
+    targets = {}
+    for name, config in (("shipped", None), ("swapped", edited_config("mixed", swap))):
+        proc = cli("--model", "Llama-3-8B", "--quantization", "w8a8", *mixed(config), "--json",
+                   home=tmp_path)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        data = json.loads(proc.stdout)
+        targets[name] = data["plan"]["device_type"]
+    assert targets == {"shipped": "ascend", "swapped": "cambricon"}
+
+
 def test_plan_json_for_a_pool(tmp_path: Path) -> None:
     proc = cli("--model", "Llama-3-8B", "--pool", "cambricon", "--dtype", "fp32", *mixed(),
                "--json", home=tmp_path)  # fmt: skip

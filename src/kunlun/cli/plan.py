@@ -37,7 +37,9 @@ def plan(
     max_model_len: Annotated[int | None, typer.Option(help="Context limit.")] = None,
     batch_size: Annotated[int | None, typer.Option(help="max_num_seqs.")] = None,
     priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
-    scorer: Annotated[str | None, typer.Option(help="performance, binpack or spread.")] = None,
+    scorer: Annotated[
+        str | None, typer.Option(help="performance, roofline, binpack or spread.")
+    ] = None,
     explain: Annotated[bool, typer.Option("--explain", help="Every rejected alternative.")] = False,
     json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
@@ -94,7 +96,10 @@ def render(placement: Placement, explain: bool) -> None:
 
 def plan_lines(p: ExecutionPlan) -> str:
     """The plan's settings, a few per line."""
-    rate = "-" if p.estimated_tokens_per_s is None else f"{p.estimated_tokens_per_s:.0f}"
+
+    def tokens(rate: float | None) -> str:
+        return "-" if rate is None else f"{rate:.0f}"
+
     memory = p.memory
     return "\n".join([
         f"engine: {p.engine}  dtype: {p.dtype}  quantization: {p.quantization}  "
@@ -102,7 +107,9 @@ def plan_lines(p: ExecutionPlan) -> str:
         f"(torch device {p.torch_device})",
         f"max_model_len: {p.max_model_len}  max_num_seqs: {p.max_num_seqs}  "
         f"kv_cache: {p.num_kv_blocks} blocks of {p.block_size} ({p.kv_cache_memory_mb} MiB)  "
-        f"weights: {p.weight_memory_mb} MiB per device  estimated: {rate} tokens/s",
+        f"weights: {p.weight_memory_mb} MiB per device",
+        f"tokens/s: decode estimate {tokens(p.estimated_tokens_per_s)}, declared compute "
+        f"{tokens(p.compute_tokens_per_s)}",
         f"memory: {memory['device_memory_mb']:.0f} MiB from {memory['source']}, "
         f"{memory['usable_mb']} usable; host memory {memory['host_memory_mb'] or '-'} MiB "
         "(not used for KV)",

@@ -29,7 +29,9 @@ def submit(
     device: Annotated[str | None, typer.Option(help="Explicit device, e.g. cpu:0.")] = None,
     dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16.")] = None,
     quantization: Annotated[str | None, typer.Option(help="none, w8a8 or w4a16.")] = None,
-    scorer: Annotated[str | None, typer.Option(help="performance, binpack or spread.")] = None,
+    scorer: Annotated[
+        str | None, typer.Option(help="performance, roofline, binpack or spread.")
+    ] = None,
     batch_size: Annotated[int | None, typer.Option(help="Sequences decoded together.")] = None,
     priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
     preferred_device_types: Annotated[

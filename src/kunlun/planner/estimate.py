@@ -1,19 +1,23 @@
-"""Memory need and estimated decode throughput of a model on a device.
+"""Memory need and estimated throughput of a model on a device.
 
-Throughput is a roofline estimate of steady-state decoding with ``batch`` sequences running,
-each with ``PLANNING_CONTEXT_TOKENS`` of context on average, on a tensor-parallel group of
-``tp`` identical devices:
+Two throughput figures, both tokens/s of a tensor-parallel group of ``tp`` identical devices:
 
-- memory-bound rate: one decode step reads every weight once and the KV of every running
-  sequence, so ``tokens/s = batch * bandwidth * tp / (weight_bytes + batch * context * kv_bytes_per_token)``;
-- compute-bound rate: ``tokens/s = compute(dtype) * tp / flops_per_token``, with the
-  normalized per-dtype figure of the profile (int8 TOPS for w8a8, else the activation dtype's
-  TFLOPS) and ``flops_per_token = 2 * matmul weights``;
-- the estimate is the smaller of the two. Without a declared ``memory_bandwidth_gbps`` only the
-  compute bound is known; with neither figure there is no estimate (``None``).
+- :func:`compute_tokens_per_s`, the *declared compute throughput*: what the profile's
+  normalized compute figure for the workload's compute dtype (int8 TOPS for w8a8, else the
+  activation dtype's TFLOPS) processes, ``compute(dtype) * tp / flops_per_token`` with
+  ``flops_per_token = 2 * matmul weights``. Prefill runs near it; the ``performance``
+  scorer ranks by it.
+- :func:`tokens_per_s`, the *decode estimate*: a roofline of steady-state decoding with
+  ``batch`` sequences running, each with ``PLANNING_CONTEXT_TOKENS`` of context on average.
+  One decode step reads every weight once and the KV of every running sequence, so the
+  memory-bound rate is ``batch * bandwidth * tp / (weight_bytes + batch * context *
+  kv_bytes_per_token)``; the estimate is the smaller of that and the compute throughput.
+  Without a declared ``memory_bandwidth_gbps`` only the compute bound is known; with neither
+  figure there is no estimate (``None``). The ``roofline`` scorer ranks by it.
 
-Decode is usually memory-bound, so a device's bandwidth tends to decide; compute decides only
-when a large batch amortizes the weight reads.
+Decode is usually memory-bound, so the decode estimate follows a device's bandwidth; the two
+rankings disagree when one device has more compute and another more bandwidth (the reasons of
+a placement say so).
 """
 
 from __future__ import annotations
@@ -66,6 +70,15 @@ def memory_need(
     return MemoryNeed(weights, one_sequence / tp / MIB, one_sequence * batch / tp / MIB)
 
 
+def compute_tokens_per_s(
+    model: ModelInfo, device: DeviceCapacity, dtype: str, quantization: str, tp: int
+) -> float | None:
+    """Declared compute throughput of ``model`` on ``tp`` devices like ``device``, or None
+    when the device declares no compute figure for the dtype (see module)."""
+    compute = device.compute.get(compute_dtype(dtype, quantization))
+    return compute * 1e12 * tp / model.flops_per_token() if compute else None
+
+
 def tokens_per_s(
     model: ModelInfo,
     device: DeviceCapacity,
@@ -76,10 +89,8 @@ def tokens_per_s(
     max_model_len: int,
 ) -> float | None:
     """Estimated decode tokens/s of ``model`` on ``tp`` devices like ``device`` (see module)."""
-    compute = device.compute.get(compute_dtype(dtype, quantization))
-    rates: list[float] = []
-    if compute:
-        rates.append(compute * 1e12 * tp / model.flops_per_token())
+    compute = compute_tokens_per_s(model, device, dtype, quantization, tp)
+    rates = [] if compute is None else [compute]
     if device.bandwidth_gbps:
         context = min(max_model_len, PLANNING_CONTEXT_TOKENS)
         step_bytes = model.weight_bytes(dtype, quantization) + batch * context * (

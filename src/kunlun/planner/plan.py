@@ -16,7 +16,14 @@ from typing import Any
 
 from kunlun.planner.capacity import DeviceCapacity
 from kunlun.planner.engine_options import engine_options
-from kunlun.planner.estimate import BLOCK_SIZE, MIB, MemoryNeed, memory_need, tokens_per_s
+from kunlun.planner.estimate import (
+    BLOCK_SIZE,
+    MIB,
+    MemoryNeed,
+    compute_tokens_per_s,
+    memory_need,
+    tokens_per_s,
+)
 from kunlun.planner.model_info import ModelInfo
 from kunlun.planner.operators import choose_operators
 
@@ -61,6 +68,9 @@ class Option:
     tp: int
     need: MemoryNeed
     tokens_per_s: float | None
+    """The decode estimate (roofline)."""
+    compute_tokens_per_s: float | None
+    """The declared compute throughput."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +145,9 @@ def options(
                 if need.weights_mb + need.min_kv_mb <= cap.usable_mb:
                     rate = tokens_per_s(demand.model, cap, dtype, demand.quantization, tp,
                                         demand.batch, demand.max_model_len)  # fmt: skip
-                    found.append(Option(dtype, tp, need, rate))
+                    compute = compute_tokens_per_s(demand.model, cap, dtype,
+                                                   demand.quantization, tp)  # fmt: skip
+                    found.append(Option(dtype, tp, need, rate, compute))
                     if tp >= num_devices or len(found) == _MAX_OPTIONS:
                         break
                     continue
@@ -202,7 +214,10 @@ class ExecutionPlan:
     engine_options: dict[str, Any]
     env: dict[str, str]
     estimated_tokens_per_s: float | None
+    """Decode estimate (roofline of compute and memory bandwidth)."""
     notes: list[str] = field(default_factory=list)
+    compute_tokens_per_s: float | None = None
+    """Declared compute throughput for the plan's compute dtype."""
 
     @property
     def fallback_ops(self) -> list[str]:
@@ -216,7 +231,7 @@ class ExecutionPlan:
             f"quantization {self.quantization}, tp {self.tensor_parallel_size}, "
             f"max_model_len {self.max_model_len}, max_num_seqs {self.max_num_seqs}, "
             f"KV {self.num_kv_blocks} blocks ({self.kv_cache_memory_mb} MiB), "
-            f"estimated {'-' if rate is None else f'{rate:.0f}'} tokens/s, "
+            f"decode estimate {'-' if rate is None else f'{rate:.0f}'} tokens/s, "
             f"fallback ops {', '.join(self.fallback_ops) or 'none'}"
         )
 
@@ -295,8 +310,11 @@ def build_plan(
         operators={op: c.to_dict() for op, c in ops.items()},
         engine_options=opts,
         env=env,
-        estimated_tokens_per_s=None
-        if option.tokens_per_s is None
-        else round(option.tokens_per_s, 1),
+        estimated_tokens_per_s=_round(option.tokens_per_s),
         notes=notes,
+        compute_tokens_per_s=_round(option.compute_tokens_per_s),
     )
+
+
+def _round(rate: float | None) -> float | None:
+    return None if rate is None else round(rate, 1)

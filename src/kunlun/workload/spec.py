@@ -38,10 +38,11 @@ class WorkloadSpec(BaseModel):
         "in the device's supported_dtypes); w4a16 (4-bit weights, 16-bit activations). A "
         "checkpoint that is already quantized keeps its own scheme.",
     )
-    scorer: Literal["performance", "binpack", "spread"] = Field(
+    scorer: Literal["performance", "roofline", "binpack", "spread"] = Field(
         "performance",
-        description="How placement ranks devices that fit: estimated tokens/s, fewest free "
-        "MiB left (binpack) or most free MiB (spread).",
+        description="How placement ranks devices that fit: declared compute throughput for "
+        "the compute dtype (performance; int8 TOPS for w8a8), decode estimate from compute and "
+        "memory bandwidth (roofline), fewest free MiB left (binpack) or most free MiB (spread).",
     )
     batch_size: int = Field(
         8, ge=1, le=256, description="Sequences decoded together (max_num_seqs)."

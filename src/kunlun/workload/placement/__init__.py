@@ -16,9 +16,10 @@ return reasons (``(kept, rejected)``), in :mod:`~kunlun.workload.placement.filte
 Classes that pass are ranked by ``(Degraded, preferred_device_types order, score)``: a Degraded
 class only wins when nothing Ready fits, and preferred types come first, in the spec's order.
 Scorers (``spec.scorer``, :mod:`~kunlun.workload.placement.scorers`): ``performance``
-(default: the highest estimated decode tokens/s, :mod:`kunlun.planner.estimate`), ``binpack``
-(the device left with the least free memory) and ``spread`` (the device with the most free
-memory). Within a class the device (or the group of nearest devices by topology distance) with
+(default: the highest declared compute throughput for the compute dtype, then the decode
+estimate; :mod:`kunlun.planner.estimate`), ``roofline`` (the highest decode estimate),
+``binpack`` (the device left with the least free memory) and ``spread`` (the device with the
+most free memory). Within a class the device (or the group of nearest devices by topology distance) with
 the most free memory is taken, except under ``binpack``. Why the winner won and each other
 class lost is worded in :mod:`~kunlun.workload.placement.reasons`.
 

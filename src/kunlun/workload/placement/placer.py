@@ -31,6 +31,7 @@ from kunlun.workload.ledger import Ledger, Reservation
 from kunlun.workload.placement import reasons
 from kunlun.workload.placement.filters import explicit_index, judge_class, pools_for
 from kunlun.workload.placement.scorers import (
+    RATED,
     Candidate,
     Judged,
     choose,
@@ -171,24 +172,24 @@ class Placer:
             reservations += self._reserve(demand, best)
             groups.append(group)
             chosen.add(best.pool.label)
-            why = why or reasons.why(demand, best, len(ranking.candidates) + len(ranking.unranked))
+            why = why or reasons.why(demand, ranking)
         return Placement(groups, plans, why, demand.scorer, reservations,
                          partial(ranking.explain, demand), frozenset(chosen))  # fmt: skip
 
     def _rank(self, demand: Demand) -> reasons.Ranking:
         """Candidates best first. Classes are visited in the order of the best rank each could
-        reach (for ``performance`` its best estimate; for ``binpack`` and ``spread`` the free
-        memory of its best-placed device); once that bound is worse than the best candidate
-        found, the remaining classes cannot win and are skipped."""
+        reach (for ``performance`` and ``roofline`` its best rates; for ``binpack`` and
+        ``spread`` the free memory of its best-placed device); once that bound is worse than
+        the best candidate found, the remaining classes cannot win and are skipped."""
         judged, static = self._judge_all(demand)
-        if demand.scorer != "performance":
+        if demand.scorer not in RATED:
             judged = sorted(judged, key=lambda j: (*j.bound, free_bound(j, demand.scorer)))
         rejected = list(static)
         candidates: list[Candidate] = []
         best: Candidate | None = None
         for n, j in enumerate(judged):
             if best is not None:
-                bound = j.bound if demand.scorer == "performance" else (
+                bound = j.bound if demand.scorer in RATED else (
                     *j.bound, free_bound(j, demand.scorer))  # fmt: skip
                 if bound > best.rank[: len(bound)]:
                     return reasons.Ranking(rejected, sorted(candidates, key=_rank_key), judged[n:])

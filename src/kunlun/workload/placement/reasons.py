@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kunlun.planner.capacity import DeviceCapacity
+from kunlun.planner.estimate import compute_dtype
 from kunlun.planner.plan import Demand, Option, Rejection
 from kunlun.workload.ledger import Ledger
-from kunlun.workload.placement.scorers import Candidate, Judged
+from kunlun.workload.placement.scorers import RATED, Candidate, Judged, rates
 from kunlun.workload.pool import DevicePool
 
 
@@ -36,16 +37,30 @@ class Ranking:
         return out
 
 
-def rate(c: Candidate) -> str:
-    tokens_per_s = c.option.tokens_per_s
-    return (
-        "no estimate (no compute or bandwidth declared)"
-        if tokens_per_s is None
-        else f"estimated {tokens_per_s:.0f} tokens/s"
-    )
+def decode(rate: float | None) -> str:
+    return "no decode estimate" if rate is None else f"decode estimate {rate:.0f} tokens/s"
 
 
-def why(demand: Demand, best: Candidate, num_candidates: int) -> str:
+def compute(demand: Demand, pool: DevicePool, option: Option) -> str:
+    """The declared compute throughput of ``option`` on ``pool``, with the figure behind it."""
+    dtype = compute_dtype(option.dtype, demand.quantization)
+    figure = pool.first.compute.get(dtype)
+    if figure is None or option.compute_tokens_per_s is None:
+        return f"no {dtype} compute declared"
+    unit = "TOPS" if dtype == "int8" else "TFLOPS"
+    times = f" x{option.tp}" if option.tp > 1 else ""
+    return f"{dtype} compute {figure:g} {unit}{times} = {option.compute_tokens_per_s:.0f} tokens/s"
+
+
+def rate(demand: Demand, c: Candidate) -> str:
+    """What a rated scorer ranked ``c`` by."""
+    if demand.scorer == "roofline":
+        return decode(c.option.tokens_per_s)
+    return f"{compute(demand, c.pool, c.option)}, {decode(c.option.tokens_per_s)}"
+
+
+def why(demand: Demand, ranking: Ranking) -> str:
+    best = ranking.candidates[0]
     pool, option = best.pool, best.option
     chose = f"{', '.join(pool.caps[i].device_id for i in best.group)} ({option.dtype}"
     chose += f", {demand.quantization}" if demand.quantization != "none" else ""
@@ -57,13 +72,39 @@ def why(demand: Demand, best: Candidate, num_candidates: int) -> str:
         parts.append(f"preferred device type {pool.first.device_type}")
     if pool.first.degraded:
         parts.append("Degraded, but nothing Ready fits")
-    if demand.scorer == "performance":
-        parts.append(f"performance: {rate(best)}")
+    if demand.scorer in RATED:
+        parts.append(f"{demand.scorer}: {rate(demand, best)}")
+        if (other := disagreement(demand, ranking)) is not None:
+            parts.append(other)
     else:
         parts.append(f"{demand.scorer}: {best.headroom:.0f} MiB free before placing")
-    if num_candidates > 1:
-        parts.append(f"{num_candidates - 1} other candidate class(es) ranked lower")
+    others = len(ranking.candidates) + len(ranking.unranked) - 1
+    if others:
+        parts.append(f"{others} other candidate class(es) ranked lower")
     return "; ".join(parts)
+
+
+def disagreement(demand: Demand, ranking: Ranking) -> str | None:
+    """Under ``performance``, a class the decode estimate would put ahead of the winner (under
+    ``roofline``, one that declares more compute), among the classes only the scorer separated
+    from it; said so that the operator can choose the other scorer."""
+    best = ranking.candidates[0]
+    rivals = [(c.pool, c.option) for c in ranking.candidates[1:] if c.rank[:2] == best.rank[:2]]
+    rivals += [(j.pool, j.found[0]) for j in ranking.unranked if j.bound[:2] == best.rank[:2]]
+    other = "roofline" if demand.scorer == "performance" else "performance"
+
+    def figure(option: Option) -> float:
+        value = option.tokens_per_s if other == "roofline" else option.compute_tokens_per_s
+        return value or 0.0
+
+    mine = figure(best.option)
+    for pool, option in rivals:
+        if figure(option) > 1.05 * mine:
+            what = "decode estimate" if other == "roofline" else (
+                f"declared {compute_dtype(option.dtype, demand.quantization)} compute")  # fmt: skip
+            return (f"{pool.label} would rank ahead under scorer {other} ({what} "
+                    f"{figure(option):.0f} vs {mine:.0f} tokens/s)")  # fmt: skip
+    return None
 
 
 def lost(demand: Demand, winner: Candidate, loser: Candidate) -> str:
@@ -71,8 +112,9 @@ def lost(demand: Demand, winner: Candidate, loser: Candidate) -> str:
         return "Degraded; a Ready device fits"
     if winner.rank[1] != loser.rank[1]:
         return f"not earlier in preferred_device_types {list(demand.preferred_device_types)}"
-    if demand.scorer == "performance":
-        return f"ranked lower by performance: {rate(loser)} vs {rate(winner)}"
+    if demand.scorer in RATED:
+        return (f"ranked lower by {demand.scorer}: {rate(demand, loser)} vs "
+                f"{rate(demand, winner)}")  # fmt: skip
     return (
         f"ranked lower by {demand.scorer}: {loser.headroom:.0f} MiB free vs {winner.headroom:.0f}"
     )
@@ -84,9 +126,11 @@ def skipped(demand: Demand, best: Candidate, j: Judged) -> str:
         return "Degraded; a Ready device fits"
     if j.bound[1] != best.rank[1]:
         return f"not earlier in preferred_device_types {list(demand.preferred_device_types)}"
-    if demand.scorer == "performance":
-        return (f"ranked lower by performance: estimated at most {-j.bound[2]:.0f} tokens/s vs "
-                f"{rate(best)}")  # fmt: skip
+    if demand.scorer in RATED:
+        option = min(j.found, key=lambda o: rates(demand.scorer, o))
+        figures = (decode(option.tokens_per_s) if demand.scorer == "roofline"
+                   else f"{compute(demand, j.pool, option)}, {decode(option.tokens_per_s)}")  # fmt: skip
+        return f"ranked lower by {demand.scorer}: at best {figures} vs {rate(demand, best)}"
     return f"ranked lower by {demand.scorer}: {best.headroom:.0f} MiB free on the chosen device"
 
 

@@ -4,8 +4,11 @@ A candidate's rank is ``(Degraded, preferred_device_types order, score)``, small
 Degraded class only wins when nothing Ready fits, and preferred types come first, in the
 spec's order. The score is the spec's ``scorer``:
 
-- ``performance`` (default): the highest estimated decode tokens/s
-  (:mod:`kunlun.planner.estimate`), then the most free memory;
+- ``performance`` (default): the highest declared compute throughput for the workload's
+  compute dtype (int8 TOPS for w8a8; :func:`~kunlun.planner.estimate.compute_tokens_per_s`),
+  then the highest decode estimate, then the most free memory;
+- ``roofline``: the highest decode estimate (:func:`~kunlun.planner.estimate.tokens_per_s`,
+  which memory bandwidth usually decides), then the most free memory;
 - ``binpack``: the device left with the least free memory that still fits;
 - ``spread``: the device with the most free memory.
 
@@ -26,7 +29,9 @@ from kunlun.planner.plan import Demand, Option
 from kunlun.workload.ledger import Ledger
 from kunlun.workload.pool import DevicePool, nearest_group
 
-SCORERS: tuple[str, ...] = ("performance", "binpack", "spread")
+SCORERS: tuple[str, ...] = ("performance", "roofline", "binpack", "spread")
+#: Scorers that rank by throughput figures known before memory in use.
+RATED: frozenset[str] = frozenset({"performance", "roofline"})
 
 
 @dataclass
@@ -53,13 +58,20 @@ class Judged:
 
 def class_bound(pool: DevicePool, found: list[Option], demand: Demand) -> tuple[Any, ...]:
     """The best rank a candidate of ``pool`` could reach that does not depend on memory in
-    use: Degraded, the preferred-type position, and under ``performance`` the best estimate."""
+    use: Degraded, the preferred-type position, and under a rated scorer its best rates."""
     order = {t: i for i, t in enumerate(demand.preferred_device_types)}
     prefix = (pool.first.degraded, order.get(pool.first.device_type, len(order)))
-    if demand.scorer != "performance":
+    if demand.scorer not in RATED:
         return prefix
-    best_rate = max((o.tokens_per_s or 0.0) for o in found)
-    return (*prefix, -best_rate)
+    return (*prefix, *min(rates(demand.scorer, o) for o in found))
+
+
+def rates(scorer: str, option: Option) -> tuple[float, ...]:
+    """The throughput part of a rated scorer's rank for ``option``, smaller first."""
+    decode = -(option.tokens_per_s or 0.0)
+    if scorer == "roofline":
+        return (decode,)
+    return (-(option.compute_tokens_per_s or 0.0), decode)
 
 
 def free_bound(j: Judged, scorer: str) -> float:
@@ -83,8 +95,7 @@ def score(scorer: str, c: Candidate) -> tuple[float, ...]:
         return (c.headroom, c.option.tp)
     if scorer == "spread":
         return (-c.headroom, c.option.tp)
-    rate = c.option.tokens_per_s
-    return (-(rate or 0.0), -c.headroom)
+    return (*rates(scorer, c.option), -c.headroom)
 
 
 def choose(
