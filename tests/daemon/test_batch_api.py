@@ -242,6 +242,45 @@ def test_bad_files_and_requests_are_refused_with_the_place(daemon: Daemon, tmp_p
     assert bare.status_code == 400 and bare.json()["error"]["param"] == "file"
 
 
+def test_expiry_policies_with_the_openai_sdk(daemon: Daemon, tmp_path: Path) -> None:
+    client = client_for(daemon)
+    path = tmp_path / "expiring.jsonl"
+    path.write_text(request_line("e1", "/v1/completions") + "\n")
+    with path.open("rb") as handle:
+        uploaded = client.files.create(
+            file=handle, purpose="batch", expires_after={"anchor": "created_at", "seconds": 3600}
+        )
+    assert uploaded.expires_at == uploaded.created_at + 3600
+    assert client.files.retrieve(uploaded.id).expires_at == uploaded.expires_at
+    for bad, field in (({"anchor": "created_at", "seconds": 60}, "expires_after.seconds"),
+                       ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor")):  # fmt: skip
+        with path.open("rb") as handle, pytest.raises(openai.BadRequestError) as caught:
+            client.files.create(file=handle, purpose="batch", expires_after=bad)  # type: ignore[arg-type]
+        assert caught.value.param == field, caught.value.body
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/completions",
+            completion_window="24h",
+            output_expires_after={"anchor": "created_at", "seconds": 10**9},
+        )
+    assert refused.value.param == "output_expires_after.seconds"
+    assert "from 3600 to 2592000, got 1000000000" in refused.value.message
+    created = client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/completions",
+        completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 7200},
+    )
+    batch = wait_for(client, created.id)
+    assert batch.status == "completed" and batch.output_file_id
+    output = client.files.retrieve(batch.output_file_id)
+    assert output.expires_at == output.created_at + 7200
+    plain = upload(client, tmp_path / "plain.jsonl", [request_line("p", "/v1/completions")])
+    assert plain.expires_at is None
+
+
 def test_request_ids_pass_through_and_are_logged(daemon: Daemon) -> None:
     resp = httpx.post(
         daemon.url + "/v1/completions",

@@ -5,6 +5,12 @@ upload with purpose ``batch`` is checked line by line before it is accepted: eac
 ``{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
 "body": {...}}`` with unique ``custom_id`` values; a bad file is refused with the line and field
 of each problem (a 400), so a batch never starts on input it cannot run.
+
+A file may expire (OpenAI's ``expires_after``: anchor ``created_at``, 3600 to 2592000
+seconds; a batch's ``output_expires_after`` for the files it writes). From that moment it is
+gone for the API (404, not listed, not usable as a batch input); :meth:`FileStore.sweep`
+removes its bytes and record, except while an unfinished batch still reads it. Without an
+expiry a file stays until it is deleted.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -27,6 +33,28 @@ MAX_UPLOAD_BYTES = 200 << 20
 """OpenAI's limit for a batch input file."""
 MAX_PROBLEMS = 20
 """At most this many problems are listed when a file is refused."""
+EXPIRY_RANGE_S = (3600, 2_592_000)
+"""OpenAI's bounds for ``expires_after.seconds``: one hour to 30 days."""
+
+
+def expiry_seconds(anchor: object, seconds: object, field: str) -> int:
+    """The seconds of an ``expires_after`` policy (``field`` names it in errors), checked."""
+    if anchor != "created_at":
+        raise RequestError(
+            f"'{field}.anchor' must be 'created_at', got {anchor!r}",
+            location=Location("request", field=f"{field}.anchor"),
+        )
+    low, high = EXPIRY_RANGE_S
+    try:
+        value = int(str(seconds))
+    except ValueError:
+        value = -1
+    if not low <= value <= high:
+        raise RequestError(
+            f"'{field}.seconds' must be an integer from {low} to {high}, got {seconds!r}",
+            location=Location("request", field=f"{field}.seconds"),
+        )
+    return value
 
 
 class NotFound(RequestError):
@@ -94,11 +122,17 @@ class FileInUse(RequestError):
 
 class FileStore:
     """Stored files: :meth:`upload` and :meth:`register` add, :meth:`get`, :meth:`path` and
-    :meth:`page` read, :meth:`delete` removes."""
+    :meth:`page` read, :meth:`delete` and :meth:`sweep` remove."""
 
-    def __init__(self, root: Path, store: StateStore) -> None:
+    def __init__(
+        self, root: Path, store: StateStore, clock: Callable[[], float] = time.time
+    ) -> None:
         self.root = root
         self.store = store
+        self.clock = clock
+
+    def expired(self, record: FileRecord) -> bool:
+        return record.expires_at is not None and record.expires_at <= self.clock()
 
     @staticmethod
     def new_id() -> str:
@@ -113,6 +147,11 @@ class FileStore:
             raise NotFound(
                 f"no file with id {file_id!r}", location=Location("request", field="file_id")
             )
+        if self.expired(record):
+            raise NotFound(
+                f"file {file_id!r} expired at {record.expires_at}",
+                location=Location("request", field="file_id"),
+            )
         return record
 
     def page(
@@ -124,7 +163,11 @@ class FileStore:
     ) -> list[FileRecord]:
         """At most ``limit`` files in ``created_at`` order, those after the file ``after``
         (the last id of the previous page; an unknown id gives an empty page)."""
-        records = [r for r in self.store.list_files() if purpose is None or r.purpose == purpose]
+        records = [
+            r
+            for r in self.store.list_files()
+            if (purpose is None or r.purpose == purpose) and not self.expired(r)
+        ]
         if newest_first:
             records.reverse()
         if after is not None:
@@ -143,10 +186,25 @@ class FileStore:
                 location=Location("request", field="file_id"),
                 hint="wait for the batch to end, or cancel it, then delete the file",
             )
+        self._remove(file_id)
+
+    def _remove(self, file_id: str) -> None:
         self.store.delete_file(file_id)  # first: a crash leaves stray bytes, not a dead record
         self.path(file_id).unlink(missing_ok=True)
 
-    def upload(self, source: IO[bytes], filename: str, purpose: str) -> FileRecord:
+    def sweep(self, readers: Callable[[str], list[str]]) -> list[str]:
+        """Remove the expired files that no unfinished batch reads (``readers`` gives the
+        batches reading a file); the ids removed."""
+        gone = []
+        for record in self.store.list_files():
+            if self.expired(record) and not readers(record.file_id):
+                self._remove(record.file_id)
+                gone.append(record.file_id)
+        return gone
+
+    def upload(
+        self, source: IO[bytes], filename: str, purpose: str, expires_after_s: int | None = None
+    ) -> FileRecord:
         """Store an upload (blocking: run it in a thread). Purpose ``batch`` only."""
         if purpose != "batch":
             raise RequestError(
@@ -162,14 +220,21 @@ class FileStore:
             os.replace(part, self.path(file_id))
         finally:
             part.unlink(missing_ok=True)
-        record = FileRecord(file_id, filename, purpose, size, int(time.time()))
-        self.store.put_file(record)
-        return record
+        return self._record(file_id, filename, purpose, size, expires_after_s)
 
-    def register(self, file_id: str, filename: str, purpose: str) -> FileRecord:
+    def register(
+        self, file_id: str, filename: str, purpose: str, expires_after_s: int | None = None
+    ) -> FileRecord:
         """Record a file already written at :meth:`path` (a batch's output or errors)."""
         size = self.path(file_id).stat().st_size
-        record = FileRecord(file_id, filename, purpose, size, int(time.time()))
+        return self._record(file_id, filename, purpose, size, expires_after_s)
+
+    def _record(
+        self, file_id: str, filename: str, purpose: str, size: int, expires_after_s: int | None
+    ) -> FileRecord:
+        now = int(self.clock())
+        expires = None if expires_after_s is None else now + expires_after_s
+        record = FileRecord(file_id, filename, purpose, size, now, expires)
         self.store.put_file(record)
         return record
 
@@ -184,7 +249,7 @@ def file_object(record: FileRecord) -> dict[str, Any]:
         "filename": record.filename,
         "purpose": record.purpose,
         "status": "processed",
-        "expires_at": None,
+        "expires_at": record.expires_at,
         "status_details": None,
     }
 

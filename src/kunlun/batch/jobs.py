@@ -3,7 +3,8 @@
 A job moves ``validating -> in_progress -> finalizing -> completed``; or ``failed`` (the
 input does not fit the endpoint), ``cancelling -> cancelled``, ``expired`` (past its 24 h
 window). At most ``max_running_jobs`` jobs are ``in_progress`` at once; a validated job waits
-for a free slot as ``validating`` (oldest first), so many jobs cannot flood the replicas. Each request goes through :attr:`BatchJobs.send` (the daemon passes its own gateway,
+for a free slot as ``validating`` (oldest first), so many jobs cannot flood the replicas.
+Each request goes through :attr:`BatchJobs.send` (the daemon passes its own gateway,
 in-process) with ``X-Request-Id: <batch_id>:<custom_id>:<attempt>``, a bounded number in
 flight. Answers are appended to the job's output file (2xx) or error file (anything else,
 after retries) through a :class:`~kunlun.batch.journal.Journal`, fsynced line by line.
@@ -12,6 +13,10 @@ Durability: the record (status, timestamps, totals) is in the state store; progr
 two journals themselves. After a crash, :meth:`BatchJobs.start` reopens every unfinished
 job, discards a torn last line, and sends only the ``custom_id`` values in neither file, so
 each appears exactly once in the output.
+
+While the jobs run, expired files are swept every ``sweep_interval_s``
+(:meth:`~kunlun.batch.files.FileStore.sweep`); a file an unfinished job reads is kept until
+the job ends.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from kunlun.state.store import BatchRecord, StateStore
 COMPLETION_WINDOW_S = {"24h": 24 * 3600}
 MAX_RUNNING_JOBS = 4
 """Default number of jobs sending requests at once (``kunlun-platform --batch-max-jobs``)."""
+SWEEP_INTERVAL_S = 60.0
+"""How often expired files are removed."""
 WAIT_STATUSES = frozenset({429, 503})
 """"Not now" answers (queue full, replica still loading): waited out, not counted as
 failures, for as long as the job lives."""
@@ -79,6 +86,7 @@ class BatchJobs:
         policy: RetryPolicy | None = None,
         request_timeout_s: float = 600.0,
         max_running_jobs: int = MAX_RUNNING_JOBS,
+        sweep_interval_s: float = SWEEP_INTERVAL_S,
     ) -> None:
         self.store = store
         self.files = files
@@ -90,8 +98,10 @@ class BatchJobs:
         self.request_timeout_s = request_timeout_s
         self.max_running_jobs = max_running_jobs
         """Jobs in progress at once, across all jobs (each with ``concurrency`` requests)."""
+        self.sweep_interval_s = sweep_interval_s
         self._slots = asyncio.Semaphore(max_running_jobs)
         self._jobs: dict[str, _Job] = {}
+        self._sweeper: asyncio.Task[None] | None = None
 
     # ---- lifecycle (the daemon's lifespan) ----
     async def start(self) -> None:
@@ -100,10 +110,23 @@ class BatchJobs:
             if record.status not in TERMINAL:
                 print(f"batch {record.batch_id}: resuming ({record.status})", flush=True)
                 self._spawn(record)
+        self._sweeper = asyncio.create_task(self._sweep_forever(), name="batch-file-sweeper")
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            try:
+                for file_id in self.files.sweep(self.readers):
+                    print(f"file {file_id}: expired, removed", flush=True)
+            except OSError as exc:  # a full or read-only disk: report, keep serving
+                print(f"expired files: sweep failed: {exc}", flush=True)
+            await asyncio.sleep(self.sweep_interval_s)
 
     async def close(self) -> None:
         """Stop the running jobs where they are; :meth:`start` resumes them."""
         tasks = [job.task for job in self._jobs.values() if job.task is not None]
+        if self._sweeper is not None:
+            tasks.append(self._sweeper)
+            self._sweeper = None
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -116,6 +139,7 @@ class BatchJobs:
         endpoint: str,
         completion_window: str,
         metadata: dict[str, str] | None = None,
+        output_expires_after_s: int | None = None,
     ) -> BatchRecord:
         if endpoint not in SUPPORTED_URLS:
             raise _param(
@@ -144,6 +168,7 @@ class BatchJobs:
             expires_at=now + COMPLETION_WINDOW_S[completion_window],
             request_counts={"total": 0, "completed": 0, "failed": 0},
             metadata=metadata,
+            output_expires_after_s=output_expires_after_s,
         )
         self.store.put_batch(record)
         self._spawn(record)
@@ -390,13 +415,14 @@ class BatchJobs:
             final = "completed"
             record.status, record.finalizing_at = "finalizing", now
             self.store.put_batch(record)
+        ttl = record.output_expires_after_s
         if record.output_file_id is not None:
             self.files.register(
-                record.output_file_id, f"{record.batch_id}_output.jsonl", "batch_output"
+                record.output_file_id, f"{record.batch_id}_output.jsonl", "batch_output", ttl
             )
             if counts["failed"] and record.error_file_id is not None:
                 self.files.register(
-                    record.error_file_id, f"{record.batch_id}_error.jsonl", "batch_output"
+                    record.error_file_id, f"{record.batch_id}_error.jsonl", "batch_output", ttl
                 )
         record.status = final
         setattr(record, f"{final}_at", now)

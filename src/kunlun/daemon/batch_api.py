@@ -1,9 +1,10 @@
 """The OpenAI Batch API routes, and how the daemon's batch jobs reach its own gateway.
 
-``POST /v1/files`` (multipart: ``file``, ``purpose=batch``), ``GET /v1/files`` (``purpose``,
+``POST /v1/files`` (multipart: ``file``, ``purpose=batch``, optional
+``expires_after[anchor]=created_at`` and ``expires_after[seconds]``), ``GET /v1/files`` (``purpose``,
 ``limit``, ``after``, ``order``), ``GET /v1/files/{id}``, ``GET /v1/files/{id}/content``,
 ``DELETE /v1/files/{id}`` (refused with a 409 while an unfinished batch reads the file);
-``POST /v1/batches``, ``GET /v1/batches`` (``limit``, ``after``), ``GET /v1/batches/{id}``,
+``POST /v1/batches`` (optional ``output_expires_after``), ``GET /v1/batches`` (``limit``, ``after``), ``GET /v1/batches/{id}``,
 ``POST /v1/batches/{id}/cancel``. Bodies and errors are OpenAI's shapes; the routes sit
 behind the same API-key middleware as every other route.
 
@@ -26,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import UploadFile
 from starlette.types import ASGIApp
 
-from kunlun.batch.files import FileStore, file_object
+from kunlun.batch.files import FileStore, expiry_seconds, file_object
 from kunlun.batch.jobs import BatchJobs, Reply, Send
 from kunlun.batch.objects import batch_object
 from kunlun.serving.gateway import GatewayState, mount_gateway
@@ -43,6 +44,8 @@ class CreateBatch(BaseModel):
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = Field(None, max_length=16)
+    output_expires_after: dict[str, Any] | None = None
+    """``{"anchor": "created_at", "seconds": N}`` for the files the batch writes."""
 
 
 def batch_router(files: FileStore, jobs: BatchJobs) -> APIRouter:
@@ -57,8 +60,14 @@ def batch_router(files: FileStore, jobs: BatchJobs) -> APIRouter:
                 raise param_error("file", "'file' (a multipart file field) is required")
             if not isinstance(purpose, str):
                 raise param_error("purpose", "'purpose' (a form field, 'batch') is required")
+            anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
+            ttl = (
+                None
+                if anchor is None and seconds is None
+                else expiry_seconds(anchor, seconds, "expires_after")
+            )
             name = upload.filename or "upload.jsonl"
-            record = await asyncio.to_thread(files.upload, upload.file, name, purpose)
+            record = await asyncio.to_thread(files.upload, upload.file, name, purpose, ttl)
         return file_object(record)
 
     @router.get("/v1/files")
@@ -93,8 +102,14 @@ def batch_router(files: FileStore, jobs: BatchJobs) -> APIRouter:
     @router.post("/v1/batches")
     async def create(request: Request) -> dict[str, Any]:
         body = parse_request(CreateBatch, await request.body())
+        policy = body.output_expires_after
+        ttl = (
+            None
+            if policy is None
+            else expiry_seconds(policy.get("anchor"), policy.get("seconds"), "output_expires_after")
+        )
         record = jobs.create(
-            body.input_file_id, body.endpoint, body.completion_window, body.metadata
+            body.input_file_id, body.endpoint, body.completion_window, body.metadata, ttl
         )
         return batch_object(record)
 

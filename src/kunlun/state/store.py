@@ -64,6 +64,8 @@ class FileRecord:
     purpose: str
     bytes: int
     created_at: int
+    expires_at: int | None = None
+    """When the file is deleted (Unix seconds); None: kept until deleted."""
 
 
 @dataclass
@@ -93,6 +95,8 @@ class BatchRecord:
     """The model the input file's requests name (the first line's)."""
     usage: dict[str, int] = field(default_factory=dict)
     """Token totals of the answered requests: prompt, cached, completion, total."""
+    output_expires_after_s: int | None = None
+    """The output and error files expire this many seconds after they are written."""
 
 
 class StateStore(ABC):
