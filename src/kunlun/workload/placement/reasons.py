@@ -52,11 +52,15 @@ def compute(demand: Demand, pool: DevicePool, option: Option) -> str:
     return f"{dtype} compute {figure:g} {unit}{times} = {option.compute_tokens_per_s:.0f} tokens/s"
 
 
-def rate(demand: Demand, c: Candidate) -> str:
-    """What a rated scorer ranked ``c`` by."""
+def figures(demand: Demand, pool: DevicePool, option: Option) -> str:
+    """What a rated scorer ranks ``option`` on ``pool`` by."""
     if demand.scorer == "roofline":
-        return decode(c.option.tokens_per_s)
-    return f"{compute(demand, c.pool, c.option)}, {decode(c.option.tokens_per_s)}"
+        return decode(option.tokens_per_s)
+    return f"{compute(demand, pool, option)}, {decode(option.tokens_per_s)}"
+
+
+def rate(demand: Demand, c: Candidate) -> str:
+    return figures(demand, c.pool, c.option)
 
 
 def why(demand: Demand, ranking: Ranking) -> str:
@@ -128,9 +132,8 @@ def skipped(demand: Demand, best: Candidate, j: Judged) -> str:
         return f"not earlier in preferred_device_types {list(demand.preferred_device_types)}"
     if demand.scorer in RATED:
         option = min(j.found, key=lambda o: rates(demand.scorer, o))
-        figures = (decode(option.tokens_per_s) if demand.scorer == "roofline"
-                   else f"{compute(demand, j.pool, option)}, {decode(option.tokens_per_s)}")  # fmt: skip
-        return f"ranked lower by {demand.scorer}: at best {figures} vs {rate(demand, best)}"
+        return (f"ranked lower by {demand.scorer}: at best {figures(demand, j.pool, option)} vs "
+                f"{rate(demand, best)}")  # fmt: skip
     return f"ranked lower by {demand.scorer}: {best.headroom:.0f} MiB free on the chosen device"
 
 
