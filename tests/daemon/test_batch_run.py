@@ -129,8 +129,14 @@ def test_the_daemon_log_shows_no_finished_id_sent_again(killed: dict[str, Any]) 
     assert not after & killed["done_before"], "a finished id was sent again"
     assert after == killed["all_ids"] - killed["done_before"]
     for entry in entries:
-        assert entry["model"] == "smollm2" and entry["method"] == "POST"
+        assert entry["method"] == "POST"
         assert entry["path"] in ("/v1/completions", "/v1/chat/completions")
+        if entry["status"] is None:
+            # in flight when the first run was SIGKILLed: its body may never have arrived
+            assert entry["model"] in (None, "smollm2")
+        else:
+            assert entry["model"] == "smollm2", entry
+    assert sum(e["status"] is None for e in entries) <= 2  # --batch-size 2 in flight
     finished = {item_id(e) for e in entries if e["status"] == 200}
     assert finished == killed["all_ids"]
 
