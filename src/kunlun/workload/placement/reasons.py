@@ -10,6 +10,7 @@ someone reads them (:meth:`Ranking.explain`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from kunlun.planner.capacity import DeviceCapacity
 from kunlun.planner.estimate import compute_dtype
@@ -111,11 +112,19 @@ def disagreement(demand: Demand, ranking: Ranking) -> str | None:
     return None
 
 
-def lost(demand: Demand, winner: Candidate, loser: Candidate) -> str:
-    if winner.rank[0] != loser.rank[0]:
+def _before_scoring(demand: Demand, winner: tuple[Any, ...], rank: tuple[Any, ...]) -> str | None:
+    """Why a class lost before the scorer compared it (``rank`` and ``winner`` start with
+    Degraded and the preferred-type position), or None."""
+    if winner[0] != rank[0]:
         return "Degraded; a Ready device fits"
-    if winner.rank[1] != loser.rank[1]:
+    if winner[1] != rank[1]:
         return f"not earlier in preferred_device_types {list(demand.preferred_device_types)}"
+    return None
+
+
+def lost(demand: Demand, winner: Candidate, loser: Candidate) -> str:
+    if (why := _before_scoring(demand, winner.rank, loser.rank)) is not None:
+        return why
     if demand.scorer in RATED:
         return (f"ranked lower by {demand.scorer}: {rate(demand, loser)} vs "
                 f"{rate(demand, winner)}")  # fmt: skip
@@ -126,10 +135,8 @@ def lost(demand: Demand, winner: Candidate, loser: Candidate) -> str:
 
 def skipped(demand: Demand, best: Candidate, j: Judged) -> str:
     """Why a class that was not evaluated could not have won."""
-    if j.bound[0] != best.rank[0]:
-        return "Degraded; a Ready device fits"
-    if j.bound[1] != best.rank[1]:
-        return f"not earlier in preferred_device_types {list(demand.preferred_device_types)}"
+    if (why := _before_scoring(demand, best.rank, j.bound)) is not None:
+        return why
     if demand.scorer in RATED:
         option = min(j.found, key=lambda o: rates(demand.scorer, o))
         return (f"ranked lower by {demand.scorer}: at best {figures(demand, j.pool, option)} vs "
