@@ -192,12 +192,12 @@ class FileStore:
         self.store.delete_file(file_id)  # first: a crash leaves stray bytes, not a dead record
         self.path(file_id).unlink(missing_ok=True)
 
-    def sweep(self, readers: Callable[[str], list[str]]) -> list[str]:
-        """Remove the expired files that no unfinished batch reads (``readers`` gives the
-        batches reading a file); the ids removed."""
+    def sweep(self, in_use: set[str]) -> list[str]:
+        """Remove the expired files except those in ``in_use`` (read by unfinished batches);
+        the ids removed. Blocking: run it in a thread."""
         gone = []
         for record in self.store.list_files():
-            if self.expired(record) and not readers(record.file_id):
+            if self.expired(record) and record.file_id not in in_use:
                 self._remove(record.file_id)
                 gone.append(record.file_id)
         return gone

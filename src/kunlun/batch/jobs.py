@@ -114,8 +114,14 @@ class BatchJobs:
 
     async def _sweep_forever(self) -> None:
         while True:
+            # an expired file cannot become a new batch's input, so the snapshot stays true
+            in_use = {
+                job.record.input_file_id
+                for job in self._jobs.values()
+                if job.record.status not in TERMINAL
+            }
             try:
-                for file_id in self.files.sweep(self.readers):
+                for file_id in await asyncio.to_thread(self.files.sweep, in_use):
                     print(f"file {file_id}: expired, removed", flush=True)
             except OSError as exc:  # a full or read-only disk: report, keep serving
                 print(f"expired files: sweep failed: {exc}", flush=True)

@@ -19,9 +19,9 @@ Scorers (``spec.scorer``, :mod:`~kunlun.workload.placement.scorers`): ``performa
 (default: the highest declared compute throughput for the compute dtype, then the decode
 estimate; :mod:`kunlun.planner.estimate`), ``roofline`` (the highest decode estimate),
 ``binpack`` (the device left with the least free memory) and ``spread`` (the device with the
-most free memory). Within a class the device (or the group of nearest devices by topology distance) with
-the most free memory is taken, except under ``binpack``. Why the winner won and each other
-class lost is worded in :mod:`~kunlun.workload.placement.reasons`.
+most free memory). Within a class the device (or the group of nearest devices by topology
+distance) with the most free memory is taken, except under ``binpack``. Why the winner won and
+each other class lost is worded in :mod:`~kunlun.workload.placement.reasons`.
 
 Memory is tracked in a :class:`Ledger`: weights are reserved whole, while the workloads that
 share a device split the memory left after all their weights by priority, 3:2:1 for
