@@ -27,6 +27,20 @@ def test_tpot_needs_two_tokens_and_usage() -> None:
     assert record(0, [0.1, 0.2], 0.3, tokens=None).tpot is None
 
 
+def test_tokens_that_arrived_in_one_read_have_no_tpot() -> None:
+    # Four tokens in chunks that all came with one network read: the time between tokens was
+    # never observed, so there is no TPOT (not a near-zero one) and a TPOT SLO is not met.
+    r = record(0.0, [0.5, 0.5, 0.5], 0.5001, tokens=4)
+    assert r.ok and r.ttft == pytest.approx(0.5)
+    assert r.tpot is None
+    assert not r.meets(slo_ttft_s=10.0, slo_tpot_s=0.001)
+    assert r.meets(slo_ttft_s=10.0, slo_tpot_s=None)
+    # One token has no TPOT either, and meets a TPOT SLO by definition.
+    assert record(0.0, [0.5], 0.5, tokens=1).meets(slo_ttft_s=None, slo_tpot_s=0.001)
+    # Two reads: measured as usual.
+    assert record(0.0, [0.5, 0.5, 0.8], 0.8, tokens=4).tpot == pytest.approx(0.1)
+
+
 def test_failed_and_empty_requests_are_not_ok() -> None:
     assert not RequestRecord(start=0, end=1, error="HTTP 500: boom").ok
     assert not RequestRecord(start=0, end=1).ok  # no text ever came

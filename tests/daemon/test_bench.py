@@ -66,8 +66,17 @@ def test_bench_sweep_poisson_json_and_chart(daemon: Daemon, tmp_path: Path) -> N
             run["total_output_tokens"] / run["duration_s"], rel=1e-3
         )
         assert run["requests_per_s"] == pytest.approx(NUM_PROMPTS / run["duration_s"], rel=1e-3)
-        assert run["num_slo_met"] == 0  # nothing makes a 1 ms TPOT on this CPU
-        assert run["goodput_requests_per_s"] == 0
+        # The SLO count follows the per-request figures, whatever speed this machine has: a
+        # request meets the 1 ms TPOT SLO only when its TPOT was measured and is that low.
+        met = [
+            r
+            for r in run["requests"]
+            if r["ttft_ms"] <= 60000 and r["tpot_ms"] is not None and r["tpot_ms"] <= 1
+        ]
+        assert run["num_slo_met"] == len(met)
+        assert run["goodput_requests_per_s"] == pytest.approx(
+            len(met) / run["duration_s"], rel=1e-3
+        )
         for request in run["requests"]:
             assert request["num_output_tokens"] == OUTPUT_LEN
             assert request["num_prompt_tokens"] == INPUT_LEN

@@ -91,23 +91,29 @@ async def send(
                 text = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {text[:200]}"
             else:
-                async for payload in _events(response):
-                    _take(record, payload, time.perf_counter())
+                async for payload, arrival in _events(response):
+                    _take(record, payload, arrival)
     except (httpx.HTTPError, ValueError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     record.end = time.perf_counter()
     return record
 
 
-async def _events(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payloads of an SSE stream, up to ``[DONE]``."""
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        yield json.loads(data)
+async def _events(response: httpx.Response) -> AsyncIterator[tuple[dict[str, Any], float]]:
+    """The JSON payloads of an SSE stream up to ``[DONE]``, each with the time of the network
+    read that completed it (events that arrived in one read share that time)."""
+    pending = b""
+    async for data in response.aiter_bytes():
+        arrival = time.perf_counter()
+        lines = (pending + data).split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            text = line[5:].strip()
+            if text == b"[DONE]":
+                return
+            yield json.loads(text), arrival
 
 
 def _take(record: RequestRecord, payload: dict[str, Any], now: float) -> None:

@@ -6,13 +6,18 @@ Definitions (also in ``docs/telemetry.md``):
 - TTFT: from sending the request to receiving the first chunk whose text is not empty;
 - E2E: from sending the request to the end of its stream;
 - TPOT: (E2E - TTFT) / (output tokens - 1), for requests with at least two output tokens;
-  output tokens are the server's ``usage.completion_tokens``;
+  output tokens are the server's ``usage.completion_tokens``. Chunks are timed once per
+  network read, so chunks that arrived together share one time; when every chunk with
+  text arrived in one read (a client that could not keep up, or a server that sent the
+  whole answer at once), the time between tokens was never observed and TPOT is not
+  measured (None), rather than a near-zero figure;
 - ITL: the gaps between consecutive chunks with text, pooled over every request of the run
   (a chunk may carry more than one token, so ITL and TPOT differ);
 - requests/s and output tokens/s: over the run's duration, from the first request sent to
   the last stream ended; only successful requests count;
 - goodput: successful requests per second that met every SLO given (TTFT <= ``slo_ttft_ms``,
-  TPOT <= ``slo_tpot_ms``; a one-token request has no TPOT and meets that SLO).
+  TPOT <= ``slo_tpot_ms``; a one-token request has no TPOT and meets that SLO, a longer
+  request whose TPOT was not measured does not).
 
 Percentiles interpolate linearly between the two nearest ranks (numpy's default).
 """
@@ -35,7 +40,8 @@ class RequestRecord:
     end: float | None = None
     """When its stream ended (None when it never did)."""
     chunk_times: list[float] = field(default_factory=list)
-    """Arrival of every chunk that carried text."""
+    """Arrival of every chunk that carried text (one time per network read: chunks that
+    arrived in the same read share it)."""
     num_output_tokens: int | None = None
     """``usage.completion_tokens`` from the server (None when it sent no usage)."""
     num_prompt_tokens: int | None = None
@@ -58,6 +64,8 @@ class RequestRecord:
         ttft, e2e, tokens = self.ttft, self.e2e, self.num_output_tokens
         if ttft is None or e2e is None or tokens is None or tokens < 2:
             return None
+        if self.chunk_times[-1] == self.chunk_times[0]:
+            return None  # every token arrived in one read: no time between them was seen
         return (e2e - ttft) / (tokens - 1)
 
     @property
@@ -72,7 +80,9 @@ class RequestRecord:
         ttft, tpot = self.ttft, self.tpot
         if slo_ttft_s is not None and (ttft is None or ttft > slo_ttft_s):
             return False
-        return slo_tpot_s is None or tpot is None or tpot <= slo_tpot_s
+        if slo_tpot_s is None or (self.num_output_tokens or 0) < 2:
+            return True
+        return tpot is not None and tpot <= slo_tpot_s
 
     def to_dict(self) -> dict[str, Any]:
         return {
