@@ -254,8 +254,15 @@ def test_cli_telemetry_watch(keyed: tuple[Daemon, str]) -> None:
         "--interval",
         "0.3",
     ]
+    # Started as a non-interactive shell starts a background job: SIGINT set to "ignore".
+    # The watch must stop on SIGINT all the same.
     proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
     try:
         assert proc.stdout is not None

@@ -119,8 +119,9 @@ def test_installed_plugin_shows_in_device_list(plugin_site: Path) -> None:
     assert devices["testchip:1"]["status"] == "Ready"
     assert devices["testchip:1"]["memory_total_mb"] == 4096
     assert devices["testchip:1"]["visibility_env"] == "TESTCHIP_VISIBLE_DEVICES"
-    # The hanging plugin is abandoned at its 3 s limit; the listing does not wait for it.
-    assert elapsed < 20
+    # The hanging plugin (it sleeps an hour) is abandoned at its 3 s limit; the listing does
+    # not wait for it. The bound is far above 3 s so that a loaded machine passes too.
+    assert elapsed < 300
 
 
 def test_broken_and_hanging_plugins_are_reported_not_fatal(plugin_site: Path) -> None:

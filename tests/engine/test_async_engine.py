@@ -143,24 +143,28 @@ def test_bad_requests_raise_at_once_and_others_finish(engine: LLMEngine) -> None
 
 
 def test_the_event_loop_stays_free_while_the_engine_works(engine: LLMEngine) -> None:
-    async def main() -> tuple[float, int]:
+    async def main() -> tuple[float, int, float]:
         async with AsyncLLMEngine(engine) as server:
             stream = server.add_request(
                 "Once upon a time", SamplingParams(max_tokens=24, ignore_eos=True)
             )
             consumer = asyncio.create_task(collect(stream))
             worst, ticks = 0.0, 0
+            start = time.perf_counter()
             while not consumer.done():
                 before = time.perf_counter()
                 await asyncio.sleep(0.002)
                 worst = max(worst, time.perf_counter() - before)
                 ticks += 1
+            total = time.perf_counter() - start
             await consumer
-            return worst, ticks
+            return worst, ticks, total
 
-    worst, ticks = run(main())
+    worst, ticks, total = run(main())
     assert ticks > 24  # the loop kept ticking during generation
-    assert worst < 0.5  # never stalled for a whole model step or more
+    # Never stalled for a large part of the generation (24 steps); relative, so a loaded
+    # machine, which slows both alike, passes too.
+    assert worst < total / 3
 
 
 def test_stats_are_a_snapshot_readable_from_the_loop(engine: LLMEngine) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 from pathlib import Path
 from typing import Annotated
 
@@ -54,4 +56,9 @@ def version() -> None:
 
 
 def main() -> None:
+    # Ctrl-C and ``kill -INT`` stop every command (``--watch``, ``logs -f`` included), even
+    # when the shell that started it set SIGINT to "ignore", as non-interactive shells do
+    # for background jobs: Python keeps an inherited SIG_IGN instead of raising
+    # KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     app()
