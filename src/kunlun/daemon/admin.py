@@ -7,6 +7,7 @@ into JSON with its HTTP status by the app's one exception handler.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Body, Query
@@ -80,6 +81,9 @@ def admin_router(platform: Platform) -> APIRouter:
         if not path.exists():
             return {"text": "", "offset": 0, "state": record.state}
         with path.open("rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if offset > size:  # past the end (a stale or made-up offset): resume from the end
+                return {"text": "", "offset": size, "state": record.state}
             handle.seek(offset)
             data = handle.read(MAX_LOG_CHUNK)
         return {
