@@ -8,6 +8,8 @@ without ``--allow-ip`` cannot be used from the test; the other keys allow 127.0.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tests.daemon.conftest import SPEC, Daemon, free_port, new_home, wait_ready
+from tests.daemon.conftest import BIN, SPEC, Daemon, free_port, new_home, wait_ready
 
 LOOPBACK = "127.0.0.1/32,::1"
 
@@ -248,3 +250,18 @@ def test_import_inside_every_kind_of_model_root_is_read(limited: Limited) -> Non
         assert resp.status_code == 400, (kind, resp.text)  # read, and found not to be GGUF
         missing = import_gguf(limited, root / "absent.gguf")
         assert missing.status_code == 400 and "not found" in missing.json()["error"]["message"]
+
+
+def test_a_model_root_that_is_not_a_directory_stops_the_start(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    for args, env, named in (
+        (["--model-root", str(tmp_path / "nowhere")], {}, "--model-root"),
+        ([], {"KUNLUN_MODEL_ROOTS": f"{tmp_path}:{tmp_path / 'gone'}"}, "KUNLUN_MODEL_ROOTS"),
+    ):
+        proc = subprocess.run(
+            [str(BIN / "kunlun-platform"), "--port", str(free_port()), *args],
+            capture_output=True, text=True, timeout=120,
+            env=dict(os.environ, KUNLUN_HOME=str(home), **env),
+        )  # fmt: skip
+        assert proc.returncode == 2, proc.stderr
+        assert named in proc.stderr and "is not a directory" in proc.stderr

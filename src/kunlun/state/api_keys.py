@@ -91,7 +91,7 @@ def check_per_minute(value: object, field: str) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PER_MINUTE:
         raise RequestError(
-            f"{field} must be a whole number from 0 (no limit) to {MAX_PER_MINUTE}, got {value!r}",
+            f"must be a whole number from 0 (no limit) to {MAX_PER_MINUTE}, got {value!r}",
             location=Location(field),
         )
     return value
@@ -105,7 +105,7 @@ def check_networks(value: Sequence[str] | str | None, field: str) -> list[str] |
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, list | tuple) or len(items) > MAX_NETWORKS:
         raise RequestError(
-            f"{field} must be a list of at most {MAX_NETWORKS} CIDRs, got {value!r}",
+            f"must be a list of at most {MAX_NETWORKS} CIDRs, got {value!r}",
             location=Location(field),
         )
     networks = []
@@ -116,11 +116,11 @@ def check_networks(value: Sequence[str] | str | None, field: str) -> list[str] |
             networks.append(str(ipaddress.ip_network(item.strip(), strict=False)))
         except ValueError as exc:
             raise RequestError(
-                f"{field}: {item!r} is not a network such as 10.0.0.0/8 or 2001:db8::/32 ({exc})",
+                f"{item!r} is not a network such as 10.0.0.0/8 or 2001:db8::/32 ({exc})",
                 location=Location(field),
             ) from None
     if not networks:
-        raise RequestError(f"{field} names no network", location=Location(field))
+        raise RequestError("no network given", location=Location(field))
     return networks
 
 
