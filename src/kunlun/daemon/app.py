@@ -35,7 +35,7 @@ from kunlun import __version__
 from kunlun.batch.files import FileStore
 from kunlun.batch.jobs import MAX_RUNNING_JOBS, BatchJobs
 from kunlun.daemon.admin import admin_router
-from kunlun.daemon.auth import OPEN_PATHS, ApiKeyMiddleware
+from kunlun.daemon.auth import ApiKeyMiddleware
 from kunlun.daemon.batch_api import batch_router, gateway_app, in_process_sender
 from kunlun.daemon.request_log import RequestLog, RequestLogConfig, RequestLogMiddleware
 from kunlun.device.inventory import Inventory, build_inventory
@@ -56,8 +56,6 @@ from kunlun.state.api_keys import KeyRing
 from kunlun.state.sqlite import SQLiteStore
 from kunlun.telemetry.exposition import PlatformTelemetry  # telemetry
 from kunlun.workload.manager import WorkloadManager
-
-__all__ = ["OPEN_PATHS", "ApiKeyMiddleware", "Platform", "create_app", "create_asgi"]
 
 
 @dataclass
