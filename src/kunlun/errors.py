@@ -15,6 +15,7 @@ place each, by reading these attributes; nothing else decides them.
     │   └── CorruptWeights           model.corrupt_weights
     ├── RequestError                 request.invalid       exit 2   http 400
     │   └── PromptTooLong            request.prompt_too_long
+    ├── PermissionDenied             auth.permission_denied exit 2  http 403
     └── EngineError                  engine.error          exit 1   http 500
         └── RequestAborted           engine.aborted
 
@@ -121,6 +122,15 @@ class RequestError(KunlunError):
 
 class PromptTooLong(RequestError):
     code = "request.prompt_too_long"
+
+
+class PermissionDenied(KunlunError):
+    """The caller is known but may not do this: a key without the scope a route needs, a
+    client address outside its key's allow-list, a model path outside the model roots."""
+
+    code = "auth.permission_denied"
+    exit_code = 2
+    http_status = 403
 
 
 class EngineError(KunlunError):

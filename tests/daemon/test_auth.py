@@ -21,8 +21,8 @@ def keyed(
     models_home: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Daemon, str]]:
     d = Daemon(new_home(models_home, tmp_path_factory, "auth-home"), free_port())
-    created = d.cli("apikey", "create", "ops", "--json", remote=False)  # directly on KUNLUN_HOME
-    assert created.returncode == 0, created.stderr
+    created = d.cli("apikey", "create", "ops", "--scope", "admin", "--json", remote=False)
+    assert created.returncode == 0, created.stderr  # made directly on KUNLUN_HOME
     key = json.loads(created.stdout)["key"]
     assert key not in (d.home / "state.db").read_bytes().decode("latin-1")  # only a hash is stored
     d.start(wait_ready=False)
@@ -72,6 +72,33 @@ def test_every_route_but_health_needs_a_key(keyed: tuple[Daemon, str], tmp_path:
                 assert resp.json()["error"]["code"] == "invalid_api_key"
     ok = httpx.get(daemon.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
     assert ok.status_code == 200
+
+
+def test_every_admin_route_needs_an_admin_key(keyed: tuple[Daemon, str], tmp_path: Path) -> None:
+    """Every route under /api/v1 is 403 with an inference key, naming the scope it needs;
+    every other route is not refused for the key's scope."""
+    daemon, key = keyed
+    made = daemon.cli("apikey", "create", "reader", "--json", key=key)  # default scope
+    assert made.returncode == 0, made.stderr
+    reader = json.loads(made.stdout)
+    assert reader["scope"] == "inference"
+    headers = {"Authorization": f"Bearer {reader['key']}"}
+    routes = route_table(tmp_path)
+    admin = [(m, p) for m, p in routes if p.startswith("/api/v1/")]
+    assert {("POST", "/api/v1/apikeys"), ("DELETE", "/api/v1/apikeys/x"),
+            ("POST", "/api/v1/workloads"), ("POST", "/api/v1/models/import-gguf"),
+            ("GET", "/api/v1/devices")} <= set(admin)  # fmt: skip
+    for method, path in routes:
+        resp = httpx.request(method, daemon.url + path, headers=headers, json={}, timeout=30)
+        if (method, path) in admin:
+            assert resp.status_code == 403, (method, path, resp.status_code)
+            error = resp.json()["error"]
+            assert error["code"] == "permission_denied" and error["type"] == "permission_error"
+            assert "needs an API key with scope 'admin'" in error["message"]
+            assert "'reader'" in error["message"] and reader["key"] not in error["message"]
+        else:
+            assert resp.status_code not in (401, 403), (method, path, resp.status_code)
+    assert daemon.cli("apikey", "revoke", "reader", key=key).returncode == 0
 
 
 def test_openai_sdk_with_wrong_key_gets_401(keyed: tuple[Daemon, str]) -> None:

@@ -48,7 +48,7 @@ def routed(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     d = Daemon(new_home(models_home, tmp_path_factory, "routing-home"), free_port())
     (d.home / "scheduler_config.yaml").write_text("policy: round-robin\n")
     high_key = create_key(d, "batch-high", "--priority", "high")
-    plain_key = create_key(d, "plain")
+    plain_key = create_key(d, "plain", "--scope", "admin")
     d.start(wait_ready=False)
     spec = d.home / "spec.yaml"
     spec.write_text(SPEC)

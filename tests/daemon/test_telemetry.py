@@ -34,7 +34,7 @@ def keyed(
         d.start(wait_ready=False)
     d.job = submit_demo(d, PROFILED)  # type: ignore[attr-defined]
     wait_ready(d)
-    created = d.cli("apikey", "create", "prometheus", "--json")
+    created = d.cli("apikey", "create", "prometheus", "--scope", "admin", "--json")
     assert created.returncode == 0, created.stderr
     yield d, json.loads(created.stdout)["key"]
     d.stop()

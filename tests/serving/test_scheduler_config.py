@@ -77,6 +77,12 @@ def test_empty_or_missing_file_means_defaults(tmp_path: Path) -> None:
         ("polcy: round-robin\n", ["scheduler_config.yaml:1 (polcy)", "did you mean 'policy'"]),
         ("policy: [round-robin\n", ["scheduler_config.yaml:2", "not valid YAML"]),
         ("- policy\n", ["scheduler_config.yaml:1", "must be a mapping"]),
+        (
+            "policy: load-aware\napi_keys:\n  allow_ips: [10.0.0.0/8, intranet]\n",
+            ["scheduler_config.yaml:3 (api_keys.allow_ips)", "'intranet'"],
+        ),
+        ("api_keys: {rpm: 0}\n", ["scheduler_config.yaml:1 (api_keys.rpm)", "0"]),
+        ("model_roots: [models]\n", ["scheduler_config.yaml:1 (model_roots)", "'models'"]),
     ],
 )
 def test_errors_name_file_line_field_and_value(

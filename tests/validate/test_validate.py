@@ -167,7 +167,7 @@ def test_perturbed_weights_fail_the_numerics(platform: Daemon, tmp_path: Path) -
 
 
 def test_wrong_key_gets_401_once_keys_exist(platform: Daemon, tmp_path: Path) -> None:
-    created = platform.cli("apikey", "create", "validate-test", "--json")
+    created = platform.cli("apikey", "create", "validate-test", "--scope", "admin", "--json")
     assert created.returncode == 0, created.stderr
     key, key_id = json.loads(created.stdout)["key"], json.loads(created.stdout)["key_id"]
     try:

@@ -2,7 +2,8 @@
 
 Works on ``KUNLUN_HOME`` directly, or through the daemon when ``KUNLUN_ENDPOINT`` is set (then
 ``KUNLUN_API_KEY`` must hold a valid key once any key exists). Keys are stored only as hashes;
-a new key is shown once.
+a new key is shown once. ``create --scope admin|inference`` (default inference) says what
+the key may do; ``--rpm``, ``--tpm`` and ``--allow-ip`` set its own limits.
 """
 
 from __future__ import annotations
@@ -15,9 +16,15 @@ import typer
 from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
-from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.cli.output import console, err_console, handle_errors, print_json
 from kunlun.paths import kunlun_home
-from kunlun.state.api_keys import create_key, revoke_key
+from kunlun.state.api_keys import (
+    DEFAULT_SCOPE,
+    create_key,
+    describe_key,
+    no_admin_warning,
+    revoke_key,
+)
 from kunlun.state.sqlite import SQLiteStore
 
 app = typer.Typer(help="API keys: create, list, revoke.", no_args_is_help=True)
@@ -35,6 +42,13 @@ def _remote() -> DaemonClient | None:
 @handle_errors
 def create(
     name: str,
+    scope: Annotated[
+        str,
+        typer.Option(
+            help="admin (every route, the admin API included) or inference (the OpenAI "
+            "API under /v1 and /metrics only)."
+        ),
+    ] = DEFAULT_SCOPE,
     priority: Annotated[
         str | None,
         typer.Option(
@@ -42,22 +56,49 @@ def create(
             "workload's; the X-Kunlun-Priority header still overrides it)."
         ),
     ] = None,
+    rpm: Annotated[
+        int | None,
+        typer.Option(help="Requests per minute (default: the daemon's api_keys.rpm; 0: none)."),
+    ] = None,
+    tpm: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens (prompt + completion) per minute (default: the daemon's "
+            "api_keys.tpm; 0: none)."
+        ),
+    ] = None,
+    allow_ip: Annotated[
+        str | None,
+        typer.Option(
+            "--allow-ip",
+            help="Client networks that may use the key, CIDR[,CIDR] (default: the daemon's "
+            "api_keys.allow_ips; without one, any).",
+        ),
+    ] = None,
     json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Create a key; it is printed once and never stored in clear."""
     remote = _remote()
     if remote:
-        out = remote.post("/api/v1/apikeys", json={"name": name, "priority": priority})
+        body = {"name": name, "priority": priority, "scope": scope, "rpm": rpm, "tpm": tpm,
+                "allow_ips": allow_ip}  # fmt: skip
+        out = remote.post("/api/v1/apikeys", json=body)
     else:
-        record, secret = create_key(_store(), name, priority)
-        out = {"key_id": record.key_id, "name": record.name, "key": secret,
-               "priority": record.priority}  # fmt: skip
+        store = _store()
+        record, secret = create_key(store, name, priority, scope, rpm, tpm, allow_ip)
+        out = {**describe_key(record), "key": secret, "warning": no_admin_warning(store)}
+    if out.get("warning"):  # on stderr, so that --json output stays one document
+        err_console.print(f"warning: {out['warning']}", markup=False)
     if json:
         print_json(out)
         return
-    klass = f", priority {out['priority']}" if out.get("priority") else ""
+    extras = [f"scope {out['scope']}"]
+    extras += [f"priority {out['priority']}"] if out.get("priority") else []
+    extras += [f"{field} {out[field]}" for field in ("rpm", "tpm") if out.get(field) is not None]
+    extras += [f"from {','.join(out['allow_ips'])}"] if out.get("allow_ips") else []
     console.print(
-        f"created key {out['key_id']} ({out['name']}{klass}); store it now, it is not shown again:"
+        f"created key {out['key_id']} ({out['name']}, {', '.join(extras)}); "
+        "store it now, it is not shown again:"
     )
     console.print(out["key"], markup=False)
 
@@ -65,27 +106,19 @@ def create(
 @app.command("list")
 @handle_errors
 def list_keys(json: Annotated[bool, typer.Option("--json")] = False) -> None:
-    """Keys with their state (the secrets themselves are never shown)."""
+    """Keys with their scope, limits and state (the secrets themselves are never shown)."""
     remote = _remote()
     rows: list[dict[str, Any]] = (
         remote.get("/api/v1/apikeys")
         if remote
-        else [
-            {
-                "key_id": k.key_id,
-                "name": k.name,
-                "created": k.created,
-                "revoked": k.revoked,
-                "priority": k.priority,
-            }
-            for k in _store().list_api_keys()
-        ]
+        else [describe_key(k) for k in _store().list_api_keys()]
     )
     if json:
         print_json(rows)
         return
     table = Table(title="API keys", title_justify="left")
-    for col in ("KEY ID", "NAME", "PRIORITY", "CREATED", "STATE"):
+    for col in ("KEY ID", "NAME", "SCOPE", "PRIORITY", "RPM", "TPM", "ALLOW IPS", "CREATED",
+                "STATE"):  # fmt: skip
         table.add_column(col)
     for k in rows:
         state = (
@@ -96,11 +129,20 @@ def list_keys(json: Annotated[bool, typer.Option("--json")] = False) -> None:
         table.add_row(
             k["key_id"],
             k["name"],
+            k.get("scope") or "-",
             k.get("priority") or "-",
+            _limit(k.get("rpm")),
+            _limit(k.get("tpm")),
+            ",".join(k.get("allow_ips") or []) or "default",
             f"{datetime.fromtimestamp(k['created']):%Y-%m-%d %H:%M}",
             state,
         )
     console.print(table)
+
+
+def _limit(value: int | None) -> str:
+    """A key's own rpm/tpm as the table shows it."""
+    return "default" if value is None else "none" if value == 0 else str(value)
 
 
 @app.command()

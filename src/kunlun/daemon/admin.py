@@ -1,6 +1,7 @@
 """The admin API under ``/api/v1``: devices, workloads, models, API keys.
 
-What ``kunlun-cli`` calls when a daemon runs. Every error is a :class:`KunlunError`, turned
+What ``kunlun-cli`` calls when a daemon runs; once keys exist, only ``admin`` keys may
+(:mod:`kunlun.daemon.auth`). GGUF imports read only under the model roots. Every error is a :class:`KunlunError`, turned
 into JSON with its HTTP status by the app's one exception handler.
 """
 
@@ -13,14 +14,24 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Body, Query
 
 from kunlun import catalog
-from kunlun.errors import ConfigError, Location
-from kunlun.state.api_keys import create_key, revoke_key
+from kunlun.errors import ConfigError, Location, RequestError
+from kunlun.state.api_keys import (
+    DEFAULT_SCOPE,
+    check_networks,
+    check_per_minute,
+    create_key,
+    describe_key,
+    no_admin_warning,
+    revoke_key,
+)
 from kunlun.workload.spec import parse_spec
 
 if TYPE_CHECKING:
     from kunlun.daemon.app import Platform
 
 MAX_LOG_CHUNK = 1 << 20
+KEY_FIELDS = frozenset({"name", "priority", "scope", "rpm", "tpm", "allow_ips"})
+"""What ``POST /apikeys`` takes (``allow_ips``: a list of CIDRs, or one comma-separated string)."""
 
 
 def admin_router(platform: Platform) -> APIRouter:
@@ -112,33 +123,39 @@ def admin_router(platform: Platform) -> APIRouter:
                     "'path' (a GGUF file on the daemon's machine) is required",
                     location=Location("path"),
                 )
+            roots = [
+                *map(str, platform.model_roots),
+                *platform.gateway.scheduler.config.model_roots,
+            ]
             record = await asyncio.to_thread(
-                catalog.import_gguf, platform.store, path, body.get("name")
+                catalog.import_gguf, platform.store, path, body.get("name"), roots
             )
         return vars(record)
 
     @router.get("/apikeys")
     async def list_keys() -> list[dict[str, Any]]:
-        return [
-            {
-                "key_id": k.key_id,
-                "name": k.name,
-                "created": k.created,
-                "revoked": k.revoked,
-                "priority": k.priority,
-            }
-            for k in platform.store.list_api_keys()
-        ]
+        return [describe_key(k) for k in platform.store.list_api_keys()]
 
     @router.post("/apikeys")
     async def new_key(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
-        priority = body.get("priority")
+        unknown = sorted(set(body) - KEY_FIELDS)
+        if unknown:
+            raise RequestError(
+                f"unknown field {unknown[0]!r}; a key takes {', '.join(sorted(KEY_FIELDS))}",
+                location=Location("request", field=unknown[0]),
+            )
+        priority, scope = body.get("priority"), body.get("scope")
         record, secret = create_key(
-            platform.store, str(body.get("name", "")), None if priority is None else str(priority)
+            platform.store,
+            str(body.get("name", "")),
+            None if priority is None else str(priority),
+            DEFAULT_SCOPE if scope is None else str(scope),
+            rpm=check_per_minute(body.get("rpm"), "rpm"),
+            tpm=check_per_minute(body.get("tpm"), "tpm"),
+            allow_ips=check_networks(body.get("allow_ips"), "allow_ips"),
         )
         platform.keyring.refresh(force=True)
-        return {"key_id": record.key_id, "name": record.name, "key": secret,
-                "priority": record.priority}  # fmt: skip
+        return {**describe_key(record), "key": secret, "warning": no_admin_warning(platform.store)}
 
     @router.delete("/apikeys/{key}")
     async def revoke(key: str) -> dict[str, Any]:

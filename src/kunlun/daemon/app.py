@@ -10,7 +10,8 @@ Routes:
   (:mod:`kunlun.telemetry.exposition`).
 
 Once any API key exists, every route but ``/healthz`` and ``/readyz`` needs one
-(``Authorization: Bearer <key>``). :func:`create_app` builds the FastAPI app (its routes);
+(``Authorization: Bearer <key>``), ``/api/v1`` an ``admin`` one (:mod:`kunlun.daemon.auth`).
+:func:`create_app` builds the FastAPI app (its routes);
 :func:`create_asgi` is what the daemon serves: that app inside plain ASGI layers for the
 request log, the key check and the gateway's inference endpoints (:func:`daemon_entry`).
 """
@@ -28,12 +29,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from kunlun import __version__
 from kunlun.batch.files import FileStore
 from kunlun.batch.jobs import MAX_RUNNING_JOBS, BatchJobs
 from kunlun.daemon.admin import admin_router
+from kunlun.daemon.auth import ApiKeyMiddleware
 from kunlun.daemon.batch_api import batch_router, gateway_app, in_process_sender
 from kunlun.daemon.request_log import RequestLog, RequestLogConfig, RequestLogMiddleware
 from kunlun.device.inventory import Inventory, build_inventory
@@ -45,17 +47,15 @@ from kunlun.serving.gateway import (
     error_response,
     gateway_router,
 )
-from kunlun.serving.protocol import AuthenticationError, error_json
+from kunlun.serving.key_limits import KeyLimiter
 from kunlun.serving.replica import ReplicaSet
-from kunlun.serving.routing import KEY_PRIORITY_SCOPE, DeviceSample
+from kunlun.serving.routing import DeviceSample
 from kunlun.serving.scheduler_config import FILE_NAME as SCHEDULER_CONFIG
 from kunlun.serving.scheduler_config import SchedulerConfigSource
 from kunlun.state.api_keys import KeyRing
 from kunlun.state.sqlite import SQLiteStore
 from kunlun.telemetry.exposition import PlatformTelemetry  # telemetry
 from kunlun.workload.manager import WorkloadManager
-
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 
 
 @dataclass
@@ -73,6 +73,8 @@ class Platform:
     batches: BatchJobs
     request_log: RequestLog
     config: Path | None = None
+    model_roots: tuple[Path, ...] = ()
+    """Directories model imports may read from, besides the defaults and the config's."""
     started_at: float = field(default_factory=time.time)
 
     def inventory(self) -> Inventory:
@@ -85,10 +87,12 @@ def make_platform(
     scheduler_config: Path | None = None,
     request_log_config: RequestLogConfig | None = None,
     batch_max_jobs: int = MAX_RUNNING_JOBS,
+    model_roots: tuple[Path, ...] = (),
 ) -> Platform:
     """The daemon's parts. ``scheduler_config`` defaults to ``KUNLUN_HOME/scheduler_config.yaml``
     (absent: the defaults); a bad one raises :class:`~kunlun.errors.ConfigError`.
-    ``batch_max_jobs``: Batch API jobs that send requests at once (the rest wait)."""
+    ``batch_max_jobs``: Batch API jobs that send requests at once (the rest wait).
+    ``model_roots``: where admin GGUF imports may read, besides the defaults and the config's."""
     scheduler = SchedulerConfigSource(scheduler_config or home / SCHEDULER_CONFIG)
     scheduler.load()
     store = SQLiteStore(home / "state.db")
@@ -116,45 +120,8 @@ def make_platform(
         BatchJobs(store, files, send, max_running_jobs=batch_max_jobs),
         request_log,
         config,
+        model_roots,
     )
-
-
-class ApiKeyMiddleware:
-    """401 for every route but the open ones when keys exist and the request has no valid one."""
-
-    def __init__(self, app: Any, keyring: KeyRing) -> None:
-        self.app = app
-        self.keyring = keyring
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or not self.keyring.enabled:
-            await self.app(scope, receive, send)
-            return
-        key = None
-        for name, value in scope["headers"]:
-            if name == b"authorization" and value[:7].lower() == b"bearer ":
-                key = value[7:].decode("latin-1").strip()
-            elif name == b"x-api-key":
-                key = value.decode("latin-1").strip()
-        if self.keyring.verify(key):
-            priority = self.keyring.priority(key)
-            if priority is not None:
-                scope[KEY_PRIORITY_SCOPE] = priority  # the request's class unless its header says
-            await self.app(scope, receive, send)
-            return
-        message = "missing API key" if not key else "invalid API key"
-        body = error_json(AuthenticationError(f"{message}; send 'Authorization: Bearer <key>'"))
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
 
 
 def validation_error(exc: RequestValidationError) -> RequestError:
@@ -264,11 +231,13 @@ def daemon_entry(
     request_log: RequestLog,
 ) -> ASGIApp:
     """The daemon's ASGI entry around ``app``: the request log (outermost, so 401s are
-    logged too), then the API-key check, then the gateway's inference endpoints
+    logged too), then the API-key check (:mod:`kunlun.daemon.auth`: scopes and per-key
+    limits, the defaults from ``gateway``'s scheduler config), then the gateway's inference endpoints
     (:class:`~kunlun.serving.gateway.GatewayEndpoints`), then ``app`` for every other route.
 
     They wrap the FastAPI app from outside, plain ASGI, so an inference request meets no
     framework layer at all: measured with ``benchmarks/gateway.py``, FastAPI's own entry
     and middleware cost about 0.2 ms of the time to first token per request."""
     endpoints = GatewayEndpoints(app, replicas, gateway)
-    return RequestLogMiddleware(ApiKeyMiddleware(endpoints, keyring), request_log)
+    limiter = KeyLimiter(lambda: gateway.scheduler.config.api_keys, gateway.metrics.registry)
+    return RequestLogMiddleware(ApiKeyMiddleware(endpoints, keyring, limiter), request_log)

@@ -32,6 +32,7 @@ from kunlun.paths import kunlun_home
 DEFAULT_PORT = 8470
 DRAIN_TIMEOUT_S = 120.0
 PID_FILE = "kunlun-platform.json"
+MODEL_ROOTS_ENV = "KUNLUN_MODEL_ROOTS"
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, invoke_without_command=True)
 
@@ -180,6 +181,14 @@ def serve(
             help="Batch API jobs that run at once; later ones wait (status 'validating').",
         ),
     ] = MAX_RUNNING_JOBS,
+    model_root: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="A directory GGUF imports through the daemon may read from (repeatable; "
+            "also KUNLUN_MODEL_ROOTS, ':'-separated, and model_roots in "
+            "scheduler_config.yaml; KUNLUN_HOME/models and the demo package always are).",
+        ),
+    ] = None,
 ) -> None:
     """Run the Kunlun Platform daemon in the foreground."""
     if ctx.invoked_subcommand is not None:
@@ -204,7 +213,8 @@ def serve(
         num_backups=request_log_backups,
         flush_interval_s=request_log_flush_s,
     )
-    platform = make_platform(home, config, scheduler_config, log_config, batch_max_jobs)
+    roots = model_roots(model_root or [])
+    platform = make_platform(home, config, scheduler_config, log_config, batch_max_jobs, roots)
     if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:
         raise DaemonError(
             f"refusing to listen on {host} with no API key configured",
@@ -235,6 +245,22 @@ def serve(
     finally:
         pid_path.unlink(missing_ok=True)
     raise SystemExit(0)
+
+
+def model_roots(flags: list[Path]) -> tuple[Path, ...]:
+    """The ``--model-root`` directories and those of ``KUNLUN_MODEL_ROOTS``, resolved; one
+    that is not a directory is a :class:`ConfigError` naming it and where it came from."""
+    sources = [(path, "--model-root") for path in flags]
+    env = os.environ.get(MODEL_ROOTS_ENV, "")
+    sources += [(Path(item), MODEL_ROOTS_ENV) for item in env.split(os.pathsep) if item.strip()]
+    roots = []
+    for path, origin in sources:
+        if not path.expanduser().is_dir():
+            raise ConfigError(
+                f"model root {str(path)!r} is not a directory", location=Location(origin)
+            )
+        roots.append(path.expanduser().resolve())
+    return tuple(roots)
 
 
 def _ensure_demo(platform: Any) -> None:

@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.serving.admission import Admission, Ticket
+from kunlun.serving.key_limits import KEY_TOKENS_SCOPE
 from kunlun.serving.protocol import (
     BodyTooLarge,
     ChatCompletionRequest,
@@ -223,6 +224,9 @@ def respond(scope: Scope, body: bytes, replicas: ReplicaSet, state: GatewayState
     headers = _Headers(scope["headers"])
     try:
         ticket = _ticket(scope, headers, body, replicas, state)
+        charge = scope.get(KEY_TOKENS_SCOPE)  # the key's tokens per minute, when it has a limit
+        if charge is not None:
+            charge.admit(ticket.tokens)
     except KunlunError as exc:
         model = (scope.get("state") or {}).get("model")
         state.metrics.refused(model, model in replicas.models(), exc)  # telemetry

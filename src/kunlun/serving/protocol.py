@@ -13,6 +13,7 @@ The serving errors below extend the project hierarchy (:mod:`kunlun.errors`)::
     ├── ModelNotFound            serving.model_not_found        http 404
     AuthenticationError          serving.invalid_api_key        http 401
     QueueFull                    serving.queue_full             http 429  (Retry-After)
+    RateLimited                  serving.rate_limited           http 429  (Retry-After)
     ServiceUnavailable           serving.unavailable            http 503  (Retry-After)
     WorkerDied                   serving.worker_died            http 502
 
@@ -27,7 +28,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kunlun.engine.sampling_params import SamplingParams
-from kunlun.errors import KunlunError, Location, PromptTooLong, RequestError
+from kunlun.errors import KunlunError, Location, PermissionDenied, PromptTooLong, RequestError
 
 # ---- serving errors ----
 
@@ -68,6 +69,13 @@ class QueueFull(_RetryLater):
     http_status = 429
 
 
+class RateLimited(_RetryLater):
+    """The API key has used its requests or tokens per minute (:mod:`kunlun.serving.key_limits`)."""
+
+    code = "serving.rate_limited"
+    http_status = 429
+
+
 class ServiceUnavailable(_RetryLater):
     """No replica can take the request now (none ready, or the platform is draining)."""
 
@@ -88,6 +96,7 @@ _TYPES = {
     400: "invalid_request_error",
     409: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
@@ -98,6 +107,8 @@ _CODES: dict[type[KunlunError], str] = {
     ModelNotFound: "model_not_found",
     AuthenticationError: "invalid_api_key",
     QueueFull: "rate_limit_exceeded",
+    RateLimited: "rate_limit_exceeded",
+    PermissionDenied: "permission_denied",
     ServiceUnavailable: "service_unavailable",
     WorkerDied: "worker_died",
 }

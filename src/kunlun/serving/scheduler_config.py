@@ -9,6 +9,8 @@ says); every field is optional::
     queue_limits: {high: 256, normal: 256, low: 256}
     sample_max_age_s: 10
     thermal: {limit_c: 85, duration_s: 30, weight_factor: 0.5}
+    api_keys: {rpm: 600, tpm: 100000, allow_ips: [10.0.0.0/8, 127.0.0.1/32]}
+    model_roots: [/srv/models]          # where admin model imports may read
 
 :func:`load_scheduler_config` reports every problem with ``file:line`` and the field (YAML
 line numbers as in ``device-plugin-config.yaml``). :class:`SchedulerConfigSource` holds the
@@ -21,6 +23,7 @@ config in force and logs the error.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import logging
 import os
 import time
@@ -84,6 +87,36 @@ class ThermalConfig(_Strict):
     )
 
 
+class KeyDefaults(_Strict):
+    """Limits of every API key that sets none of its own (``apikey create --rpm/--tpm/
+    --allow-ip``); see :mod:`kunlun.serving.key_limits`."""
+
+    rpm: int | None = Field(
+        default=None, ge=1, le=1_000_000_000, description="Requests per minute per key."
+    )
+    tpm: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000_000,
+        description="Tokens (prompt + completion) per minute per key.",
+    )
+    allow_ips: list[str] | None = Field(
+        default=None,
+        max_length=64,
+        description="Client networks (CIDRs) a key may be used from; absent: any.",
+    )
+
+    @field_validator("allow_ips")
+    @classmethod
+    def _networks(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        try:
+            return [str(ipaddress.ip_network(item, strict=False)) for item in value]
+        except ValueError as exc:
+            raise ValueError(f"not a list of CIDRs such as 10.0.0.0/8: {exc}") from None
+
+
 class SchedulerConfig(_Strict):
     """The gateway's admission and routing settings (defaults when the file is absent)."""
 
@@ -106,6 +139,21 @@ class SchedulerConfig(_Strict):
         description="Device samples older than this are ignored, seconds.",
     )
     thermal: ThermalConfig = Field(default_factory=ThermalConfig)
+    api_keys: KeyDefaults = Field(default_factory=KeyDefaults)
+    model_roots: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Absolute directories admin model imports may read from, besides "
+        "--model-root, KUNLUN_MODEL_ROOTS and the defaults.",
+    )
+
+    @field_validator("model_roots")
+    @classmethod
+    def _absolute(cls, value: list[str]) -> list[str]:
+        for item in value:
+            if not os.path.isabs(item):
+                raise ValueError(f"{item!r} is not an absolute directory")
+        return value
 
     @field_validator("min_gpu_utilization_threshold")
     @classmethod

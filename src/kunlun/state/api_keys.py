@@ -1,18 +1,24 @@
 """API keys: created once and shown once, stored only as SHA-256 hashes, checked in constant time.
 
 A key looks like ``kl-<key_id>-<secret>``. Once any active key exists, every route but
-``/healthz`` and ``/readyz`` requires one. :class:`KeyRing` is the daemon's view: it re-reads
-the store only when another process (``kunlun-cli apikey ...`` working on ``KUNLUN_HOME``
-directly) has changed it.
+``/healthz`` and ``/readyz`` requires one. Each key has a scope (:data:`SCOPES`): ``admin``
+keys may use every route, ``inference`` keys (the default) only the OpenAI API; and,
+optionally, its own requests and tokens per minute and client networks (CIDRs), which
+override the daemon's defaults (:mod:`kunlun.serving.key_limits` enforces them).
+:class:`KeyRing` is the daemon's view: it re-reads the store only when another process
+(``kunlun-cli apikey ...`` working on ``KUNLUN_HOME`` directly) has changed it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import secrets
 import threading
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kunlun.errors import Location, RequestError
 from kunlun.state.store import ApiKeyRecord, StateStore
@@ -25,14 +31,30 @@ def hash_key(secret: str) -> str:
 
 
 PRIORITIES = ("high", "normal", "low")
+SCOPES = ("admin", "inference")
+"""``admin``: every route; ``inference``: the OpenAI API (``/v1/...``, ``/metrics``) only."""
+DEFAULT_SCOPE = "inference"
+MAX_PER_MINUTE = 1_000_000_000
+"""The largest ``rpm`` or ``tpm`` a key may set."""
+MAX_NETWORKS = 64
+"""The most CIDRs in one allow-list."""
 
 
 def create_key(
-    store: StateStore, name: str, priority: str | None = None
+    store: StateStore,
+    name: str,
+    priority: str | None = None,
+    scope: str = DEFAULT_SCOPE,
+    rpm: int | None = None,
+    tpm: int | None = None,
+    allow_ips: Sequence[str] | str | None = None,
 ) -> tuple[ApiKeyRecord, str]:
     """A new key; returns its record and the secret, which is never stored or shown again.
     ``priority`` (high, normal, low) sets the class of the key's requests (overriding the
-    workload's; the ``X-Kunlun-Priority`` header overrides it in turn)."""
+    workload's; the ``X-Kunlun-Priority`` header overrides it in turn). ``scope``: see
+    :data:`SCOPES`. ``rpm``/``tpm``: requests/tokens per minute (None: the daemon's default,
+    0: no limit); ``allow_ips``: CIDRs, as a list or comma-separated (None: the daemon's
+    default). A bad value raises :class:`RequestError` naming the field."""
     name = name.strip()
     if not name or len(name) > 64:
         raise RequestError(f"key name must be 1-64 characters, got {name!r}")
@@ -41,13 +63,65 @@ def create_key(
             f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}",
             location=Location("--priority"),
         )
+    if scope not in SCOPES:
+        raise RequestError(
+            f"scope must be one of {', '.join(SCOPES)}, got {scope!r}",
+            location=Location("--scope"),
+        )
     key_id = secrets.token_hex(4)
     secret = f"{PREFIX}{key_id}-{secrets.token_urlsafe(24)}"
     record = ApiKeyRecord(
-        key_id=key_id, name=name, key_hash=hash_key(secret), created=time.time(), priority=priority
+        key_id=key_id,
+        name=name,
+        key_hash=hash_key(secret),
+        created=time.time(),
+        priority=priority,
+        scope=scope,
+        rpm=check_per_minute(rpm, "--rpm"),
+        tpm=check_per_minute(tpm, "--tpm"),
+        allow_ips=check_networks(allow_ips, "--allow-ip"),
     )
     store.put_api_key(record)
     return record, secret
+
+
+def check_per_minute(value: object, field: str) -> int | None:
+    """``value`` as a per-minute limit (None, or 0 for none, to :data:`MAX_PER_MINUTE`)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_PER_MINUTE:
+        raise RequestError(
+            f"must be a whole number from 0 (no limit) to {MAX_PER_MINUTE}, got {value!r}",
+            location=Location(field),
+        )
+    return value
+
+
+def check_networks(value: Sequence[str] | str | None, field: str) -> list[str] | None:
+    """``value`` (CIDRs, a list or comma-separated) as normalized network strings; a bare
+    address is a /32 (or /128) network. None stays None."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or len(items) > MAX_NETWORKS:
+        raise RequestError(
+            f"must be a list of at most {MAX_NETWORKS} CIDRs, got {value!r}",
+            location=Location(field),
+        )
+    networks = []
+    for item in items:
+        try:
+            if not isinstance(item, str):
+                raise ValueError("not a string")
+            networks.append(str(ipaddress.ip_network(item.strip(), strict=False)))
+        except ValueError as exc:
+            raise RequestError(
+                f"{item!r} is not a network such as 10.0.0.0/8 or 2001:db8::/32 ({exc})",
+                location=Location(field),
+            ) from None
+    if not networks:
+        raise RequestError("no network given", location=Location(field))
+    return networks
 
 
 def revoke_key(store: StateStore, key_id_or_name: str) -> ApiKeyRecord:
@@ -62,14 +136,62 @@ def revoke_key(store: StateStore, key_id_or_name: str) -> ApiKeyRecord:
     return match[0]
 
 
+def describe_key(record: ApiKeyRecord) -> dict[str, object]:
+    """A key as ``apikey list`` and ``GET /api/v1/apikeys`` show it (never its hash)."""
+    return {
+        "key_id": record.key_id,
+        "name": record.name,
+        "created": record.created,
+        "revoked": record.revoked,
+        "priority": record.priority,
+        "scope": record.scope,
+        "rpm": record.rpm,
+        "tpm": record.tpm,
+        "allow_ips": record.allow_ips,
+    }
+
+
+def no_admin_warning(store: StateStore) -> str | None:
+    """A warning when keys exist but none is an active ``admin`` key: then no key may use
+    the admin API through the daemon (only ``kunlun-cli`` on ``KUNLUN_HOME`` can help)."""
+    active = [k for k in store.list_api_keys() if k.revoked is None]
+    if not active or any(k.scope == "admin" for k in active):
+        return None
+    return (
+        "no active key has scope 'admin', so no key can use the admin API (/api/v1: "
+        "workloads, models, keys) through the daemon; create one on the daemon's machine "
+        "with `kunlun-cli apikey create NAME --scope admin`"
+    )
+
+
+@dataclass(frozen=True)
+class ActiveKey:
+    """What the daemon knows of an active key (never its secret)."""
+
+    key_id: str
+    name: str
+    scope: str
+    priority: str | None
+    rpm: int | None
+    tpm: int | None
+    allow_ips: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] | None
+
+    @classmethod
+    def of(cls, record: ApiKeyRecord) -> ActiveKey:
+        networks = None
+        if record.allow_ips is not None:
+            networks = tuple(ipaddress.ip_network(n, strict=False) for n in record.allow_ips)
+        return cls(record.key_id, record.name, record.scope, record.priority, record.rpm,
+                   record.tpm, networks)  # fmt: skip
+
+
 class KeyRing:
-    """The active key hashes, refreshed when the store changes."""
+    """The active keys by hash, refreshed when the store changes."""
 
     def __init__(self, store: StateStore) -> None:
         self._store = store
         self._lock = threading.Lock()
-        self._hashes: list[str] = []
-        self._priorities: dict[str, str] = {}
+        self._keys: dict[str, ActiveKey] = {}
         self._version: object = object()
         self._checked = 0.0
         self.refresh(force=True)
@@ -83,31 +205,30 @@ class KeyRing:
         version = getattr(self._store, "data_version", lambda: None)()
         if not force and version is not None and version == self._version:
             return
-        active = [k for k in self._store.list_api_keys() if k.revoked is None]
-        hashes = [k.key_hash for k in active]
-        priorities = {k.key_hash: k.priority for k in active if k.priority}
+        active = {
+            k.key_hash: ActiveKey.of(k) for k in self._store.list_api_keys() if k.revoked is None
+        }
         with self._lock:
-            self._hashes, self._priorities, self._version = hashes, priorities, version
+            self._keys, self._version = active, version
 
     @property
     def enabled(self) -> bool:
         """Whether any active key exists (then every protected route needs one)."""
         self.refresh()
-        return bool(self._hashes)
+        return bool(self._keys)
 
-    def verify(self, secret: str | None) -> bool:
-        """Constant-time check of ``secret`` against every active key."""
+    def lookup(self, secret: str | None) -> ActiveKey | None:
+        """The active key ``secret`` is, or None; compared in constant time with every one."""
         self.refresh()
         if not secret:
-            return False
-        digest = hash_key(secret)
-        ok = False
-        for h in self._hashes:
-            ok |= hmac.compare_digest(digest, h)
-        return ok
-
-    def priority(self, secret: str | None) -> str | None:
-        """The priority class of a (verified) key, or None when it has none."""
-        if not self._priorities or not secret:
             return None
-        return self._priorities.get(hash_key(secret))
+        digest = hash_key(secret)
+        found = None
+        for key_hash, key in self._keys.items():
+            if hmac.compare_digest(digest, key_hash):
+                found = key
+        return found
+
+    def verify(self, secret: str | None) -> bool:
+        """Whether ``secret`` is an active key."""
+        return self.lookup(secret) is not None

@@ -30,7 +30,8 @@ CREATE TABLE IF NOT EXISTS events (
 CREATE INDEX IF NOT EXISTS events_by_workload ON events(workload_id, id);
 CREATE TABLE IF NOT EXISTS api_keys (
   key_id TEXT PRIMARY KEY, name TEXT NOT NULL, key_hash TEXT NOT NULL, created REAL NOT NULL,
-  revoked REAL, priority TEXT);
+  revoked REAL, priority TEXT, scope TEXT NOT NULL DEFAULT 'inference', rpm INTEGER,
+  tpm INTEGER, allow_ips TEXT);
 CREATE TABLE IF NOT EXISTS models (
   alias TEXT PRIMARY KEY, path TEXT NOT NULL, source TEXT NOT NULL, created REAL NOT NULL,
   meta TEXT NOT NULL);
@@ -102,8 +103,9 @@ class SQLiteStore(StateStore):
 
     # API keys
     def put_api_key(self, record: ApiKeyRecord) -> None:
+        allow_ips = None if record.allow_ips is None else json.dumps(record.allow_ips)
         self._exec(
-            "INSERT OR REPLACE INTO api_keys VALUES (?,?,?,?,?,?)",
+            f"INSERT OR REPLACE INTO api_keys ({_KEY_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
             (
                 record.key_id,
                 record.name,
@@ -111,11 +113,16 @@ class SQLiteStore(StateStore):
                 record.created,
                 record.revoked,
                 record.priority,
+                record.scope,
+                record.rpm,
+                record.tpm,
+                allow_ips,
             ),
         )
 
     def list_api_keys(self) -> list[ApiKeyRecord]:
-        return [ApiKeyRecord(*r) for r in self._exec("SELECT * FROM api_keys ORDER BY created")]
+        rows = self._exec(f"SELECT {_KEY_COLUMNS} FROM api_keys ORDER BY created")
+        return [_api_key(r) for r in rows]
 
     def revoke_api_key(self, key_id: str, when: float) -> bool:
         with self._lock, self._db:
@@ -181,12 +188,32 @@ class SQLiteStore(StateStore):
             self._db.close()
 
 
+_KEY_COLUMNS = "key_id, name, key_hash, created, revoked, priority, scope, rpm, tpm, allow_ips"
+
+
 def _add_missing_columns(db: sqlite3.Connection) -> None:
-    """Bring a state file written by an older version up to the schema above."""
+    """Bring a state file written by an older version up to the schema above.
+
+    Keys made before scopes existed could do everything; they become ``admin`` keys, so an
+    upgrade locks nobody out of the admin API (``kunlun-cli apikey list`` shows their scope;
+    replace them with narrower keys at will). Their limits are the daemon's defaults."""
     columns = {row[1] for row in db.execute("PRAGMA table_info(api_keys)")}
-    if "priority" not in columns:
-        with db:
+    with db:
+        if "priority" not in columns:
             db.execute("ALTER TABLE api_keys ADD COLUMN priority TEXT")
+        if "scope" not in columns:
+            db.execute("ALTER TABLE api_keys ADD COLUMN scope TEXT NOT NULL DEFAULT 'admin'")
+        for name in ("rpm", "tpm"):
+            if name not in columns:
+                db.execute(f"ALTER TABLE api_keys ADD COLUMN {name} INTEGER")
+        if "allow_ips" not in columns:
+            db.execute("ALTER TABLE api_keys ADD COLUMN allow_ips TEXT")
+
+
+def _api_key(row: tuple[Any, ...]) -> ApiKeyRecord:
+    key_id, name, key_hash, created, revoked, priority, scope, rpm, tpm, allow_ips = row
+    return ApiKeyRecord(key_id, name, key_hash, created, revoked, priority, scope, rpm, tpm,
+                        None if allow_ips is None else json.loads(allow_ips))  # fmt: skip
 
 
 def _workload(row: tuple[Any, ...]) -> WorkloadRecord:

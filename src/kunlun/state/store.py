@@ -44,6 +44,14 @@ class ApiKeyRecord:
     revoked: float | None = None
     priority: str | None = None
     """Priority class of the key's requests (high, normal, low); None: the workload's."""
+    scope: str = "inference"
+    """``admin`` (every route) or ``inference`` (the OpenAI API, not ``/api/v1``)."""
+    rpm: int | None = None
+    """Requests per minute; None: the daemon's default; 0: no limit."""
+    tpm: int | None = None
+    """Tokens (prompt + completion) per minute; None: the daemon's default; 0: no limit."""
+    allow_ips: list[str] | None = None
+    """Client networks (CIDRs) the key may be used from; None: the daemon's default."""
 
 
 @dataclass
