@@ -102,6 +102,7 @@ def test_missing_paths_are_clear_errors(args: list[str]) -> None:
     assert proc.returncode == 2
     assert "/nonexistent" in proc.stderr
     assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error [config.invalid] ")  # the code, not a style tag
 
 
 def test_replay_env_variable_is_honoured(tmp_path: Path) -> None:
