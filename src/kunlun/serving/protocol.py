@@ -1,7 +1,11 @@
 """The OpenAI API as Kunlun serves it: request models, sampling mapping, errors.
 
-Requests are pydantic models that ignore unknown fields (as OpenAI's server does) and turn
-into one :class:`SamplingParams` with :meth:`to_sampling_params`. Every error an endpoint
+Requests are pydantic models that turn into one :class:`SamplingParams` with
+:meth:`to_sampling_params`. Nothing a client sends is dropped silently: a field this server
+does not implement (:data:`UNSUPPORTED_FIELDS`: ``tools``, ``response_format``...) is a 400
+naming it, unless its value asks for nothing (``null``, ``[]``, ``{}``, ``"none"``...); an
+unknown field (a typo) is a 400 naming it too; the fields accepted and deliberately ignored
+are declared, each with the reason (:data:`IGNORED_FIELDS`). Every error an endpoint
 answers goes through :func:`error_status_and_body`, the one place that maps a
 :class:`KunlunError` (by its ``http_status``) to the OpenAI error shape::
 
@@ -24,7 +28,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import KunlunError, Location, PromptTooLong, RequestError
@@ -140,22 +144,97 @@ def param_error(param: str, message: str) -> RequestError:
     return RequestError(message, location=Location("request", field=param))
 
 
+# ---- fields not implemented: refused, or ignored on purpose ----
+
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "tools": "tool calling",
+    "tool_choice": "tool calling",
+    "functions": "function calling",
+    "function_call": "function calling",
+    "tool_calls": "tool calling",
+    "tool_call_id": "tool calling",
+    "response_format": "structured output: JSON mode and JSON schema",
+    "logit_bias": "logit bias",
+    "best_of": "best-of sampling",
+    "suffix": "text insertion after the completion",
+    "prediction": "predicted outputs",
+    "audio": "audio output",
+    "modalities": "output modalities other than text",
+    "reasoning_effort": "reasoning models",
+    "web_search_options": "web search",
+    "refusal": "refusal messages",
+}
+"""OpenAI fields this server does not implement, and what they are for: a request that
+uses one gets a 400 naming it (a value that asks for nothing is accepted: see
+:func:`_asks_nothing`)."""
+
+IGNORED_FIELDS: dict[str, str] = {
+    "user": "an end-user id for the provider's abuse monitoring; not recorded",
+    "safety_identifier": "an end-user id for the provider's abuse monitoring; not recorded",
+    "metadata": "tags for stored completions; nothing is stored",
+    "store": "asks the provider to store the completion; nothing is stored",
+    "service_tier": "there is one processing tier",
+    "parallel_tool_calls": "meaningful only with tools, which are refused",
+    "prompt_cache_key": "prefix caching is automatic",
+    "stream_options.include_obfuscation": "no obfuscation padding is added to chunks",
+}
+"""Fields accepted and deliberately ignored (they do not change the answer), and why."""
+
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "tool_choice": ("none", "auto"),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "best_of": (1,),
+    "modalities": (["text"],),
+}
+
+
+def _asks_nothing(field: str, value: Any) -> bool:
+    """Whether an unsupported field's ``value`` asks for nothing (absent in effect)."""
+    return (
+        value is None
+        or value == []
+        or value == {}
+        or value == ""
+        or (value in _NEUTRAL.get(field, ()))
+    )
+
+
+def _without_neutral(data: Any) -> Any:
+    """A request object without the unsupported fields whose values ask for nothing."""
+    if isinstance(data, dict) and not UNSUPPORTED_FIELDS.keys().isdisjoint(data):
+        return {
+            k: v for k, v in data.items() if not (k in UNSUPPORTED_FIELDS and _asks_nothing(k, v))
+        }
+    return data
+
+
+class _Strict(BaseModel):
+    """A request object: unknown and unsupported fields are errors (``extra_forbidden``,
+    which :func:`parse_request` words), unsupported ones that ask for nothing are dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_neutral(cls, data: Any) -> Any:
+        return _without_neutral(data)
+
+
 # ---- requests ----
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class StreamOptions(_Strict):
     include_usage: bool = False
     """Send a last chunk with ``choices: []`` and the request's usage."""
+    include_obfuscation: bool | None = None
+    """Accepted, ignored (:data:`IGNORED_FIELDS`)."""
 
 
-class _CommonRequest(BaseModel):
+class _CommonRequest(_Strict):
     """Fields shared by chat and text completions (OpenAI ranges, plus vLLM-style extras)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -168,7 +247,14 @@ class _CommonRequest(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    # accepted and ignored on purpose (IGNORED_FIELDS says why)
     user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
     # extras (vLLM names)
     top_k: Annotated[int, Field(ge=1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
@@ -202,16 +288,16 @@ class _CommonRequest(BaseModel):
         )
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ContentPart(_Strict):
     type: str
     text: str | None = None
+    # the other part types' payloads: the part is refused by its type (text only)
+    image_url: dict[str, Any] | None = None
+    input_audio: dict[str, Any] | None = None
+    file: dict[str, Any] | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -292,6 +378,10 @@ def parse_request(model: type[_R], body: bytes) -> _R:
         first = errors[0]
         if first["type"] == "json_invalid":
             raise RequestError(f"request body is not valid JSON: {first['msg']}") from None
+        extra = next((e for e in errors if e["type"] == "extra_forbidden"), None)
+        if extra is not None:  # before a union's other members' complaints
+            name = ".".join(str(p) for p in extra["loc"] if not _is_tag(p))
+            raise param_error(name, _extra_message(name)) from None
         field, in_union = _field_path(first["loc"])
         if field is None:
             raise RequestError(f"request body is invalid: {first['msg']}") from None
@@ -304,18 +394,51 @@ def parse_request(model: type[_R], body: bytes) -> _R:
         raise param_error(field, f"{field}{shown} is invalid: {reason}") from None
 
 
+def _extra_message(field: str) -> str:
+    """The error for a field the request models do not declare."""
+    name = field.rsplit(".", 1)[-1]
+    purpose = UNSUPPORTED_FIELDS.get(name)
+    if purpose is not None:
+        return (
+            f"'{field}' is not supported by this server ({purpose} is not implemented); "
+            "remove it, or send null"
+        )
+    return (
+        f"unknown field '{field}'; check its spelling (the fields accepted are listed in "
+        "the README, section 'The OpenAI API')"
+    )
+
+
+def request_sequences(payload: dict[str, Any]) -> tuple[int, int]:
+    """``(prompts, n)`` of a chat or text completion body, as parsed JSON (not validated:
+    a malformed field counts as its default): one request runs ``prompts * n`` sequences.
+    A chat request has one prompt; a completion's ``prompt`` may be a list of prompts."""
+    n = payload.get("n")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        n = 1
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt), n
+    return 1, n
+
+
 def _field_path(loc: tuple[int | str, ...]) -> tuple[str | None, bool]:
     """``messages.0.content`` from a pydantic location, cut at the first union member tag
     (``str``, ``list[int]``...); and whether there was one."""
     parts: list[str] = []
     for part in loc:
-        if isinstance(part, str) and (not part.isidentifier() or part in _TAGS):
+        if _is_tag(part):
             return ".".join(parts) or None, True
         parts.append(str(part))
     return ".".join(parts) or None, False
 
 
 _TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_tag(part: int | str) -> bool:
+    """Whether a pydantic location part names a union member (``str``, ``list[int]``...)."""
+    return isinstance(part, str) and (not part.isidentifier() or part in _TAGS)
 
 
 def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
