@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from datetime import datetime
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import typer
 from rich.table import Table
@@ -17,7 +18,7 @@ from rich.table import Table
 from kunlun.cli.client import DaemonClient
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.paths import kunlun_home
-from kunlun.state.api_keys import create_key, revoke_key
+from kunlun.state.api_keys import create_key, revoke_key, shown_key
 from kunlun.state.sqlite import SQLiteStore
 
 app = typer.Typer(help="API keys: create, list, revoke.", no_args_is_help=True)
@@ -105,11 +106,12 @@ def list_keys(json: Annotated[bool, typer.Option("--json")] = False) -> None:
 
 @app.command()
 @handle_errors
-def revoke(key: Annotated[str, typer.Argument(help="Key id or name.")]) -> None:
-    """Revoke a key by id or name."""
+def revoke(key: Annotated[str, typer.Argument(help="Key id, name or the key itself.")]) -> None:
+    """Revoke a key by id, name or the key itself (a key is never echoed back)."""
     remote = _remote()
     if remote:
-        out = remote.delete(f"/api/v1/apikeys/{key}")
+        path = "/api/v1/apikeys/"
+        out = remote.request("DELETE", path + quote(key, safe=""), shown=path + shown_key(key))
         key_id, name = out["key_id"], out["name"]
     else:
         record = revoke_key(_store(), key)
