@@ -95,7 +95,7 @@ def test_ignored_fields_and_unsupported_ones_that_ask_for_nothing_are_accepted()
 def test_the_documented_lists_of_fields_are_disjoint_and_in_the_readme() -> None:
     from pathlib import Path
 
-    from kunlun.serving.protocol import IGNORED_FIELDS, UNSUPPORTED_FIELDS
+    from kunlun.serving.fields import IGNORED_FIELDS, UNSUPPORTED_FIELDS
 
     assert not IGNORED_FIELDS.keys() & UNSUPPORTED_FIELDS.keys()
     readme = (Path(__file__).parents[2] / "README.md").read_text()

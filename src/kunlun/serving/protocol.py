@@ -2,10 +2,9 @@
 
 Requests are pydantic models that turn into one :class:`SamplingParams` with
 :meth:`to_sampling_params`. Nothing a client sends is dropped silently: a field this server
-does not implement (:data:`UNSUPPORTED_FIELDS`: ``tools``, ``response_format``...) is a 400
-naming it, unless its value asks for nothing (``null``, ``[]``, ``{}``, ``"none"``...); an
-unknown field (a typo) is a 400 naming it too; the fields accepted and deliberately ignored
-are declared, each with the reason (:data:`IGNORED_FIELDS`). Every error an endpoint
+does not implement (``tools``, ``response_format``...) or does not know (a typo) is a 400
+naming it; the fields accepted and deliberately ignored are declared
+(:mod:`kunlun.serving.fields` keeps both lists). Every error an endpoint
 answers goes through :func:`error_status_and_body`, the one place that maps a
 :class:`KunlunError` (by its ``http_status``) to the OpenAI error shape::
 
@@ -28,10 +27,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError
 
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import KunlunError, Location, PromptTooLong, RequestError
+from kunlun.serving.fields import StrictModel, extra_field_message
 
 # ---- serving errors ----
 
@@ -144,96 +144,19 @@ def param_error(param: str, message: str) -> RequestError:
     return RequestError(message, location=Location("request", field=param))
 
 
-# ---- fields not implemented: refused, or ignored on purpose ----
-
-UNSUPPORTED_FIELDS: dict[str, str] = {
-    "tools": "tool calling",
-    "tool_choice": "tool calling",
-    "functions": "function calling",
-    "function_call": "function calling",
-    "tool_calls": "tool calling",
-    "tool_call_id": "tool calling",
-    "response_format": "structured output: JSON mode and JSON schema",
-    "logit_bias": "logit bias",
-    "best_of": "best-of sampling",
-    "suffix": "text insertion after the completion",
-    "prediction": "predicted outputs",
-    "audio": "audio output",
-    "modalities": "output modalities other than text",
-    "reasoning_effort": "reasoning models",
-    "web_search_options": "web search",
-    "refusal": "refusal messages",
-}
-"""OpenAI fields this server does not implement, and what they are for: a request that
-uses one gets a 400 naming it (a value that asks for nothing is accepted: see
-:func:`_asks_nothing`)."""
-
-IGNORED_FIELDS: dict[str, str] = {
-    "user": "an end-user id for the provider's abuse monitoring; not recorded",
-    "safety_identifier": "an end-user id for the provider's abuse monitoring; not recorded",
-    "metadata": "tags for stored completions; nothing is stored",
-    "store": "asks the provider to store the completion; nothing is stored",
-    "service_tier": "there is one processing tier",
-    "parallel_tool_calls": "meaningful only with tools, which are refused",
-    "prompt_cache_key": "prefix caching is automatic",
-    "stream_options.include_obfuscation": "no obfuscation padding is added to chunks",
-}
-"""Fields accepted and deliberately ignored (they do not change the answer), and why."""
-
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tool_choice": ("none", "auto"),
-    "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
-    "best_of": (1,),
-    "modalities": (["text"],),
-}
-
-
-def _asks_nothing(field: str, value: Any) -> bool:
-    """Whether an unsupported field's ``value`` asks for nothing (absent in effect)."""
-    return (
-        value is None
-        or value == []
-        or value == {}
-        or value == ""
-        or (value in _NEUTRAL.get(field, ()))
-    )
-
-
-def _without_neutral(data: Any) -> Any:
-    """A request object without the unsupported fields whose values ask for nothing."""
-    if isinstance(data, dict) and not UNSUPPORTED_FIELDS.keys().isdisjoint(data):
-        return {
-            k: v for k, v in data.items() if not (k in UNSUPPORTED_FIELDS and _asks_nothing(k, v))
-        }
-    return data
-
-
-class _Strict(BaseModel):
-    """A request object: unknown and unsupported fields are errors (``extra_forbidden``,
-    which :func:`parse_request` words), unsupported ones that ask for nothing are dropped."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_neutral(cls, data: Any) -> Any:
-        return _without_neutral(data)
-
-
 # ---- requests ----
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
     """Send a last chunk with ``choices: []`` and the request's usage."""
     include_obfuscation: bool | None = None
     """Accepted, ignored (:data:`IGNORED_FIELDS`)."""
 
 
-class _CommonRequest(_Strict):
+class _CommonRequest(StrictModel):
     """Fields shared by chat and text completions (OpenAI ranges, plus vLLM-style extras)."""
 
     model: str
@@ -288,7 +211,7 @@ class _CommonRequest(_Strict):
         )
 
 
-class ContentPart(_Strict):
+class ContentPart(StrictModel):
     type: str
     text: str | None = None
     # the other part types' payloads: the part is refused by its type (text only)
@@ -297,7 +220,7 @@ class ContentPart(_Strict):
     file: dict[str, Any] | None = None
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -381,7 +304,7 @@ def parse_request(model: type[_R], body: bytes) -> _R:
         extra = next((e for e in errors if e["type"] == "extra_forbidden"), None)
         if extra is not None:  # before a union's other members' complaints
             name = ".".join(str(p) for p in extra["loc"] if not _is_tag(p))
-            raise param_error(name, _extra_message(name)) from None
+            raise param_error(name, extra_field_message(name)) from None
         field, in_union = _field_path(first["loc"])
         if field is None:
             raise RequestError(f"request body is invalid: {first['msg']}") from None
@@ -392,21 +315,6 @@ def parse_request(model: type[_R], body: bytes) -> _R:
         if in_union and last in _FORMS:
             reason = f"expected {_FORMS[last]}"
         raise param_error(field, f"{field}{shown} is invalid: {reason}") from None
-
-
-def _extra_message(field: str) -> str:
-    """The error for a field the request models do not declare."""
-    name = field.rsplit(".", 1)[-1]
-    purpose = UNSUPPORTED_FIELDS.get(name)
-    if purpose is not None:
-        return (
-            f"'{field}' is not supported by this server ({purpose} is not implemented); "
-            "remove it, or send null"
-        )
-    return (
-        f"unknown field '{field}'; check its spelling (the fields accepted are listed in "
-        "the README, section 'The OpenAI API')"
-    )
 
 
 def request_sequences(payload: dict[str, Any]) -> tuple[int, int]:
