@@ -134,6 +134,27 @@ def test_a_broken_path_recovers_once_it_can_be_written(
     assert "writing" in capsys.readouterr().err
 
 
+def test_no_entry_stops_the_writer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "requests.jsonl"
+    log = RequestLog(path, RequestLogConfig(flush_interval_s=0.05))
+    log.write({**entry(1), "model": "\ud800"})  # a lone surrogate: UTF-8 cannot encode it
+    log.write({**entry(2), "model": object()})  # JSON cannot hold this at all
+    log.write(entry(3))
+    wait_until(lambda: log.num_written == 2)  # by the writer thread, which is still alive
+    for n in range(4, 8):
+        log.write({**entry(n), "model": "\udc80" if n % 2 else object()})
+    log.write(entry(8))
+    wait_until(lambda: ids_in(path)[-1:] == ["r8"])
+    log.close()
+    lines = [json.loads(line) for line in path.read_bytes().splitlines()]
+    assert [e["request_id"] for e in lines] == ["r1", "r3", "r5", "r7", "r8"]
+    assert lines[0]["model"] == "\ud800"  # written as its escape, read back the same
+    assert (log.num_written, log.num_dropped, log.num_unwritable) == (5, 3, 3)
+    err = capsys.readouterr().err
+    assert err.count("request log: an entry cannot be written") == 1
+    assert "later entries are written" in err
+
+
 def test_sigterm_writes_every_queued_entry(tmp_path: Path) -> None:
     """A real daemon (no model: the /v1 requests need none) with a flush interval far longer
     than the test: every entry is still queued when SIGTERM arrives, and all are on disk

@@ -36,7 +36,7 @@ def completion(**fields: object) -> CompletionRequest:
 def test_chat_maps_to_sampling_params() -> None:
     params = chat(
         max_tokens=5, max_completion_tokens=7, temperature=0, stop="\n", seed=3, n=2,
-        logprobs=True, top_logprobs=4, top_k=10, ignore_eos=True, unknown_field={"x": 1},
+        logprobs=True, top_logprobs=4, top_k=10, ignore_eos=True,
     ).to_sampling_params()  # fmt: skip
     assert (params.max_tokens, params.temperature, params.stop, params.seed) == (7, 0, ["\n"], 3)
     assert (params.n, params.logprobs, params.top_k, params.ignore_eos) == (2, 4, 10, True)
@@ -44,6 +44,64 @@ def test_chat_maps_to_sampling_params() -> None:
     defaults = chat().to_sampling_params()
     assert (defaults.temperature, defaults.top_p, defaults.logprobs) == (1.0, 1.0, None)
     assert chat(logprobs=True).to_sampling_params().logprobs == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "text"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
+        ({"tool_choice": "required"}, "tool_choice", "tool calling"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "structured output"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias", "logit bias"),
+        ({"functions": [{"name": "f"}]}, "functions", "function calling"),
+        ({"temprature": 0.5}, "temprature", "unknown field 'temprature'"),
+        ({"stream": True, "stream_options": {"include_usage": True, "x": 1}},
+         "stream_options.x", "unknown field"),
+        ({"messages": [{"role": "assistant", "content": "a", "tool_calls": [{"id": "c"}]}]},
+         "messages.0.tool_calls", "not supported"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "x": 1}]}]},
+         "messages.0.content.0.x", "unknown field"),
+    ],
+)  # fmt: skip
+def test_unimplemented_and_unknown_fields_are_refused_by_name(
+    fields: dict[str, object], param: str, text: str
+) -> None:
+    with pytest.raises(RequestError) as caught:
+        chat(**fields)
+    status, body, _ = error_status_and_body(caught.value)
+    assert (status, body["error"]["param"]) == (400, param)
+    assert text in body["error"]["message"] and param in body["error"]["message"]
+
+
+def test_completion_only_fields_are_refused_by_name() -> None:
+    for fields, param in (({"best_of": 3}, "best_of"), ({"suffix": "end"}, "suffix")):
+        with pytest.raises(RequestError) as caught:
+            completion(**fields)
+        assert caught.value.location == Location("request", field=param)
+
+
+def test_ignored_fields_and_unsupported_ones_that_ask_for_nothing_are_accepted() -> None:
+    request = chat(
+        user="u1", metadata={"k": "v"}, store=False, service_tier="auto", safety_identifier="s",
+        prompt_cache_key="p", parallel_tool_calls=True, tools=[], tool_choice="none",
+        functions=None, response_format={"type": "text"}, logit_bias={}, stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False},
+        messages=[{"role": "assistant", "content": "a", "tool_calls": [], "refusal": None}],
+    )  # fmt: skip
+    assert request.include_usage and request.to_sampling_params().n == 1
+    assert completion(best_of=1, suffix=None, user="u").prompts() == ["hi"]
+
+
+def test_the_documented_lists_of_fields_are_disjoint_and_in_the_readme() -> None:
+    from pathlib import Path
+
+    from kunlun.serving.fields import IGNORED_FIELDS, UNSUPPORTED_FIELDS
+
+    assert not IGNORED_FIELDS.keys() & UNSUPPORTED_FIELDS.keys()
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("## The OpenAI API", 1)[1].split("\n## ", 1)[0]
+    for name in (*IGNORED_FIELDS, *UNSUPPORTED_FIELDS):
+        assert f"`{name}`" in section, name
 
 
 def test_chat_content_parts_and_roles() -> None:

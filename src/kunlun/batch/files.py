@@ -4,7 +4,9 @@ The bytes live under ``KUNLUN_HOME/files/<file_id>``, the records in the state s
 upload with purpose ``batch`` is checked line by line before it is accepted: each line is
 ``{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
 "body": {...}}`` with unique ``custom_id`` values; a bad file is refused with the line and field
-of each problem (a 400), so a batch never starts on input it cannot run.
+of each problem (a 400), so a batch never starts on input it cannot run. Lines are read with
+:func:`kunlun.json_text.loads`: nesting deeper than its limit, or text UTF-8 cannot hold (a
+lone surrogate in ``custom_id`` or the body), is such a problem.
 
 A file may expire (OpenAI's ``expires_after``: anchor ``created_at``, 3600 to 2592000
 seconds; a batch's ``output_expires_after`` for the files it writes). From that moment it is
@@ -15,7 +17,6 @@ expiry a file stays until it is deleted.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import time
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from kunlun import json_text
 from kunlun.batch.inputs import CHAT_COMPLETIONS, COMPLETIONS
 from kunlun.errors import Location, RequestError
 from kunlun.state.store import FileRecord, StateStore
@@ -80,10 +82,7 @@ def parse_line(raw: bytes, number: int, source: str) -> BatchLine:
     def bad(message: str, field: str | None = None) -> RequestError:
         return RequestError(message, location=Location(source, number, field))
 
-    try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise bad(f"not valid JSON: {exc}") from None
+    data = json_text.loads(raw, source, number)  # bounded nesting, UTF-8 text
     if not isinstance(data, dict):
         raise bad(f"a line must be a JSON object, got {type(data).__name__}")
     custom_id = data.get("custom_id")

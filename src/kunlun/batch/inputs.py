@@ -10,12 +10,12 @@ skipped.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kunlun.errors import ConfigError, Location
+from kunlun import json_text
+from kunlun.errors import ConfigError, Location, RequestError
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -86,9 +86,9 @@ class _Bad(Exception):
 
 def _parse(raw: bytes, number: int, first_line: dict[str, int]) -> BatchRequest:
     try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise _Bad(f"not valid JSON: {exc}") from None
+        data = json_text.loads(raw)  # bounded nesting, UTF-8 text
+    except RequestError as exc:
+        raise _Bad(exc.message) from None
     if not isinstance(data, dict):
         raise _Bad(f"a line must be a JSON object, got {type(data).__name__}")
     request_id = data.pop("id", None)

@@ -253,6 +253,7 @@ class BatchJobs:
         except Exception as exc:  # a bug or a broken disk: fail this job, keep the daemon
             if isinstance(exc, ExceptionGroup):  # from the workers' task group
                 exc = exc.exceptions[0]
+            self._keep_written(record)
             self._fail(record, [batch_error("internal_error", f"{type(exc).__name__}: {exc}")])
         finally:
             if record.status in TERMINAL:
@@ -434,6 +435,30 @@ class BatchJobs:
         setattr(record, f"{final}_at", now)
         self.store.put_batch(record)
         print(f"batch {record.batch_id}: {final} {counts}", flush=True)
+
+    def _keep_written(self, record: BatchRecord) -> None:
+        """Before a job fails on an internal error: register the output and error files that
+        hold lines (so what was answered can still be read) and remove the empty ones, so
+        no unregistered file is left behind."""
+        for name in ("output_file_id", "error_file_id"):
+            file_id = getattr(record, name)
+            if file_id is None:
+                continue
+            path = self.files.path(file_id)
+            try:
+                if path.exists() and path.stat().st_size > 0:
+                    kind = "output" if name == "output_file_id" else "error"
+                    self.files.register(
+                        file_id,
+                        f"{record.batch_id}_{kind}.jsonl",
+                        "batch_output",
+                        record.output_expires_after_s,
+                    )
+                    continue
+                path.unlink(missing_ok=True)
+            except OSError as exc:  # a broken disk: say so, the job still fails cleanly
+                print(f"batch {record.batch_id}: cannot keep {path}: {exc}", flush=True)
+            setattr(record, name, None)
 
     def _fail(self, record: BatchRecord, errors: list[dict[str, Any]]) -> None:
         record.errors = errors

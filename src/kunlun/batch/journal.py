@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kunlun.errors import KunlunError, Location
+from kunlun.json_text import dumps_line
 
 
 class JournalCorrupt(KunlunError):
@@ -66,7 +67,7 @@ class Journal:
         """Write ``record`` as one line and fsync it (in a thread, so the event loop keeps
         serving). False, and nothing written, when its id is already recorded."""
         record_id = str(record[self.key])
-        data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        data = dumps_line(record)  # any text encodes (a lone surrogate as its escape)
         async with self._lock:
             if record_id in self.ids:
                 return False

@@ -96,7 +96,7 @@ def answer_line(
     """The output (2xx) or error file line of an answered request."""
     try:
         payload: Any = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser: kept as text
         payload = body.decode("utf-8", errors="replace")
     return {
         "id": _request_line_id(),

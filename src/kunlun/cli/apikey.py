@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from datetime import datetime
 from typing import Annotated, Any
+from urllib.parse import quote
 
 import typer
 from rich.table import Table
@@ -24,6 +25,7 @@ from kunlun.state.api_keys import (
     describe_key,
     no_admin_warning,
     revoke_key,
+    shown_key,
 )
 from kunlun.state.sqlite import SQLiteStore
 
@@ -147,11 +149,12 @@ def _limit(value: int | None) -> str:
 
 @app.command()
 @handle_errors
-def revoke(key: Annotated[str, typer.Argument(help="Key id or name.")]) -> None:
-    """Revoke a key by id or name."""
+def revoke(key: Annotated[str, typer.Argument(help="Key id, name or the key itself.")]) -> None:
+    """Revoke a key by id, name or the key itself (a key is never echoed back)."""
     remote = _remote()
     if remote:
-        out = remote.delete(f"/api/v1/apikeys/{key}")
+        path = "/api/v1/apikeys/"
+        out = remote.request("DELETE", path + quote(key, safe=""), shown=path + shown_key(key))
         key_id, name = out["key_id"], out["name"]
     else:
         record = revoke_key(_store(), key)

@@ -49,15 +49,18 @@ class DaemonClient:
             headers["Authorization"] = f"Bearer {os.environ['KUNLUN_API_KEY']}"
         self._http = httpx.Client(base_url=self.endpoint, headers=headers, timeout=timeout)
 
-    def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        """The JSON answer of ``method path``; clear errors for failures."""
-        return self._send(method, path, **kwargs).json()
+    def request(self, method: str, path: str, *, shown: str | None = None, **kwargs: Any) -> Any:
+        """The JSON answer of ``method path``; clear errors for failures, which name the
+        path as ``shown`` when given (a path that holds a secret)."""
+        return self._send(method, path, shown=shown, **kwargs).json()
 
     def get_text(self, path: str) -> str:
         """The text answer of ``GET path`` (e.g. the Prometheus exposition of ``/metrics``)."""
         return self._send("GET", path).text
 
-    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _send(
+        self, method: str, path: str, *, shown: str | None = None, **kwargs: Any
+    ) -> httpx.Response:
         try:
             resp = self._http.request(method, path, **kwargs)
         except httpx.TransportError as exc:
@@ -72,7 +75,7 @@ class DaemonClient:
             except (ValueError, KeyError, TypeError):
                 message, code = resp.text[:500], None
             failure = DaemonRequestFailed(
-                f"{method} {path} -> {resp.status_code}: {message}",
+                f"{method} {shown or path} -> {resp.status_code}: {message}",
                 hint="set KUNLUN_API_KEY to a valid key" if resp.status_code == 401 else None,
             )
             failure.exit_code = 2 if resp.status_code in (400, 404, 422) else 1

@@ -37,6 +37,7 @@ from kunlun.batch.jobs import MAX_RUNNING_JOBS, BatchJobs
 from kunlun.daemon.admin import admin_router
 from kunlun.daemon.auth import ApiKeyMiddleware
 from kunlun.daemon.batch_api import batch_router, gateway_app, in_process_sender
+from kunlun.daemon.body_check import JsonBodyCheck
 from kunlun.daemon.request_log import RequestLog, RequestLogConfig, RequestLogMiddleware
 from kunlun.device.inventory import Inventory, build_inventory
 from kunlun.errors import KunlunError, Location, RequestError
@@ -232,12 +233,13 @@ def daemon_entry(
 ) -> ASGIApp:
     """The daemon's ASGI entry around ``app``: the request log (outermost, so 401s are
     logged too), then the API-key check (:mod:`kunlun.daemon.auth`: scopes and per-key
-    limits, the defaults from ``gateway``'s scheduler config), then the gateway's inference endpoints
-    (:class:`~kunlun.serving.gateway.GatewayEndpoints`), then ``app`` for every other route.
+    limits, the defaults from ``gateway``'s scheduler config), then the gateway's inference
+    endpoints (:class:`~kunlun.serving.gateway.GatewayEndpoints`), then, for every other
+    route, the JSON body check (:class:`~kunlun.daemon.body_check.JsonBodyCheck`) and ``app``.
 
     They wrap the FastAPI app from outside, plain ASGI, so an inference request meets no
     framework layer at all: measured with ``benchmarks/gateway.py``, FastAPI's own entry
     and middleware cost about 0.2 ms of the time to first token per request."""
-    endpoints = GatewayEndpoints(app, replicas, gateway)
+    endpoints = GatewayEndpoints(JsonBodyCheck(app), replicas, gateway)
     limiter = KeyLimiter(lambda: gateway.scheduler.config.api_keys, gateway.metrics.registry)
     return RequestLogMiddleware(ApiKeyMiddleware(endpoints, keyring, limiter), request_log)

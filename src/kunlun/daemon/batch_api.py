@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
@@ -161,6 +162,10 @@ def gateway_app(replicas: ReplicaSet, state: GatewayState) -> FastAPI:
     return app
 
 
+_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
+"""Printable ASCII but ``%``: what a request id keeps as is in its header."""
+
+
 def in_process_sender(app: ASGIApp) -> Send:
     """A :data:`~kunlun.batch.jobs.Send` that calls ``app`` directly (no socket)."""
     client = httpx.AsyncClient(
@@ -168,7 +173,8 @@ def in_process_sender(app: ASGIApp) -> Send:
     )
 
     async def send(path: str, body: bytes, request_id: str) -> Reply:
-        headers = {"content-type": "application/json", "x-request-id": request_id}
+        # a header is ASCII: a custom_id in other scripts travels percent-encoded
+        headers = {"content-type": "application/json", "x-request-id": quote(request_id, _SAFE)}
         resp = await client.post(path, content=body, headers=headers)
         return Reply(resp.status_code, resp.headers, resp.content)
 

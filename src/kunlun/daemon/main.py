@@ -28,6 +28,7 @@ from kunlun.cli.output import console, handle_errors
 from kunlun.daemon.request_log import RequestLogConfig
 from kunlun.errors import ConfigError, KunlunError, Location
 from kunlun.paths import kunlun_home
+from kunlun.serving.limits import DEFAULT_MAX_SEQUENCES
 
 DEFAULT_PORT = 8470
 DRAIN_TIMEOUT_S = 120.0
@@ -189,6 +190,14 @@ def serve(
             "scheduler_config.yaml; KUNLUN_HOME/models and the demo package always are).",
         ),
     ] = None,
+    max_sequences_per_request: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            envvar="KUNLUN_MAX_SEQUENCES_PER_REQUEST",
+            help="Most sequences one inference request may ask for (prompts x n); more: 400.",
+        ),
+    ] = DEFAULT_MAX_SEQUENCES,
 ) -> None:
     """Run the Kunlun Platform daemon in the foreground."""
     if ctx.invoked_subcommand is not None:
@@ -215,6 +224,7 @@ def serve(
     )
     roots = model_roots(model_root or [])
     platform = make_platform(home, config, scheduler_config, log_config, batch_max_jobs, roots)
+    platform.gateway.max_sequences_per_request = max_sequences_per_request
     if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:
         raise DaemonError(
             f"refusing to listen on {host} with no API key configured",

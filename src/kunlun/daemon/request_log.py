@@ -16,14 +16,20 @@ shutdown, after the SIGTERM drain) writes whatever is left. Past
 ``requests.jsonl.1``, ``.1`` becomes ``.2``, ... and the oldest beyond
 :attr:`RequestLogConfig.num_backups` is removed. A failing write (disk full, permissions)
 never reaches a request: it is reported once on stderr with the path and errno, the entries
-of that batch are dropped and counted, and writing resumes when the disk allows.
+of that batch are dropped and counted, and writing resumes when the disk allows. No entry
+can stop the writer: text UTF-8 cannot hold (a lone surrogate from a client) is written as
+its ``\\uXXXX`` escape (:func:`~kunlun.json_text.dumps_line`), and an entry JSON cannot
+hold at all is dropped, counted and reported once; the entries after it are written.
+
+A request whose client disconnected before its answer was complete (while it waited in the
+gateway's queue, or in the middle of a stream) is logged with ``status`` 499 (client closed
+request), whatever status line had already been sent.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import sys
 import threading
@@ -34,6 +40,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kunlun.json_text import dumps_line
+from kunlun.serving.limits import CLIENT_GONE
 
 PREFIX = "/v1/"
 
@@ -64,7 +73,9 @@ class RequestLog:
         self.num_written = 0
         """Entries written so far."""
         self.num_dropped = 0
-        """Entries lost to write errors or a full queue."""
+        """Entries lost to write errors, a full queue or a value JSON cannot hold."""
+        self.num_unwritable = 0
+        """Entries dropped because JSON cannot hold one of their values (reported once)."""
         self._pending: deque[dict[str, Any]] = deque()
         """Appended by :meth:`write`, drained by the writer (a deque: both thread-safe)."""
         self._wake = threading.Event()
@@ -78,6 +89,8 @@ class RequestLog:
         self._size = 0
         self._failing = False
         """A write failed and was reported; the next success says so and clears it."""
+        self._broken = False
+        """An unexpected error was reported (once)."""
 
     def write(self, entry: dict[str, Any]) -> None:
         """Queue one entry (cheap: a deque append; no lock, no encoding, no I/O here)."""
@@ -130,11 +143,29 @@ class RequestLog:
         with self._io_lock:
             pending = self._pending
             entries = [pending.popleft() for _ in range(len(pending))]
-            if entries:
+            if not entries:
+                return
+            try:
                 self._write_entries(entries)
+            except Exception as exc:  # a bug must not stop the writer: report, count, go on
+                self.num_dropped += len(entries)
+                self._close_file()
+                if not self._broken:
+                    self._broken = True
+                    print(
+                        f"request log: writing {self.path} failed ({type(exc).__name__}: "
+                        f"{exc}); {len(entries)} entries dropped, writing goes on",
+                        file=sys.stderr,
+                        flush=True,
+                    )
 
     def _write_entries(self, entries: list[dict[str, Any]]) -> None:
-        lines = [json.dumps(e, ensure_ascii=False).encode() + b"\n" for e in entries]
+        lines = []
+        for entry in entries:
+            try:
+                lines.append(dumps_line(entry))
+            except (TypeError, ValueError) as exc:  # a value JSON cannot hold: drop this one
+                self._drop_unwritable(entry, exc)
         try:
             self._append(lines)
         except OSError as exc:
@@ -153,6 +184,19 @@ class RequestLog:
         if self._failing:
             self._failing = False
             print(f"request log: writing {self.path} again", file=sys.stderr, flush=True)
+
+    def _drop_unwritable(self, entry: dict[str, Any], exc: Exception) -> None:
+        """Count an entry that cannot be written as JSON; report the first one."""
+        self.num_dropped += 1
+        self.num_unwritable += 1
+        if self.num_unwritable == 1:
+            print(
+                f"request log: an entry cannot be written to {self.path} and is dropped "
+                f"({type(exc).__name__}: {exc}; keys {sorted(entry)}); later entries are "
+                "written, further such entries are only counted",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _append(self, lines: list[bytes]) -> None:
         """Write ``lines`` in as few writes as rotation allows, then fsync."""
@@ -224,17 +268,29 @@ class RequestLogMiddleware:
         started = time.monotonic()
         status: int | None = None
         request_id = _header(scope.get("headers", ()), b"x-request-id")
+        complete = left = False
 
         async def logged_send(message: Message) -> None:
-            nonlocal status, request_id
+            nonlocal status, request_id, complete
             if message["type"] == "http.response.start":
                 status = message["status"]
                 request_id = _header(message.get("headers", ()), b"x-request-id") or request_id
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                complete = True
             await send(message)
 
+        async def watched_receive() -> Message:
+            nonlocal left
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                left = True
+            return message
+
         try:
-            await self.app(scope, receive, logged_send)
+            await self.app(scope, watched_receive, logged_send)
         finally:
+            if left and not complete:
+                status = CLIENT_GONE
             self.log.write(
                 {
                     "ts": round(time.time(), 3),

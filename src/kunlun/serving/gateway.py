@@ -5,8 +5,11 @@
 the :class:`GatewayEndpoints` middleware, ahead of the app's routing). For each request it
 reads the ``model`` (and, for the load estimate, ``max_tokens`` and ``n``), the
 ``X-Kunlun-Priority`` and ``X-Kunlun-Pool`` headers, and either refuses it in the OpenAI
-error shape (a bad priority header 400, unknown model or pool 404 listing the served ones,
-nothing ready or draining 503, a body over :data:`MAX_BODY_BYTES` 413) or answers with a
+error shape (400: a body nested too deep or holding text UTF-8 cannot hold
+(:func:`kunlun.json_text.loads`), more sequences than
+:attr:`GatewayState.max_sequences_per_request`, a bad priority header; unknown model or pool
+404 listing the served ones, nothing ready or draining 503, a body over
+:data:`MAX_BODY_BYTES` 413) or answers with a
 :class:`~kunlun.serving.relay.Relay`, which admits it to a replica with a free slot or holds
 it in the gateway's fair queue (:mod:`~kunlun.serving.admission`, replica choice by
 :mod:`~kunlun.serving.routing`; a full class queue is 429 with ``Retry-After``) and relays
@@ -19,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import os
 import signal
@@ -31,9 +33,11 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kunlun.errors import KunlunError, Location, RequestError
+from kunlun import json_text
+from kunlun.errors import KunlunError, Location
 from kunlun.serving.admission import Admission, Ticket
 from kunlun.serving.key_limits import KEY_TOKENS_SCOPE
+from kunlun.serving.limits import DEFAULT_MAX_SEQUENCES
 from kunlun.serving.protocol import (
     BodyTooLarge,
     ChatCompletionRequest,
@@ -43,6 +47,7 @@ from kunlun.serving.protocol import (
     error_status_and_body,
     openapi_body,
     param_error,
+    request_sequences,
 )
 from kunlun.serving.relay import Relay
 from kunlun.serving.replica import ReplicaSet
@@ -94,6 +99,9 @@ class GatewayState:
     """How long to wait for a worker to accept a connection."""
     num_active: int = 0
     """Requests admitted or waiting and not yet answered, over all replicas (for draining)."""
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES
+    """Most sequences (prompts x ``n``) one request may ask for; more is a 400
+    (``kunlun-platform --max-sequences-per-request``)."""
     scheduler: SchedulerConfigSource = field(default_factory=SchedulerConfigSource)
     """``scheduler_config.yaml`` in force (reloaded when the file changes, and on SIGHUP)."""
     samples: DeviceSamples = field(default_factory=DeviceSamples)
@@ -261,14 +269,12 @@ def _ticket(
     scope: Scope, headers: _Headers, body: bytes, replicas: ReplicaSet, state: GatewayState
 ) -> Ticket:
     """What admission needs to know of a request, or the error that refuses it at once."""
-    try:
-        payload = json.loads(body)
-    except ValueError as exc:
-        raise RequestError(f"request body is not valid JSON: {exc}") from None
+    payload = json_text.loads(body)  # bounded nesting, UTF-8 text (else 400)
     model = payload.get("model") if isinstance(payload, dict) else None
     if not isinstance(model, str):
         raise param_error("model", "the request has no model name (field 'model')")
     scope.setdefault("state", {})["model"] = model  # for the request log and the metrics
+    _check_sequences(payload, state.max_sequences_per_request)
     if headers.priority is not None:
         resolve_priority(headers.priority, None, "normal")  # a bad value is a 400 first
     if state.draining:
@@ -295,6 +301,17 @@ def _ticket(
         headers.priority, scope.get(KEY_PRIORITY_SCOPE), first_ready.priority
     )
     return Ticket(model, priority, pool, _token_estimate(payload, len(body)))
+
+
+def _check_sequences(payload: dict[str, Any], limit: int) -> None:
+    """Refuse (400) a request that asks for more than ``limit`` sequences (prompts x n)."""
+    num_prompts, n = request_sequences(payload)
+    if num_prompts * n > limit:
+        raise param_error(
+            "n" if n > 1 else "prompt",
+            f"the request asks for {num_prompts * n} sequences ({num_prompts} prompt(s) x "
+            f"n={n}); at most {limit} are run per request (--max-sequences-per-request)",
+        )
 
 
 def _refuse_pool(model: str, pool: str, replicas: ReplicaSet, state: GatewayState) -> None:

@@ -1,7 +1,10 @@
 """The OpenAI API as Kunlun serves it: request models, sampling mapping, errors.
 
-Requests are pydantic models that ignore unknown fields (as OpenAI's server does) and turn
-into one :class:`SamplingParams` with :meth:`to_sampling_params`. Every error an endpoint
+Requests are pydantic models that turn into one :class:`SamplingParams` with
+:meth:`to_sampling_params`. Nothing a client sends is dropped silently: a field this server
+does not implement (``tools``, ``response_format``...) or does not know (a typo) is a 400
+naming it; the fields accepted and deliberately ignored are declared
+(:mod:`kunlun.serving.fields` keeps both lists). Every error an endpoint
 answers goes through :func:`error_status_and_body`, the one place that maps a
 :class:`KunlunError` (by its ``http_status``) to the OpenAI error shape::
 
@@ -25,10 +28,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import KunlunError, Location, PermissionDenied, PromptTooLong, RequestError
+from kunlun.serving.fields import StrictModel, extra_field_message
 
 # ---- serving errors ----
 
@@ -156,17 +160,15 @@ def param_error(param: str, message: str) -> RequestError:
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class StreamOptions(StrictModel):
     include_usage: bool = False
     """Send a last chunk with ``choices: []`` and the request's usage."""
+    include_obfuscation: bool | None = None
+    """Accepted, ignored (:data:`IGNORED_FIELDS`)."""
 
 
-class _CommonRequest(BaseModel):
+class _CommonRequest(StrictModel):
     """Fields shared by chat and text completions (OpenAI ranges, plus vLLM-style extras)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -179,7 +181,14 @@ class _CommonRequest(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    # accepted and ignored on purpose (IGNORED_FIELDS says why)
     user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
     # extras (vLLM names)
     top_k: Annotated[int, Field(ge=1)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
@@ -213,16 +222,16 @@ class _CommonRequest(BaseModel):
         )
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ContentPart(StrictModel):
     type: str
     text: str | None = None
+    # the other part types' payloads: the part is refused by its type (text only)
+    image_url: dict[str, Any] | None = None
+    input_audio: dict[str, Any] | None = None
+    file: dict[str, Any] | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -303,6 +312,10 @@ def parse_request(model: type[_R], body: bytes) -> _R:
         first = errors[0]
         if first["type"] == "json_invalid":
             raise RequestError(f"request body is not valid JSON: {first['msg']}") from None
+        extra = next((e for e in errors if e["type"] == "extra_forbidden"), None)
+        if extra is not None:  # before a union's other members' complaints
+            name = ".".join(str(p) for p in extra["loc"] if not _is_tag(p))
+            raise param_error(name, extra_field_message(name)) from None
         field, in_union = _field_path(first["loc"])
         if field is None:
             raise RequestError(f"request body is invalid: {first['msg']}") from None
@@ -315,18 +328,36 @@ def parse_request(model: type[_R], body: bytes) -> _R:
         raise param_error(field, f"{field}{shown} is invalid: {reason}") from None
 
 
+def request_sequences(payload: dict[str, Any]) -> tuple[int, int]:
+    """``(prompts, n)`` of a chat or text completion body, as parsed JSON (not validated:
+    a malformed field counts as its default): one request runs ``prompts * n`` sequences.
+    A chat request has one prompt; a completion's ``prompt`` may be a list of prompts."""
+    n = payload.get("n")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        n = 1
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt), n
+    return 1, n
+
+
 def _field_path(loc: tuple[int | str, ...]) -> tuple[str | None, bool]:
     """``messages.0.content`` from a pydantic location, cut at the first union member tag
     (``str``, ``list[int]``...); and whether there was one."""
     parts: list[str] = []
     for part in loc:
-        if isinstance(part, str) and (not part.isidentifier() or part in _TAGS):
+        if _is_tag(part):
             return ".".join(parts) or None, True
         parts.append(str(part))
     return ".".join(parts) or None, False
 
 
 _TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _is_tag(part: int | str) -> bool:
+    """Whether a pydantic location part names a union member (``str``, ``list[int]``...)."""
+    return isinstance(part, str) and (not part.isidentifier() or part in _TAGS)
 
 
 def openapi_body(model: type[BaseModel]) -> dict[str, Any]:

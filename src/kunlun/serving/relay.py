@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 from kunlun.errors import KunlunError
 from kunlun.serving import sse
 from kunlun.serving.admission import Ticket
+from kunlun.serving.limits import CLIENT_GONE
 from kunlun.serving.protocol import (
     QueueFull,
     ServiceUnavailable,
@@ -34,7 +35,6 @@ from kunlun.serving.upstream import (
     UpstreamResponse,
     UpstreamUnreachable,
 )
-from kunlun.telemetry.gateway_metrics import CLIENT_GONE  # telemetry
 
 if TYPE_CHECKING:
     from kunlun.serving.gateway import GatewayState
@@ -101,9 +101,11 @@ class Relay(Response):
     def _count(self) -> None:
         """Telemetry: a few counter increments, no body parsing."""
         r, metrics = self.replica, self.state.metrics
-        if r is None:  # refused while waiting in the gateway's queue
+        if r is None:  # refused, or its client left, while waiting in the gateway's queue
             if self._refusal is not None:
                 metrics.refused(self.ticket.model, True, self._refusal)
+            elif self.status_code == CLIENT_GONE:
+                metrics.left(self.ticket.model, self.ticket.priority)
             return
         metrics.finished(r.model, r.replica_id, self.ticket.priority, self.status_code,
                          self.arrived, self.dispatched)  # fmt: skip

@@ -124,13 +124,23 @@ def check_networks(value: Sequence[str] | str | None, field: str) -> list[str] |
     return networks
 
 
+def shown_key(value: str) -> str:
+    """How a key argument appears in messages: a full key (``kl-<key_id>-<secret>``) as
+    ``kl-<key_id>-...`` only, so a secret is never echoed; an id or a name as is."""
+    if value.startswith(PREFIX):
+        return f"{PREFIX}{value[len(PREFIX) :].split('-', 1)[0][:8]}-..."
+    return value
+
+
 def revoke_key(store: StateStore, key_id_or_name: str) -> ApiKeyRecord:
-    """Revoke by id or name; raises when no active key matches."""
+    """Revoke by id, name or the full key itself; raises when no active key matches (the
+    message shows a full key only by its prefix, :func:`shown_key`)."""
     active = [k for k in store.list_api_keys() if k.revoked is None]
-    match = [k for k in active if key_id_or_name in (k.key_id, k.name)]
+    key_hash = hash_key(key_id_or_name) if key_id_or_name.startswith(PREFIX) else None
+    match = [k for k in active if key_id_or_name in (k.key_id, k.name) or k.key_hash == key_hash]
     if not match:
         known = ", ".join(f"{k.key_id} ({k.name})" for k in active) or "none"
-        raise RequestError(f"no active API key {key_id_or_name!r}; active keys: {known}")
+        raise RequestError(f"no active API key {shown_key(key_id_or_name)!r}; active keys: {known}")
     for k in match:
         store.revoke_api_key(k.key_id, time.time())
     return match[0]

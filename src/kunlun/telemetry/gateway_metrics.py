@@ -1,8 +1,10 @@
 """The gateway's request metrics: counted on the hot path, so kept to a few increments.
 
 The gateway calls :meth:`GatewayMetrics.refused` when it answers a request itself (unknown
-model, nothing ready, queues full, draining, bad body) and :meth:`GatewayMetrics.finished`
-once the exchange of an admitted request with its replica is over, whatever the ending.
+model, nothing ready, queues full, draining, bad body), :meth:`GatewayMetrics.left` when a
+request's client disconnects while it waits in the gateway's queue (status 499), and
+:meth:`GatewayMetrics.finished` once the exchange of an admitted request with its replica is
+over, whatever the ending (499 too when the client left first).
 Neither looks at the response body: the relay stays byte for byte. Each replica's series
 are looked up once and cached, so a request costs a dict lookup, two histogram
 observations and two counter increments (a few microseconds).
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kunlun.errors import KunlunError
+from kunlun.serving.limits import CLIENT_GONE
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 """Seconds; end-to-end latency of a request (prefill plus every output token)."""
@@ -27,8 +30,6 @@ QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 """Seconds; time between a request's arrival and its dispatch to a replica."""
 NONE = "-"
 """Label value where a request has no replica, or names a model nobody serves."""
-CLIENT_GONE = 499
-"""Status counted when the client disconnects before the answer is complete."""
 REPLICA_LABELS = ("model", "replica", "priority")
 
 
@@ -105,6 +106,11 @@ class GatewayMetrics:
         label = model if model is not None and served else NONE
         self.requests.labels(label, NONE, NONE, str(exc.http_status)).inc()
         self.decisions.labels(label, NONE, NONE, _decision(exc)).inc()
+
+    def left(self, model: str, priority: str) -> None:
+        """The client of a request waiting in the gateway's queue for ``model`` (a served
+        one) disconnected: counted with status 499 and no replica."""
+        self.requests.labels(model, NONE, priority, str(CLIENT_GONE)).inc()
 
     def _resolve(self, key: tuple[str, str, str]) -> _ReplicaSeries:
         series = _ReplicaSeries(

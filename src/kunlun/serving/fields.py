@@ -1,0 +1,108 @@
+"""Request fields: which the OpenAI API has and this server refuses, and which it accepts
+and deliberately ignores.
+
+Nothing a client sends is dropped silently. Every request model derives from
+:class:`StrictModel`, which forbids fields it does not declare: a field this server does not
+implement yet (:data:`UNSUPPORTED_FIELDS`) is a 400 naming it and what it is for, so an agent
+framework learns at once that it gets no tool call or JSON mode; any other undeclared field
+is unknown (a typo) and a 400 naming it too. An unsupported field whose value asks for
+nothing (``null``, ``[]``, ``{}``, ``tool_choice: "none"``...) is accepted as if absent. The
+fields accepted and ignored on purpose are declared on the models and listed here with the
+reason (:data:`IGNORED_FIELDS`); the README's section "The OpenAI API" shows both lists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "tools": "tool calling",
+    "tool_choice": "tool calling",
+    "functions": "function calling",
+    "function_call": "function calling",
+    "tool_calls": "tool calling",
+    "tool_call_id": "tool calling",
+    "response_format": "structured output: JSON mode and JSON schema",
+    "logit_bias": "logit bias",
+    "best_of": "best-of sampling",
+    "suffix": "text insertion after the completion",
+    "prediction": "predicted outputs",
+    "audio": "audio output",
+    "modalities": "output modalities other than text",
+    "reasoning_effort": "reasoning models",
+    "web_search_options": "web search",
+    "refusal": "refusal messages",
+}
+"""OpenAI fields this server does not implement, and what they are for: a request that
+uses one gets a 400 naming it (a value that asks for nothing is accepted: see
+:func:`_asks_nothing`)."""
+
+IGNORED_FIELDS: dict[str, str] = {
+    "user": "an end-user id for the provider's abuse monitoring; not recorded",
+    "safety_identifier": "an end-user id for the provider's abuse monitoring; not recorded",
+    "metadata": "tags for stored completions; nothing is stored",
+    "store": "asks the provider to store the completion; nothing is stored",
+    "service_tier": "there is one processing tier",
+    "parallel_tool_calls": "meaningful only with tools, which are refused",
+    "prompt_cache_key": "prefix caching is automatic",
+    "stream_options.include_obfuscation": "no obfuscation padding is added to chunks",
+}
+"""Fields accepted and deliberately ignored (they do not change the answer), and why."""
+
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "tool_choice": ("none", "auto"),
+    "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},),
+    "best_of": (1,),
+    "modalities": (["text"],),
+}
+
+
+def _asks_nothing(field: str, value: Any) -> bool:
+    """Whether an unsupported field's ``value`` asks for nothing (absent in effect)."""
+    return (
+        value is None
+        or value == []
+        or value == {}
+        or value == ""
+        or (value in _NEUTRAL.get(field, ()))
+    )
+
+
+def _without_neutral(data: Any) -> Any:
+    """A request object without the unsupported fields whose values ask for nothing."""
+    if isinstance(data, dict) and not UNSUPPORTED_FIELDS.keys().isdisjoint(data):
+        return {
+            k: v for k, v in data.items() if not (k in UNSUPPORTED_FIELDS and _asks_nothing(k, v))
+        }
+    return data
+
+
+class StrictModel(BaseModel):
+    """A request object: unknown and unsupported fields are errors (``extra_forbidden``,
+    which :func:`~kunlun.serving.protocol.parse_request` words with
+    :func:`extra_field_message`), unsupported ones that ask for nothing are dropped."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_neutral(cls, data: Any) -> Any:
+        return _without_neutral(data)
+
+
+def extra_field_message(field: str) -> str:
+    """The error message for ``field`` (a dotted path), which no request model declares."""
+    name = field.rsplit(".", 1)[-1]
+    purpose = UNSUPPORTED_FIELDS.get(name)
+    if purpose is not None:
+        return (
+            f"'{field}' is not supported by this server ({purpose} is not implemented); "
+            "remove it, or send null"
+        )
+    return (
+        f"unknown field '{field}'; check its spelling (the fields accepted are listed in "
+        "the README, section 'The OpenAI API')"
+    )
