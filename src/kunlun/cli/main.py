@@ -11,6 +11,7 @@ from kunlun import __version__
 from kunlun.cli import apikey, batch, bench, device, model, telemetry, validate, workload
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.cli.plan import plan
+from kunlun.paths import private_umask
 
 app = typer.Typer(
     help="Kunlun Platform: chip-agnostic LLM inference.",
@@ -54,4 +55,5 @@ def version() -> None:
 
 
 def main() -> None:
+    private_umask()  # what the CLI writes under KUNLUN_HOME is the user's alone
     app()
