@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sqlite3
@@ -217,7 +216,8 @@ def _create(path: Path) -> None:
         raise _unusable(
             path,
             f"the file is missing but its write-ahead log {wal.name} is present "
-            "(the database was removed or moved while in use)",
+            "(the database was removed or moved while in use; to start empty, move "
+            f"{wal.name} aside too)",
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_name(f".{path.name}.{os.getpid()}.new")
@@ -230,8 +230,13 @@ def _create(path: Path) -> None:
         finally:
             db.close()
         staging.chmod(FILE_MODE)
-        with contextlib.suppress(FileExistsError):  # another process made it first: use theirs
+        try:
             os.link(staging, path)
+        except FileExistsError:
+            pass  # another process made it first: use theirs
+        except OSError:  # a file system without hard links: a rename, if still absent
+            if not path.exists():
+                os.replace(staging, path)
     finally:
         staging.unlink(missing_ok=True)
 
