@@ -16,7 +16,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from kunlun.errors import ConfigError, Location, ModelError, ModelFileMissing, PermissionDenied
+from kunlun.errors import (
+    ConfigError,
+    Location,
+    ModelFileMissing,
+    PermissionDenied,
+    UnknownModel,
+)
 from kunlun.paths import model_cache_dir
 from kunlun.state.store import ModelRecord, StateStore
 
@@ -120,7 +126,7 @@ def resolve(store: StateStore, model: str) -> ModelRecord:
             alias=path.name, path=str(path.resolve()), source="path", created=time.time()
         )
     known = ", ".join(m.alias for m in store.list_models()) or "none"
-    raise ModelError(
+    raise UnknownModel(
         f"unknown model {model!r}: not an alias and not a local directory; known aliases: {known}",
         hint="import one with `kunlun-cli model import-gguf PATH` or `--demo`",
     )

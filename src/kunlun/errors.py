@@ -3,7 +3,9 @@
 Every error the project raises on purpose is a :class:`KunlunError`. Each class carries a
 stable ``code`` (what scripts and clients match on), the CLI exit status and the HTTP status
 it maps to. The CLI and (later) the gateway map errors to exit codes and HTTP responses in one
-place each, by reading these attributes; nothing else decides them.
+place each, by reading these attributes; nothing else decides them. An error that crossed the
+API comes back by its code (:func:`error_class`), so the CLI exits with the same status
+whether it did the work itself or the daemon did.
 
     KunlunError                      kunlun.error          exit 1   http 500
     ├── ConfigError                  config.invalid        exit 2   http 400
@@ -11,8 +13,10 @@ place each, by reading these attributes; nothing else decides them.
     │   └── ToolError                device.tool_failed    exit 1   http 500
     ├── ModelError                   model.error           exit 1   http 400
     │   ├── UnsupportedArchitecture  model.unsupported_architecture
+    │   ├── UnknownModel             model.unknown         exit 2
     │   ├── ModelFileMissing         model.file_missing
     │   └── CorruptWeights           model.corrupt_weights
+    ├── StateError                   state.unusable        exit 2   http 500
     ├── RequestError                 request.invalid       exit 2   http 400
     │   └── PromptTooLong            request.prompt_too_long
     ├── PermissionDenied             auth.permission_denied exit 2  http 403
@@ -104,12 +108,27 @@ class UnsupportedArchitecture(ModelError):
     code = "model.unsupported_architecture"
 
 
+class UnknownModel(ModelError):
+    """A model name that is no alias, local directory or shipped configuration (bad input)."""
+
+    code = "model.unknown"
+    exit_code = 2
+
+
 class ModelFileMissing(ModelError):
     code = "model.file_missing"
 
 
 class CorruptWeights(ModelError):
     code = "model.corrupt_weights"
+
+
+class StateError(KunlunError):
+    """The state store (``KUNLUN_HOME/state.db``) is present but cannot be used: empty,
+    not a database, damaged, or without Kunlun's tables. Never treated as a fresh install."""
+
+    code = "state.unusable"
+    exit_code = 2
 
 
 class RequestError(KunlunError):
@@ -141,3 +160,14 @@ class EngineError(KunlunError):
 
 class RequestAborted(EngineError):
     code = "engine.aborted"
+
+
+def error_class(code: str) -> type[KunlunError] | None:
+    """The error class whose stable ``code`` is ``code``, among those imported; None if none."""
+    pending: list[type[KunlunError]] = [KunlunError]
+    while pending:
+        cls = pending.pop()
+        if cls.code == code:
+            return cls
+        pending.extend(cls.__subclasses__())
+    return None

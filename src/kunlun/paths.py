@@ -1,20 +1,66 @@
-"""Where Kunlun keeps its state on disk: everything lives under ``KUNLUN_HOME``."""
+"""Where Kunlun keeps its state on disk: everything lives under ``KUNLUN_HOME``.
+
+Everything under ``KUNLUN_HOME`` is private to the user the platform runs as: directories
+0700, files 0600 (:data:`DIR_MODE`, :data:`FILE_MODE`). The daemon and the CLI call
+:func:`private_umask` first thing, so every file they (and the engine workers they start,
+which inherit the umask) create is private whatever creates it: ``open``, SQLite and its
+``-wal``/``-shm`` files, safetensors, ``mkdtemp``. :func:`secure_home` tightens what an
+older version left readable.
+"""
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
+
+PRIVATE_UMASK = 0o077
+"""The process umask: no group or other bits on anything created."""
+DIR_MODE = 0o700
+"""Mode of every directory under ``KUNLUN_HOME`` (and of the home itself)."""
+FILE_MODE = 0o600
+"""Mode of every file under ``KUNLUN_HOME``."""
+
+
+def private_umask() -> None:
+    """Set the process umask to :data:`PRIVATE_UMASK` (children inherit it)."""
+    os.umask(PRIVATE_UMASK)
 
 
 def kunlun_home() -> Path:
-    """``$KUNLUN_HOME``, or ``~/.kunlun`` when unset. Created on first use."""
+    """``$KUNLUN_HOME``, or ``~/.kunlun`` when unset. Created (mode 0700) on first use."""
     home = Path(os.environ.get("KUNLUN_HOME") or Path.home() / ".kunlun")
-    home.mkdir(parents=True, exist_ok=True)
+    home.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     return home
 
 
 def model_cache_dir() -> Path:
     """Imported and converted models (GGUF -> safetensors) live here."""
     path = kunlun_home() / "models"
-    path.mkdir(parents=True, exist_ok=True)
+    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     return path
+
+
+def secure_home(home: Path) -> int:
+    """Make ``home`` and everything under it private (directories 0700, files 0600).
+
+    Returns how many paths had group or other bits and were tightened. Symbolic links are
+    not followed (what they point at is not Kunlun's), nor are paths owned by another user
+    changed (that would fail; such a tree is the operator's to fix).
+    """
+    fixed = 0
+    uid = os.geteuid()
+    for root, dirs, files in os.walk(home):
+        names = [*dirs, *files] if root != str(home) else [os.curdir, *dirs, *files]
+        for name in names:
+            path = os.path.normpath(os.path.join(root, name))
+            try:
+                info = os.lstat(path)
+                if info.st_uid != uid or stat.S_ISLNK(info.st_mode):
+                    continue
+                if stat.S_IMODE(info.st_mode) & 0o077:
+                    os.chmod(path, DIR_MODE if stat.S_ISDIR(info.st_mode) else FILE_MODE)
+                    fixed += 1
+            except FileNotFoundError:  # removed meanwhile
+                continue
+    return fixed

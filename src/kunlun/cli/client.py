@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from kunlun.errors import KunlunError
+from kunlun.errors import KunlunError, error_class
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:8470"
 
@@ -78,7 +78,11 @@ class DaemonClient:
                 f"{method} {shown or path} -> {resp.status_code}: {message}",
                 hint="set KUNLUN_API_KEY to a valid key" if resp.status_code == 401 else None,
             )
-            failure.exit_code = 2 if resp.status_code in (400, 404, 422) else 1
+            known = error_class(code) if isinstance(code, str) else None
+            if known is not None:  # the exit status the same error has when the CLI raises it
+                failure.exit_code = known.exit_code
+            else:
+                failure.exit_code = 2 if resp.status_code in (400, 404, 422) else 1
             failure.remote_code = code
             raise failure
         return resp

@@ -12,6 +12,7 @@ from kunlun import __version__
 from kunlun.cli import apikey, batch, bench, device, model, telemetry, validate, workload
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.cli.plan import plan
+from kunlun.paths import private_umask
 
 app = typer.Typer(
     help="Kunlun Platform: chip-agnostic LLM inference.",
@@ -60,4 +61,5 @@ def main() -> None:
     # for background jobs: Python keeps an inherited SIG_IGN instead of raising
     # KeyboardInterrupt.
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    private_umask()  # what the CLI writes under KUNLUN_HOME is the user's alone
     app()

@@ -9,6 +9,7 @@ from functools import wraps
 from typing import Any, TypeVar
 
 from rich.console import Console
+from rich.markup import escape
 
 from kunlun.errors import KunlunError
 
@@ -28,8 +29,7 @@ def handle_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except KunlunError as exc:
-            err_console.print("[bold red]error[/] ", end="")
-            err_console.print(f"[{exc.code}] ", end="", markup=False)  # not a style tag
+            err_console.print(f"[bold red]error[/] {escape(f'[{exc.code}]')} ", end="")
             err_console.print(str(exc), markup=False)
             raise SystemExit(exc.exit_code) from None
 

@@ -2,7 +2,9 @@
 
 Binds 127.0.0.1:8470 by default. A non-loopback bind with no API key is refused unless
 ``--allow-insecure``. A port already in use is an error naming the port and, where it can be
-found, the process holding it. State lives in ``KUNLUN_HOME``; the pid file
+found, the process holding it. State lives in ``KUNLUN_HOME``, private to the user (umask 077; what an older version left
+readable is tightened at start); a state database that is present but unusable stops the
+start with exit status 2 (:class:`~kunlun.errors.StateError`). The pid file
 ``KUNLUN_HOME/kunlun-platform.json`` also tells ``kunlun-cli`` where the daemon listens.
 SIGTERM drains: new requests get 503, in-flight ones finish, workers stop, exit 0.
 """
@@ -27,7 +29,7 @@ from kunlun.batch.jobs import MAX_RUNNING_JOBS
 from kunlun.cli.output import console, handle_errors
 from kunlun.daemon.request_log import RequestLogConfig
 from kunlun.errors import ConfigError, KunlunError, Location
-from kunlun.paths import kunlun_home
+from kunlun.paths import kunlun_home, private_umask, secure_home
 from kunlun.serving.limits import DEFAULT_MAX_SEQUENCES
 
 DEFAULT_PORT = 8470
@@ -211,6 +213,11 @@ def serve(
             f"a daemon already runs for {home} (pid {running['pid']}, port {running['port']})",
             hint="kunlun-platform stop",
         )
+    tightened = secure_home(home)
+    if tightened:
+        console.print(
+            f"made {tightened} path(s) under {home} private (directories 0700, files 0600)"
+        )
     if config is None and (home / "device-plugin-config.yaml").exists():
         config = home / "device-plugin-config.yaml"
     if config is not None and not config.exists():
@@ -311,4 +318,5 @@ def stop(
 
 
 def main() -> None:
+    private_umask()  # everything the daemon and its workers create is the user's alone
     app()

@@ -70,7 +70,7 @@ def prepare_weights(model_dir: str | Path, target: Path, dtype: str) -> tuple[Pa
         if entry.suffix != ".safetensors" and entry.name != INDEX_FILE:
             (staging / entry.name).symlink_to(entry.resolve())
     if (source / INDEX_FILE).is_file():
-        shutil.copy(source / INDEX_FILE, staging / INDEX_FILE)
+        shutil.copyfile(source / INDEX_FILE, staging / INDEX_FILE)  # not its mode
     seconds = time.perf_counter() - started
     record = {"source": str(source), "dtype": dtype, "num_tensors": num_tensors, "seconds": seconds}
     (staging / RECORD).write_text(json.dumps(record))

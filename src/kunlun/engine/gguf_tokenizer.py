@@ -70,33 +70,88 @@ def _spelled(token: str, alphabet: set[str]) -> str:
     return "".join(table[byte] for byte in token.encode("utf-8"))
 
 
+def _invalid(gguf: GGUFFile, key: str, message: str) -> ModelError:
+    return ModelError(
+        f"GGUF metadata {key} {message}", location=Location(str(gguf.path), field=key)
+    )
+
+
+def _list_of(gguf: GGUFFile, key: str, kind: type, what: str) -> list[Any]:
+    value = gguf.metadata.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _invalid(gguf, key, f"must be an array of {what}, got a {type(value).__name__}")
+    for index, item in enumerate(value):
+        if type(item) is not kind:
+            raise _invalid(gguf, key, f"must hold only {what}; item {index} is {item!r:.80}")
+    return value
+
+
+def token_list(gguf: GGUFFile) -> list[str]:
+    """``tokenizer.ggml.tokens``, checked to be an array of strings (empty when absent)."""
+    return _list_of(gguf, "tokenizer.ggml.tokens", str, "strings")
+
+
+def special_token_id(gguf: GGUFFile, name: str, vocab_size: int) -> int | None:
+    """``tokenizer.ggml.<name>`` (e.g. ``bos_token_id``): None when absent, else checked to
+    be a token id below ``vocab_size``."""
+    key = f"tokenizer.ggml.{name}"
+    value = gguf.metadata.get(key)
+    if value is not None and (type(value) is not int or not 0 <= value < vocab_size):
+        raise _invalid(gguf, key, f"must be a token id in [0, {vocab_size}), got {value!r:.80}")
+    return value
+
+
 def build_tokenizer(gguf: GGUFFile) -> Tokenizer:
-    """The ``tokenizers`` tokenizer the GGUF file's vocabulary describes."""
+    """The ``tokenizers`` tokenizer the GGUF file's vocabulary describes; a vocabulary the
+    ``tokenizers`` library refuses raises :class:`ModelError` naming the key."""
     meta = gguf.metadata
     model = meta.get("tokenizer.ggml.model")
     if model != "gpt2":
         raise ModelError(
-            f"GGUF tokenizer model {model!r} cannot be imported; supported: gpt2 (byte-level BPE)",
+            f"GGUF tokenizer model {model!r:.80} cannot be imported; supported: gpt2 "
+            "(byte-level BPE)",
             location=Location(str(gguf.path), field="tokenizer.ggml.model"),
         )
-    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
-    token_types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    tokens = token_list(gguf)
+    if not tokens:
+        raise _invalid(gguf, "tokenizer.ggml.tokens", "is missing or empty")
+    token_types = _list_of(gguf, "tokenizer.ggml.token_type", int, "integers") or [1] * len(tokens)
     alphabet = set(byte_alphabet().values())
     vocab = {_spelled(token, alphabet): index for index, token in enumerate(tokens)}
-    merges = [tuple(merge.split(" ", 1)) for merge in meta.get("tokenizer.ggml.merges") or []]
-    tokenizer = Tokenizer(
-        BPE(
-            vocab=vocab,
-            merges=merges,
-            dropout=None,
-            continuing_subword_prefix="",
-            end_of_word_suffix="",
-            fuse_unk=False,
+    merges = []
+    for index, merge in enumerate(_list_of(gguf, "tokenizer.ggml.merges", str, "strings")):
+        pair = tuple(merge.split(" ", 1))
+        if len(pair) != 2:
+            raise _invalid(
+                gguf, "tokenizer.ggml.merges", f"item {index} {merge!r:.80} is not 'LEFT RIGHT'"
+            )
+        merges.append(pair)
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre is not None and not isinstance(pre, str):
+        raise _invalid(gguf, "tokenizer.ggml.pre", f"must be a string, got {pre!r:.80}")
+    try:
+        tokenizer = Tokenizer(
+            BPE(
+                vocab=vocab,
+                merges=merges,
+                dropout=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+            )
         )
-    )
-    tokenizer.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre"))
+    except Exception as exc:  # tokenizers raises a bare Exception for a bad vocabulary
+        raise _invalid(gguf, "tokenizer.ggml.merges", f"do not fit the vocabulary: {exc}") from None
+    tokenizer.pre_tokenizer = _pre_tokenizer(pre)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = _post_processor(meta, tokens)
+    try:
+        tokenizer.post_processor = _post_processor(gguf, tokens)
+    except Exception as exc:  # tokenizers' template parser, on a special token it cannot spell
+        raise _invalid(
+            gguf, "tokenizer.ggml.bos_token_id", f"names a token BOS/EOS cannot use: {exc}"
+        ) from None
     control = [
         AddedToken(token, normalized=False, special=True)
         for token, kind in zip(tokens, token_types, strict=False)
@@ -112,13 +167,13 @@ def build_tokenizer(gguf: GGUFFile) -> Tokenizer:
     return tokenizer
 
 
-def _post_processor(meta: dict[str, Any], tokens: list[str]) -> processors.PostProcessor:
+def _post_processor(gguf: GGUFFile, tokens: list[str]) -> processors.PostProcessor:
     """BOS/EOS around the text as ``tokenizer.ggml.add_bos_token``/``add_eos_token`` ask
     (the template transformers builds from the same flags)."""
 
     def flagged(flag: str, key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{key}")
-        if meta.get(f"tokenizer.ggml.{flag}") and index is not None and index < len(tokens):
+        index = special_token_id(gguf, key, len(tokens))
+        if gguf.metadata.get(f"tokenizer.ggml.{flag}") and index is not None:
             return tokens[index]
         return None
 
@@ -145,7 +200,7 @@ def _pre_tokenizer(name: str | None) -> pre_tokenizers.PreTokenizer:
 def tokenizer_config(gguf: GGUFFile) -> dict[str, Any]:
     """``tokenizer_config.json``: special tokens, BOS/EOS flags and the chat template."""
     meta = gguf.metadata
-    tokens: list[str] = meta.get("tokenizer.ggml.tokens") or []
+    tokens = token_list(gguf)
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
     for name, key in (
         ("bos_token", "bos_token_id"),
@@ -153,8 +208,8 @@ def tokenizer_config(gguf: GGUFFile) -> dict[str, Any]:
         ("unk_token", "unknown_token_id"),
         ("pad_token", "padding_token_id"),
     ):
-        index = meta.get(f"tokenizer.ggml.{key}")
-        if index is not None and 0 <= index < len(tokens):
+        index = special_token_id(gguf, key, len(tokens))
+        if index is not None:
             config[name] = tokens[index]
     config["add_bos_token"] = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     config["add_eos_token"] = bool(meta.get("tokenizer.ggml.add_eos_token", False))

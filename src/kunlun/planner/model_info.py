@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kunlun.catalog import resolve
-from kunlun.errors import ModelError, ModelFileMissing
+from kunlun.errors import UnknownModel
 from kunlun.hf_config import SUPPORTED_ARCHITECTURES, CheckpointQuantization, HFConfig
 from kunlun.state.store import StateStore
 
@@ -206,20 +206,17 @@ def locate_model(store: StateStore | None, name: str) -> tuple[str, Path]:
     """``(name, directory)`` of a model: a catalog alias, a local directory with a
     ``config.json``, or a configuration shipped under ``examples/models`` (no weights).
 
-    Raises the catalog's :class:`ModelError` (listing aliases and shipped names) when none
-    matches.
+    Raises :class:`UnknownModel` (listing aliases and shipped names) when none matches.
     """
     if store is not None:
         try:
             record = resolve(store, name)
             return record.alias, Path(record.path)
-        except ModelFileMissing:
-            raise
-        except ModelError as exc:
+        except UnknownModel as exc:
             example = find_example(name)
             if example is None:
                 shipped = ", ".join(example_names()) or "none"
-                raise ModelError(
+                raise UnknownModel(
                     f"{exc.message}; shipped configurations: {shipped}", hint=exc.hint
                 ) from None
             return example.name, example
@@ -229,7 +226,7 @@ def locate_model(store: StateStore | None, name: str) -> tuple[str, Path]:
     example = find_example(name)
     if example is None:
         shipped = ", ".join(example_names()) or "none"
-        raise ModelError(
+        raise UnknownModel(
             f"unknown model {name!r}: not a local directory with a config.json; "
             f"shipped configurations: {shipped}"
         )

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kunlun.errors import ConfigError, Location
+from kunlun.errors import Location, StateError
+from kunlun.paths import FILE_MODE
 from kunlun.state.store import (
     ApiKeyRecord,
     BatchRecord,
@@ -45,18 +47,14 @@ class SQLiteStore(StateStore):
     """State in one SQLite file (``KUNLUN_HOME/state.db``)."""
 
     def __init__(self, path: str | Path) -> None:
+        """Open the store at ``path``, creating it when (and only when) the file is absent.
+
+        A file that is present but empty, not an SQLite database, damaged (``PRAGMA
+        quick_check``) or without Kunlun's tables is never taken for a fresh install: it
+        raises :class:`~kunlun.errors.StateError` naming the file, the problem and what to do.
+        """
         self.path = Path(path)
-        try:
-            self._db = sqlite3.connect(self.path, check_same_thread=False, timeout=10)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.executescript(_SCHEMA)
-            _add_missing_columns(self._db)
-        except sqlite3.DatabaseError as exc:
-            raise ConfigError(
-                f"cannot open the state store: {exc}",
-                location=Location(str(self.path)),
-                hint="move the file aside; Kunlun creates a new one",
-            ) from exc
+        self._db = _open(self.path)
         self._lock = threading.Lock()
 
     def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -189,6 +187,112 @@ class SQLiteStore(StateStore):
 
 
 _KEY_COLUMNS = "key_id, name, key_hash, created, revoked, priority, scope, rpm, tpm, allow_ips"
+#: Tables every state file has had since the first version: a file without them is not a
+#: Kunlun state store (tables added later are created on open).
+_CORE_TABLES = ("workloads", "events", "api_keys", "models")
+_HEADER = b"SQLite format 3\x00"
+_MAX_PROBLEMS = 3
+
+
+def _open(path: Path) -> sqlite3.Connection:
+    """A connection to the checked store at ``path`` (created when absent), in WAL mode."""
+    if not path.exists():
+        _create(path)
+    _check_file(path)
+    try:
+        db = sqlite3.connect(path, check_same_thread=False, timeout=10)
+        try:
+            _check_contents(db, path)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.executescript(_SCHEMA)
+            _add_missing_columns(db)
+        except BaseException:
+            db.close()
+            raise
+    except sqlite3.DatabaseError as exc:
+        raise _unusable(path, f"the database is damaged (SQLite: {exc})") from None
+    return db
+
+
+def _create(path: Path) -> None:
+    """A new, empty store at ``path``: written aside and linked into place, so the file
+    appears complete (schema and WAL mode) or not at all, and a store made meanwhile by
+    another process is kept. A write-ahead log left without its database is refused: its
+    frames would be replayed onto the new file."""
+    wal = path.with_name(path.name + "-wal")
+    if wal.exists() and wal.stat().st_size > 0:
+        raise _unusable(
+            path,
+            f"the file is missing but its write-ahead log {wal.name} is present "
+            "(the database was removed or moved while in use; to start empty, move "
+            f"{wal.name} aside too)",
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}.new")
+    staging.unlink(missing_ok=True)
+    try:
+        db = sqlite3.connect(staging)
+        try:
+            db.executescript(_SCHEMA)
+            db.execute("PRAGMA journal_mode=WAL")
+        finally:
+            db.close()
+        staging.chmod(FILE_MODE)
+        try:
+            os.link(staging, path)
+        except FileExistsError:
+            pass  # another process made it first: use theirs
+        except OSError:  # a file system without hard links: a rename, if still absent
+            if not path.exists():
+                os.replace(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)
+
+
+def _check_file(path: Path) -> None:
+    """Refuse a file that is empty or does not start with SQLite's header."""
+    try:
+        with path.open("rb") as handle:
+            head = handle.read(len(_HEADER))
+    except OSError as exc:
+        raise _unusable(path, f"cannot read it ({exc.strerror})") from None
+    if not head:
+        raise _unusable(path, "the file is empty (0 bytes), so every key and workload is gone")
+    if head != _HEADER:
+        raise _unusable(path, f"not an SQLite database (it starts with {head[:8]!r})")
+
+
+def _check_contents(db: sqlite3.Connection, path: Path) -> None:
+    """Refuse a database whose pages are damaged or that lacks Kunlun's tables.
+
+    ``PRAGMA quick_check`` reads every page (it skips only the index-content cross-check of
+    ``integrity_check``): see ``benchmarks/state_open.py`` for its cost.
+    """
+    rows = [str(row[0]) for row in db.execute("PRAGMA quick_check").fetchall()]
+    if rows != ["ok"]:
+        more = f" and {len(rows) - _MAX_PROBLEMS} more" if len(rows) > _MAX_PROBLEMS else ""
+        found = "; ".join(" ".join(r.split()) for r in rows[:_MAX_PROBLEMS])
+        raise _unusable(path, f"the database is damaged: quick_check found {found}{more}")
+    tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    missing = [table for table in _CORE_TABLES if table not in tables]
+    if missing:
+        raise _unusable(
+            path,
+            "an SQLite database but not Kunlun's state: it has no "
+            + ", ".join(f"'{table}'" for table in missing)
+            + " table",
+        )
+
+
+def _unusable(path: Path, problem: str) -> StateError:
+    return StateError(
+        f"state database cannot be used: {problem}",
+        location=Location(str(path)),
+        hint=f"restore {path.name} from a backup; or salvage what is left with "
+        f"`sqlite3 {path} .recover | sqlite3 {path}.recovered` and move that into "
+        "place; or move the file aside to start empty (every API key, workload and model "
+        "alias is then forgotten, and with no key the API is open)",
+    )
 
 
 def _add_missing_columns(db: sqlite3.Connection) -> None:
