@@ -239,7 +239,7 @@ def test_revoke_with_a_full_key_never_echoes_it(
     models_home: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     d = Daemon(tmp_path_factory.mktemp("edges-keys"), free_port())
-    made = d.cli("apikey", "create", "ops", "--json", remote=False)
+    made = d.cli("apikey", "create", "ops", "--scope", "admin", "--json", remote=False)
     assert made.returncode == 0, made.stderr
     key = json.loads(made.stdout)["key"]
     d.start(wait_ready=False)

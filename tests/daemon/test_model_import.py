@@ -63,7 +63,8 @@ def crafted(folder: Path, change: Callable[[GGUF], None]) -> Path:
 def bare_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon with no workload (imports need no worker)."""
     daemon = Daemon(tmp_path_factory.mktemp("import-home"), free_port())
-    daemon.start(wait_ready=False)
+    # the crafted files are written under the session's temporary folder: a model root
+    daemon.start("--model-root", str(tmp_path_factory.getbasetemp()), wait_ready=False)
     yield daemon
     daemon.stop()
 

@@ -28,7 +28,7 @@ from kunlun.serving.gateway import ENDPOINTS
 from kunlun.serving.key_limits import KEY_TOKENS_SCOPE, KeyLimiter, TokenCharge
 from kunlun.serving.protocol import AuthenticationError, error_status_and_body
 from kunlun.serving.routing import KEY_PRIORITY_SCOPE
-from kunlun.state.api_keys import KeyRing
+from kunlun.state.api_keys import KeyRing, masked
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 """Routes that need no key."""
@@ -89,7 +89,8 @@ class ApiKeyMiddleware:
             if needed == "admin" and key.scope != "admin":
                 self.limiter.deny(key, "scope")
                 raise PermissionDenied(
-                    f"{scope['path']} needs an API key with scope 'admin'; key {key.name!r} "
+                    f"{masked(scope['path'])} needs an API key with scope 'admin'; "
+                    f"key {key.name!r} "
                     f"({key.key_id}) has scope {key.scope!r}",
                     hint="kunlun-cli apikey create NAME --scope admin",
                 )

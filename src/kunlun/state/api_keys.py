@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import re
 import secrets
 import threading
 import time
@@ -130,6 +131,15 @@ def shown_key(value: str) -> str:
     if value.startswith(PREFIX):
         return f"{PREFIX}{value[len(PREFIX) :].split('-', 1)[0][:8]}-..."
     return value
+
+
+_FULL_KEY = re.compile(re.escape(PREFIX) + r"[0-9a-f]{8}-[A-Za-z0-9_\-]+")
+
+
+def masked(text: str) -> str:
+    """``text`` with every full key in it shown as :func:`shown_key` shows it (for messages
+    that quote a request path or body a client sent)."""
+    return _FULL_KEY.sub(lambda match: shown_key(match.group(0)), text)
 
 
 def revoke_key(store: StateStore, key_id_or_name: str) -> ApiKeyRecord:
