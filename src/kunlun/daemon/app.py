@@ -39,6 +39,7 @@ from kunlun.daemon.request_log import RequestLog, RequestLogConfig, RequestLogMi
 from kunlun.device.inventory import Inventory, build_inventory
 from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.node.agent import NodeAgent
+from kunlun.node.sandbox import SandboxPolicy
 from kunlun.serving.gateway import (
     GatewayEndpoints,
     GatewayState,
@@ -85,6 +86,7 @@ def make_platform(
     scheduler_config: Path | None = None,
     request_log_config: RequestLogConfig | None = None,
     batch_max_jobs: int = MAX_RUNNING_JOBS,
+    sandbox: SandboxPolicy | None = None,
 ) -> Platform:
     """The daemon's parts. ``scheduler_config`` defaults to ``KUNLUN_HOME/scheduler_config.yaml``
     (absent: the defaults); a bad one raises :class:`~kunlun.errors.ConfigError`.
@@ -94,7 +96,9 @@ def make_platform(
     store = SQLiteStore(home / "state.db")
     replicas = ReplicaSet()
     holder: dict[str, WorkloadManager] = {}
-    agent = NodeAgent(home, replicas, lambda wid, kind, msg: holder["m"].event(wid, kind, msg))
+    agent = NodeAgent(
+        home, replicas, lambda wid, kind, msg: holder["m"].event(wid, kind, msg), sandbox
+    )
     platform_config = config
     manager = WorkloadManager(
         store, agent, replicas, lambda: build_inventory(config=platform_config)
@@ -190,6 +194,8 @@ def create_app(platform: Platform) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await platform.gateway.start()
         await telemetry.start()  # telemetry
+        for line in platform.agent.sandbox.describe():
+            print(line, flush=True)
         reaped = platform.agent.reap_leftovers()
         if reaped:
             print(

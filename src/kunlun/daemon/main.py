@@ -27,6 +27,7 @@ from kunlun.batch.jobs import MAX_RUNNING_JOBS
 from kunlun.cli.output import console, handle_errors
 from kunlun.daemon.request_log import RequestLogConfig
 from kunlun.errors import ConfigError, KunlunError, Location
+from kunlun.node.sandbox import SELF_TEST_FORBIDDEN_SYSCALL, SandboxPolicy
 from kunlun.paths import kunlun_home
 
 DEFAULT_PORT = 8470
@@ -180,6 +181,19 @@ def serve(
             help="Batch API jobs that run at once; later ones wait (status 'validating').",
         ),
     ] = MAX_RUNNING_JOBS,
+    worker_sandbox: Annotated[
+        bool,
+        typer.Option(
+            "--worker-sandbox/--no-worker-sandbox",
+            envvar="KUNLUN_WORKER_SANDBOX",
+            help="Confine engine workers (clean environment, rlimits, seccomp; docs/sandbox.md). "
+            "Off is for debugging only.",
+        ),
+    ] = True,
+    worker_self_test: Annotated[
+        str | None,
+        typer.Option(hidden=True, envvar="KUNLUN_WORKER_SELF_TEST"),
+    ] = None,
 ) -> None:
     """Run the Kunlun Platform daemon in the foreground."""
     if ctx.invoked_subcommand is not None:
@@ -204,7 +218,16 @@ def serve(
         num_backups=request_log_backups,
         flush_interval_s=request_log_flush_s,
     )
-    platform = make_platform(home, config, scheduler_config, log_config, batch_max_jobs)
+    if worker_self_test not in (None, SELF_TEST_FORBIDDEN_SYSCALL):
+        raise ConfigError(
+            f"unknown worker self-test {worker_self_test!r}",
+            location=Location("KUNLUN_WORKER_SELF_TEST"),
+            hint=f"the only one is {SELF_TEST_FORBIDDEN_SYSCALL!r}",
+        )
+    sandbox = SandboxPolicy(home, enabled=worker_sandbox, self_test=worker_self_test)
+    platform = make_platform(
+        home, config, scheduler_config, log_config, batch_max_jobs, sandbox=sandbox
+    )
     if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:
         raise DaemonError(
             f"refusing to listen on {host} with no API key configured",
