@@ -1,5 +1,5 @@
 """Daemon lifecycle: SIGTERM drains (a SIGKILLed daemon's workers die with it and leftovers
-are reaped on restart: tests/daemon/test_sandbox.py)."""
+are reaped on restart: tests/daemon/test_worker_sandbox.py)."""
 
 from __future__ import annotations
 
