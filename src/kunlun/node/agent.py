@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,6 +149,17 @@ class NodeAgent:
         self.replicas.remove(w.replica.replica_id)
         for path in (self._pid_file(w), w.ready_file):
             path.unlink(missing_ok=True)
+        if w.sandbox.workdir is not None:
+            self._remove_workdir(Path(w.sandbox.workdir), w.replica.workload_id)
+
+    def _remove_workdir(self, path: Path, workload_id: str) -> None:
+        """Remove a worker's own directory (its temporary files) once it has exited."""
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self.on_event(workload_id, "sandbox", f"cannot remove {path}: {exc}")
 
     # ---- supervision ----
     async def supervise(self, interval_s: float = 0.1) -> None:
@@ -299,6 +311,8 @@ class NodeAgent:
             pid_file.unlink(missing_ok=True)
         for ready in self.run_dir.glob("*.ready.json"):
             ready.unlink(missing_ok=True)
+        for workdir in (p for p in self.run_dir.iterdir() if p.is_dir()):
+            self._remove_workdir(workdir, workdir.name.rsplit("-r", 1)[0])
         return reaped
 
     def worker_env(
