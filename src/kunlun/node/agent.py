@@ -227,7 +227,8 @@ class NodeAgent:
         problem = self.sandbox.join_cgroup(
             w.replica.workload_id, w.proc.pid, w.sandbox.memory_cap_mb, _num_threads(w.env)
         )
-        if problem is not None:
+        if problem is not None:  # said once: later workers skip cgroups
+            print(problem, flush=True)
             self.on_event(w.replica.workload_id, "sandbox", problem)
         create_time = psutil.Process(w.proc.pid).create_time()
         self._pid_file(w).write_text(json.dumps({"pid": w.proc.pid, "create_time": create_time}))

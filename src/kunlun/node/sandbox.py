@@ -221,21 +221,29 @@ class SandboxPolicy:
 
     def join_cgroup(self, workload_id: str, pid: int, memory_cap_mb: int | None,
                     num_threads: int) -> str | None:  # fmt: skip
-        """Put ``pid`` in its workload's cgroup (memory.max, cpu.max); None, or why not."""
+        """Put ``pid`` in its workload's cgroup (memory.max, cpu.max). Returns None, or once,
+        why cgroups cannot be used (later calls then do nothing)."""
         if self.cgroup_base is None:
             return None
+        base = self.cgroup_base
         try:
             if not self._cgroup_ready:
-                (self.cgroup_base / "cgroup.subtree_control").write_text("+memory +cpu")
+                # cgroup v2 lets only a cgroup without processes give controllers to its
+                # children: the daemon moves itself into a leaf of its own first
+                (base / "daemon").mkdir(exist_ok=True)
+                (base / "daemon" / "cgroup.procs").write_text(str(os.getpid()))
+                (base / "cgroup.subtree_control").write_text("+memory +cpu")
                 self._cgroup_ready = True
-            group = self.cgroup_base / f"kunlun-{workload_id}"
+            group = base / f"kunlun-{workload_id}"
             group.mkdir(exist_ok=True)
             if memory_cap_mb is not None:
                 (group / "memory.max").write_text(str(memory_cap_mb << 20))
             (group / "cpu.max").write_text(f"{num_threads * 100000} 100000")
             (group / "cgroup.procs").write_text(str(pid))
         except OSError as exc:
-            return f"cgroup v2 not usable: {exc}"
+            self.cgroup_base = None
+            self.cgroup_note = f"cgroup v2 at {base} not usable ({exc})"
+            return f"worker sandbox: no per-workload cgroup: {self.cgroup_note}; relying on rlimits and the memory watchdog"
         return None
 
 
