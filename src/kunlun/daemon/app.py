@@ -42,6 +42,7 @@ from kunlun.daemon.request_log import RequestLog, RequestLogConfig, RequestLogMi
 from kunlun.device.inventory import Inventory, build_inventory
 from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.node.agent import NodeAgent
+from kunlun.node.sandbox import SandboxPolicy
 from kunlun.serving.gateway import (
     GatewayEndpoints,
     GatewayState,
@@ -89,6 +90,7 @@ def make_platform(
     request_log_config: RequestLogConfig | None = None,
     batch_max_jobs: int = MAX_RUNNING_JOBS,
     model_roots: tuple[Path, ...] = (),
+    sandbox: SandboxPolicy | None = None,
 ) -> Platform:
     """The daemon's parts. ``scheduler_config`` defaults to ``KUNLUN_HOME/scheduler_config.yaml``
     (absent: the defaults); a bad one raises :class:`~kunlun.errors.ConfigError`.
@@ -99,7 +101,9 @@ def make_platform(
     store = SQLiteStore(home / "state.db")
     replicas = ReplicaSet()
     holder: dict[str, WorkloadManager] = {}
-    agent = NodeAgent(home, replicas, lambda wid, kind, msg: holder["m"].event(wid, kind, msg))
+    agent = NodeAgent(
+        home, replicas, lambda wid, kind, msg: holder["m"].event(wid, kind, msg), sandbox
+    )
     platform_config = config
     manager = WorkloadManager(
         store, agent, replicas, lambda: build_inventory(config=platform_config)
@@ -158,6 +162,8 @@ def create_app(platform: Platform) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await platform.gateway.start()
         await telemetry.start()  # telemetry
+        for line in platform.agent.sandbox.describe():
+            print(line, flush=True)
         reaped = platform.agent.reap_leftovers()
         if reaped:
             print(

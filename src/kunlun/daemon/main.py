@@ -29,6 +29,7 @@ from kunlun.batch.jobs import MAX_RUNNING_JOBS
 from kunlun.cli.output import console, handle_errors
 from kunlun.daemon.request_log import RequestLogConfig
 from kunlun.errors import ConfigError, KunlunError, Location
+from kunlun.node.sandbox import SELF_TEST_FORBIDDEN_SYSCALL, SandboxPolicy
 from kunlun.paths import kunlun_home, private_umask, secure_home
 from kunlun.serving.limits import DEFAULT_MAX_SEQUENCES
 
@@ -200,6 +201,19 @@ def serve(
             help="Most sequences one inference request may ask for (prompts x n); more: 400.",
         ),
     ] = DEFAULT_MAX_SEQUENCES,
+    worker_sandbox: Annotated[
+        bool,
+        typer.Option(
+            "--worker-sandbox/--no-worker-sandbox",
+            envvar="KUNLUN_WORKER_SANDBOX",
+            help="Confine engine workers (clean environment, rlimits, seccomp; docs/sandbox.md). "
+            "Off is for debugging only.",
+        ),
+    ] = True,
+    worker_self_test: Annotated[
+        str | None,
+        typer.Option(hidden=True, envvar="KUNLUN_WORKER_SELF_TEST"),
+    ] = None,
 ) -> None:
     """Run the Kunlun Platform daemon in the foreground."""
     if ctx.invoked_subcommand is not None:
@@ -229,8 +243,17 @@ def serve(
         num_backups=request_log_backups,
         flush_interval_s=request_log_flush_s,
     )
+    if worker_self_test not in (None, SELF_TEST_FORBIDDEN_SYSCALL):
+        raise ConfigError(
+            f"unknown worker self-test {worker_self_test!r}",
+            location=Location("KUNLUN_WORKER_SELF_TEST"),
+            hint=f"the only one is {SELF_TEST_FORBIDDEN_SYSCALL!r}",
+        )
+    sandbox = SandboxPolicy(home, enabled=worker_sandbox, self_test=worker_self_test)
     roots = model_roots(model_root or [])
-    platform = make_platform(home, config, scheduler_config, log_config, batch_max_jobs, roots)
+    platform = make_platform(
+        home, config, scheduler_config, log_config, batch_max_jobs, roots, sandbox=sandbox
+    )
     platform.gateway.max_sequences_per_request = max_sequences_per_request
     if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:
         raise DaemonError(

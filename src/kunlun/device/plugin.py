@@ -85,6 +85,10 @@ class DevicePlugin(ABC):
     tools: ClassVar[tuple[str, ...]] = ()
     #: Environment variable that restricts which devices a process sees.
     visibility_env: ClassVar[str | None] = None
+    #: Environment variables of the vendor's runtime (its toolkit's home and library path)
+    #: that a worker on this family's devices gets from the daemon's environment, when set.
+    #: A sandboxed worker sees no other vendor's variables (:mod:`kunlun.node.sandbox`).
+    runtime_env: ClassVar[tuple[str, ...]] = ()
     #: torch device type (``torch.device(torch_device_type, i)``) and the extension module
     #: that registers it (``None`` when torch has it built in).
     torch_device_type: ClassVar[str] = "cpu"

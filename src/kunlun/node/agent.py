@@ -7,7 +7,16 @@ warm-up generation), marks the replica ready in the :class:`ReplicaSet`, and res
 that dies, with exponential backoff (1 s doubling to 60 s; reset after 60 s of health). Every
 start, readiness, crash and restart is reported through ``on_event``. Worker pid files under
 ``KUNLUN_HOME/run/workers`` let a restarted daemon find and reap workers that a crashed daemon
-left behind.
+left behind (a worker dies with its daemon, so these are rare: a worker that was stopped
+when its daemon died, or one started before this rule).
+
+Each worker is confined by the :mod:`kunlun.node.sandbox` its :class:`WorkerSandbox` says
+(passed as ``--sandbox``): a clean environment (:meth:`NodeAgent.worker_env`), its own
+directory, rlimits, seccomp. The supervisor enforces its host memory cap: a worker over it is
+killed and its workload fails (``worker exceeded its memory cap of N MiB``); a worker killed
+by the seccomp filter (SIGSYS) fails its workload with the forbidden call. Workers are
+spawned on the daemon's main (event loop) thread: a worker's death signal fires when the
+thread that started it ends.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +36,13 @@ from pathlib import Path
 
 import psutil
 
+from kunlun.node.sandbox import (
+    SandboxPolicy,
+    WorkerSandbox,
+    over_memory_cap,
+    seccomp_reason,
+    worker_environment,
+)
 from kunlun.serving.replica import Replica, ReplicaSet
 
 EventSink = Callable[[str, str, str], None]  # (workload_id, kind, message)
@@ -43,6 +60,7 @@ class Worker:
     env: dict[str, str]
     log_path: Path
     ready_file: Path
+    sandbox: WorkerSandbox
     proc: subprocess.Popen[bytes] | None = None
     started_at: float = 0.0
     ready_at: float | None = None
@@ -58,8 +76,15 @@ class Worker:
 class NodeAgent:
     """Starts, watches, restarts and stops engine workers."""
 
-    def __init__(self, home: Path, replicas: ReplicaSet, on_event: EventSink) -> None:
+    def __init__(
+        self,
+        home: Path,
+        replicas: ReplicaSet,
+        on_event: EventSink,
+        sandbox: SandboxPolicy | None = None,
+    ) -> None:
         self.home = home
+        self.sandbox = sandbox or SandboxPolicy(home)
         self.replicas = replicas
         self.on_event = on_event
         self.workers: dict[str, Worker] = {}
@@ -77,10 +102,20 @@ class NodeAgent:
             log.write(line.rstrip("\n") + "\n")
 
     # ---- starting and stopping ----
-    def launch(self, replica: Replica, worker_args: list[str], env: dict[str, str]) -> Worker:
-        """Register a replica; the supervisor loop starts its process at once."""
+    def launch(
+        self,
+        replica: Replica,
+        worker_args: list[str],
+        env: dict[str, str],
+        memory_cap_mb: int | None = None,
+    ) -> Worker:
+        """Register a replica; the supervisor loop starts its process at once. ``env`` is its
+        whole environment (:meth:`worker_env`); ``memory_cap_mb`` its host memory cap."""
         ready_file = self.run_dir / f"{replica.replica_id}.ready.json"
-        worker = Worker(replica, worker_args, env, self.log_path(replica.workload_id), ready_file)
+        sandbox = self.sandbox.for_worker(replica.replica_id, memory_cap_mb)
+        worker = Worker(
+            replica, worker_args, env, self.log_path(replica.workload_id), ready_file, sandbox
+        )
         self.workers[replica.replica_id] = worker
         self.replicas.upsert(replica)
         return worker
@@ -114,6 +149,17 @@ class NodeAgent:
         self.replicas.remove(w.replica.replica_id)
         for path in (self._pid_file(w), w.ready_file):
             path.unlink(missing_ok=True)
+        if w.sandbox.workdir is not None:
+            self._remove_workdir(Path(w.sandbox.workdir), w.replica.workload_id)
+
+    def _remove_workdir(self, path: Path, workload_id: str) -> None:
+        """Remove a worker's own directory (its temporary files) once it has exited."""
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self.on_event(workload_id, "sandbox", f"cannot remove {path}: {exc}")
 
     # ---- supervision ----
     async def supervise(self, interval_s: float = 0.1) -> None:
@@ -138,6 +184,13 @@ class NodeAgent:
         if code is not None:
             self._crashed(w, code)
             return
+        over = over_memory_cap(w.proc.pid, w.sandbox.memory_cap_mb)
+        if over is not None:
+            w.proc.kill()
+            w.proc.wait()
+            self._give_up(w, f"worker exceeded its memory cap of {w.sandbox.memory_cap_mb} MiB "
+                             f"(private resident {over} MiB); it was stopped")  # fmt: skip
+            return
         if not w.replica.ready and w.ready_file.exists():
             self._became_ready(w)
         elif w.ready_at is not None and now - w.ready_at > HEALTHY_RESET_S:
@@ -152,6 +205,8 @@ class NodeAgent:
             *w.args,
             "--ready-file",
             str(w.ready_file),
+            "--sandbox",
+            w.sandbox.to_json(),
         ]
         with w.log_path.open("ab") as log:
             log.write(
@@ -164,10 +219,17 @@ class NodeAgent:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=w.env,
+                cwd=w.sandbox.workdir,
                 start_new_session=True,
             )
         w.started_at, w.next_start, w.ready_at = time.monotonic(), None, None
         w.replica.pid = w.proc.pid
+        problem = self.sandbox.join_cgroup(
+            w.replica.workload_id, w.proc.pid, w.sandbox.memory_cap_mb, _num_threads(w.env)
+        )
+        if problem is not None:  # said once: later workers skip cgroups
+            print(problem, flush=True)
+            self.on_event(w.replica.workload_id, "sandbox", problem)
         create_time = psutil.Process(w.proc.pid).create_time()
         self._pid_file(w).write_text(json.dumps({"pid": w.proc.pid, "create_time": create_time}))
         self.on_event(
@@ -199,19 +261,15 @@ class NodeAgent:
         w.replica.ready = False
         w.proc = None
         how = f"signal {-code}" if code < 0 else f"exit status {code}"
+        if code == -signal.SIGSYS and w.sandbox.seccomp and w.sandbox.enabled:
+            self._give_up(w, seccomp_reason(w.replica.pid or 0))  # the same call would recur
+            return
         if not was_ready:
             w.load_failures += 1
             reported = _last_error(w.log_path)
             if reported is not None or w.load_failures >= MAX_LOAD_FAILURES:
                 # the worker said why it cannot load (or keeps dying): restarting will not help
-                w.stopping = True
-                why = reported or f"died {w.load_failures} times while loading ({how})"
-                self._forget(w)
-                self.on_event(
-                    w.replica.workload_id,
-                    "failed",
-                    f"replica {w.replica.replica_id} cannot start: {why}",
-                )
+                self._give_up(w, reported or f"died {w.load_failures} times while loading ({how})")
                 return
         w.restarts += 1
         delay = w.backoff_s
@@ -222,6 +280,15 @@ class NodeAgent:
             w.replica.workload_id,
             "crashed",
             f"replica {w.replica.replica_id} died ({how}) {phase}; restart #{w.restarts} in {delay:g} s",
+        )
+
+    def _give_up(self, w: Worker, why: str) -> None:
+        """Stop supervising ``w`` (its process has exited) and fail its workload with ``why``."""
+        w.stopping = True
+        w.proc = None
+        self._forget(w)
+        self.on_event(
+            w.replica.workload_id, "failed", f"replica {w.replica.replica_id} cannot run: {why}"
         )
 
     def _pid_file(self, w: Worker) -> Path:
@@ -239,23 +306,41 @@ class NodeAgent:
                     proc = psutil.Process(pid)
                     if abs(proc.create_time() - float(data["create_time"])) < 1.0:
                         proc.kill()
-                        proc.wait(5)
-                        reaped.append(pid)
+                        reaped.append(pid)  # SIGKILL: gone, or a zombie its new parent reaps
+                        with contextlib.suppress(psutil.TimeoutExpired):
+                            proc.wait(5)
             pid_file.unlink(missing_ok=True)
         for ready in self.run_dir.glob("*.ready.json"):
             ready.unlink(missing_ok=True)
+        for workdir in (p for p in self.run_dir.iterdir() if p.is_dir()):
+            self._remove_workdir(workdir, workdir.name.rsplit("-r", 1)[0])
         return reaped
 
     def worker_env(
-        self, visibility_env: str | None, index: int | None, num_threads: int
-    ) -> dict[str, str]:
-        """The environment of a worker: ours, plus device visibility and thread count."""
-        env = dict(os.environ)
-        if visibility_env and index is not None:
-            env[visibility_env] = str(index)
-        env["OMP_NUM_THREADS"] = str(num_threads)
-        env["PYTHONUNBUFFERED"] = "1"
-        return env
+        self, replica_id: str, device_env: dict[str, str], runtime_env: tuple[str, ...],
+        num_threads: int,
+    ) -> dict[str, str]:  # fmt: skip
+        """The environment of a worker: with the sandbox on, only what it needs (see
+        :func:`~kunlun.node.sandbox.worker_environment`); off, the daemon's own. Both with
+        ``device_env`` (the plan's visibility and engine variables) and the thread count."""
+        if not self.sandbox.enabled:
+            env = dict(os.environ, OMP_NUM_THREADS=str(num_threads), PYTHONUNBUFFERED="1")
+            env.update(device_env)
+            return env
+        return worker_environment(
+            home=self.home,
+            workdir=self.sandbox.workdir(replica_id),
+            device_env=device_env,
+            runtime_env=runtime_env,
+            num_threads=num_threads,
+        )
+
+
+def _num_threads(env: dict[str, str]) -> int:
+    try:
+        return max(1, int(env.get("OMP_NUM_THREADS", "1")))
+    except ValueError:
+        return 1
 
 
 def _last_error(log_path: Path) -> str | None:

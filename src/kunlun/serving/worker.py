@@ -84,6 +84,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="plan-cache entry: weights cast to --dtype are kept in (and reused from) DIR/weights",
     )
     parser.add_argument(
+        "--sandbox",
+        type=_sandbox,
+        default=None,
+        help="set by the node agent: the worker's confinement as WorkerSandbox JSON "
+        "(kunlun.node.sandbox); absent when the worker is started by hand",
+    )
+    parser.add_argument(
         "--trace-prefix",
         default=None,
         help="advanced profiling: write a Chrome trace of engine steps to PREFIX.<pid>.trace.json",
@@ -147,6 +154,15 @@ def _nice(text: str) -> int:
             f"niceness (--nice or KUNLUN_WORKER_NICE) must be an integer 0-19, got {text!r}"
         )
     return value
+
+
+def _sandbox(text: str) -> Any:
+    from kunlun.node.sandbox import WorkerSandbox
+
+    try:
+        return WorkerSandbox.from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _non_negative(text: str) -> float:
@@ -303,12 +319,30 @@ def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
         uvloop.run(main)
 
 
+def import_trusted_modules() -> None:
+    """Import the engine and server code before the sandbox locks (importing reads many files
+    and maps libraries; what the allow-list must permit is then only what serving needs)."""
+    import torch  # noqa: F401
+    import uvicorn  # noqa: F401
+
+    import kunlun.engine.async_engine  # noqa: F401
+    import kunlun.engine.llm_engine  # noqa: F401
+    import kunlun.serving.worker_app  # noqa: F401
+
+
 def main(argv: list[str] | None = None) -> int:
     from kunlun.errors import KunlunError
 
     args = parse_args(argv)
+    if args.sandbox is not None:
+        from kunlun.node import sandbox
+
+        sandbox.enter(args.sandbox)  # dies with the daemon; rlimits, no_new_privs
     if args.nice:
         os.nice(args.nice)  # first, so every thread started later (torch, engine) inherits it
+    if args.sandbox is not None:
+        import_trusted_modules()
+        sandbox.lock(args.sandbox)  # the seccomp allow-list, before any model file is read
     try:
         run_event_loop(serve(args))
     except KunlunError as exc:

@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from kunlun.device.inventory import Inventory
+from kunlun.device.registry import load_plugins
 from kunlun.errors import ConfigError, KunlunError, Location, ModelError
 from kunlun.node.agent import NodeAgent
+from kunlun.node.sandbox import memory_cap_mb
 from kunlun.planner.cache import PlanCache
 from kunlun.planner.model_info import ModelInfo, inspect_model, locate_model
 from kunlun.planner.plan import ExecutionPlan
@@ -195,8 +197,11 @@ class WorkloadManager:
             priority=spec.priority,
             max_num_seqs=plan.max_num_seqs,
         )
-        env = self.agent.worker_env(None, None, int(threads))
-        env.update(plan.env)
+        plugin = load_plugins().plugins.get(plan.device_type)
+        runtime_env = plugin.runtime_env if plugin is not None else ()
+        env = self.agent.worker_env(replica.replica_id, plan.env, runtime_env, int(threads))
+        host_kv_mb = plan.kv_cache_memory_mb if plan.torch_device == "cpu" else 0
+        cap_mb = memory_cap_mb(plan.weight_memory_mb, host_kv_mb, spec.memory_cap_mb)
         args = ["--model-dir", str(model_dir), "--served-name", record.name,
                 "--device", plan.torch_device, "--dtype", plan.dtype,
                 "--max-num-seqs", str(plan.max_num_seqs), "--num-threads", str(threads),
@@ -204,7 +209,7 @@ class WorkloadManager:
                 "--kv-cache-memory-mb", str(plan.kv_cache_memory_mb),
                 "--plan-dir", str(plan_dir)]  # fmt: skip
         args += worker_profiling_args(spec.telemetry, self.agent.log_dir, replica.replica_id)
-        self.agent.launch(replica, args, env)
+        self.agent.launch(replica, args, env, memory_cap_mb=cap_mb)
 
     def resume_all(self) -> None:
         """After a daemon (re)start: start again every workload that was active."""

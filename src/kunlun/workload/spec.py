@@ -59,6 +59,13 @@ class WorkloadSpec(BaseModel):
         None, ge=16, description="Context limit; default: the model's."
     )
     kv_cache_memory_mb: int | None = Field(None, ge=1, description="KV-cache budget per replica.")
+    memory_cap_mb: int | None = Field(
+        None,
+        ge=1,
+        description="Host memory cap of each replica's worker in MiB (default: the plan's "
+        "weights and host KV plus the runtime, with a margin); a worker past it is stopped "
+        "and the workload fails.",
+    )
     engine: Literal["embedded"] = Field("embedded", description="Inference engine.")
     telemetry: TelemetrySpec | None = Field(
         None, description="Per-step engine profiling (advanced_profiling, profiling_interval_ms)."

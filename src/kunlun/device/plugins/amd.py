@@ -61,6 +61,7 @@ class AmdPlugin(DevicePlugin):
     vendor = "AMD"
     tools = ("rocm-smi", "rocminfo")
     visibility_env = "HIP_VISIBLE_DEVICES"
+    runtime_env = ("ROCM_PATH", "HIP_PATH", "LD_LIBRARY_PATH")
     torch_device_type = "cuda"  # ROCm builds of PyTorch use the cuda device type
     torch_module = None
     memory_fields = None

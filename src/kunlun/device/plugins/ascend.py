@@ -299,6 +299,13 @@ class AscendPlugin(DevicePlugin):
     vendor = "Huawei"
     tools = ("npu-smi",)
     visibility_env = "ASCEND_RT_VISIBLE_DEVICES"
+    runtime_env = (
+        "ASCEND_HOME_PATH",
+        "ASCEND_TOOLKIT_HOME",
+        "ASCEND_OPP_PATH",
+        "ASCEND_AICPU_PATH",
+        "LD_LIBRARY_PATH",
+    )
     torch_device_type = "npu"
     torch_module = "torch_npu"
     memory_fields = ("hbm_memory_mb", "sys_memory_mb")

@@ -63,6 +63,7 @@ class CambriconPlugin(DevicePlugin):
     vendor = "Cambricon"
     tools = ("cnmon", "mlu-smi")
     visibility_env = "MLU_VISIBLE_DEVICES"
+    runtime_env = ("NEUWARE_HOME", "LD_LIBRARY_PATH")
     torch_device_type = "mlu"
     torch_module = "torch_mlu"
     memory_fields = ("mlu_memory_mb", "ddr_memory_mb")

@@ -55,6 +55,7 @@ class EnflamePlugin(DevicePlugin):
     vendor = "Enflame"
     tools = ("efsmi",)
     visibility_env = "TOPS_VISIBLE_DEVICES"
+    runtime_env = ("LD_LIBRARY_PATH",)
     torch_device_type = "gcu"
     torch_module = "torch_gcu"
     memory_fields = None

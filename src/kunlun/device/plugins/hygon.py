@@ -60,6 +60,7 @@ class HygonPlugin(DevicePlugin):
     vendor = "Hygon"
     tools = ("hy-smi", "rocm-smi", "rocminfo")
     visibility_env = "HIP_VISIBLE_DEVICES"
+    runtime_env = ("ROCM_PATH", "DTK_HOME", "LD_LIBRARY_PATH")
     torch_device_type = "cuda"  # DTK builds of PyTorch use the cuda device type
     torch_module = None
     memory_fields = ("vram_memory_mb", "gddr6_memory_mb")

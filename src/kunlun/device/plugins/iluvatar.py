@@ -53,6 +53,7 @@ class IluvatarPlugin(DevicePlugin):
     vendor = "Iluvatar CoreX"
     tools = ("ixsmi",)
     visibility_env = "CUDA_VISIBLE_DEVICES"
+    runtime_env = ("COREX_HOME", "LD_LIBRARY_PATH")
     torch_device_type = "cuda"
     torch_module = None
     memory_fields = None

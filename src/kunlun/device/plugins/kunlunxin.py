@@ -71,6 +71,7 @@ class KunlunxinPlugin(DevicePlugin):
     vendor = "Kunlunxin"
     tools = ("xpu-smi",)
     visibility_env = "XPU_VISIBLE_DEVICES"
+    runtime_env = ("LD_LIBRARY_PATH",)
     torch_device_type = "xpu"
     torch_module = "torch_xmlir"
     memory_fields = None

@@ -56,6 +56,7 @@ class MetaxPlugin(DevicePlugin):
     vendor = "MetaX"
     tools = ("mx-smi",)
     visibility_env = "CUDA_VISIBLE_DEVICES"
+    runtime_env = ("MACA_PATH", "LD_LIBRARY_PATH")
     torch_device_type = "cuda"
     torch_module = None
     memory_fields = None

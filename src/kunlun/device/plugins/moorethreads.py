@@ -68,6 +68,7 @@ class MooreThreadsPlugin(DevicePlugin):
     vendor = "Moore Threads"
     tools = ("mthreads-gmi",)
     visibility_env = "MUSA_VISIBLE_DEVICES"
+    runtime_env = ("MUSA_HOME", "MUSA_PATH", "LD_LIBRARY_PATH")
     torch_device_type = "musa"
     torch_module = "torch_musa"
     memory_fields = None

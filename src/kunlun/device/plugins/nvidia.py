@@ -179,6 +179,7 @@ class NvidiaPlugin(DevicePlugin):
     vendor = "NVIDIA"
     tools = ("nvidia-smi",)
     visibility_env = "CUDA_VISIBLE_DEVICES"
+    runtime_env = ("CUDA_HOME", "CUDA_PATH", "CUDA_MODULE_LOADING", "LD_LIBRARY_PATH")
     torch_device_type = "cuda"
     torch_module = None
     memory_fields = None
