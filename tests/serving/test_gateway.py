@@ -208,7 +208,8 @@ def test_full_queue_answers_429_with_retry_after(
             next(iter(stream))
             with pytest.raises(openai.RateLimitError) as caught:
                 client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
-        assert caught.value.response.headers["retry-after"] == "1"
+        # from the model's drain rate (unit-tested in test_admission): whole seconds >= 1
+        assert int(caught.value.response.headers["retry-after"]) >= 1
         assert caught.value.body["code"] == "rate_limit_exceeded"
     finally:
         replica.max_queue = 64

@@ -76,7 +76,7 @@ class Relay(Response):
             replica = admission.try_admit(self.ticket)
             if replica is None:
                 try:
-                    replica = await admission.wait(self.ticket, self.state.retry_after_s)
+                    replica = await admission.wait(self.ticket)
                 except (QueueFull, ServiceUnavailable) as exc:
                     self._refusal = exc
                     await self._send_error(send, exc)
