@@ -180,11 +180,48 @@ def serve(
             help="Batch API jobs that run at once; later ones wait (status 'validating').",
         ),
     ] = MAX_RUNNING_JOBS,
+    worker_answer_deadline_s: Annotated[
+        float,
+        typer.Option(
+            min=0.5,
+            envvar="KUNLUN_WORKER_ANSWER_DEADLINE_S",
+            help="A ready engine worker that answers no health probe for this long is killed "
+            "and restarted; its requests get 504.",
+        ),
+    ] = 10.0,
+    worker_progress_deadline_s: Annotated[
+        float,
+        typer.Option(
+            min=0.5,
+            envvar="KUNLUN_WORKER_PROGRESS_DEADLINE_S",
+            help="An engine worker with requests in flight whose engine makes no step for this "
+            "long is killed and restarted; its requests get 504.",
+        ),
+    ] = 120.0,
+    upstream_first_byte_timeout_s: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            envvar="KUNLUN_UPSTREAM_FIRST_BYTE_TIMEOUT_S",
+            help="Longest wait for a worker's response head (a non-streamed answer comes "
+            "whole, once generated); past it, 504.",
+        ),
+    ] = 900.0,
+    upstream_read_timeout_s: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            envvar="KUNLUN_UPSTREAM_READ_TIMEOUT_S",
+            help="Longest silence between two pieces of a worker's streamed answer; past it, "
+            "the stream ends with a 504 error event.",
+        ),
+    ] = 300.0,
 ) -> None:
     """Run the Kunlun Platform daemon in the foreground."""
     if ctx.invoked_subcommand is not None:
         return
     from kunlun.daemon.app import create_asgi, make_platform
+    from kunlun.node.liveness import LivenessConfig
 
     home = kunlun_home()
     running = pid_info(home)
@@ -204,7 +241,19 @@ def serve(
         num_backups=request_log_backups,
         flush_interval_s=request_log_flush_s,
     )
-    platform = make_platform(home, config, scheduler_config, log_config, batch_max_jobs)
+    platform = make_platform(
+        home,
+        config,
+        scheduler_config,
+        log_config,
+        batch_max_jobs,
+        liveness=LivenessConfig(
+            answer_deadline_s=worker_answer_deadline_s,
+            probe_timeout_s=min(LivenessConfig.probe_timeout_s, worker_answer_deadline_s),
+            progress_deadline_s=worker_progress_deadline_s,
+        ),
+        upstream_timeouts_s=(upstream_first_byte_timeout_s, upstream_read_timeout_s),
+    )
     if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:
         raise DaemonError(
             f"refusing to listen on {host} with no API key configured",
