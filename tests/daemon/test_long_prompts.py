@@ -51,7 +51,7 @@ def test_a_10_mb_prompt_is_refused_naming_max_model_len(daemon: Daemon) -> None:
     ids = completion(daemon, [1] * (MAX_MODEL_LEN + 5))
     assert ids.status_code == 400, ids.text
     assert ids.json()["error"]["code"] == "context_length_exceeded"
-    assert f"max_model_len is {MAX_MODEL_LEN} tokens" in ids.json()["error"]["message"]
+    assert f"the max_model_len is {MAX_MODEL_LEN} tokens" in ids.json()["error"]["message"]
 
 
 def test_other_streams_go_on_while_long_prompts_are_tokenized(daemon: Daemon) -> None:

@@ -188,7 +188,7 @@ def serve(
             help="A ready engine worker that answers no health probe for this long is killed "
             "and restarted; its requests get 504.",
         ),
-    ] = 10.0,
+    ] = 15.0,
     worker_progress_deadline_s: Annotated[
         float,
         typer.Option(

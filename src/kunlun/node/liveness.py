@@ -31,7 +31,7 @@ class LivenessConfig:
     """Seconds between two probes of one worker."""
     probe_timeout_s: float = 2.0
     """Seconds one probe waits for the worker's answer."""
-    answer_deadline_s: float = 10.0
+    answer_deadline_s: float = 15.0
     """A ready worker that answered no probe for this long is unresponsive."""
     progress_deadline_s: float = 120.0
     """A worker whose engine has requests unfinished and made no step for this long is

@@ -4,9 +4,9 @@ Routes: ``POST /v1/chat/completions`` and ``/v1/completions`` (JSON, or SSE with
 ``stream``), ``GET /v1/models``, ``GET /health``, ``GET /stats`` (engine statistics) and
 ``GET /metrics`` (Prometheus; :mod:`kunlun.telemetry.worker_metrics`).
 Bad input answers 400 in the OpenAI error shape before anything is queued; a text prompt
-that cannot fit the context is refused before it is tokenized (:meth:`WorkerApp.check_text`),
-and tokenizing, like parsing a large body and rendering a chat template, runs in a thread,
-so that a long prompt does not stall the event loop other requests stream on; a client that
+that cannot fit the context is refused before it is tokenized (:meth:`WorkerApp.check_prompt`),
+and for a large body, parsing, rendering the chat template and tokenizing run in a thread, so
+that a long prompt does not stall the event loop other requests stream on; a client that
 goes away aborts its generation (the engine frees its KV blocks); a request that fails while
 streaming ends with one SSE error event and no ``[DONE]``. One line per finished request is
 logged through the ``log`` callable (the worker prints it to stdout for the node agent).
@@ -47,7 +47,8 @@ PROMPT_BYTES_MARGIN = 2
 bytes is refused without tokenizing it (it cannot fit); the margin covers normalizers that
 shrink text."""
 _THREAD_BODY_BYTES = 64 << 10
-"""Bodies larger than this are parsed in a thread (smaller ones are cheaper in place)."""
+"""Bodies larger than this are parsed, and their prompts rendered and tokenized, in a thread
+(smaller ones are cheaper in place). A JSON body is never shorter than the text it holds."""
 
 
 @dataclasses.dataclass
@@ -116,7 +117,7 @@ class WorkerApp:
         self._check_model(req.model)
         params = req.to_sampling_params()
         messages = [m.template_dict() for m in req.messages]
-        prompt = await asyncio.to_thread(self._chat_prompt, messages)
+        prompt = await _off_loop_if_large(raw, self._chat_prompt, messages)
         submitted = await self._submit([prompt], params)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -143,7 +144,9 @@ class WorkerApp:
         if req.echo:
             echo_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
         if any(isinstance(p, str) for p in prompts):
-            prompts = await asyncio.to_thread(self._encode_all, prompts)
+            prompts = await _off_loop_if_large(raw, self._encode_all, prompts)
+            for prompt in prompts:  # the engine would check each id of a long one first
+                self.check_prompt(prompt)
         submitted = await self._submit(prompts, params)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -192,7 +195,7 @@ class WorkerApp:
                 self._too_long(f"{len(prompt)}-character")
         elif len(prompt) >= self.max_model_len:
             raise PromptTooLong(
-                f"prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len} "
+                f"prompt has {len(prompt)} tokens but the max_model_len is {self.max_model_len} "
                 "tokens; the prompt must leave room for at least one output token",
                 hint="shorten the prompt",
             )
@@ -208,13 +211,15 @@ class WorkerApp:
         )
 
     def _chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The token ids of ``messages`` through the chat template (run in a thread)."""
+        """The token ids of ``messages`` through the chat template."""
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         self.check_prompt(text)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        prompt = self.tokenizer.encode(text, add_special_tokens=False)
+        self.check_prompt(prompt)
+        return prompt
 
     def _encode_all(self, prompts: Sequence[Prompt]) -> list[Prompt]:
-        """Text prompts as token ids, as the engine would encode them (run in a thread)."""
+        """Text prompts as token ids, as the engine would encode them."""
         return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
 
     def _check_model(self, model: str) -> None:
