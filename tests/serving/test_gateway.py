@@ -312,4 +312,5 @@ def test_32_concurrent_streams_complete(client: openai.OpenAI, gateway: GatewayS
     with ThreadPoolExecutor(32) as pool:
         reasons = list(pool.map(one, range(32)))
     assert all(r in ("length", "stop") for r in reasons), reasons
-    assert gateway.replicas.get("r1").in_flight == 0
+    # the slot is given back just after the last byte is sent: the client may see it first
+    assert wait_until(lambda: gateway.replicas.get("r1").in_flight == 0)
