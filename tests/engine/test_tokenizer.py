@@ -141,3 +141,21 @@ def test_missing_or_broken_files(tmp_path: Path, demo_model_dir: Path) -> None:
     (folder / "tokenizer.json").write_text('{"version": "1.0"}')
     with pytest.raises(ModelError, match="tokenizer.json"):
         Tokenizer(folder)
+
+
+def test_long_texts_encode_as_short_ones_do_with_the_gil_released(demo_model_dir: Path) -> None:
+    ours, theirs = Tokenizer(demo_model_dir), hf_tokenizer(demo_model_dir)
+    text = " ".join(f"word{i % 313} é 中文\n" for i in range(3000))  # past the long-text cut
+    for special in (True, False):
+        expected = theirs(text, add_special_tokens=special)["input_ids"]
+        assert ours.encode(text, add_special_tokens=special) == expected
+
+
+def test_no_token_stands_for_more_than_max_token_bytes(demo_model_dir: Path) -> None:
+    ours = Tokenizer(demo_model_dir)
+    longest = ours.max_token_bytes
+    assert 1 < longest < 1000
+    for token_id in range(ours.vocab_size):  # decoded alone, every entry fits the bound
+        assert len(ours.decode([token_id], skip_special_tokens=False).encode()) <= longest
+    text = "x" * 50_000  # a text of B bytes has at least B / max_token_bytes tokens
+    assert len(ours.encode(text, add_special_tokens=False)) >= len(text) / longest

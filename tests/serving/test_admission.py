@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import time
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 
-from kunlun.serving.admission import Admission, Ticket
+from kunlun.serving.admission import MAX_RETRY_AFTER_S, Admission, DrainRate, Ticket
 from kunlun.serving.protocol import QueueFull, ServiceUnavailable
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.serving.routing import DeviceSamples, Router
@@ -20,7 +22,11 @@ BIG = {"high": 10**6, "normal": 10**6, "low": 10**6}
 
 
 def make(
-    devices: list[str], max_num_seqs: int = 2, max_queue: int = 10**6, **config: object
+    devices: list[str],
+    max_num_seqs: int = 2,
+    max_queue: int = 10**6,
+    clock: Callable[[], float] = time.monotonic,
+    **config: object,
 ) -> tuple[Admission, ReplicaSet, list[Replica]]:
     source = SchedulerConfigSource()
     source.apply(SchedulerConfig.model_validate({"queue_limits": BIG, **config}))
@@ -30,7 +36,7 @@ def make(
         made.append(Replica(f"r{i}", "w", MODEL, device, "", ready=True,
                             max_num_seqs=max_num_seqs, max_queue=max_queue))  # fmt: skip
         replicas.upsert(made[-1])
-    return Admission(replicas, Router(source, DeviceSamples())), replicas, made
+    return Admission(replicas, Router(source, DeviceSamples()), clock), replicas, made
 
 
 class VirtualNode:
@@ -100,15 +106,17 @@ def test_a_class_that_was_idle_gets_no_credit_for_it() -> None:
 
 
 def test_class_queue_limit_answers_queue_full_naming_the_class() -> None:
+    clock = Clock()
     admission, _, [replica] = make(
-        ["cpu:0"], max_num_seqs=1, queue_limits={"high": 5, "normal": 5, "low": 2}
+        ["cpu:0"], max_num_seqs=1, clock=clock, queue_limits={"high": 5, "normal": 5, "low": 2}
     )
     assert admission.try_admit(Ticket(MODEL, "normal", None, 10)) is replica
     backlog(admission, {"low": 2})
     with pytest.raises(QueueFull) as caught:
-        admission.enqueue(Ticket(MODEL, "low", None, 10), retry_after_s=3)
+        admission.enqueue(Ticket(MODEL, "low", None, 10))
     assert "low-priority queue" in caught.value.message
     assert "queue_limits.low = 2" in caught.value.message
+    # one admission in the last second: 1/s; two waiting and the refused one: 3 s
     assert caught.value.retry_after_s == 3
     admission.enqueue(Ticket(MODEL, "high", None, 10))  # other classes still queue
 
@@ -210,5 +218,78 @@ def test_waiters_for_a_pool_no_longer_served_get_503() -> None:
         with pytest.raises(ServiceUnavailable, match="pool 'cuda' of model 'm'"):
             await waiting
         assert admission.num_waiting() == 0 and cpu.in_flight == 0
+
+    asyncio.run(scenario())
+
+
+class Clock:
+    """A hand-moved clock for drain rates."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_drain_rate_is_admissions_per_second_over_the_recent_window() -> None:
+    clock = Clock()
+    rate = DrainRate(window_s=30.0, clock=clock)
+    assert rate.per_second() is None
+    assert rate.retry_after(5, fallback_s=42) == 42  # nothing measured: the fallback
+    for _ in range(10):  # one admission every 0.5 s
+        rate.admitted()
+        clock.now += 0.5
+    assert rate.per_second() == pytest.approx(10 / 5.0)
+    assert rate.retry_after(1, 60) == 1
+    assert rate.retry_after(7, 60) == 4  # 7 ahead at 2/s: ceil(3.5)
+    assert rate.retry_after(40, 60) == 20  # grows with the queue
+    clock.now += 15.0  # the queue stopped draining: the rate decays
+    assert rate.per_second() == pytest.approx(10 / 20.0)
+    assert rate.retry_after(7, 60) == 14
+    clock.now += 31.0  # everything left the window
+    assert rate.per_second() is None
+    assert rate.retry_after(10**9, 1e9) == MAX_RETRY_AFTER_S
+
+
+def test_a_request_waiting_past_max_queue_wait_gets_429_with_a_drain_rate_retry_after() -> None:
+    async def scenario() -> None:
+        clock = Clock()
+        admission, _, [replica] = make(
+            ["cpu:0"], max_num_seqs=1, clock=clock, max_queue_wait_s=0.05
+        )
+        first = Ticket(MODEL, "normal", None, 10)
+        assert admission.try_admit(first) is replica
+        for _ in range(3):  # three requests drained in the last 2 s (and the first)
+            clock.now += 0.5
+            admission.release(first)
+            assert admission.try_admit(first) is replica
+        clock.now += 0.5
+        waiters = [Ticket(MODEL, "normal", None, 10) for _ in range(4)]
+        tasks = [asyncio.create_task(admission.wait(t)) for t in waiters]
+        done, _ = await asyncio.wait(tasks, timeout=30)
+        assert len(done) == 4
+        retry_after = []
+        for task in tasks:
+            with pytest.raises(QueueFull, match="max_queue_wait_s = 0.05") as caught:
+                task.result()
+            retry_after.append(caught.value.retry_after_s)
+        # 4 admissions over 2 s: 2/s; those refused first had more still waiting behind
+        assert retry_after == [2, 2, 1, 1]
+        assert admission.num_waiting() == 0 and replica.in_flight == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_request_admitted_before_max_queue_wait_is_not_refused() -> None:
+    async def scenario() -> None:
+        admission, _, [replica] = make(["cpu:0"], max_num_seqs=1, max_queue_wait_s=60)
+        first = Ticket(MODEL, "normal", None, 10)
+        admission.try_admit(first)
+        second = Ticket(MODEL, "normal", None, 10)
+        waiting = asyncio.create_task(admission.wait(second))
+        await asyncio.sleep(0)
+        admission.release(first)
+        assert await waiting is replica
 
     asyncio.run(scenario())

@@ -208,7 +208,8 @@ def test_full_queue_answers_429_with_retry_after(
             next(iter(stream))
             with pytest.raises(openai.RateLimitError) as caught:
                 client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
-        assert caught.value.response.headers["retry-after"] == "1"
+        # from the model's drain rate (unit-tested in test_admission): whole seconds >= 1
+        assert int(caught.value.response.headers["retry-after"]) >= 1
         assert caught.value.body["code"] == "rate_limit_exceeded"
     finally:
         replica.max_queue = 64
@@ -311,4 +312,5 @@ def test_32_concurrent_streams_complete(client: openai.OpenAI, gateway: GatewayS
     with ThreadPoolExecutor(32) as pool:
         reasons = list(pool.map(one, range(32)))
     assert all(r in ("length", "stop") for r in reasons), reasons
-    assert gateway.replicas.get("r1").in_flight == 0
+    # the slot is given back just after the last byte is sent: the client may see it first
+    assert wait_until(lambda: gateway.replicas.get("r1").in_flight == 0)

@@ -26,6 +26,7 @@ min_gpu_utilization_threshold: 0.8
 priority_weights:
   high: 5
 queue_limits: {low: 16}
+max_queue_wait_s: 12.5
 thermal:
   limit_c: 80
 """
@@ -46,6 +47,7 @@ def test_every_field_is_read(tmp_path: Path) -> None:
     assert config.min_gpu_utilization_threshold == 0.8
     assert (config.priority_weights.high, config.priority_weights.normal) == (5, 2)
     assert (config.queue_limits.low, config.queue_limits.high) == (16, 256)
+    assert config.max_queue_wait_s == 12.5
     assert (config.thermal.limit_c, config.thermal.duration_s) == (80, 30)
 
 
@@ -73,6 +75,10 @@ def test_empty_or_missing_file_means_defaults(tmp_path: Path) -> None:
         (
             "queue_limits:\n  high: -1\n",
             ["scheduler_config.yaml:2 (queue_limits.high)", "-1"],
+        ),
+        (
+            "policy: load-aware\nmax_queue_wait_s: 0\n",
+            ["scheduler_config.yaml:2 (max_queue_wait_s)", "greater than 0", "0"],
         ),
         ("polcy: round-robin\n", ["scheduler_config.yaml:1 (polcy)", "did you mean 'policy'"]),
         ("policy: [round-robin\n", ["scheduler_config.yaml:2", "not valid YAML"]),

@@ -8,7 +8,12 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from kunlun.serving.upstream import UpstreamBroken, UpstreamPool, UpstreamUnreachable
+from kunlun.serving.upstream import (
+    UpstreamBroken,
+    UpstreamPool,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
@@ -166,5 +171,69 @@ def test_a_response_that_is_not_http_is_broken() -> None:
     async def client(base_url: str) -> None:
         with pytest.raises(UpstreamBroken, match="not valid HTTP"):
             await UpstreamPool().post(base_url, "/", [], b"")
+
+    asyncio.run(with_server(handler, client))
+
+
+def test_a_worker_silent_past_the_first_byte_timeout_times_out() -> None:
+    release = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await release.wait()  # a stopped worker: the connection is open, nothing comes
+        writer.close()
+
+    async def client(base_url: str) -> None:
+        pool = UpstreamPool(first_byte_timeout_s=0.2)
+        with pytest.raises(UpstreamTimeout, match="no response within 0.2 s"):
+            await pool.post(base_url, "/", [], b"")
+        release.set()
+        await pool.close()
+
+    asyncio.run(with_server(handler, client))
+
+
+def test_a_stream_silent_past_the_read_timeout_times_out_after_what_came() -> None:
+    release = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n")
+        await writer.drain()
+        await release.wait()
+        writer.close()
+
+    async def client(base_url: str) -> None:
+        pool = UpstreamPool(first_byte_timeout_s=30, read_timeout_s=0.2)
+        response = await pool.post(base_url, "/", [], b"")
+        received = []
+        with pytest.raises(UpstreamTimeout, match="nothing more of its response for 0.2 s"):
+            async for chunk in response.iter_raw():
+                received.append(chunk)
+        assert received == [b"hello"]
+        await response.close()
+        release.set()
+        await pool.close()
+
+    asyncio.run(with_server(handler, client))
+
+
+def test_a_slow_but_steady_stream_does_not_time_out() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        for _ in range(6):  # longer in total than the read timeout, never silent that long
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def client(base_url: str) -> None:
+        pool = UpstreamPool(first_byte_timeout_s=30, read_timeout_s=5)
+        response = await pool.post(base_url, "/", [], b"")
+        assert b"".join([c async for c in response.iter_raw()]) == b"x" * 6
+        await response.close()
+        await pool.close()
 
     asyncio.run(with_server(handler, client))

@@ -42,6 +42,7 @@ from kunlun.daemon.request_log import RequestLog, RequestLogConfig, RequestLogMi
 from kunlun.device.inventory import Inventory, build_inventory
 from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.node.agent import NodeAgent
+from kunlun.node.liveness import LivenessConfig
 from kunlun.node.sandbox import SandboxPolicy
 from kunlun.serving.gateway import (
     GatewayEndpoints,
@@ -91,25 +92,32 @@ def make_platform(
     batch_max_jobs: int = MAX_RUNNING_JOBS,
     model_roots: tuple[Path, ...] = (),
     sandbox: SandboxPolicy | None = None,
+    liveness: LivenessConfig | None = None,
+    upstream_timeouts_s: tuple[float | None, float | None] = (900.0, 300.0),
 ) -> Platform:
     """The daemon's parts. ``scheduler_config`` defaults to ``KUNLUN_HOME/scheduler_config.yaml``
     (absent: the defaults); a bad one raises :class:`~kunlun.errors.ConfigError`.
     ``batch_max_jobs``: Batch API jobs that send requests at once (the rest wait).
-    ``model_roots``: where admin GGUF imports may read, besides the defaults and the config's."""
+    ``model_roots``: where admin GGUF imports may read, besides the defaults and the config's;
+    ``liveness``: how the node agent probes workers; ``upstream_timeouts_s``: the gateway's
+    first-byte and read timeouts on workers' answers."""
     scheduler = SchedulerConfigSource(scheduler_config or home / SCHEDULER_CONFIG)
     scheduler.load()
     store = SQLiteStore(home / "state.db")
     replicas = ReplicaSet()
     holder: dict[str, WorkloadManager] = {}
     agent = NodeAgent(
-        home, replicas, lambda wid, kind, msg: holder["m"].event(wid, kind, msg), sandbox
+        home, replicas, lambda wid, kind, msg: holder["m"].event(wid, kind, msg), sandbox, liveness
     )
     platform_config = config
     manager = WorkloadManager(
         store, agent, replicas, lambda: build_inventory(config=platform_config)
     )
     holder["m"] = manager
-    gateway = GatewayState(scheduler=scheduler)
+    first_byte_s, read_s = upstream_timeouts_s
+    gateway = GatewayState(
+        scheduler=scheduler, first_byte_timeout_s=first_byte_s, read_timeout_s=read_s
+    )
     request_log = RequestLog(home / "logs" / "requests.jsonl", request_log_config)
     files = FileStore(home / "files", store)
     send = in_process_sender(RequestLogMiddleware(gateway_app(replicas, gateway), request_log))

@@ -214,11 +214,48 @@ def serve(
         str | None,
         typer.Option(hidden=True, envvar="KUNLUN_WORKER_SELF_TEST"),
     ] = None,
+    worker_answer_deadline_s: Annotated[
+        float,
+        typer.Option(
+            min=0.5,
+            envvar="KUNLUN_WORKER_ANSWER_DEADLINE_S",
+            help="A ready engine worker that answers no health probe for this long is killed "
+            "and restarted; its requests get 504.",
+        ),
+    ] = 15.0,
+    worker_progress_deadline_s: Annotated[
+        float,
+        typer.Option(
+            min=0.5,
+            envvar="KUNLUN_WORKER_PROGRESS_DEADLINE_S",
+            help="An engine worker with requests in flight whose engine makes no step for this "
+            "long is killed and restarted; its requests get 504.",
+        ),
+    ] = 120.0,
+    upstream_first_byte_timeout_s: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            envvar="KUNLUN_UPSTREAM_FIRST_BYTE_TIMEOUT_S",
+            help="Longest wait for a worker's response head (a non-streamed answer comes "
+            "whole, once generated); past it, 504.",
+        ),
+    ] = 900.0,
+    upstream_read_timeout_s: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            envvar="KUNLUN_UPSTREAM_READ_TIMEOUT_S",
+            help="Longest silence between two pieces of a worker's streamed answer; past it, "
+            "the stream ends with a 504 error event.",
+        ),
+    ] = 300.0,
 ) -> None:
     """Run the Kunlun Platform daemon in the foreground."""
     if ctx.invoked_subcommand is not None:
         return
     from kunlun.daemon.app import create_asgi, make_platform
+    from kunlun.node.liveness import LivenessConfig
 
     home = kunlun_home()
     running = pid_info(home)
@@ -252,7 +289,19 @@ def serve(
     sandbox = SandboxPolicy(home, enabled=worker_sandbox, self_test=worker_self_test)
     roots = model_roots(model_root or [])
     platform = make_platform(
-        home, config, scheduler_config, log_config, batch_max_jobs, roots, sandbox=sandbox
+        home,
+        config,
+        scheduler_config,
+        log_config,
+        batch_max_jobs,
+        roots,
+        sandbox=sandbox,
+        liveness=LivenessConfig(
+            answer_deadline_s=worker_answer_deadline_s,
+            probe_timeout_s=min(LivenessConfig.probe_timeout_s, worker_answer_deadline_s),
+            progress_deadline_s=worker_progress_deadline_s,
+        ),
+        upstream_timeouts_s=(upstream_first_byte_timeout_s, upstream_read_timeout_s),
     )
     platform.gateway.max_sequences_per_request = max_sequences_per_request
     if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,8 @@ from tokenizers import Tokenizer as _Backend
 from kunlun.errors import Location, ModelError, ModelFileMissing
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+_LONG_TEXT_CHARS = 4096
+"""Texts longer than this are encoded with the GIL released (:meth:`Tokenizer.encode`)."""
 
 
 class Tokenizer:
@@ -69,12 +71,28 @@ class Tokenizer:
         }
         """Ids of the special added tokens (what ``skip_special_tokens`` drops)."""
 
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of text one token stands for: the longest decoded vocabulary
+        entry, special tokens included (computed once). A text of ``B`` bytes encodes to at
+        least ``B / max_token_bytes`` tokens when the tokenizer covers every byte of its
+        input (byte-level BPE, byte fallback) and its normalizer does not shrink text; the
+        worker allows a margin on top (:data:`kunlun.serving.worker_app.PROMPT_BYTES_MARGIN`)."""
+        ids = [[i] for i in range(self.vocab_size)]
+        texts = self.backend.decode_batch(ids, skip_special_tokens=False)
+        return max((len(text.encode("utf-8", "replace")) for text in texts), default=1) or 1
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens``, plus those the post-processor of
-        ``tokenizer.json`` adds (a BOS, for many models)."""
+        ``tokenizer.json`` adds (a BOS, for many models). A long text goes through
+        ``encode_batch``, which gives the same ids but releases the GIL while it works (plain
+        ``encode`` holds it: 4 s for a 1 MB text, during which no other thread of the process
+        runs), so that a caller in a worker thread does not stall the event loop."""
+        if len(text) > _LONG_TEXT_CHARS:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

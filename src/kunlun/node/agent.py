@@ -4,8 +4,11 @@ Each replica is a ``python -m kunlun.serving.worker`` process started with its d
 visibility environment, its output appended to ``KUNLUN_HOME/logs/<workload>.log``. The
 supervisor loop notices a worker's ready file (the worker writes it after loading and a
 warm-up generation), marks the replica ready in the :class:`ReplicaSet`, and restarts a worker
-that dies, with exponential backoff (1 s doubling to 60 s; reset after 60 s of health). Every
-start, readiness, crash and restart is reported through ``on_event``. Worker pid files under
+that dies, with exponential backoff (1 s doubling to 60 s; reset after 60 s of health). It
+probes every ready worker's liveness and forward progress (:mod:`kunlun.node.liveness`): one
+that misses its deadline is taken out of routing (its ``Replica.fault`` says why), killed
+with SIGKILL and restarted like a crashed one. Every start, readiness, crash, kill and restart
+is reported through ``on_event`` (and a kill also in the workload's log). Worker pid files under
 ``KUNLUN_HOME/run/workers`` let a restarted daemon find and reap workers that a crashed daemon
 left behind (a worker dies with its daemon, so these are rare: a worker that was stopped
 when its daemon died, or one started before this rule).
@@ -34,8 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import psutil
 
+from kunlun.node.liveness import Liveness, LivenessConfig, probe
 from kunlun.node.sandbox import (
     SandboxPolicy,
     WorkerSandbox,
@@ -71,6 +76,12 @@ class Worker:
     load_failures: int = 0
     """Consecutive exits before becoming ready (reset once ready)."""
     info: dict[str, object] = field(default_factory=dict)
+    liveness: Liveness | None = None
+    """Probe history while ready (None otherwise)."""
+    next_probe: float = 0.0
+    probing: asyncio.Task[None] | None = None
+    killed_for: str | None = None
+    """Why the supervisor killed this process (it was unresponsive or stalled)."""
 
 
 class NodeAgent:
@@ -82,11 +93,13 @@ class NodeAgent:
         replicas: ReplicaSet,
         on_event: EventSink,
         sandbox: SandboxPolicy | None = None,
+        liveness: LivenessConfig | None = None,
     ) -> None:
         self.home = home
         self.sandbox = sandbox or SandboxPolicy(home)
         self.replicas = replicas
         self.on_event = on_event
+        self.liveness = liveness or LivenessConfig()
         self.workers: dict[str, Worker] = {}
         self.run_dir = home / "run" / "workers"
         self.log_dir = home / "logs"
@@ -163,14 +176,66 @@ class NodeAgent:
 
     # ---- supervision ----
     async def supervise(self, interval_s: float = 0.1) -> None:
-        """Run forever: start due workers, notice readiness, restart crashed ones."""
-        while True:
-            for w in list(self.workers.values()):
-                try:
-                    self._tick(w)
-                except Exception as exc:  # noqa: BLE001 - one bad worker must not stop the loop
-                    self.on_event(w.replica.workload_id, "error", f"supervisor: {exc!r}")
-            await asyncio.sleep(interval_s)
+        """Run forever: start due workers, notice readiness, probe the ready ones, restart
+        crashed and unresponsive ones."""
+        async with httpx.AsyncClient(trust_env=False) as client:
+            try:
+                while True:
+                    for w in list(self.workers.values()):
+                        try:
+                            self._tick(w)
+                            self._maybe_probe(w, client)
+                        except Exception as exc:  # noqa: BLE001 - one bad worker must not stop the loop
+                            self.on_event(w.replica.workload_id, "error", f"supervisor: {exc!r}")
+                    await asyncio.sleep(interval_s)
+            finally:
+                for w in self.workers.values():
+                    if w.probing is not None:
+                        w.probing.cancel()
+
+    def _maybe_probe(self, w: Worker, client: httpx.AsyncClient) -> None:
+        if w.liveness is None or w.proc is None or w.stopping or not w.replica.ready:
+            return
+        now = time.monotonic()
+        if w.probing is not None or now < w.next_probe:
+            return
+        w.next_probe = now + self.liveness.probe_interval_s
+        w.probing = asyncio.create_task(self._probe(w, w.proc, client))
+
+    async def _probe(
+        self, w: Worker, proc: subprocess.Popen[bytes], client: httpx.AsyncClient
+    ) -> None:
+        """Probe ``w`` once and act on the verdict (unless its process changed meanwhile)."""
+        try:
+            try:
+                stats = await probe(client, w.replica.base_url, self.liveness.probe_timeout_s)
+            except (httpx.HTTPError, ValueError) as exc:
+                stats, why = None, f"{type(exc).__name__}: {exc}".rstrip(": ")
+            if w.proc is not proc or w.liveness is None or w.stopping:
+                return
+            now = time.monotonic()
+            if stats is not None:
+                reason = w.liveness.answered(stats, now)
+            else:
+                reason = w.liveness.missed(why, now)
+            if reason is not None:
+                self._kill_unresponsive(w, reason)
+        finally:
+            w.probing = None
+
+    def _kill_unresponsive(self, w: Worker, reason: str) -> None:
+        """Out of routing, SIGKILL; the next tick sees it die and restarts it."""
+        if w.proc is None:
+            return
+        r = w.replica
+        r.ready, r.fault, w.killed_for, w.liveness = False, reason, reason, None
+        self.replicas.upsert(r)
+        w.ready_file.unlink(missing_ok=True)  # its readiness is over
+        message = f"replica {r.replica_id} (pid {w.proc.pid}) is unresponsive: {reason}; killing it"
+        with contextlib.suppress(OSError):
+            self.note(r.workload_id, f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} {message}")
+        self.on_event(r.workload_id, "unresponsive", message)
+        w.proc.kill()
 
     def _tick(self, w: Worker) -> None:
         if w.stopping:
@@ -191,7 +256,7 @@ class NodeAgent:
             self._give_up(w, f"worker exceeded its memory cap of {w.sandbox.memory_cap_mb} MiB "
                              f"(private resident {over} MiB); it was stopped")  # fmt: skip
             return
-        if not w.replica.ready and w.ready_file.exists():
+        if not w.replica.ready and w.killed_for is None and w.ready_file.exists():
             self._became_ready(w)
         elif w.ready_at is not None and now - w.ready_at > HEALTHY_RESET_S:
             w.backoff_s = 1.0
@@ -223,6 +288,7 @@ class NodeAgent:
                 start_new_session=True,
             )
         w.started_at, w.next_start, w.ready_at = time.monotonic(), None, None
+        w.killed_for, w.liveness = None, None
         w.replica.pid = w.proc.pid
         problem = self.sandbox.join_cgroup(
             w.replica.workload_id, w.proc.pid, w.sandbox.memory_cap_mb, _num_threads(w.env)
@@ -246,8 +312,9 @@ class NodeAgent:
             return  # written atomically by the worker; a partial read retries next tick
         w.info = info
         w.replica.base_url = f"http://127.0.0.1:{port}"
-        w.replica.ready = True
+        w.replica.ready, w.replica.fault = True, None
         w.ready_at = time.monotonic()
+        w.liveness, w.next_probe = Liveness(self.liveness, w.ready_at), w.ready_at
         w.load_failures = 0
         self.replicas.upsert(w.replica)
         self.on_event(
@@ -257,13 +324,15 @@ class NodeAgent:
         )
 
     def _crashed(self, w: Worker, code: int) -> None:
-        was_ready = w.replica.ready
+        was_ready = w.replica.ready or w.killed_for is not None
         w.replica.ready = False
-        w.proc = None
+        w.proc, w.liveness = None, None
         how = f"signal {-code}" if code < 0 else f"exit status {code}"
         if code == -signal.SIGSYS and w.sandbox.seccomp and w.sandbox.enabled:
             self._give_up(w, seccomp_reason(w.replica.pid or 0))  # the same call would recur
             return
+        if w.killed_for is not None:
+            how = f"killed by the supervisor: {w.killed_for}"
         if not was_ready:
             w.load_failures += 1
             reported = _last_error(w.log_path)

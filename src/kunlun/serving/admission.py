@@ -12,18 +12,72 @@ rejoins at the current virtual time, so it gets no credit for idleness. With hig
 
 A request whose client leaves while it waits is taken out of its queue. The ``max_queue`` of
 the replicas still bounds a model's requests in flight and waiting together.
+
+No request waits longer than ``max_queue_wait_s`` (``scheduler_config.yaml``): past it, it
+leaves its queue with 429. Every 429 carries a ``Retry-After`` estimated from the model's
+:class:`DrainRate`, the requests admitted per second over the last :data:`DRAIN_WINDOW_S`:
+``ceil((waiting + 1) / rate)`` seconds, at least 1 and at most :data:`MAX_RETRY_AFTER_S`
+(with nothing admitted in the window, ``max_queue_wait_s``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kunlun.serving.protocol import QueueFull, ServiceUnavailable
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.serving.routing import PRIORITIES, Router
 from kunlun.serving.scheduler_config import SchedulerConfig
+
+DRAIN_WINDOW_S = 30.0
+"""The recent window over which a model's drain rate is measured (seconds)."""
+MAX_RETRY_AFTER_S = 3600
+"""The largest ``Retry-After`` the gateway sends (seconds)."""
+
+
+class DrainRate:
+    """Requests of one model admitted per second over the last ``window_s`` seconds.
+
+    :meth:`per_second` is the number of admissions in the window divided by the time since
+    the oldest of them (at least 1 s), so a queue that stops draining sees its rate decay;
+    None when nothing was admitted in the window. :meth:`retry_after` turns it into the
+    seconds a refused client should wait for ``ahead`` requests to drain."""
+
+    def __init__(
+        self, window_s: float = DRAIN_WINDOW_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self.times: deque[float] = deque()
+
+    def admitted(self) -> None:
+        """Count one admission now."""
+        now = self.clock()
+        self.times.append(now)
+        self._trim(now)
+
+    def per_second(self) -> float | None:
+        now = self.clock()
+        self._trim(now)
+        if not self.times:
+            return None
+        return len(self.times) / max(now - self.times[0], 1.0)
+
+    def retry_after(self, ahead: int, fallback_s: float) -> int:
+        """Whole seconds for ``ahead`` requests to be admitted at the measured rate (or
+        ``fallback_s`` with no rate), from 1 to :data:`MAX_RETRY_AFTER_S`."""
+        rate = self.per_second()
+        seconds = fallback_s if rate is None else max(ahead, 1) / rate
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(seconds)))
+
+    def _trim(self, now: float) -> None:
+        while self.times and now - self.times[0] > self.window_s:
+            self.times.popleft()
 
 
 @dataclass(slots=True, eq=False)
@@ -85,10 +139,16 @@ class Backlog:
 class Admission:
     """Slots, backlogs and replica choice for every model behind the gateway."""
 
-    def __init__(self, replicas: ReplicaSet, router: Router) -> None:
+    def __init__(
+        self, replicas: ReplicaSet, router: Router, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.replicas = replicas
         self.router = router
+        self.clock = clock
+        """Time source of the drain rates (seconds)."""
         self.backlogs: dict[str, Backlog] = {}
+        self.drain: dict[str, DrainRate] = {}
+        """Each model's admissions per second (for ``Retry-After``)."""
 
     # ---- the request path ----
     def try_admit(self, ticket: Ticket) -> Replica | None:
@@ -103,7 +163,7 @@ class Admission:
             self._hold(replica, ticket)
         return replica
 
-    def enqueue(self, ticket: Ticket, retry_after_s: int = 1) -> Backlog:
+    def enqueue(self, ticket: Ticket) -> Backlog:
         """Put ``ticket`` in its class's queue, or raise :class:`QueueFull`."""
         config = self.router.source.config
         backlog = self.backlogs.setdefault(ticket.model, Backlog())
@@ -113,7 +173,7 @@ class Admission:
             raise QueueFull(
                 f"the {ticket.priority}-priority queue of model {ticket.model!r} is full "
                 f"({queued} waiting, queue_limits.{ticket.priority} = {limit})",
-                retry_after_s=retry_after_s,
+                retry_after_s=self.retry_after(ticket.model),
             )
         replicas = self.replicas.ready(ticket.model)
         bound = sum(r.max_queue for r in replicas)
@@ -123,17 +183,21 @@ class Admission:
                 f"every replica of model {ticket.model!r} has its queue full "
                 f"({total} requests in flight or waiting, max_queue {bound} over "
                 f"{len(replicas)} replica(s))",
-                retry_after_s=retry_after_s,
+                retry_after_s=self.retry_after(ticket.model),
             )
         backlog.push(ticket)
         return backlog
 
-    async def wait(self, ticket: Ticket, retry_after_s: int = 1) -> Replica:
-        """Queue ``ticket`` and wait for a slot; if the waiter is cancelled (its client
-        left) the ticket leaves the queue, or gives back the slot it was just given."""
-        backlog = self.enqueue(ticket, retry_after_s)
-        ticket.future = asyncio.get_running_loop().create_future()
+    async def wait(self, ticket: Ticket) -> Replica:
+        """Queue ``ticket`` and wait for a slot, at most ``max_queue_wait_s`` (then
+        :class:`QueueFull`); if the waiter is cancelled (its client left) the ticket leaves
+        the queue, or gives back the slot it was just given."""
+        backlog = self.enqueue(ticket)
+        loop = asyncio.get_running_loop()
+        ticket.future = loop.create_future()
         self.dispatch(ticket.model)  # it may go at once if those ahead wait for a full pool
+        max_wait_s = self.router.source.config.max_queue_wait_s
+        expiry = loop.call_later(max_wait_s, self._expire, backlog, ticket, max_wait_s)
         try:
             return await ticket.future
         except asyncio.CancelledError:
@@ -142,6 +206,16 @@ class Admission:
             else:
                 backlog.remove(ticket)
             raise
+        finally:
+            expiry.cancel()
+
+    def retry_after(self, model: str) -> int:
+        """``Retry-After`` for a request of ``model`` refused now: the time for those
+        waiting, and it, to be admitted at the model's measured drain rate."""
+        backlog = self.backlogs.get(model)
+        waiting = backlog.num_waiting if backlog is not None else 0
+        fallback = self.router.source.config.max_queue_wait_s
+        return self._drain(model).retry_after(waiting + 1, fallback)
 
     def release(self, ticket: Ticket) -> list[Ticket]:
         """The request of ``ticket`` ended: free its slot and admit whoever waits (returned)."""
@@ -210,6 +284,28 @@ class Admission:
         replica.in_flight += 1
         replica.outstanding_tokens += ticket.tokens
         ticket.replica = replica
+        self._drain(ticket.model).admitted()
+
+    def _drain(self, model: str) -> DrainRate:
+        drain = self.drain.get(model)
+        if drain is None:
+            drain = self.drain[model] = DrainRate(clock=self.clock)
+        return drain
+
+    def _expire(self, backlog: Backlog, ticket: Ticket, max_wait_s: float) -> None:
+        """``ticket`` waited ``max_wait_s``: out of its queue, refused with 429."""
+        future = ticket.future
+        if future is None or future.done() or ticket.replica is not None:
+            return
+        backlog.remove(ticket)
+        future.set_exception(QueueFull(
+            f"the request waited {max_wait_s:g} s in the queue of model {ticket.model!r} "
+            f"without a free replica slot (max_queue_wait_s = {max_wait_s:g}; "
+            f"{backlog.num_waiting} still waiting)",
+            retry_after_s=self.retry_after(ticket.model),
+            hint="retry after the Retry-After delay, or raise max_queue_wait_s in "
+            "scheduler_config.yaml",
+        ))  # fmt: skip
 
     def _refuse_orphans(
         self, model: str, backlog: Backlog, pools: set[str], retry_after_s: int

@@ -97,6 +97,12 @@ class GatewayState:
     """``Retry-After`` sent with 429 and 503 answers."""
     connect_timeout_s: float = 5.0
     """How long to wait for a worker to accept a connection."""
+    first_byte_timeout_s: float | None = 900.0
+    """How long to wait for a worker's response head (a non-streamed response comes
+    whole, once generated; None: no limit): past it, 504."""
+    read_timeout_s: float | None = 300.0
+    """Longest silence between two pieces of a worker's response body (None: no limit):
+    past it, the stream ends with a 504 error event."""
     num_active: int = 0
     """Requests admitted or waiting and not yet answered, over all replicas (for draining)."""
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES
@@ -123,7 +129,11 @@ class GatewayState:
         config and moves the backlogs (call from the app's lifespan, in its event loop).
         In the main thread, SIGHUP reloads the scheduler config too."""
         if self.upstream is None:
-            self.upstream = UpstreamPool(connect_timeout_s=self.connect_timeout_s)
+            self.upstream = UpstreamPool(
+                connect_timeout_s=self.connect_timeout_s,
+                first_byte_timeout_s=self.first_byte_timeout_s,
+                read_timeout_s=self.read_timeout_s,
+            )
         if self._ticker is None:
             self._ticker = asyncio.create_task(self._tick())
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):

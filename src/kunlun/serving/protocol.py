@@ -94,6 +94,14 @@ class WorkerDied(KunlunError):
     http_status = 502
 
 
+class WorkerUnresponsive(KunlunError):
+    """The engine worker serving a request stopped answering (it missed its liveness or
+    progress deadline, or an upstream read timed out)."""
+
+    code = "serving.worker_unresponsive"
+    http_status = 504
+
+
 # ---- errors -> OpenAI shape, in one place ----
 
 _TYPES = {
@@ -105,6 +113,7 @@ _TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
+    504: "timeout_error",
 }
 _CODES: dict[type[KunlunError], str] = {
     PromptTooLong: "context_length_exceeded",
@@ -115,6 +124,7 @@ _CODES: dict[type[KunlunError], str] = {
     PermissionDenied: "permission_denied",
     ServiceUnavailable: "service_unavailable",
     WorkerDied: "worker_died",
+    WorkerUnresponsive: "worker_unresponsive",
 }
 
 

@@ -5,7 +5,9 @@ replica slot, sends the request to the replica's worker over the gateway's upstr
 and relays the answer byte for byte, adding ``X-Kunlun-Replica``, ``X-Kunlun-Device`` and
 ``X-Kunlun-Priority``. A worker that dies mid-stream ends the client's stream with one SSE
 error event (code ``worker_died``) and no ``[DONE]``; one that dies before answering gives
-502. A client that disconnects closes the upstream response at once, which makes the worker
+502. A worker the node agent killed for being unresponsive (``Replica.fault``), or one silent
+past the upstream pool's first-byte or read timeout, gives 504 (code ``worker_unresponsive``)
+the same ways. A client that disconnects closes the upstream response at once, which makes the worker
 abort the generation; one still waiting in the queue is taken out of it.
 """
 
@@ -26,6 +28,7 @@ from kunlun.serving.protocol import (
     QueueFull,
     ServiceUnavailable,
     WorkerDied,
+    WorkerUnresponsive,
     error_status_and_body,
 )
 from kunlun.serving.replica import Replica
@@ -33,6 +36,7 @@ from kunlun.serving.upstream import (
     UpstreamBroken,
     UpstreamError,
     UpstreamResponse,
+    UpstreamTimeout,
     UpstreamUnreachable,
 )
 
@@ -76,7 +80,7 @@ class Relay(Response):
             replica = admission.try_admit(self.ticket)
             if replica is None:
                 try:
-                    replica = await admission.wait(self.ticket, self.state.retry_after_s)
+                    replica = await admission.wait(self.ticket)
                 except (QueueFull, ServiceUnavailable) as exc:
                     self._refusal = exc
                     await self._send_error(send, exc)
@@ -150,10 +154,11 @@ class Relay(Response):
                     break
                 last = chunk
         except UpstreamBroken as exc:
-            self.status_code = WorkerDied.http_status  # telemetry
+            error = self._died(replica, exc)
+            self.status_code = error.http_status  # telemetry
             if (upstream.header(b"content-type") or b"").startswith(_SSE):
                 separator = b"" if last.endswith(b"\n\n") else b"\n\n"
-                event = separator + sse.error_event(self._died(replica, exc))
+                event = separator + sse.error_event(error)
                 await send({"type": "http.response.body", "body": event, "more_body": True})
         if not final:
             self._ended = True
@@ -175,7 +180,14 @@ class Relay(Response):
         self._ended = True
         await send({"type": "http.response.body", "body": payload, "more_body": False})
 
-    def _died(self, replica: Replica, exc: Exception) -> WorkerDied:
+    def _died(self, replica: Replica, exc: Exception) -> KunlunError:
+        where = f"replica {replica.replica_id} on {replica.device}"
+        if replica.fault is not None or isinstance(exc, UpstreamTimeout):
+            why = replica.fault or str(exc)
+            return WorkerUnresponsive(
+                f"the engine worker serving this request stopped answering ({where}: {why})",
+                hint="retry the request; the platform restarts an unresponsive worker",
+            )
         return WorkerDied(
             f"the engine worker serving this request stopped before finishing it "
             f"(replica {replica.replica_id} on {replica.device}: "
@@ -184,7 +196,7 @@ class Relay(Response):
         )
 
     def _unreachable(self, replica: Replica, exc: Exception) -> KunlunError:
-        if isinstance(exc, UpstreamUnreachable):
+        if isinstance(exc, UpstreamUnreachable) and replica.fault is None:
             return ServiceUnavailable(
                 f"the engine worker of replica {replica.replica_id} on "
                 f"{replica.device} is not reachable ({type(exc).__name__}: {exc})",

@@ -37,6 +37,10 @@ class Replica:
     outstanding_tokens: int = 0
     """Maintained by the gateway: estimated tokens (prompt + ``max_tokens``) in flight."""
     pid: int | None = None
+    fault: str | None = None
+    """Why the node agent took this replica out of routing and killed its worker (it was
+    unresponsive or stalled); cleared when a new worker is ready. The gateway answers its
+    cut-off requests with this reason (504)."""
 
     @property
     def slots(self) -> int:

@@ -7,6 +7,7 @@ says); every field is optional::
     min_gpu_utilization_threshold: 0.7  # a fraction: 0.7 means 70 %
     priority_weights: {high: 3, normal: 2, low: 1}
     queue_limits: {high: 256, normal: 256, low: 256}
+    max_queue_wait_s: 60                # longest wait in the queue; past it, 429
     sample_max_age_s: 10
     thermal: {limit_c: 85, duration_s: 30, weight_factor: 0.5}
     api_keys: {rpm: 600, tpm: 100000, allow_ips: [10.0.0.0/8, 127.0.0.1/32]}
@@ -132,6 +133,14 @@ class SchedulerConfig(_Strict):
     )
     priority_weights: PriorityWeights = Field(default_factory=PriorityWeights)
     queue_limits: QueueLimits = Field(default_factory=QueueLimits)
+    max_queue_wait_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=86400,
+        description="Longest time a request waits in the gateway's queue for a replica slot, "
+        "seconds; past it the request gets 429 with a Retry-After estimated from the queue's "
+        "drain rate.",
+    )
     sample_max_age_s: float = Field(
         default=10.0,
         gt=0,

@@ -9,7 +9,12 @@ It speaks only what workers answer: one request at a time per connection,
 ``Content-Length`` or chunked bodies.
 
 Errors: :class:`UpstreamUnreachable` when no connection could be made (nothing was sent);
-:class:`UpstreamBroken` when the connection failed after the request was sent.
+:class:`UpstreamBroken` when the connection failed after the request was sent;
+:class:`UpstreamTimeout` (a kind of broken) when the worker sent no response head within
+``first_byte_timeout_s`` of the request, or nothing more of the body for ``read_timeout_s``.
+Both are generous backstops (a worker sends the head of a non-streamed response only once
+its generation is done); the node agent's liveness probe is what notices a stopped worker
+fast.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ class UpstreamBroken(UpstreamError):
     """The connection failed after the request was sent (the worker may have died)."""
 
 
+class UpstreamTimeout(UpstreamBroken):
+    """The worker sent nothing within the first-byte or read timeout."""
+
+
 class _Stale(Exception):
     """A pooled connection was closed by the worker before any answer."""
 
@@ -54,7 +63,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.error: str | None = None
         self.idle_since = 0.0
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[bool] | None = None
         self._paused = False
         self._reset()
 
@@ -113,15 +122,21 @@ class _Connection(asyncio.Protocol):
     def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+            waiter.set_result(True)
 
-    async def wait(self) -> None:
-        """Until something more arrived (or the connection ended)."""
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
+    async def wait(self, timeout_s: float | None = None) -> bool:
+        """Until something more arrived or the connection ended (True), or ``timeout_s``
+        passed first (False)."""
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[bool] = loop.create_future()
+        self._waiter = waiter
+        timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, waiter)
         try:
-            await waiter
+            return await waiter
         finally:
             self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
     def take_body(self) -> bytes:
         """Everything received of the body and not yet taken, as one piece."""
@@ -162,7 +177,7 @@ class UpstreamResponse:
     async def iter_raw(self) -> AsyncIterator[bytes]:
         """The body as it arrives (transfer framing removed); everything already received
         comes as one piece. Raises :class:`UpstreamBroken` if the connection breaks."""
-        connection = self._connection
+        connection, timeout_s = self._connection, self._pool.read_timeout_s
         while True:
             if connection.pieces:
                 yield connection.take_body()
@@ -170,8 +185,11 @@ class UpstreamResponse:
                 return
             elif connection.error is not None:
                 raise UpstreamBroken(f"the worker's response was cut off: {connection.error}")
-            else:
-                await connection.wait()
+            elif not await connection.wait(timeout_s):
+                raise UpstreamTimeout(
+                    f"the worker sent nothing more of its response for {timeout_s:g} s "
+                    "(upstream read timeout)"
+                )
 
     async def close(self) -> None:
         connection, self._connection = self._connection, None  # type: ignore[assignment]
@@ -187,8 +205,13 @@ class UpstreamPool:
     """Pooled connections to workers, by host and port. Safe within one event loop."""
 
     def __init__(self, connect_timeout_s: float = 5.0, idle_timeout_s: float = 20.0,
-                 max_idle_per_host: int = 256) -> None:  # fmt: skip
+                 max_idle_per_host: int = 256, first_byte_timeout_s: float | None = None,
+                 read_timeout_s: float | None = None) -> None:  # fmt: skip
         self.connect_timeout_s = connect_timeout_s
+        self.first_byte_timeout_s = first_byte_timeout_s
+        """Longest wait for a response's head after sending the request (None: no limit)."""
+        self.read_timeout_s = read_timeout_s
+        """Longest silence between two pieces of a response body (None: no limit)."""
         self.idle_timeout_s = idle_timeout_s
         """Idle connections older than this are not reused (keep it under the worker's
         keep-alive timeout)."""
@@ -272,10 +295,12 @@ class UpstreamPool:
         self, key: tuple[str, int], connection: _Connection, request: bytes
     ) -> UpstreamResponse:
         connection._reset()
+        limit = self.first_byte_timeout_s
         try:
             if connection.transport is None or connection.closed:
                 raise _Stale()
             connection.transport.write(request)
+            deadline = None if limit is None else time.monotonic() + limit
             while connection.status_code is None:
                 if connection.error is not None:
                     if connection.closed and not connection.received:
@@ -283,8 +308,18 @@ class UpstreamPool:
                     raise UpstreamBroken(
                         f"the worker's response was cut off or invalid: {connection.error}"
                     )
-                await connection.wait()
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not await connection.wait(left):
+                    raise UpstreamTimeout(
+                        f"the worker sent no response within {limit:g} s of the request "
+                        "(upstream first-byte timeout)"
+                    )
             return UpstreamResponse(self, key, connection)
         except BaseException:
             connection.close()
             raise
+
+
+def _expire(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(False)

@@ -3,7 +3,10 @@
 Routes: ``POST /v1/chat/completions`` and ``/v1/completions`` (JSON, or SSE with
 ``stream``), ``GET /v1/models``, ``GET /health``, ``GET /stats`` (engine statistics) and
 ``GET /metrics`` (Prometheus; :mod:`kunlun.telemetry.worker_metrics`).
-Bad input answers 400 in the OpenAI error shape before anything is queued; a client that
+Bad input answers 400 in the OpenAI error shape before anything is queued; a text prompt
+that cannot fit the context is refused before it is tokenized (:meth:`WorkerApp.check_prompt`),
+and for a large body, parsing, rendering the chat template and tokenizing run in a thread, so
+that a long prompt does not stall the event loop other requests stream on; a client that
 goes away aborts its generation (the engine frees its KV blocks); a request that fails while
 streaming ends with one SSE error event and no ``[DONE]``. One line per finished request is
 logged through the ``log`` callable (the worker prints it to stdout for the node agent).
@@ -24,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kunlun.engine.async_engine import AsyncLLMEngine
 from kunlun.engine.outputs import RequestOutput, RequestOutputDelta
 from kunlun.engine.sampling_params import SamplingParams
-from kunlun.errors import EngineError, KunlunError
+from kunlun.errors import EngineError, KunlunError, PromptTooLong
 from kunlun.serving import responses, sse
 from kunlun.serving.protocol import (
     ChatCompletionRequest,
@@ -39,6 +42,13 @@ from kunlun.telemetry.worker_metrics import WorkerTelemetry  # telemetry
 _T = TypeVar("_T")
 _CLIENT_GONE = 499
 """Logged status of a request whose client disconnected (nginx's convention)."""
+PROMPT_BYTES_MARGIN = 2
+"""A text prompt longer than ``max_model_len x max_token_bytes x PROMPT_BYTES_MARGIN`` UTF-8
+bytes is refused without tokenizing it (it cannot fit); the margin covers normalizers that
+shrink text."""
+_THREAD_BODY_BYTES = 64 << 10
+"""Bodies larger than this are parsed, and their prompts rendered and tokenized, in a thread
+(smaller ones are cheaper in place). A JSON body is never shorter than the text it holds."""
 
 
 @dataclasses.dataclass
@@ -88,6 +98,11 @@ class WorkerApp:
         self.engine = engine
         self.served_name = served_name
         self.tokenizer = engine.engine.tokenizer
+        self.max_model_len: int = engine.engine.max_model_len
+        self.max_prompt_bytes = (
+            self.max_model_len * self.tokenizer.max_token_bytes * PROMPT_BYTES_MARGIN
+        )
+        """Text prompts over this many UTF-8 bytes cannot fit ``max_model_len`` tokens."""
         self.tokens = responses.TokenText(self.tokenizer)
         self.log = log
         self.num_active = 0
@@ -98,12 +113,11 @@ class WorkerApp:
     async def chat_completions(self, request: Request) -> Response:
         raw = await request.body()
         call = _new_call(request)  # timed from the whole request's arrival
-        req = parse_request(ChatCompletionRequest, raw)
+        req = await _off_loop_if_large(raw, parse_request, ChatCompletionRequest, raw)
         self._check_model(req.model)
         params = req.to_sampling_params()
         messages = [m.template_dict() for m in req.messages]
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        prompt = self.tokenizer.encode(text, add_special_tokens=False)
+        prompt = await _off_loop_if_large(raw, self._chat_prompt, messages)
         submitted = await self._submit([prompt], params)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -120,13 +134,19 @@ class WorkerApp:
     async def completions(self, request: Request) -> Response:
         raw = await request.body()
         call = _new_call(request)  # timed from the whole request's arrival
-        req = parse_request(CompletionRequest, raw)
+        req = await _off_loop_if_large(raw, parse_request, CompletionRequest, raw)
         self._check_model(req.model)
         params = req.to_sampling_params()
         prompts = req.prompts()
+        for prompt in prompts:  # refuse what cannot fit before tokenizing anything
+            self.check_prompt(prompt)
         echo_texts = None
         if req.echo:
             echo_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
+        if any(isinstance(p, str) for p in prompts):
+            prompts = await _off_loop_if_large(raw, self._encode_all, prompts)
+            for prompt in prompts:  # the engine would check each id of a long one first
+                self.check_prompt(prompt)
         submitted = await self._submit(prompts, params)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
@@ -163,7 +183,45 @@ class WorkerApp:
         headers["X-Request-Id"] = call.request_id
         return JSONResponse(body, status_code=status, headers=headers)
 
+    def check_prompt(self, prompt: Prompt) -> None:
+        """Raise :class:`PromptTooLong` for a prompt that surely cannot fit ``max_model_len``
+        (a text over :attr:`max_prompt_bytes`, a token list of ``max_model_len`` or more),
+        without tokenizing it; cheap (no pass over a text under the bound in characters)."""
+        if isinstance(prompt, str):
+            if len(prompt) > self.max_prompt_bytes or (  # a character is at least one byte
+                len(prompt) * 4 > self.max_prompt_bytes
+                and len(prompt.encode("utf-8", "surrogatepass")) > self.max_prompt_bytes
+            ):
+                self._too_long(f"{len(prompt)}-character")
+        elif len(prompt) >= self.max_model_len:
+            raise PromptTooLong(
+                f"prompt has {len(prompt)} tokens but the max_model_len is {self.max_model_len} "
+                "tokens; the prompt must leave room for at least one output token",
+                hint="shorten the prompt",
+            )
+
     # ---- internals ----
+    def _too_long(self, what: str) -> None:
+        raise PromptTooLong(
+            f"the {what} prompt cannot fit max_model_len = {self.max_model_len} tokens: "
+            f"it is over {self.max_prompt_bytes} bytes of UTF-8 (max_model_len x "
+            f"{self.tokenizer.max_token_bytes} bytes, the longest token of this model, x "
+            f"{PROMPT_BYTES_MARGIN}), so it was refused without tokenizing it",
+            hint="shorten the prompt",
+        )
+
+    def _chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The token ids of ``messages`` through the chat template."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        self.check_prompt(text)
+        prompt = self.tokenizer.encode(text, add_special_tokens=False)
+        self.check_prompt(prompt)
+        return prompt
+
+    def _encode_all(self, prompts: Sequence[Prompt]) -> list[Prompt]:
+        """Text prompts as token ids, as the engine would encode them."""
+        return [self.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+
     def _check_model(self, model: str) -> None:
         if model != self.served_name:
             raise ModelNotFound(
@@ -373,6 +431,13 @@ class _EventStream(StreamingResponse):
             yield sse.error_event(exc)
         finally:
             await events.aclose()  # type: ignore[attr-defined]
+
+
+async def _off_loop_if_large(raw: bytes, function: Callable[..., _T], *args: Any) -> _T:
+    """``function(*args)``, in a thread when ``raw`` (the body it reads) is large."""
+    if len(raw) > _THREAD_BODY_BYTES:
+        return await asyncio.to_thread(function, *args)
+    return function(*args)
 
 
 def _new_call(request: Request) -> _Call:

@@ -1,0 +1,88 @@
+"""Prompts that cannot fit the context are refused before they are tokenized; long prompts are
+tokenized off the worker's event loop, so other streams go on. Through the real daemon."""
+
+from __future__ import annotations
+
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from tests.daemon.conftest import Daemon
+
+HUGE = 10 << 20
+"""A 10 MB prompt."""
+MAX_MODEL_LEN = 1024
+"""The shared daemon's workload (``tests.daemon.conftest.SPEC``)."""
+
+
+def completion(daemon: Daemon, prompt: object, **extra: object) -> httpx.Response:
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 4, **extra}
+    return httpx.post(daemon.url + "/v1/completions", json=body, timeout=300)
+
+
+def assert_refused_untokenized(answer: httpx.Response) -> int:
+    """The early refusal's byte bound."""
+    assert answer.status_code == 400, answer.text[:500]
+    error = answer.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert f"max_model_len = {MAX_MODEL_LEN} tokens" in error["message"]
+    assert "refused without tokenizing it" in error["message"]
+    found = re.search(r"over (\d+) bytes of UTF-8", error["message"])
+    assert found is not None, error["message"]
+    return int(found.group(1))
+
+
+def test_a_10_mb_prompt_is_refused_naming_max_model_len(daemon: Daemon) -> None:
+    bound = assert_refused_untokenized(completion(daemon, "a" * HUGE))
+    assert MAX_MODEL_LEN <= bound < HUGE
+    chat = httpx.post(
+        daemon.url + "/v1/chat/completions",
+        json={
+            "model": "smollm2",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "é" * (HUGE // 2)}],
+        },  # fmt: skip
+        timeout=300,
+    )
+    assert assert_refused_untokenized(chat) == bound
+    # just over the bound in bytes, not in characters: refused too
+    assert assert_refused_untokenized(completion(daemon, "é" * (bound // 2 + 1))) == bound
+    ids = completion(daemon, [1] * (MAX_MODEL_LEN + 5))
+    assert ids.status_code == 400, ids.text
+    assert ids.json()["error"]["code"] == "context_length_exceeded"
+    assert f"the max_model_len is {MAX_MODEL_LEN} tokens" in ids.json()["error"]["message"]
+
+
+def test_other_streams_go_on_while_long_prompts_are_tokenized(daemon: Daemon) -> None:
+    bound = assert_refused_untokenized(completion(daemon, "a" * HUGE))
+    lines: list[str] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        body = {"model": "smollm2", "prompt": "Count slowly:", "max_tokens": 64,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=300) as r:
+            lines.append(f"status {r.status_code}")
+            for line in r.iter_lines():
+                if line:
+                    lines.append(line)
+                    started.set()
+        started.set()
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    assert started.wait(120), lines
+    words = " ".join(f"w{i % 977}" for i in range(bound))  # under the bound, many tokens
+    allowed = words.encode()[: bound - 16].decode(errors="ignore")
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda _: completion(daemon, allowed), range(4)))
+    streaming.join(300)
+    for answer in answers:  # tokenized (not refused early): the engine counted its tokens
+        assert answer.status_code == 400, answer.text[:500]
+        message = answer.json()["error"]["message"]
+        assert re.search(rf"prompt has \d+ tokens but the max_model_len is {MAX_MODEL_LEN}",
+                         message), message  # fmt: skip
+    assert lines[0] == "status 200" and lines[-1] == "data: [DONE]", lines[-3:]
+    assert len([line for line in lines if '"text"' in line]) >= 60
+    assert not any('"error"' in line for line in lines)

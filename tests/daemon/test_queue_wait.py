@@ -1,0 +1,76 @@
+"""Waiting in the gateway's queue is bounded (``max_queue_wait_s``): past it, 429 in the
+OpenAI shape with a ``Retry-After`` from the queue's drain rate. Through the real daemon, one
+replica that takes one request at a time."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from tests.daemon.conftest import SPEC, Daemon, free_port, new_home, wait_ready
+
+NUM_QUEUED = 6
+
+
+def long_stream(url: str, lines: list[str], started: threading.Event) -> None:
+    body = {"model": "smollm2", "prompt": "Count slowly:", "max_tokens": 600,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
+        lines.append(f"status {resp.status_code}")
+        for line in resp.iter_lines():
+            if line:
+                lines.append(line)
+                started.set()
+    started.set()
+
+
+def test_requests_queued_past_max_queue_wait_get_429_with_a_drain_rate_retry_after(
+    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    home = new_home(models_home, tmp_path_factory, "queue-wait-home")
+    (home / "scheduler_config.yaml").write_text("max_queue_wait_s: 0.5\n")
+    daemon = Daemon(home, free_port())
+    daemon.start(wait_ready=False)
+    try:
+        spec = home / "spec-one-slot.yaml"
+        spec.write_text(SPEC.replace("batch_size: 8", "batch_size: 1"))
+        proc = daemon.cli("workload", "submit", "--file", str(spec), "--json")
+        assert proc.returncode == 0, proc.stderr
+        wait_ready(daemon)
+        lines: list[str] = []
+        started = threading.Event()
+        holder = threading.Thread(target=long_stream, args=(daemon.url, lines, started))
+        holder.start()  # takes the one slot for the whole test
+        assert started.wait(120), lines
+
+        def queued(_: int) -> httpx.Response:
+            return httpx.post(
+                daemon.url + "/v1/completions",
+                json={"model": "smollm2", "prompt": "hi", "max_tokens": 2},
+                timeout=120,
+            )
+
+        with ThreadPoolExecutor(NUM_QUEUED) as pool:
+            answers = list(pool.map(queued, range(NUM_QUEUED)))
+        assert holder.is_alive(), "the slot holder ended before the queue bound was tested"
+        retry_after = []
+        for answer in answers:
+            assert answer.status_code == 429, answer.text
+            error = answer.json()["error"]
+            assert error["type"] == "rate_limit_error"
+            assert error["code"] == "rate_limit_exceeded"
+            assert "max_queue_wait_s = 0.5" in error["message"]
+            retry_after.append(int(answer.headers["Retry-After"]))
+        # from the drain rate (one admission in the last second or more): the first refused
+        # had the most still waiting behind it, the last none
+        assert min(retry_after) >= 1
+        assert max(retry_after) > min(retry_after), retry_after
+        holder.join(300)
+        assert lines[0] == "status 200" and lines[-1] == "data: [DONE]"
+        after = queued(0)
+        assert after.status_code == 200, after.text
+    finally:
+        daemon.stop()
