@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -173,6 +174,22 @@ def submit_demo(daemon: Daemon, extra: str = "") -> str:
     proc = daemon.cli("workload", "submit", "--file", str(spec), "--json")
     assert proc.returncode == 0, proc.stderr
     return str(json.loads(proc.stdout)["workload_id"])
+
+
+def stream_lines(
+    url: str, lines: list[str], started: threading.Event, max_tokens: int = 400
+) -> None:
+    """Stream a long completion of ``smollm2`` from ``url`` into ``lines`` (its status first,
+    then every non-empty SSE line); ``started`` is set at the first line and at the end."""
+    body = {"model": "smollm2", "prompt": "Count slowly:", "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
+        lines.append(f"status {resp.status_code}")
+        for line in resp.iter_lines():
+            if line:
+                lines.append(line)
+                started.set()
+    started.set()
 
 
 def wait_ready(daemon: Daemon, timeout: float = 300) -> None:

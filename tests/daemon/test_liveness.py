@@ -14,22 +14,10 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from tests.daemon.conftest import Daemon, free_port, new_home, submit_demo, wait_ready
+from tests.daemon.conftest import Daemon, free_port, new_home, stream_lines, submit_demo, wait_ready
 
 DEADLINE_S = 3.0
 """The worker answer deadline the daemon runs with here (a test-sized value)."""
-
-
-def stream_lines(url: str, lines: list[str], started: threading.Event) -> None:
-    body = {"model": "smollm2", "prompt": "Count slowly:", "max_tokens": 400,
-            "ignore_eos": True, "stream": True}  # fmt: skip
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
-        lines.append(f"status {resp.status_code}")
-        for line in resp.iter_lines():
-            if line:
-                lines.append(line)
-                started.set()
-    started.set()
 
 
 def gone(pid: int) -> bool:

@@ -10,21 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.daemon.conftest import SPEC, Daemon, free_port, new_home, wait_ready
+from tests.daemon.conftest import SPEC, Daemon, free_port, new_home, stream_lines, wait_ready
 
 NUM_QUEUED = 6
-
-
-def long_stream(url: str, lines: list[str], started: threading.Event) -> None:
-    body = {"model": "smollm2", "prompt": "Count slowly:", "max_tokens": 600,
-            "ignore_eos": True, "stream": True}  # fmt: skip
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
-        lines.append(f"status {resp.status_code}")
-        for line in resp.iter_lines():
-            if line:
-                lines.append(line)
-                started.set()
-    started.set()
 
 
 def test_requests_queued_past_max_queue_wait_get_429_with_a_drain_rate_retry_after(
@@ -42,7 +30,7 @@ def test_requests_queued_past_max_queue_wait_get_429_with_a_drain_rate_retry_aft
         wait_ready(daemon)
         lines: list[str] = []
         started = threading.Event()
-        holder = threading.Thread(target=long_stream, args=(daemon.url, lines, started))
+        holder = threading.Thread(target=stream_lines, args=(daemon.url, lines, started, 600))
         holder.start()  # takes the one slot for the whole test
         assert started.wait(120), lines
 
