@@ -12,6 +12,15 @@ from kunlun.state.api_keys import KeyRing, create_key, describe_key, no_admin_wa
 from kunlun.state.sqlite import SQLiteStore
 
 OLD_SCHEMA = """
+CREATE TABLE workloads (
+  workload_id TEXT PRIMARY KEY, name TEXT NOT NULL, spec TEXT NOT NULL, state TEXT NOT NULL,
+  reason TEXT, target_device TEXT, placement TEXT NOT NULL, created REAL, updated REAL);
+CREATE TABLE events (
+  id INTEGER PRIMARY KEY AUTOINCREMENT, workload_id TEXT NOT NULL, ts REAL NOT NULL,
+  kind TEXT NOT NULL, message TEXT NOT NULL);
+CREATE TABLE models (
+  alias TEXT PRIMARY KEY, path TEXT NOT NULL, source TEXT NOT NULL, created REAL NOT NULL,
+  meta TEXT NOT NULL);
 CREATE TABLE api_keys (
   key_id TEXT PRIMARY KEY, name TEXT NOT NULL, key_hash TEXT NOT NULL, created REAL NOT NULL,
   revoked REAL);
