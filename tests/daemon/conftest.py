@@ -178,10 +178,15 @@ def submit_demo(daemon: Daemon, extra: str = "") -> str:
 
 
 def stream_lines(
-    url: str, lines: list[str], started: threading.Event, max_tokens: int = 400
+    url: str,
+    lines: list[str],
+    started: threading.Event,
+    max_tokens: int = 400,
+    stop: threading.Event | None = None,
 ) -> None:
     """Stream a long completion of ``smollm2`` from ``url`` into ``lines`` (its status first,
-    then every non-empty SSE line); ``started`` is set at the first line and at the end."""
+    then every non-empty SSE line); ``started`` is set at the first line and at the end.
+    Setting ``stop`` makes the client leave after the next line (a disconnect)."""
     body = {"model": "smollm2", "prompt": "Count slowly:", "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True}  # fmt: skip
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
@@ -190,6 +195,8 @@ def stream_lines(
             if line:
                 lines.append(line)
                 started.set()
+            if stop is not None and stop.is_set():
+                break
     started.set()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
@@ -78,7 +80,13 @@ def test_worker_and_gateway_count_what_was_served(
     ttft_sum = delta("kunlun_time_to_first_token_seconds_sum")
     tpot_sum = delta("kunlun_time_per_output_token_seconds_sum")
     assert 0 < ttft_sum < 60 and 0 < tpot_sum < 60
-    # the gateway counted the three calls it relayed (the 400 went to the worker directly)
+    # the gateway counted the three calls it relayed (the 400 went to the worker directly);
+    # it counts an exchange once its last byte is sent, which may be just after the client
+    # has read it, so wait for the count (it must then be exactly 3)
+    deadline = time.monotonic() + 30
+    while gateway_value("kunlun_requests_total", status="200") - gateway_before[0] < 3:
+        assert time.monotonic() < deadline, "the gateway did not count its three calls"
+        time.sleep(0.05)
     assert gateway_value("kunlun_requests_total", status="200") - gateway_before[0] == 3
     assert gateway_value("kunlun_e2e_request_latency_seconds_count") - gateway_before[1] == 3
     missing = httpx.post(
