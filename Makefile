@@ -25,8 +25,10 @@ PORT ?= 8470
 run: $(STAMP)
 	$(BIN)/kunlun-platform --demo --port $(PORT)
 
+# Two workers, one test file each at a time (pytest-xdist); TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
