@@ -364,3 +364,13 @@ def test_daemon_sigkill_mid_batch_resumes_each_custom_id_once(
     assert second.status == "completed" and second.in_progress_at and done.completed_at
     assert second.in_progress_at >= done.completed_at
     assert daemon.stop() == 0
+
+
+def test_an_unknown_batch_field_is_refused_naming_it(daemon: Daemon) -> None:
+    resp = httpx.post(
+        f"{daemon.url}/v1/batches",
+        json={"input_file_id": "file-x", "endpoint": "/v1/completions",
+              "completion_window": "24h", "priority_boost": 1},
+    )  # fmt: skip
+    assert resp.status_code == 400, resp.text
+    assert "priority_boost" in resp.json()["error"]["param"]

@@ -37,9 +37,9 @@ from kunlun.serving.replica import ReplicaSet
 
 
 class CreateBatch(BaseModel):
-    """``POST /v1/batches``."""
+    """``POST /v1/batches``; a field it does not know is a 400 naming it (never dropped)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     input_file_id: str
     endpoint: str
