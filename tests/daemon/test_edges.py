@@ -343,6 +343,35 @@ def test_clients_that_leave_queued_or_mid_stream_are_counted_and_logged_499(
     assert ok.status_code == 200, ok.text
 
 
+def test_a_client_that_closes_on_done_has_its_answer_and_is_counted_200(
+    one_slot: Daemon,
+) -> None:
+    """The openai SDK closes a stream as soon as it reads ``[DONE]``, which may be before the
+    end of the chunked body reaches the gateway: that exchange is a 200, not a 499."""
+    body = {"model": "smollm2", "prompt": "Hi", "max_tokens": 2, "stream": True}
+    gone_before, ok_before = _requests_total(one_slot, "499"), _requests_total(one_slot, "200")
+    for i in range(6):
+        sock = _raw_request(one_slot, body, f"edges-done-{i}")
+        seen = b""
+        while b"data: [DONE]\n\n" not in seen:
+            piece = sock.recv(4096)
+            assert piece, seen
+            seen += piece
+        sock.close()  # at once, as the SDK does
+    wait_until(
+        lambda: (
+            _requests_total(one_slot, "200") + _requests_total(one_slot, "499")
+            >= ok_before + gone_before + 6
+        ),
+        "the 6 streams counted",
+    )
+    assert _requests_total(one_slot, "499") == gone_before
+    assert _requests_total(one_slot, "200") == ok_before + 6
+    for i in range(6):
+        entry = wait_until(lambda i=i: logged(one_slot.home, f"edges-done-{i}"), "logged")
+        assert entry["status"] == 200, entry
+
+
 def test_the_sequence_limit_is_configurable(one_slot: Daemon) -> None:
     body = {"model": "smollm2", "prompt": ["a", "b", "c"], "n": 2, "max_tokens": 1}
     resp = httpx.post(one_slot.url + "/v1/completions", json=body, timeout=60)

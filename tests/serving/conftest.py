@@ -126,6 +126,13 @@ def serve_in_thread(app: object) -> tuple[object, str, threading.Thread]:
 
 @pytest.fixture(scope="session")
 def gateway(worker: WorkerProcess) -> Iterator[GatewayServer]:
+    with gateway_over(worker.base_url) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def gateway_over(worker_url: str) -> Iterator[GatewayServer]:
+    """A gateway serving ``MODEL`` through one ready replica ``r1`` at ``worker_url``."""
     from fastapi import FastAPI
 
     from kunlun.serving.gateway import GatewayState, mount_gateway
@@ -138,7 +145,7 @@ def gateway(worker: WorkerProcess) -> Iterator[GatewayServer]:
         yield
         await state.close()
 
-    replicas.upsert(Replica("r1", "w1", MODEL, "cpu:0", worker.base_url, ready=True))
+    replicas.upsert(Replica("r1", "w1", MODEL, "cpu:0", worker_url, ready=True))
     app = FastAPI(lifespan=lifespan)
     mount_gateway(app, replicas, state)
     server, base_url, thread = serve_in_thread(app)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +17,7 @@ from typing import TYPE_CHECKING
 import httpx
 import openai
 import pytest
+from tests.serving.conftest import gateway_over
 
 from kunlun.serving.replica import Replica
 
@@ -314,3 +319,71 @@ def test_32_concurrent_streams_complete(client: openai.OpenAI, gateway: GatewayS
     assert all(r in ("length", "stop") for r in reasons), reasons
     # the slot is given back just after the last byte is sent: the client may see it first
     assert wait_until(lambda: gateway.replicas.get("r1").in_flight == 0)
+
+
+class LateEndingWorker:
+    """A worker on loopback whose streamed answers end late: it sends one event and
+    ``[DONE]``, then the end of the chunked body a second later (a loaded worker's last
+    write can reach the gateway in a read of its own)."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _answer(conn: socket.socket) -> None:
+        with conn:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += conn.recv(65536)
+            head, body = request.split(b"\r\n\r\n", 1)
+            length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+            while len(body) < length:
+                body += conn.recv(65536)
+            event = b'data: {"choices": [{"index": 0, "text": "hi"}]}\n\n'
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
+            for piece in (event, b"data: [DONE]\n\n"):
+                conn.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            time.sleep(1.0)
+            with contextlib.suppress(OSError):
+                conn.sendall(b"0\r\n\r\n")
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def test_a_client_that_closes_on_done_is_counted_200() -> None:
+    """The openai SDK closes a stream on ``[DONE]``, maybe before the gateway has the end of
+    the chunked body: the client has its whole answer, so the exchange is a 200, not a 499."""
+    worker = LateEndingWorker()
+    try:
+        with gateway_over(worker.base_url) as gateway:
+            client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="x", max_retries=0)
+            for _ in range(3):
+                stream = client.completions.create(model=MODEL, prompt="Hi", stream=True)
+                assert [c.choices[0].text for c in stream] == ["hi"]
+                stream.close()  # on [DONE], a second before the worker's end of body
+            metrics = gateway.state.metrics  # type: ignore[attr-defined]
+
+            def counted(status: str) -> float:
+                value = metrics.registry.get_sample_value(
+                    "kunlun_requests_total",
+                    {"model": MODEL, "replica": "r1", "priority": "normal", "status": status},
+                )
+                return value or 0.0
+
+            assert wait_until(lambda: counted("200") + counted("499") == 3, 10.0)
+            assert (counted("200"), counted("499")) == (3, 0)
+            assert wait_until(lambda: gateway.replicas.get("r1").in_flight == 0)
+    finally:
+        worker.close()

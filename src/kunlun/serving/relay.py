@@ -145,10 +145,14 @@ class Relay(Response):
         self.status_code = upstream.status_code  # telemetry
         await send({"type": "http.response.start", "status": upstream.status_code, "headers": raw})
         last, final = b"\n\n", False
+        streamed = (upstream.header(b"content-type") or b"").startswith(_SSE)
         try:
             async for chunk in upstream.iter_raw():
                 final = upstream.complete  # then the end of the body goes with this write
-                self._ended = final
+                # A stream's answer is whole once its [DONE] is out, though the end of the
+                # chunked body may come in a later read: a client that closes on [DONE] (the
+                # openai SDK does) has its answer, and is not one that left first.
+                self._ended = final or (streamed and (last[-14:] + chunk[-14:]).endswith(sse.DONE))
                 await send({"type": "http.response.body", "body": chunk, "more_body": not final})
                 if final:
                     break
@@ -156,7 +160,7 @@ class Relay(Response):
         except UpstreamBroken as exc:
             error = self._died(replica, exc)
             self.status_code = error.http_status  # telemetry
-            if (upstream.header(b"content-type") or b"").startswith(_SSE):
+            if streamed:
                 separator = b"" if last.endswith(b"\n\n") else b"\n\n"
                 event = separator + sse.error_event(error)
                 await send({"type": "http.response.body", "body": event, "more_body": True})
