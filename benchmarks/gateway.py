@@ -162,11 +162,13 @@ def model_dir(which: str, folder: Path) -> Path:
 def start_processes(
     folder: Path, num_threads: int, which: str
 ) -> tuple[list[subprocess.Popen[bytes]], str, str]:
-    from kunlun.serving.worker import worker_command
+    from kunlun.serving.worker import worker_command, write_launch
 
-    command = worker_command(model_dir(which, folder), MODEL, ready_file=folder / "worker.json",
-                             max_num_seqs=MAX_NUM_SEQS, kv_cache_memory_mb=256, max_model_len=512,
-                             num_threads=num_threads)  # fmt: skip
+    launch = write_launch(folder / "launch.json", model_dir(which, folder), MODEL,
+                          ready_file=folder / "worker.json", max_num_seqs=MAX_NUM_SEQS,
+                          kv_cache_memory_bytes=256 << 20, max_model_len=512,
+                          num_threads=num_threads)  # fmt: skip
+    command = worker_command(launch)
     log = (folder / "worker.log").open("wb")
     worker = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     direct = f"http://127.0.0.1:{wait_ready(worker, folder / 'worker.json', 'worker')['port']}"

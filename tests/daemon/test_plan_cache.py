@@ -7,8 +7,11 @@ import json
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from tests.daemon.conftest import Daemon, free_port, new_home, submit_demo, wait_ready
+
+from kunlun.engine.launch import read_launch
 
 BF16 = "dtype: bf16\n"  # the demo model is stored in fp32: bf16 needs a conversion
 
@@ -48,6 +51,16 @@ def test_plan_cache_hit_reuses_conversion_and_a_changed_declaration_misses(
         assert "plan: smollm2 on cpu:0: engine embedded, dtype bf16" in text
         (artifact,) = home.glob("plan-cache/*/weights/model.safetensors")
         written = artifact.stat()
+        # the plan's launch sits next to it; the worker runs the replica's copy and nothing else
+        launch = read_launch(artifact.parent.parent / "launch.json")
+        assert (launch.dtype, launch.device, launch.device_type) == ("bf16", "cpu", "cpu")
+        assert launch.plan_dir == artifact.parent.parent and launch.sandbox is None
+        (replica_launch,) = home.glob("run/workers/*.launch.json")
+        started = read_launch(replica_launch)
+        assert started.ready_file is not None and started.sandbox is not None
+        assert started.model_copy(update={"ready_file": None, "sandbox": None}) == launch
+        (pid,) = (json.loads(p.read_text())["pid"] for p in home.glob("run/workers/*.pid"))
+        assert psutil.Process(pid).cmdline()[-2:] == ["--launch", str(replica_launch)]
         described = daemon.describe(first)
         assert described["target_device"] == "cpu:0" and described["placement"]["why"]
         assert described["placement"]["plan"]["dtype"] == "bf16"

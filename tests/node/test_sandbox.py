@@ -84,7 +84,7 @@ def test_worker_whose_daemon_is_gone_exits_at_once() -> None:
 def test_sandbox_settings_cross_as_one_json_object() -> None:
     sandbox = WorkerSandbox(parent_pid=42, workdir="/w", memory_cap_mb=512, self_test=None)
     assert WorkerSandbox.from_json(sandbox.to_json()) == sandbox
-    with pytest.raises(ValueError, match="--sandbox is not a WorkerSandbox JSON object"):
+    with pytest.raises(ValueError, match="sandbox is not a WorkerSandbox JSON object"):
         WorkerSandbox.from_json('{"parent_pid": 1, "shell": "sh"}')
 
 

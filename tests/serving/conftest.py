@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from kunlun.serving.replica import Replica, ReplicaSet
-from kunlun.serving.worker import bind_socket, read_ready_file, worker_command
+from kunlun.serving.worker import bind_socket, read_ready_file, worker_command, write_launch
 
 MODEL = "smollm2"
 MAX_MODEL_LEN = 512
@@ -62,10 +62,11 @@ def launch_worker(folder: Path, served_name: str = MODEL, timeout_s: float = 240
         pytest.skip(str(exc))
     folder.mkdir(parents=True, exist_ok=True)
     ready_file, log_path = folder / "ready.json", folder / "worker.log"
-    command = worker_command(
-        model_dir, served_name, ready_file=ready_file, max_num_seqs=8, kv_cache_memory_mb=64,
-        max_model_len=MAX_MODEL_LEN, num_threads=1,
+    launch = write_launch(
+        folder / "launch.json", model_dir, served_name, ready_file=ready_file, max_num_seqs=8,
+        kv_cache_memory_bytes=64 << 20, max_model_len=MAX_MODEL_LEN, num_threads=1,
     )  # fmt: skip
+    command = worker_command(launch)
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 import openai
+
+from kunlun.serving.worker import worker_command
 
 if TYPE_CHECKING:
     from .conftest import WorkerProcess
@@ -58,16 +63,57 @@ def test_every_worker_thread_runs_at_the_worker_niceness(worker: WorkerProcess) 
         assert int(fields[16]) == min(19, base + WORKER_NICE), task.name  # field 19: nice
 
 
-def test_bad_niceness_is_refused_naming_the_setting() -> None:
-    import os
-    import subprocess
-    import sys
+def test_bad_niceness_is_refused_naming_the_setting(tmp_path: Path) -> None:
+    from kunlun.serving.worker import write_launch
 
+    launch = write_launch(tmp_path / "launch.json", tmp_path, "x")
     env = {**os.environ, "KUNLUN_WORKER_NICE": "fast"}
-    done = subprocess.run([sys.executable, "-m", "kunlun.serving.worker", "--model-dir", "m",
-                           "--served-name", "x"], env=env, capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(worker_command(launch), env=env, capture_output=True, text=True)
     assert done.returncode == 2
     assert "KUNLUN_WORKER_NICE" in done.stderr and "'fast'" in done.stderr
+
+
+def test_a_bad_launch_file_is_refused_naming_the_field_and_value(tmp_path: Path) -> None:
+    """The worker takes nothing but its launch file, and refuses a bad one before loading
+    anything: exit 2, the file, the field and the value on stderr."""
+    from kunlun.serving.worker import write_launch
+
+    good = json.loads(write_launch(tmp_path / "good.json", tmp_path, "x").read_text())
+    cases = {
+        "max_num_seqs": ({**good, "max_num_seqs": 0}, "max_num_seqs=0"),
+        "dtype": ({**good, "dtype": "fp64"}, "dtype='fp64'"),
+        "max_num_seq": ({**good, "max_num_seq": 8}, "max_num_seq: unknown field"),
+        "device": ({**good, "device": "npu:one"}, "device='npu:one'"),
+    }
+    for name, (data, expected) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(data))
+        done = subprocess.run(worker_command(path), capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2, (name, done.stderr)
+        assert str(path) in done.stderr and expected in done.stderr, (name, done.stderr)
+    not_json = tmp_path / "broken.json"
+    not_json.write_text('{"model_dir": "m",\n "served_name": }')
+    done = subprocess.run(worker_command(not_json), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and f"{not_json}:2" in done.stderr and "not JSON" in done.stderr
+    # flags of the old command line are not a second way in
+    done = subprocess.run([*worker_command(tmp_path / "good.json"), "--dtype", "bf16"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "--dtype" in done.stderr
+
+
+def test_an_engine_setting_the_engine_cannot_run_is_refused_naming_it(tmp_path: Path) -> None:
+    """A launch the contract accepts but the engine cannot run (a quantization scheme it
+    does not know) fails at start with the setting named, exit 2, instead of running
+    something else."""
+    from kunlun.engine.gguf import demo_model_dir
+    from kunlun.serving.worker import write_launch
+
+    launch = write_launch(tmp_path / "launch.json", demo_model_dir(), "x",
+                          quantization="int3", ready_file=tmp_path / "ready.json")  # fmt: skip
+    done = subprocess.run(worker_command(launch), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert "quantization='int3'" in done.stderr
+    assert not (tmp_path / "ready.json").exists()
 
 
 def test_health_models_and_stats(worker: WorkerProcess) -> None:

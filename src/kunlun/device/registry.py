@@ -84,6 +84,38 @@ def known_device_types() -> list[str]:
     return sorted(load_plugins().plugins)
 
 
+def torch_extension(torch_device_type: str) -> str | None:
+    """The extension module that registers ``torch_device_type`` with torch, as the device
+    plugins say (their ``torch_module``); None when it is built into torch or no plugin
+    claims the type. The plugins are the one owner of this fact: the engine's device
+    resolver, placement and the operator registry all ask here.
+
+    Raises :class:`ConfigError` naming the plugins when two of them disagree."""
+    modules = {
+        plugin.device_type: plugin.torch_module
+        for plugin in load_plugins().plugins.values()
+        if plugin.torch_device_type == torch_device_type
+    }
+    found = set(modules.values())
+    if len(found) > 1:
+        said = ", ".join(f"{name}: {module!r}" for name, module in sorted(modules.items()))
+        raise ConfigError(
+            f"device plugins disagree on the torch extension of device type "
+            f"{torch_device_type!r} ({said})"
+        )
+    return found.pop() if found else None
+
+
+def plugin_for_torch_device(torch_device_type: str) -> DevicePlugin | None:
+    """A registered plugin whose devices are torch device type ``torch_device_type`` (the
+    plugin of the same name first, e.g. ``cpu``), or None; for launches made by hand, where
+    no plan names the device's plugin."""
+    plugins = [p for p in load_plugins().plugins.values()
+               if p.torch_device_type == torch_device_type]  # fmt: skip
+    plugins.sort(key=lambda p: (p.device_type != torch_device_type, p.device_type))
+    return plugins[0] if plugins else None
+
+
 def run_plugin(
     plugin: DevicePlugin,
     replay_dir: Path | None = None,

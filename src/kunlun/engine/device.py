@@ -1,31 +1,38 @@
-"""Resolve device strings to torch devices; the one module that knows vendor backends.
+"""Resolve device strings to torch devices; the one module of the engine that imports
+vendor backends.
 
 Every other module of :mod:`kunlun.engine` takes a :class:`torch.device` (or a string it
 passes through :func:`resolve_device`) and never names a vendor. A vendor's PyTorch backend
-is an out-of-tree extension (``torch_npu``, ``torch_mlu``, ``torch_musa``) that registers its
-device type when imported, so resolving ``"npu:0"`` imports ``torch_npu`` first.
+is an out-of-tree extension (``torch_npu``, ``torch_mlu``, ``torch_gcu``...) that registers
+its device type when imported, so resolving ``"npu:0"`` imports ``torch_npu`` first. Which
+module registers which device type is the device plugins' fact (``torch_device_type`` and
+``torch_module``); this module asks them through :func:`kunlun.device.registry.torch_extension`
+and keeps no table of its own.
 """
 
 from __future__ import annotations
 
 import importlib
+from functools import lru_cache
 
 import torch
 
 from kunlun.errors import EngineError
 
-#: Device types whose backend lives in a separate extension module, and that module's name.
-VENDOR_EXTENSIONS: dict[str, str] = {
-    "npu": "torch_npu",
-    "mlu": "torch_mlu",
-    "musa": "torch_musa",
-}
+
+@lru_cache(maxsize=32)
+def extension_module(device_type: str) -> str | None:
+    """The extension module that registers torch device type ``device_type`` (None: built
+    into torch), as the device plugins say; asked once per type and process."""
+    from kunlun.device.registry import torch_extension
+
+    return torch_extension(device_type)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """Turn ``"cpu"``, ``"cuda:0"``, ``"npu:1"``... into a :class:`torch.device`.
 
-    Imports the vendor extension named in :data:`VENDOR_EXTENSIONS` when the type needs one.
+    Imports the vendor extension that the type's device plugin names, when it needs one.
     Raises :class:`EngineError` naming the device when the string is malformed or the
     extension is not installed.
     """
@@ -43,14 +50,20 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def _import_extension(device_type: str, text: str) -> None:
     """Import the vendor extension that registers ``device_type``, when there is one."""
-    module = VENDOR_EXTENSIONS.get(device_type)
+    import_extension(extension_module(device_type), text)
+
+
+def import_extension(module: str | None, device: str) -> None:
+    """Import ``module``, the extension that ``device`` needs (nothing when None).
+
+    Raises :class:`EngineError` naming the module and the device when it is not installed."""
     if module is None:
         return
     try:
         importlib.import_module(module)
     except ImportError as exc:
         raise EngineError(
-            f"device {text!r} needs the PyTorch extension {module!r}, which is not installed",
+            f"device {device!r} needs the PyTorch extension {module!r}, which is not installed",
             hint=f"install the vendor's build of {module} (see README, per-vendor installs)",
         ) from exc
 

@@ -38,6 +38,14 @@ class EngineConfig:
     """CPU threads for torch; None leaves torch's default."""
     seed: int = 0
     """Seeds the generator shared by requests that bring no seed of their own."""
+    quantization: str = "none"
+    """Weight quantization scheme of the checkpoint or the plan; this engine runs "none"."""
+    group_size: int | None = None
+    """Group size of w4a16 weights (32 or 128); None for every other scheme."""
+    tensor_parallel_size: int = 1
+    """Ranks one replica is split over; this engine runs 1."""
+    distributed_backend: str | None = None
+    """``torch.distributed`` backend between ranks, from the device plugin (gloo, nccl...)."""
 
     def validate(self) -> EngineConfig:
         """Raise :class:`ConfigError` naming the first bad field and its value."""
@@ -58,5 +66,16 @@ class EngineConfig:
             ):
                 raise ConfigError(
                     f"engine setting {name}={value!r} is invalid: expected an integer >= 1"
+                )
+        unsupported: dict[str, tuple[object, object]] = {
+            "quantization": (self.quantization, "none"),
+            "group_size": (self.group_size, None),
+            "tensor_parallel_size": (self.tensor_parallel_size, 1),
+        }
+        for name, (setting, runs) in unsupported.items():
+            if setting != runs:
+                raise ConfigError(
+                    f"engine setting {name}={setting!r} is not supported by this engine yet "
+                    f"(it runs {name}={runs!r})"
                 )
         return self

@@ -1,7 +1,9 @@
 """The node agent's engine supervisor: one worker process per replica, kept alive.
 
-Each replica is a ``python -m kunlun.serving.worker`` process started with its device's
-visibility environment, its output appended to ``KUNLUN_HOME/logs/<workload>.log``. The
+Each replica is a ``python -m kunlun.serving.worker --launch FILE`` process
+(:func:`~kunlun.serving.worker.worker_command`) started with its device's visibility
+environment; ``FILE`` is the replica's :class:`~kunlun.engine.launch.EngineLaunch` with its ready
+file and sandbox, written to ``KUNLUN_HOME/run/workers/<replica>.launch.json`` before each start, its output appended to ``KUNLUN_HOME/logs/<workload>.log``. The
 supervisor loop notices a worker's ready file (the worker writes it after loading and a
 warm-up generation), marks the replica ready in the :class:`ReplicaSet`, and restarts a worker
 that dies, with exponential backoff (1 s doubling to 60 s; reset after 60 s of health). It
@@ -14,7 +16,7 @@ left behind (a worker dies with its daemon, so these are rare: a worker that was
 when its daemon died, or one started before this rule).
 
 Each worker is confined by the :mod:`kunlun.node.sandbox` its :class:`WorkerSandbox` says
-(passed as ``--sandbox``): a clean environment (:meth:`NodeAgent.worker_env`), its own
+(the launch's ``sandbox`` field): a clean environment (:meth:`NodeAgent.worker_env`), its own
 directory, rlimits, seccomp. The supervisor enforces its host memory cap: a worker over it is
 killed and its workload fails (``worker exceeded its memory cap of N MiB``); a worker killed
 by the seccomp filter (SIGSYS) fails its workload with the forbidden call. Workers are
@@ -31,7 +33,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from kunlun.engine.launch import EngineLaunch
 from kunlun.node.liveness import Liveness, LivenessConfig, probe
 from kunlun.node.sandbox import (
     SandboxPolicy,
@@ -49,6 +51,7 @@ from kunlun.node.sandbox import (
     worker_environment,
 )
 from kunlun.serving.replica import Replica, ReplicaSet
+from kunlun.serving.worker import worker_command
 
 EventSink = Callable[[str, str, str], None]  # (workload_id, kind, message)
 MAX_BACKOFF_S = 60.0
@@ -61,7 +64,8 @@ class Worker:
     """One supervised worker process and its restart state."""
 
     replica: Replica
-    args: list[str]
+    launch: EngineLaunch
+    """What the worker runs (the node agent adds its ready file and sandbox at each start)."""
     env: dict[str, str]
     log_path: Path
     ready_file: Path
@@ -118,16 +122,17 @@ class NodeAgent:
     def launch(
         self,
         replica: Replica,
-        worker_args: list[str],
+        launch: EngineLaunch,
         env: dict[str, str],
         memory_cap_mb: int | None = None,
     ) -> Worker:
-        """Register a replica; the supervisor loop starts its process at once. ``env`` is its
-        whole environment (:meth:`worker_env`); ``memory_cap_mb`` its host memory cap."""
+        """Register a replica; the supervisor loop starts its process at once from ``launch``
+        (its ready file and sandbox are the agent's to set). ``env`` is its whole environment
+        (:meth:`worker_env`); ``memory_cap_mb`` its host memory cap."""
         ready_file = self.run_dir / f"{replica.replica_id}.ready.json"
         sandbox = self.sandbox.for_worker(replica.replica_id, memory_cap_mb)
         worker = Worker(
-            replica, worker_args, env, self.log_path(replica.workload_id), ready_file, sandbox
+            replica, launch, env, self.log_path(replica.workload_id), ready_file, sandbox
         )
         self.workers[replica.replica_id] = worker
         self.replicas.upsert(replica)
@@ -160,7 +165,7 @@ class NodeAgent:
     def _forget(self, w: Worker) -> None:
         self.workers.pop(w.replica.replica_id, None)
         self.replicas.remove(w.replica.replica_id)
-        for path in (self._pid_file(w), w.ready_file):
+        for path in (self._pid_file(w), w.ready_file, self._launch_file(w)):
             path.unlink(missing_ok=True)
         if w.sandbox.workdir is not None:
             self._remove_workdir(Path(w.sandbox.workdir), w.replica.workload_id)
@@ -263,16 +268,10 @@ class NodeAgent:
 
     def _spawn(self, w: Worker) -> None:
         w.ready_file.unlink(missing_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "kunlun.serving.worker",
-            *w.args,
-            "--ready-file",
-            str(w.ready_file),
-            "--sandbox",
-            w.sandbox.to_json(),
-        ]
+        launch = w.launch.model_copy(
+            update={"ready_file": w.ready_file, "sandbox": json.loads(w.sandbox.to_json())}
+        )
+        cmd = worker_command(launch.write(self._launch_file(w)))
         with w.log_path.open("ab") as log:
             log.write(
                 f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} replica {w.replica.replica_id} starting on {w.replica.device}\n".encode()
@@ -363,6 +362,9 @@ class NodeAgent:
     def _pid_file(self, w: Worker) -> Path:
         return self.run_dir / f"{w.replica.replica_id}.pid"
 
+    def _launch_file(self, w: Worker) -> Path:
+        return self.run_dir / f"{w.replica.replica_id}.launch.json"
+
     # ---- leftovers of a crashed daemon ----
     def reap_leftovers(self) -> list[int]:
         """Kill workers recorded in pid files by an earlier daemon that are still alive."""
@@ -379,8 +381,8 @@ class NodeAgent:
                         with contextlib.suppress(psutil.TimeoutExpired):
                             proc.wait(5)
             pid_file.unlink(missing_ok=True)
-        for ready in self.run_dir.glob("*.ready.json"):
-            ready.unlink(missing_ok=True)
+        for leftover in [*self.run_dir.glob("*.ready.json"), *self.run_dir.glob("*.launch.json")]:
+            leftover.unlink(missing_ok=True)
         for workdir in (p for p in self.run_dir.iterdir() if p.is_dir()):
             self._remove_workdir(workdir, workdir.name.rsplit("-r", 1)[0])
         return reaped

@@ -1,8 +1,9 @@
 """The engine worker's sandbox: what a worker may see, use and call.
 
 The daemon decides a worker's confinement as one :class:`WorkerSandbox` (built by
-:meth:`SandboxPolicy.for_worker`), passes it to the worker as one JSON argument
-(``--sandbox``), and the worker applies it to itself in two steps:
+:meth:`SandboxPolicy.for_worker`), passes it to the worker in its launch file (the
+``sandbox`` field of :class:`~kunlun.engine.launch.EngineLaunch`), and the worker applies it
+to itself in two steps:
 
 1. :func:`enter` as the first thing in its ``main``: it dies with the daemon
    (``PR_SET_PDEATHSIG`` SIGKILL, then a check that its parent is still the daemon, which
@@ -88,12 +89,12 @@ class WorkerSandbox:
 
     @classmethod
     def from_json(cls, text: str) -> WorkerSandbox:
-        """Parse the ``--sandbox`` argument; a bad one raises ValueError naming what is wrong."""
+        """Parse a sandbox from its JSON; a bad one raises ValueError naming what is wrong."""
         try:
             data = json.loads(text)
             return cls(**data)
         except (ValueError, TypeError) as exc:
-            raise ValueError(f"--sandbox is not a WorkerSandbox JSON object: {exc}") from None
+            raise ValueError(f"sandbox is not a WorkerSandbox JSON object: {exc}") from None
 
 
 # ---- worker side ----

@@ -1,7 +1,8 @@
 """The plan cache (the seeds' model compilation cache and device profile snapshot).
 
 An entry lives in ``KUNLUN_HOME/plan-cache/<key>/`` and holds ``plan.json`` (the plan of the
-latest start), ``key.json`` (what the key was made of) and the conversion artifacts the engine
+latest start), ``launch.json`` (the :class:`~kunlun.engine.launch.EngineLaunch` the plan gave
+that start's worker, before the node agent added its ready file and sandbox), ``key.json`` (what the key was made of) and the conversion artifacts the engine
 reuses: ``weights/``, the checkpoint already cast to the plan's dtype (see
 :mod:`kunlun.engine.convert`), so a second start loads it directly.
 
@@ -36,6 +37,7 @@ from kunlun.planner.plan import ExecutionPlan
 
 CACHE_DIR = "plan-cache"
 WEIGHTS_DIR = "weights"
+LAUNCH_FILE = "launch.json"
 _WEIGHT_SUFFIXES = (".safetensors",)
 _INDEX = "model.safetensors.index.json"
 

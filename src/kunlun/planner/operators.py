@@ -2,7 +2,8 @@
 
 The registry is data. For every torch device type it lists, per operator (attention,
 rmsnorm, rotary, matmul), the kernels to try in order; a kernel needs a Python module (the
-vendor's extension or kernel library) and, for quantized matmuls, a weight quantization. The
+device type's torch extension, :data:`EXTENSION`, whose name the device plugin owns, or a
+vendor kernel library) and, for quantized matmuls, a weight quantization. The
 first kernel whose module imports here wins; when none does, or the device type has no entry,
 the operator falls back to the generic PyTorch implementation and the plan lists it under
 ``fallback_ops``. Kernels marked ``native`` are PyTorch's own path on that device (the CPU),
@@ -17,6 +18,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from functools import lru_cache
+
+from kunlun.device.registry import torch_extension
 
 OPERATORS: tuple[str, ...] = ("attention", "rmsnorm", "rotary", "matmul")
 
@@ -33,24 +36,28 @@ GENERIC: dict[str, str] = {
 class Kernel:
     name: str
     module: str | None = None
-    """Module that must import for the kernel to be used; None: part of torch itself."""
+    """Module that must import for the kernel to be used; None: part of torch itself;
+    :data:`EXTENSION`: the device type's torch extension, as its plugin names it."""
     quantization: str | None = None
     """Only for weights quantized this way (w8a8, w4a16); None: unquantized weights."""
     native: bool = False
     """PyTorch's own implementation on this device type (not a fallback)."""
 
 
-_NPU, _MLU_OPS = "torch_npu", "torch_mlu_ops"
+EXTENSION = "<torch extension>"
+"""A kernel's :attr:`Kernel.module` when it comes with the device type's torch extension
+(``torch_npu`` for npu, ``torch_mlu`` for mlu...): the plugin says which module that is."""
+_NPU, _MLU_OPS = EXTENSION, "torch_mlu_ops"
 
 REGISTRY: dict[str, dict[str, tuple[Kernel, ...]]] = {
     "npu": {
-        "attention": (Kernel("npu_fusion_attention (torch_npu)", _NPU),),
-        "rmsnorm": (Kernel("npu_rms_norm (torch_npu)", _NPU),),
-        "rotary": (Kernel("npu_rotary_mul (torch_npu)", _NPU),),
+        "attention": (Kernel("npu_fusion_attention", _NPU),),
+        "rmsnorm": (Kernel("npu_rms_norm", _NPU),),
+        "rotary": (Kernel("npu_rotary_mul", _NPU),),
         "matmul": (
-            Kernel("npu_quant_matmul (torch_npu)", _NPU, "w8a8"),
-            Kernel("npu_weight_quant_batchmatmul (torch_npu)", _NPU, "w4a16"),
-            Kernel("aclnn matmul through torch_npu", _NPU),
+            Kernel("npu_quant_matmul", _NPU, "w8a8"),
+            Kernel("npu_weight_quant_batchmatmul", _NPU, "w4a16"),
+            Kernel("aclnn matmul", _NPU),
         ),
     },
     "mlu": {
@@ -60,7 +67,7 @@ REGISTRY: dict[str, dict[str, tuple[Kernel, ...]]] = {
         "matmul": (
             Kernel("smooth_quant_matmul (torch_mlu_ops)", _MLU_OPS, "w8a8"),
             Kernel("weight_only_quant_matmul (torch_mlu_ops)", _MLU_OPS, "w4a16"),
-            Kernel("cnnl matmul through torch_mlu", "torch_mlu"),
+            Kernel("cnnl matmul", EXTENSION),
         ),
     },
     "cuda": {
@@ -103,10 +110,12 @@ def choose_operators(torch_device_type: str, quantization: str) -> dict[str, Ope
     """The implementation of every operator on ``torch_device_type`` for ``quantization``
     (decided once per process; callers must not modify the result)."""
     entries = REGISTRY.get(torch_device_type, {})
+    extension = torch_extension(torch_device_type)
     out: dict[str, OperatorChoice] = {}
     for op in OPERATORS:
         wanted = quantization if op == "matmul" and quantization != "none" else None
-        candidates = [k for k in entries.get(op, ()) if k.quantization == wanted]
+        kernels = [_with_extension(k, extension) for k in entries.get(op, ())]
+        candidates = [k for k in kernels if k is not None and k.quantization == wanted]
         generic = GENERIC[op] if wanted is None else f"dequantize, then {GENERIC[op]}"
         missing = [k for k in candidates if k.module is not None and not importable(k.module)]
         usable = [k for k in candidates if k not in missing]
@@ -123,3 +132,14 @@ def choose_operators(torch_device_type: str, quantization: str) -> dict[str, Ope
                 generic, True, f"no {torch_device_type} kernel registered for {what}"
             )
     return out
+
+
+def _with_extension(kernel: Kernel, extension: str | None) -> Kernel | None:
+    """``kernel`` with :data:`EXTENSION` replaced by the device type's extension module, and
+    that module named after the kernel (``npu_fusion_attention (torch_npu)``); None when it
+    needs an extension and no plugin names one for the device type."""
+    if kernel.module != EXTENSION:
+        return kernel
+    if extension is None:
+        return None
+    return Kernel(f"{kernel.name} ({extension})", extension, kernel.quantization, kernel.native)

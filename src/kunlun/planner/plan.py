@@ -12,8 +12,10 @@ vendor attributes, and the visibility environment.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from kunlun.engine.launch import EngineLaunch, device_fields
 from kunlun.planner.capacity import DeviceCapacity
 from kunlun.planner.engine_options import engine_options
 from kunlun.planner.estimate import (
@@ -26,6 +28,9 @@ from kunlun.planner.estimate import (
 )
 from kunlun.planner.model_info import ModelInfo
 from kunlun.planner.operators import choose_operators
+
+if TYPE_CHECKING:
+    from kunlun.device.plugin import DevicePlugin
 
 #: Activation and KV dtypes the embedded engine runs, in the default preference order.
 ENGINE_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
@@ -313,6 +318,40 @@ def build_plan(
         estimated_tokens_per_s=_round(option.tokens_per_s),
         notes=notes,
         compute_tokens_per_s=_round(option.compute_tokens_per_s),
+    )
+
+
+def engine_launch(
+    plan: ExecutionPlan,
+    plugin: DevicePlugin | None,
+    model_dir: str | Path,
+    served_name: str,
+    plan_dir: Path | None,
+    num_threads: int | None,
+    **worker: Any,
+) -> EngineLaunch:
+    """The launch of one replica of ``plan``: the plan's engine settings, the device facts of
+    ``plugin`` (the plan's device type's plugin: device type, torch extension module,
+    distributed backend), and ``worker`` settings (profiling). The node agent adds the ready
+    file and the sandbox."""
+    if plugin is not None:
+        facts = device_fields(plugin, plan.torch_device)
+    else:
+        facts = {"device": plan.torch_device, "device_type": plan.device_type}
+    return EngineLaunch(
+        model_dir=Path(model_dir),
+        served_name=served_name,
+        **facts,
+        dtype=plan.dtype,  # type: ignore[arg-type]
+        quantization=plan.quantization,
+        tensor_parallel_size=plan.tensor_parallel_size,
+        max_num_seqs=plan.max_num_seqs,
+        max_model_len=plan.max_model_len,
+        kv_cache_memory_bytes=plan.kv_cache_memory_mb * MIB,
+        block_size=plan.block_size,
+        num_threads=num_threads,
+        plan_dir=plan_dir,
+        **worker,
     )
 
 

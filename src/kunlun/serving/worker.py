@@ -1,7 +1,8 @@
 """The engine worker process: one per replica, started by the node agent.
 
-``python -m kunlun.serving.worker --model-dir DIR --served-name NAME [options]`` loads the
-model into an :class:`LLMEngine`, runs one warm-up generation, then serves the OpenAI API
+``python -m kunlun.serving.worker --launch FILE`` reads its launch, an
+:class:`~kunlun.engine.launch.EngineLaunch` as JSON (model, device, engine settings, its own
+settings; nothing else reaches a worker), loads the model into an :class:`LLMEngine`, runs one warm-up generation, then serves the OpenAI API
 (:mod:`kunlun.serving.worker_app`) on loopback. Once it accepts connections it writes the
 ready file atomically, as JSON::
 
@@ -9,11 +10,12 @@ ready file atomically, as JSON::
      "compile_time_s": 0.0}
 
 and prints, for the node agent's log capture, ``Compilation Time: 0.00 s`` (the GGUF import
-when ``--model-dir`` names a ``.gguf`` file, plus casting the weights to ``--dtype`` into
-``--plan-dir`` on a plan's first start, logged as ``conversion: ...``; 0 otherwise),
+when ``model_dir`` names a ``.gguf`` file, plus casting the weights to ``dtype`` into
+``plan_dir`` on a plan's first start, logged as ``conversion: ...``; 0 otherwise),
 ``Load Time: 1.23 s``, ``First Token Latency: 45.6 ms``, then one line per finished request.
 SIGTERM stops accepting connections, lets in-flight requests finish, and exits 0. A bad
-argument or a model that cannot load prints the error and exits 2 (configuration) or 1.
+launch file (naming the field and value) or a model that cannot load prints the error and
+exits 2 (configuration) or 1.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ import sys
 import time
 from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-_DTYPES = ("fp32", "bf16", "fp16")
+if TYPE_CHECKING:
+    from kunlun.engine.launch import EngineLaunch
+
 WORKER_NICE = 5
-"""Scheduling niceness a worker gives itself (``--nice``; ``KUNLUN_WORKER_NICE`` sets the
-default). Engine compute is bulk work; the daemon's gateway, admin API and telemetry are
+"""Scheduling niceness a worker gives itself (the launch's ``nice``; ``KUNLUN_WORKER_NICE``
+sets the default). Engine compute is bulk work; the daemon's gateway, admin API and telemetry are
 short bursts on the request path. At +5 a gateway burst preempts engine threads on a busy
 CPU rather than queueing behind them: on the 2-vCPU benchmark machine this took the
 gateway's added time to first token from about 0.9 ms to 0.55 ms. Workers all run at the
@@ -43,90 +47,39 @@ same niceness, so it changes nothing between replicas; the daemon's own work is 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="kunlun-worker", description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--model-dir", required=True, help="HF model directory (or a .gguf file, imported once)"
-    )
-    parser.add_argument("--served-name", required=True, help="model name clients send")
-    parser.add_argument(
-        "--device", default="cpu:0", help="device from the device plugin, e.g. cpu:0, cuda:0, npu:1"
-    )
-    parser.add_argument("--dtype", choices=_DTYPES, default="fp32")
-    parser.add_argument(
-        "--max-num-seqs", type=_positive, default=64, help="most sequences in one engine step"
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=_positive,
-        default=None,
-        help="longest prompt + output (default: the model's)",
-    )
-    parser.add_argument(
-        "--kv-cache-memory-mb",
-        type=_positive,
-        default=None,
-        help="KV cache size in MiB (default: the engine's)",
-    )
-    parser.add_argument("--num-threads", type=_positive, default=None, help="CPU threads for torch")
-    parser.add_argument(
-        "--nice",
-        type=_nice,
-        default=os.environ.get("KUNLUN_WORKER_NICE", str(WORKER_NICE)),
-        help=f"scheduling niceness, 0-19 (default {WORKER_NICE}, or KUNLUN_WORKER_NICE)",
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    parser.add_argument(
-        "--ready-file", type=Path, default=None, help="where to write the ready JSON once serving"
-    )
-    parser.add_argument(
-        "--plan-dir",
+        "--launch",
         type=Path,
-        default=None,
-        help="plan-cache entry: weights cast to --dtype are kept in (and reused from) DIR/weights",
+        required=True,
+        help="the launch file: an EngineLaunch as JSON (kunlun.engine.launch)",
     )
-    parser.add_argument(
-        "--sandbox",
-        type=_sandbox,
-        default=None,
-        help="set by the node agent: the worker's confinement as WorkerSandbox JSON "
-        "(kunlun.node.sandbox); absent when the worker is started by hand",
-    )
-    parser.add_argument(
-        "--trace-prefix",
-        default=None,
-        help="advanced profiling: write a Chrome trace of engine steps to PREFIX.<pid>.trace.json",
-    )
-    parser.add_argument(
-        "--profiling-interval-ms",
-        type=_non_negative,
-        default=50.0,
-        help="with --trace-prefix: trace at most one step per interval (0: every step)",
-    )
-    return parser.parse_args(argv)  # fmt: skip
+    return parser.parse_args(argv)
 
 
-def worker_command(
+def worker_command(launch_file: str | Path) -> list[str]:
+    """The command line that starts a worker from ``launch_file`` (this interpreter). The one
+    place a worker's command line is spelled: the node agent, tests and benchmarks call it."""
+    return [sys.executable, "-m", "kunlun.serving.worker", "--launch", str(launch_file)]
+
+
+def write_launch(
+    path: str | Path,
     model_dir: str | Path,
     served_name: str,
     *,
-    ready_file: str | Path,
-    device: str = "cpu:0",
-    dtype: str = "fp32",
-    max_num_seqs: int | None = None,
-    max_model_len: int | None = None,
-    kv_cache_memory_mb: int | None = None,
-    num_threads: int | None = None,
-    port: int = 0,
-) -> list[str]:
-    """The command line that starts a worker with these settings (this interpreter)."""
-    command = [sys.executable, "-m", "kunlun.serving.worker", "--model-dir", str(model_dir),
-               "--served-name", served_name, "--device", device, "--dtype", dtype,
-               "--port", str(port), "--ready-file", str(ready_file)]  # fmt: skip
-    optional = {"--max-num-seqs": max_num_seqs, "--max-model-len": max_model_len,
-                "--kv-cache-memory-mb": kv_cache_memory_mb, "--num-threads": num_threads}  # fmt: skip
-    for flag, value in optional.items():
-        if value is not None:
-            command += [flag, str(value)]
-    return command
+    device: str = "cpu",
+    **settings: Any,
+) -> Path:
+    """Write the launch of a worker started by hand (tests, benchmarks) to ``path`` and return
+    it: ``device`` is a torch device string, its type's facts (device type, extension module,
+    distributed backend) come from its device plugin; ``settings`` are other
+    :class:`EngineLaunch` fields."""
+    from kunlun.device.registry import plugin_for_torch_device
+    from kunlun.engine.launch import EngineLaunch, device_fields
+
+    plugin = plugin_for_torch_device(device.split(":", 1)[0])
+    facts = {"device": device} if plugin is None else device_fields(plugin, device)
+    return EngineLaunch(model_dir=Path(model_dir), served_name=served_name, **facts,
+                        **settings).write(path)  # fmt: skip
 
 
 def read_ready_file(path: str | Path) -> dict[str, Any] | None:
@@ -137,38 +90,20 @@ def read_ready_file(path: str | Path) -> dict[str, Any] | None:
         return None
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
-    return value
+def worker_nice(launch: EngineLaunch) -> int:
+    """The launch's niceness, or ``KUNLUN_WORKER_NICE``, or :data:`WORKER_NICE`; a
+    :class:`ConfigError` naming the variable when it is not an integer 0-19."""
+    from kunlun.errors import ConfigError
 
-
-def _nice(text: str) -> int:
+    if launch.nice is not None:
+        return launch.nice
+    text = os.environ.get("KUNLUN_WORKER_NICE", str(WORKER_NICE))
     try:
         value = int(text)
     except ValueError:
         value = -1
     if not 0 <= value <= 19:
-        raise argparse.ArgumentTypeError(
-            f"niceness (--nice or KUNLUN_WORKER_NICE) must be an integer 0-19, got {text!r}"
-        )
-    return value
-
-
-def _sandbox(text: str) -> Any:
-    from kunlun.node.sandbox import WorkerSandbox
-
-    try:
-        return WorkerSandbox.from_json(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 0")
+        raise ConfigError(f"KUNLUN_WORKER_NICE must be an integer 0-19, got {text!r}")
     return value
 
 
@@ -178,44 +113,28 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def torch_device(device: str) -> str:
-    """``cpu:0`` -> ``cpu`` (torch has one cpu device); others pass through."""
-    return "cpu" if device.split(":", 1)[0] == "cpu" else device
-
-
-def build_engine(args: argparse.Namespace) -> tuple[Any, float, float]:
-    """The :class:`AsyncLLMEngine` for ``args``, its compile (import) and load times."""
-    import torch
-
+def build_engine(launch: EngineLaunch) -> tuple[Any, float, float]:
+    """The :class:`AsyncLLMEngine` for ``launch``, its compile (import) and load times."""
     from kunlun.engine.async_engine import AsyncLLMEngine
-    from kunlun.engine.device import resolve_device
+    from kunlun.engine.device import import_extension
     from kunlun.engine.llm_engine import LLMEngine
 
     started = time.perf_counter()
-    model_dir = Path(args.model_dir)
+    model_dir = launch.model_dir
     if model_dir.suffix == ".gguf" and model_dir.is_file():
         from kunlun.engine.gguf import import_gguf
         from kunlun.paths import model_cache_dir
 
         model_dir = import_gguf(model_dir, model_cache_dir() / model_dir.stem)
-    if args.plan_dir is not None:
+    if launch.plan_dir is not None:
         from kunlun.engine.convert import prepare_weights
 
-        model_dir, line = prepare_weights(model_dir, args.plan_dir / "weights", args.dtype)
+        model_dir, line = prepare_weights(model_dir, launch.plan_dir / "weights", launch.dtype)
         say(line)
     compile_time = time.perf_counter() - started
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    kv_bytes = None if args.kv_cache_memory_mb is None else args.kv_cache_memory_mb << 20
     started = time.perf_counter()
-    engine = LLMEngine.from_model(
-        model_dir,
-        device=str(resolve_device(torch_device(args.device))),
-        dtype=dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        kv_cache_memory_bytes=kv_bytes,
-        num_threads=args.num_threads,
-    )
+    import_extension(launch.torch_module, launch.device)
+    engine = LLMEngine(launch.engine_config(model_dir))
     return AsyncLLMEngine(engine), compile_time, time.perf_counter() - started
 
 
@@ -254,21 +173,21 @@ def write_ready_file(path: Path, info: dict[str, Any]) -> None:
     os.replace(temporary, path)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(launch: EngineLaunch) -> None:
     import uvicorn
 
     from kunlun.serving.worker_app import create_worker_app
 
-    engine, compile_time, load_time = build_engine(args)
+    engine, compile_time, load_time = build_engine(launch)
     say(f"Compilation Time: {compile_time:.2f} s")
     say(f"Load Time: {load_time:.2f} s")
     engine.start()
     ttft_ms = await warm_up(engine)
     say(f"First Token Latency: {ttft_ms:.1f} ms")
-    profiler = start_profiler(engine, args)
-    sock = bind_socket(args.host, args.port)
+    profiler = start_profiler(engine, launch)
+    sock = bind_socket(launch.host, launch.port)
     port = sock.getsockname()[1]
-    app = create_worker_app(engine, args.served_name, say)
+    app = create_worker_app(engine, launch.served_name, say)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             timeout_keep_alive=30)  # fmt: skip
     server = uvicorn.Server(config)
@@ -281,9 +200,9 @@ async def serve(args: argparse.Namespace) -> None:
     if server.started:
         info = {"pid": os.getpid(), "port": port, "load_time_s": round(load_time, 3),
                 "warmup_ttft_ms": round(ttft_ms, 1), "compile_time_s": round(compile_time, 3)}  # fmt: skip
-        if args.ready_file is not None:
-            write_ready_file(args.ready_file, info)
-        say(f"Serving {args.served_name} on http://{args.host}:{port}")
+        if launch.ready_file is not None:
+            write_ready_file(launch.ready_file, info)
+        say(f"Serving {launch.served_name} on http://{launch.host}:{port}")
     try:
         await task
     finally:
@@ -292,19 +211,19 @@ async def serve(args: argparse.Namespace) -> None:
             profiler.close()
 
 
-def start_profiler(engine: Any, args: argparse.Namespace) -> Any:
-    """The engine's step profiler when ``--trace-prefix`` asks for one (after the warm-up,
+def start_profiler(engine: Any, launch: EngineLaunch) -> Any:
+    """The engine's step profiler when ``trace_prefix`` asks for one (after the warm-up,
     so the trace holds served requests only), else None."""
-    if args.trace_prefix is None:
+    if launch.trace_prefix is None:
         return None
     from kunlun.engine.step_profiler import StepProfiler
     from kunlun.telemetry.spec import trace_path
 
-    path = trace_path(args.trace_prefix, os.getpid())
-    profiler = StepProfiler(path, args.profiling_interval_ms, name=args.served_name)
+    path = trace_path(launch.trace_prefix, os.getpid())
+    profiler = StepProfiler(path, launch.profiling_interval_ms, name=launch.served_name)
     engine.engine.set_profiler(profiler)
     say(f"Advanced profiling: engine steps traced to {path} "
-        f"(at most one step per {args.profiling_interval_ms:g} ms)")  # fmt: skip
+        f"(at most one step per {launch.profiling_interval_ms:g} ms)")  # fmt: skip
     return profiler
 
 
@@ -319,32 +238,44 @@ def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
         uvloop.run(main)
 
 
-def import_trusted_modules() -> None:
-    """Import the engine and server code before the sandbox locks (importing reads many files
-    and maps libraries; what the allow-list must permit is then only what serving needs)."""
+def import_trusted_modules(launch: EngineLaunch) -> None:
+    """Import the engine and server code, and the device's torch extension, before the
+    sandbox locks (importing reads many files and maps libraries; what the allow-list must
+    permit is then only what serving needs)."""
     import torch  # noqa: F401
     import uvicorn  # noqa: F401
 
     import kunlun.engine.async_engine  # noqa: F401
     import kunlun.engine.llm_engine  # noqa: F401
     import kunlun.serving.worker_app  # noqa: F401
+    from kunlun.engine.device import extension_module, import_extension
+
+    import_extension(launch.torch_module, launch.device)
+    extension_module(launch.torch_device_type)  # asks the plugins now, while files may be read
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kunlun.engine.launch import read_launch
     from kunlun.errors import KunlunError
+    from kunlun.node import sandbox
 
     args = parse_args(argv)
-    if args.sandbox is not None:
-        from kunlun.node import sandbox
-
-        sandbox.enter(args.sandbox)  # dies with the daemon; rlimits, no_new_privs
-    if args.nice:
-        os.nice(args.nice)  # first, so every thread started later (torch, engine) inherits it
-    if args.sandbox is not None:
-        import_trusted_modules()
-        sandbox.lock(args.sandbox)  # the seccomp allow-list, before any model file is read
     try:
-        run_event_loop(serve(args))
+        launch = read_launch(args.launch)
+        nice = worker_nice(launch)
+    except KunlunError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    confinement = None if launch.sandbox is None else sandbox.WorkerSandbox(**launch.sandbox)
+    if confinement is not None:
+        sandbox.enter(confinement)  # dies with the daemon; rlimits, no_new_privs
+    if nice:
+        os.nice(nice)  # first, so every thread started later (torch, engine) inherits it
+    try:
+        if confinement is not None:
+            import_trusted_modules(launch)
+            sandbox.lock(confinement)  # the seccomp allow-list, before any model file is read
+        run_event_loop(serve(launch))
     except KunlunError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -42,17 +42,15 @@ def trace_dir(log_dir: Path) -> Path:
     return log_dir / "traces"
 
 
-def worker_profiling_args(spec: TelemetrySpec | None, log_dir: Path, replica_id: str) -> list[str]:
-    """The worker command-line flags for ``spec`` (none when profiling is off)."""
+def worker_profiling(
+    spec: TelemetrySpec | None, log_dir: Path, replica_id: str
+) -> dict[str, str | float]:
+    """The worker's launch fields for ``spec`` (``trace_prefix``, ``profiling_interval_ms``;
+    none when profiling is off)."""
     if spec is None or not spec.advanced_profiling:
-        return []
+        return {}
     prefix = trace_dir(log_dir) / replica_id
-    return [
-        "--trace-prefix",
-        str(prefix),
-        "--profiling-interval-ms",
-        f"{spec.profiling_interval_ms:g}",
-    ]
+    return {"trace_prefix": str(prefix), "profiling_interval_ms": spec.profiling_interval_ms}
 
 
 def trace_path(prefix: str | Path, pid: int) -> Path:

@@ -21,12 +21,12 @@ from kunlun.device.registry import load_plugins
 from kunlun.errors import ConfigError, KunlunError, Location, ModelError
 from kunlun.node.agent import NodeAgent
 from kunlun.node.sandbox import memory_cap_mb
-from kunlun.planner.cache import PlanCache
+from kunlun.planner.cache import LAUNCH_FILE, PlanCache
 from kunlun.planner.model_info import ModelInfo, inspect_model, locate_model
-from kunlun.planner.plan import ExecutionPlan
+from kunlun.planner.plan import ExecutionPlan, engine_launch
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.state.store import EventRecord, StateStore, WorkloadRecord
-from kunlun.telemetry.spec import worker_profiling_args
+from kunlun.telemetry.spec import worker_profiling
 from kunlun.workload.placement import Placement, place
 from kunlun.workload.spec import WorkloadSpec, parse_spec
 
@@ -202,14 +202,11 @@ class WorkloadManager:
         env = self.agent.worker_env(replica.replica_id, plan.env, runtime_env, int(threads))
         host_kv_mb = plan.kv_cache_memory_mb if plan.torch_device == "cpu" else 0
         cap_mb = memory_cap_mb(plan.weight_memory_mb, host_kv_mb, spec.memory_cap_mb)
-        args = ["--model-dir", str(model_dir), "--served-name", record.name,
-                "--device", plan.torch_device, "--dtype", plan.dtype,
-                "--max-num-seqs", str(plan.max_num_seqs), "--num-threads", str(threads),
-                "--max-model-len", str(plan.max_model_len),
-                "--kv-cache-memory-mb", str(plan.kv_cache_memory_mb),
-                "--plan-dir", str(plan_dir)]  # fmt: skip
-        args += worker_profiling_args(spec.telemetry, self.agent.log_dir, replica.replica_id)
-        self.agent.launch(replica, args, env, memory_cap_mb=cap_mb)
+        launch = engine_launch(plan, plugin, model_dir, record.name, plan_dir, int(threads),
+                               **worker_profiling(spec.telemetry, self.agent.log_dir,
+                                                  replica.replica_id))  # fmt: skip
+        launch.write(plan_dir / LAUNCH_FILE)
+        self.agent.launch(replica, launch, env, memory_cap_mb=cap_mb)
 
     def resume_all(self) -> None:
         """After a daemon (re)start: start again every workload that was active."""

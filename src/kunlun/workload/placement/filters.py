@@ -16,20 +16,20 @@ from __future__ import annotations
 import importlib.util
 
 from kunlun.device.profile import Status
+from kunlun.device.registry import torch_extension
 from kunlun.errors import ConfigError, Location
 from kunlun.planner.capacity import DeviceCapacity
 from kunlun.planner.plan import Demand, Option, Rejection, options
 from kunlun.workload.pool import DevicePool
 
-_EXTENSIONS = {"npu": "torch_npu", "mlu": "torch_mlu", "musa": "torch_musa", "gcu": "torch_gcu"}
-
 
 def runnable(device: DeviceCapacity) -> str | None:
-    """None when the embedded engine's torch backend for ``device`` imports here, else why not."""
+    """None when the embedded engine's torch backend for ``device`` imports here, else why not.
+    The backend's module is the one the device's plugin names (torch itself when none)."""
     kind = device.torch_device_type
     if kind == "cpu":
         return None
-    module = _EXTENSIONS.get(kind, "torch")
+    module = torch_extension(kind) or "torch"
     if importlib.util.find_spec(module) is None:
         return f"the torch backend for {kind} ({module}) is not installed here"
     return None

@@ -1,0 +1,249 @@
+"""The launch contract: everything one engine worker is started with, as one typed object.
+
+An :class:`EngineLaunch` crosses the process boundary between the platform and a worker as a
+JSON file; the worker takes ``--launch FILE`` and nothing else. The workload manager makes it
+from the execution plan (engine settings) and the device plugin (device type, torch
+extension module, distributed backend), writes it next to the plan in the plan cache, and the
+node agent adds the replica's own settings (ready file, sandbox) and writes it into the
+replica's run folder before each start. No other channel carries engine settings, so a fact
+about a launch is spelled in one place.
+
+Contract:
+
+- the model is strict (``extra="forbid"``, frozen): an unknown or misspelled field, or a
+  value out of range, is refused by :func:`read_launch` with a :class:`ConfigError` that
+  names the file, the field and the value;
+- engine settings left None take the engine's own defaults (:class:`EngineConfig` owns
+  them); :meth:`EngineLaunch.engine_config` turns the launch into the engine's config;
+- the module imports neither torch nor the rest of the engine, so the daemon writes launches
+  without loading torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kunlun.errors import ConfigError, Location
+
+if TYPE_CHECKING:
+    from kunlun.device.plugin import DevicePlugin
+    from kunlun.engine.engine_config import EngineConfig
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+"""Weight and KV dtypes the engine runs, by the names plans and workload specs use."""
+
+
+class EngineLaunch(BaseModel):
+    """One worker's launch: the model, the device, the engine settings, the worker's own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # ---- the model ----
+    model_dir: Path = Field(description="HF model directory, or a .gguf file imported once.")
+    served_name: str = Field(min_length=1, description="The model name clients send.")
+
+    # ---- the device, as its device plugin describes it ----
+    device: str = Field(
+        "cpu",
+        min_length=1,
+        description="torch device string (cpu, cuda:0, npu:1); cpu:N is torch's one cpu.",
+    )
+    device_type: str = Field(
+        "cpu", min_length=1, description="The device plugin's device type (cpu, ascend...)."
+    )
+    torch_module: str | None = Field(
+        None,
+        description="The torch extension module that registers the device type (torch_npu, "
+        "torch_gcu...), from the plugin; None when torch has the type built in.",
+    )
+    distributed_backend: str | None = Field(
+        None,
+        description="torch.distributed backend between ranks, from the plugin (gloo, nccl...).",
+    )
+
+    # ---- the engine (None: the engine's default) ----
+    dtype: Dtype = Field("fp32", description="Weight and KV dtype.")
+    quantization: str = Field("none", description="Weight quantization scheme.")
+    group_size: int | None = Field(None, ge=1, description="w4a16 group size (32 or 128).")
+    tensor_parallel_size: int = Field(1, ge=1, description="Ranks one replica runs on.")
+    max_num_seqs: int | None = Field(None, ge=1, description="Most sequences in one step.")
+    max_num_batched_tokens: int | None = Field(None, ge=1, description="Token budget of one step.")
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + output; None: the model's."
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="KV cache size in bytes (exclusive with num_blocks)."
+    )
+    num_blocks: int | None = Field(
+        None, ge=1, description="KV blocks (exclusive with kv_cache_memory_bytes)."
+    )
+    block_size: int | None = Field(None, ge=1, description="Token slots per KV block.")
+    enable_prefix_caching: bool | None = Field(None, description="Reuse the KV of prompt prefixes.")
+    num_threads: int | None = Field(None, ge=1, description="CPU threads for torch.")
+    seed: int | None = Field(None, description="Seed of requests that bring none.")
+
+    # ---- the worker process ----
+    host: str = Field("127.0.0.1", min_length=1, description="Address to serve on.")
+    port: int = Field(0, ge=0, le=65535, description="Port to serve on; 0 picks a free one.")
+    ready_file: Path | None = Field(
+        None, description="Where the worker writes its ready JSON once serving."
+    )
+    plan_dir: Path | None = Field(
+        None,
+        description="Plan-cache entry: weights cast to dtype are kept in (and reused from) "
+        "plan_dir/weights.",
+    )
+    nice: int | None = Field(
+        None,
+        ge=0,
+        le=19,
+        description="Scheduling niceness; None: KUNLUN_WORKER_NICE or the worker's default.",
+    )
+    sandbox: dict[str, Any] | None = Field(
+        None,
+        description="The worker's confinement, a WorkerSandbox (kunlun.node.sandbox) as a "
+        "JSON object; set by the node agent, absent when the worker is started by hand.",
+    )
+    trace_prefix: str | None = Field(
+        None,
+        description="Advanced profiling: a Chrome trace of engine steps to "
+        "PREFIX.<pid>.trace.json.",
+    )
+    profiling_interval_ms: float = Field(
+        50.0, ge=0, description="With trace_prefix: at most one traced step per interval."
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _torch_device(cls, value: str) -> str:
+        kind, sep, index = value.strip().partition(":")
+        if not kind or (sep and not index.isdigit()):
+            raise ValueError(f"device must look like TYPE or TYPE:INDEX, got {value!r}")
+        return "cpu" if kind == "cpu" else value.strip()
+
+    @field_validator("sandbox")
+    @classmethod
+    def _sandbox(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            from kunlun.node.sandbox import WorkerSandbox
+
+            WorkerSandbox.from_json(json.dumps(value))  # ValueError naming what is wrong
+        return value
+
+    @model_validator(mode="after")
+    def _one_kv_size(self) -> EngineLaunch:
+        if self.kv_cache_memory_bytes is not None and self.num_blocks is not None:
+            raise ValueError(
+                f"kv_cache_memory_bytes={self.kv_cache_memory_bytes} and "
+                f"num_blocks={self.num_blocks} are exclusive: set one"
+            )
+        return self
+
+    @property
+    def torch_device_type(self) -> str:
+        """The torch device type of :attr:`device` (``npu`` for ``npu:1``)."""
+        return self.device.split(":", 1)[0]
+
+    def engine_config(self, model_dir: str | Path | None = None) -> EngineConfig:
+        """The engine's config for this launch (imports torch). ``model_dir`` replaces
+        :attr:`model_dir` when the worker prepared the weights elsewhere (a GGUF import, the
+        plan's cast weights); settings left None keep :class:`EngineConfig`'s defaults."""
+        import torch
+
+        from kunlun.engine.engine_config import EngineConfig
+
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+        settings = {
+            name: getattr(self, name)
+            for name in (
+                "max_num_seqs",
+                "max_num_batched_tokens",
+                "max_model_len",
+                "kv_cache_memory_bytes",
+                "num_blocks",
+                "block_size",
+                "enable_prefix_caching",
+                "num_threads",
+                "seed",
+            )  # fmt: skip
+            if getattr(self, name) is not None
+        }
+        return EngineConfig(
+            self.model_dir if model_dir is None else model_dir,
+            device=self.device,
+            dtype=dtypes[self.dtype],
+            quantization=self.quantization,
+            group_size=self.group_size,
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_backend=self.distributed_backend,
+            **settings,
+        )
+
+    def write(self, path: str | Path) -> Path:
+        """Write this launch to ``path`` as JSON, atomically (a reader never sees half a
+        file); returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary.write_text(self.model_dump_json(indent=2) + "\n", encoding="utf-8")
+        os.replace(temporary, path)
+        return path
+
+
+def device_fields(plugin: DevicePlugin, device: str) -> dict[str, Any]:
+    """The launch fields that describe ``device`` (a torch device string), taken from its
+    device plugin, the one owner of these facts: device type, torch extension module and
+    distributed backend."""
+    return {
+        "device": device,
+        "device_type": plugin.device_type,
+        "torch_module": plugin.torch_module,
+        "distributed_backend": getattr(plugin, "distributed_backend", None),
+    }
+
+
+def read_launch(path: str | Path) -> EngineLaunch:
+    """The launch in ``path``; a :class:`ConfigError` naming the file, the field and the value
+    when it cannot be read, is not JSON, or does not hold a valid launch."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise ConfigError(
+            f"cannot read the launch file: {why}", location=Location(str(path))
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"the launch file is not JSON: {exc.msg}", location=Location(str(path), exc.lineno)
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"a launch file holds a JSON object, got {type(data).__name__}",
+            location=Location(str(path)),
+        )
+    try:
+        return EngineLaunch.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "(launch)"
+            if err["type"] == "extra_forbidden":
+                problems.append(f"{field}: unknown field")
+            elif field == "(launch)":
+                problems.append(err["msg"].removeprefix("Value error, "))
+            else:
+                message = err["msg"].removeprefix("Value error, ")
+                problems.append(f"{field}={err.get('input')!r}: {message}")
+        first = exc.errors()[0]["loc"]
+        raise ConfigError(
+            "invalid launch: " + "; ".join(problems),
+            location=Location(str(path), field=".".join(str(p) for p in first) or None),
+        ) from None
