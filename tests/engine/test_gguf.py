@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kunlun.engine import gguf as kunlun_gguf
-from kunlun.engine.gguf import demo_gguf_path, import_gguf, unpermute
+from kunlun.engine.gguf import FP32_IMPORT, demo_gguf_path, import_gguf, unpermute
 from kunlun.engine.gguf_reader import GGUFFile
 from kunlun.engine.model_runner import ModelRunner, StepSeq
 from kunlun.engine.tokenizer import Tokenizer
@@ -232,7 +232,7 @@ def test_demo_chat_template_matches_transformers(demo_model_dir: Path, hf_gguf_t
 def test_second_import_is_a_cache_hit(demo_gguf: Path, demo_model_dir: Path) -> None:
     weights = demo_model_dir / "model.safetensors"
     before = (weights.stat().st_mtime_ns, (demo_model_dir / "kunlun-import.json").read_text())
-    assert import_gguf(demo_gguf, demo_model_dir) == demo_model_dir
+    assert import_gguf(demo_gguf, demo_model_dir, FP32_IMPORT) == demo_model_dir
     assert (
         weights.stat().st_mtime_ns,
         (demo_model_dir / "kunlun-import.json").read_text(),
@@ -247,7 +247,7 @@ def test_tiny_gguf_round_trip_matches_original_model(
     from transformers import AutoModelForCausalLM
 
     original_dir = make_tiny_model("LlamaForCausalLM", False)
-    imported = import_gguf(tiny_llama_gguf, tmp_path / "imported")
+    imported = import_gguf(tiny_llama_gguf, tmp_path / "imported", FP32_IMPORT)
     original = AutoModelForCausalLM.from_pretrained(original_dir, dtype=torch.float32).eval()
     reloaded = AutoModelForCausalLM.from_pretrained(imported, dtype=torch.float32).eval()
     expected_state = original.state_dict()
@@ -312,14 +312,14 @@ def test_dequantization_matches_reference(
 def test_unsupported_tensor_type_names_type_and_tensor(
     make_tiny_model, demo_gguf_file: GGUFFile, tmp_path: Path
 ) -> None:
-    types = {"blk.1.ffn_down.weight": gguf_py.GGMLQuantizationType.Q5_0}
+    types = {"blk.1.ffn_down.weight": gguf_py.GGMLQuantizationType.MXFP4}
     path = write_llama_gguf(
-        tmp_path / "q5.gguf", make_tiny_model("LlamaForCausalLM", False), demo_gguf_file, types
+        tmp_path / "mxfp4.gguf", make_tiny_model("LlamaForCausalLM", False), demo_gguf_file, types
     )
-    with pytest.raises(ModelError, match=r"blk\.1\.ffn_down\.weight.*Q5_0"):
+    with pytest.raises(ModelError, match=r"blk\.1\.ffn_down\.weight.*MXFP4"):
         import_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    assert [p.name for p in tmp_path.iterdir()] == ["q5.gguf"]  # no staging left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["mxfp4.gguf"]  # no staging left behind
 
 
 def test_changed_file_is_reimported(tiny_llama_gguf: Path, tmp_path: Path) -> None:
