@@ -12,6 +12,7 @@ import gguf as gguf_py
 import numpy as np
 import pytest
 import torch
+from tests.engine.gguf_files import permute, write_hf_gguf
 
 from kunlun.engine import gguf as kunlun_gguf
 from kunlun.engine.gguf import FP32_IMPORT, demo_gguf_path, import_gguf, unpermute
@@ -36,38 +37,6 @@ TEXTS = [
 ]
 
 
-def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's ``convert_hf_to_gguf`` permutation of a Q/K weight."""
-    rows = weight.shape[0]
-    grouped = weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
-    return grouped.swapaxes(1, 2).reshape(weight.shape)
-
-
-_GGUF_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def gguf_name(hf_name: str) -> str:
-    if hf_name.startswith("model.layers."):
-        _, _, index, rest = hf_name.split(".", 3)
-        module, suffix = rest.rsplit(".", 1)
-        return f"blk.{index}.{_GGUF_NAMES[module]}.{suffix}"
-    return {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }[hf_name]
-
-
 def write_llama_gguf(
     path: Path,
     model_dir: Path,
@@ -77,49 +46,7 @@ def write_llama_gguf(
     add_bos_token: bool = False,
 ) -> Path:
     """Write the HF llama checkpoint in ``model_dir`` as a GGUF file, llama.cpp style."""
-    from safetensors.torch import load_file
-
-    config = json.loads((model_dir / "config.json").read_text())
-    state = load_file(str(model_dir / "model.safetensors"))
-    writer = gguf_py.GGUFWriter(str(path), architecture)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_rope_dimension_count(config["head_dim"])
-    writer.add_vocab_size(config["vocab_size"])
-    meta = vocab_source.metadata
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_token_merges(meta["tokenizer.ggml.merges"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(add_bos_token)
-    writer.add_chat_template(meta["tokenizer.chat_template"])
-    for name, tensor in state.items():
-        array = tensor.float().numpy()
-        if ".q_proj." in name:
-            array = permute(array, config["num_attention_heads"])
-        elif ".k_proj." in name:
-            array = permute(array, config["num_key_value_heads"])
-        target = gguf_name(name)
-        qtype = (types or {}).get(target, gguf_py.GGMLQuantizationType.F32)
-        if qtype == gguf_py.GGMLQuantizationType.F32:
-            writer.add_tensor(target, np.ascontiguousarray(array))
-        else:
-            data = gguf_py.quants.quantize(np.ascontiguousarray(array), qtype)
-            writer.add_tensor(target, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_hf_gguf(path, model_dir, vocab_source, types, architecture, add_bos_token)
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ class ImportOptions:
         if self.dtype not in IMPORT_DTYPES:
             raise ConfigError(
                 f"dtype {self.dtype!r} is not one of " + ", ".join(IMPORT_DTYPES),
-                location=Location("--dtype"),
+                location=Location("--dtype", field="dtype"),
             )
 
     def show_progress(self) -> bool:
@@ -187,12 +187,12 @@ def _convert(gguf: GGUFFile, out: Path, options: ImportOptions) -> None:
 
 
 def resolve_dtype(gguf: GGUFFile, dtype: str) -> str:
-    """The floating-point dtype written for ``dtype`` (``auto``: fp16 when the file's 16-bit
-    tensors are all F16, so they convert without loss; bf16 otherwise)."""
+    """The floating-point dtype written for ``dtype``. ``auto`` is fp16 for a file of only
+    F16 and F32 tensors with some F16 (an F16 conversion: kept without loss), else bf16."""
     if dtype != "auto":
         return dtype
     kinds = {info.type_name for info in gguf.tensors.values()}
-    return "fp16" if "F16" in kinds and "BF16" not in kinds else "bf16"
+    return "fp16" if "F16" in kinds and kinds <= {"F16", "F32"} else "bf16"
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

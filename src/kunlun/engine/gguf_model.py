@@ -65,6 +65,8 @@ LAYER_TENSORS: dict[str, str] = {
     "attn_k_norm": "self_attn.k_norm",
 }
 """GGUF name of a decoder-layer tensor (``blk.N.<name>``) -> its Hugging Face module."""
+_COMMON_LAYER_TENSORS = tuple(LAYER_TENSORS)[:9]
+"""The tensors every layer of every architecture has (norms and projections)."""
 LINEAR_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 """The decoder layers' linear projections (the tensors quantization applies to)."""
 _GLOBAL_TENSORS: dict[str, str] = {
@@ -233,10 +235,7 @@ def check_tensors(gguf: GGUFFile, config: dict[str, Any], arch: Architecture) ->
     """Every tensor the model needs is present with the shape ``config`` implies, before
     any is dequantized; :class:`ModelError` names the tensor, its shape and the keys."""
     layers = config["num_hidden_layers"]
-    shapes = expected_shapes(config, arch)
-    per_layer = sum(
-        1 for name in shapes if name.startswith("blk.0.") and not optional_tensor(name, arch)
-    )
+    per_layer = len(_COMMON_LAYER_TENSORS)  # bounds the table below by the file's size
     if layers * per_layer > len(gguf.tensors):
         raise _bad(
             gguf,
@@ -245,6 +244,7 @@ def check_tensors(gguf: GGUFFile, config: dict[str, Any], arch: Architecture) ->
             f"{len(gguf.tensors)} tensors ({per_layer} per layer)",
             layers,
         )
+    shapes = expected_shapes(config, arch)
     for name, info in gguf.tensors.items():
         wanted = shapes.get(name)
         if wanted is None and hf_name(name) is not None:
