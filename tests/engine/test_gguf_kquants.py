@@ -441,3 +441,21 @@ def test_cli_refuses_a_bad_dtype(demo_gguf: Path, tmp_path: Path) -> None:
     proc = cli(tmp_path / "home", "model", "import-gguf", str(demo_gguf), "--dtype", "fp64")
     assert proc.returncode == 2
     assert "--dtype" in proc.stderr and "'fp64'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_demo_default_import_is_w4a16_equal_to_its_fp32_import(
+    demo_gguf: Path, demo_model_dir: Path, tmp_path: Path
+) -> None:
+    """The demo's own Q4_1 projections kept 4-bit give back exactly its float32 import."""
+    out = import_gguf(demo_gguf, tmp_path / "demo-w4a16")
+    state = load_file(str(out / "model.safetensors"))
+    fp32 = load_file(str(demo_model_dir / "model.safetensors"))
+    packed = [name for name in state if name.endswith(".weight_packed")]
+    assert len(packed) == 30 * 7
+    for name in packed:
+        prefix = name.removesuffix(".weight_packed")
+        assert torch.equal(unpack(prefix, state), fp32[f"{prefix}.weight"]), prefix
+    embedding = "model.embed_tokens.weight"
+    assert torch.equal(state[embedding], fp32[embedding].to(torch.bfloat16))
+    size = (out / "model.safetensors").stat().st_size
+    assert size < (demo_model_dir / "model.safetensors").stat().st_size / 3
