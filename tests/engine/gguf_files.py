@@ -6,6 +6,9 @@ writer, in any mix of tensor types, including the K-quants the ``gguf`` package 
 - :func:`write_gguf`: tensors given by GGUF name (any shapes) plus hyperparameters.
 - :func:`quantize_q4_k`, :func:`quantize_q6_k`: small numpy quantizers (plain rounding,
   correct block format; not llama.cpp's search for the best scales).
+- :func:`reference`: every tensor of a file dequantized by the ``gguf`` package;
+  :func:`unpack`: a w4a16 tensor of an imported directory back to float32, by the format's
+  definition (``w = q * scale + min``).
 - :func:`write_demo_kquant_gguf`: the demo model, from its float32 import, as a K-quant GGUF
   the way llama.cpp quantizes it (the K type where a row is a multiple of 256, a fallback
   type elsewhere). A serving test can call it to get a K-quant file of a real model.
@@ -19,6 +22,7 @@ from typing import Any
 
 import gguf as gguf_py
 import numpy as np
+import torch
 
 QT = gguf_py.GGMLQuantizationType
 QK_K = 256
@@ -265,3 +269,22 @@ def write_demo_kquant_gguf(
     config, tensors = hf_tensors(demo_model_dir, "llama")
     types = kquant_types(tensors, linear_type, fallback, embedding_type)
     return write_gguf(path, "llama", config, tensors, types, GGUFFile(demo_gguf))
+
+
+def reference(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of ``path`` dequantized by the ``gguf`` package, in torch shape."""
+    out = {}
+    for tensor in gguf_py.GGUFReader(str(path)).tensors:
+        values = gguf_py.quants.dequantize(tensor.data, tensor.tensor_type)
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        out[tensor.name] = torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
+    return out
+
+
+def unpack(prefix: str, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``w = q * scale + min`` of a w4a16 tensor, by the format's definition."""
+    packed = state[f"{prefix}.weight_packed"]
+    q = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    groups = q.reshape(q.shape[0], -1, 32).float()
+    scale, minimum = state[f"{prefix}.weight_scale"], state[f"{prefix}.weight_min"]
+    return (groups * scale.unsqueeze(-1) + minimum.unsqueeze(-1)).reshape(q.shape)
