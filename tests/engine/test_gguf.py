@@ -12,9 +12,10 @@ import gguf as gguf_py
 import numpy as np
 import pytest
 import torch
+from tests.engine.gguf_files import permute, write_hf_gguf
 
 from kunlun.engine import gguf as kunlun_gguf
-from kunlun.engine.gguf import demo_gguf_path, import_gguf, unpermute
+from kunlun.engine.gguf import FP32_IMPORT, demo_gguf_path, import_gguf, unpermute
 from kunlun.engine.gguf_reader import GGUFFile
 from kunlun.engine.model_runner import ModelRunner, StepSeq
 from kunlun.engine.tokenizer import Tokenizer
@@ -36,38 +37,6 @@ TEXTS = [
 ]
 
 
-def permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """llama.cpp's ``convert_hf_to_gguf`` permutation of a Q/K weight."""
-    rows = weight.shape[0]
-    grouped = weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])
-    return grouped.swapaxes(1, 2).reshape(weight.shape)
-
-
-_GGUF_NAMES = {
-    "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-def gguf_name(hf_name: str) -> str:
-    if hf_name.startswith("model.layers."):
-        _, _, index, rest = hf_name.split(".", 3)
-        module, suffix = rest.rsplit(".", 1)
-        return f"blk.{index}.{_GGUF_NAMES[module]}.{suffix}"
-    return {
-        "model.embed_tokens.weight": "token_embd.weight",
-        "model.norm.weight": "output_norm.weight",
-        "lm_head.weight": "output.weight",
-    }[hf_name]
-
-
 def write_llama_gguf(
     path: Path,
     model_dir: Path,
@@ -77,49 +46,7 @@ def write_llama_gguf(
     add_bos_token: bool = False,
 ) -> Path:
     """Write the HF llama checkpoint in ``model_dir`` as a GGUF file, llama.cpp style."""
-    from safetensors.torch import load_file
-
-    config = json.loads((model_dir / "config.json").read_text())
-    state = load_file(str(model_dir / "model.safetensors"))
-    writer = gguf_py.GGUFWriter(str(path), architecture)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_rope_dimension_count(config["head_dim"])
-    writer.add_vocab_size(config["vocab_size"])
-    meta = vocab_source.metadata
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
-    writer.add_token_list(meta["tokenizer.ggml.tokens"])
-    writer.add_token_types(meta["tokenizer.ggml.token_type"])
-    writer.add_token_merges(meta["tokenizer.ggml.merges"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(add_bos_token)
-    writer.add_chat_template(meta["tokenizer.chat_template"])
-    for name, tensor in state.items():
-        array = tensor.float().numpy()
-        if ".q_proj." in name:
-            array = permute(array, config["num_attention_heads"])
-        elif ".k_proj." in name:
-            array = permute(array, config["num_key_value_heads"])
-        target = gguf_name(name)
-        qtype = (types or {}).get(target, gguf_py.GGMLQuantizationType.F32)
-        if qtype == gguf_py.GGMLQuantizationType.F32:
-            writer.add_tensor(target, np.ascontiguousarray(array))
-        else:
-            data = gguf_py.quants.quantize(np.ascontiguousarray(array), qtype)
-            writer.add_tensor(target, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return write_hf_gguf(path, model_dir, vocab_source, types, architecture, add_bos_token)
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +159,7 @@ def test_demo_chat_template_matches_transformers(demo_model_dir: Path, hf_gguf_t
 def test_second_import_is_a_cache_hit(demo_gguf: Path, demo_model_dir: Path) -> None:
     weights = demo_model_dir / "model.safetensors"
     before = (weights.stat().st_mtime_ns, (demo_model_dir / "kunlun-import.json").read_text())
-    assert import_gguf(demo_gguf, demo_model_dir) == demo_model_dir
+    assert import_gguf(demo_gguf, demo_model_dir, FP32_IMPORT) == demo_model_dir
     assert (
         weights.stat().st_mtime_ns,
         (demo_model_dir / "kunlun-import.json").read_text(),
@@ -247,7 +174,7 @@ def test_tiny_gguf_round_trip_matches_original_model(
     from transformers import AutoModelForCausalLM
 
     original_dir = make_tiny_model("LlamaForCausalLM", False)
-    imported = import_gguf(tiny_llama_gguf, tmp_path / "imported")
+    imported = import_gguf(tiny_llama_gguf, tmp_path / "imported", FP32_IMPORT)
     original = AutoModelForCausalLM.from_pretrained(original_dir, dtype=torch.float32).eval()
     reloaded = AutoModelForCausalLM.from_pretrained(imported, dtype=torch.float32).eval()
     expected_state = original.state_dict()
@@ -312,14 +239,14 @@ def test_dequantization_matches_reference(
 def test_unsupported_tensor_type_names_type_and_tensor(
     make_tiny_model, demo_gguf_file: GGUFFile, tmp_path: Path
 ) -> None:
-    types = {"blk.1.ffn_down.weight": gguf_py.GGMLQuantizationType.Q5_0}
+    types = {"blk.1.ffn_down.weight": gguf_py.GGMLQuantizationType.MXFP4}
     path = write_llama_gguf(
-        tmp_path / "q5.gguf", make_tiny_model("LlamaForCausalLM", False), demo_gguf_file, types
+        tmp_path / "mxfp4.gguf", make_tiny_model("LlamaForCausalLM", False), demo_gguf_file, types
     )
-    with pytest.raises(ModelError, match=r"blk\.1\.ffn_down\.weight.*Q5_0"):
+    with pytest.raises(ModelError, match=r"blk\.1\.ffn_down\.weight.*MXFP4"):
         import_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    assert [p.name for p in tmp_path.iterdir()] == ["q5.gguf"]  # no staging left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["mxfp4.gguf"]  # no staging left behind
 
 
 def test_changed_file_is_reimported(tiny_llama_gguf: Path, tmp_path: Path) -> None:

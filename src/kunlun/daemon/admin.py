@@ -8,6 +8,7 @@ into JSON with its HTTP status by the app's one exception handler.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,23 @@ if TYPE_CHECKING:
 MAX_LOG_CHUNK = 1 << 20
 KEY_FIELDS = frozenset({"name", "priority", "scope", "rpm", "tpm", "allow_ips"})
 """What ``POST /apikeys`` takes (``allow_ips``: a list of CIDRs, or one comma-separated string)."""
+
+
+def import_options(body: dict[str, Any]) -> dict[str, Any]:
+    """The ``dtype`` and ``keep_quantized`` of ``POST /models/import-gguf`` (when given),
+    type-checked; the daemon never draws a progress bar."""
+    options: dict[str, Any] = {"progress": False}
+    for field, kind in (("dtype", str), ("keep_quantized", bool)):
+        value = body.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, kind):
+            raise RequestError(
+                f"{field!r} must be a {kind.__name__}, got {value!r:.80}",
+                location=Location("request", field=field),
+            )
+        options[field] = value
+    return options
 
 
 def admin_router(platform: Platform) -> APIRouter:
@@ -128,7 +146,11 @@ def admin_router(platform: Platform) -> APIRouter:
                 *platform.gateway.scheduler.config.model_roots,
             ]
             record = await asyncio.to_thread(
-                catalog.import_gguf, platform.store, path, body.get("name"), roots
+                functools.partial(catalog.import_gguf, **import_options(body)),
+                platform.store,
+                path,
+                body.get("name"),
+                roots,
             )
         return vars(record)
 

@@ -10,8 +10,10 @@ The file is untrusted input. Every count and length read from it is checked agai
 bytes left before anything is allocated from it; metadata arrays nest at most
 :data:`MAX_ARRAY_DEPTH` deep and hold at most :data:`MAX_ARRAY_ITEMS` items; every tensor has at most :data:`MAX_DIMS` dimensions, none of
 them 0, a known ggml type whose block divides its rows, an aligned offset, and data that
-lies inside the file without overlapping another tensor's. Whatever breaks a rule raises
-:class:`~kunlun.errors.CorruptWeights` naming the file, the key or tensor, and the values.
+lies inside the file without overlapping another tensor's; every quantized block read has
+finite scales. Whatever breaks a rule raises :class:`~kunlun.errors.CorruptWeights` naming the
+file, the key or tensor, and the values. The block formats themselves are
+:mod:`kunlun.engine.gguf_blocks`'.
 """
 
 from __future__ import annotations
@@ -19,13 +21,18 @@ from __future__ import annotations
 import mmap
 import struct
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
+from kunlun.engine.gguf_blocks import (
+    DEQUANTIZE,
+    W4A16_TYPES,
+    Q4Fields,
+    first_non_finite_scale,
+)
 from kunlun.errors import CorruptWeights, Location, ModelError
 
 MAGIC = b"GGUF"
@@ -37,6 +44,8 @@ MAX_ARRAY_ITEMS = 1 << 24
 """Most items a metadata array may have (a vocabulary has a few hundred thousand)."""
 MAX_DIMS = 4
 """Most dimensions a tensor may have (ggml's ``GGML_MAX_DIMS``)."""
+CHUNK_BLOCKS = 1 << 16
+"""Blocks decoded at a time, which bounds the temporary memory of a large tensor."""
 
 # metadata value types
 _SCALARS: dict[int, str] = {
@@ -349,47 +358,49 @@ class GGUFFile:
             )
 
     def load(self, name: str) -> torch.Tensor:
-        """Tensor ``name`` dequantized to float32, in torch shape."""
+        """Tensor ``name`` dequantized to float32, in torch shape.
+
+        Raises :class:`ModelError` naming the tensor and its type when the type cannot be
+        dequantized, and :class:`CorruptWeights` when a block's scale is not finite.
+        """
         info = self.tensors[name]
-        if info.ggml_type not in _DEQUANTIZE:
+        decode = DEQUANTIZE.get(info.ggml_type)
+        if decode is None:
             raise ModelError(
                 f"tensor {name!r} has ggml type {info.type_name}, which cannot be dequantized; "
-                "supported: " + ", ".join(GGML_TYPES[t].name for t in _DEQUANTIZE),
+                "supported: " + ", ".join(GGML_TYPES[t].name for t in DEQUANTIZE),
                 location=Location(str(self.path), field=name),
             )
+        blocks = self.blocks(info)
+        out = torch.empty(blocks.shape[0], GGML_TYPES[info.ggml_type].block_elements)
+        for start in range(0, blocks.shape[0], CHUNK_BLOCKS):
+            out[start : start + CHUNK_BLOCKS] = decode(blocks[start : start + CHUNK_BLOCKS])
+        return out.reshape(info.shape)
+
+    def load_q4(self, name: str) -> Q4Fields:
+        """Tensor ``name``, of a type in :data:`W4A16_TYPES`, as its 4-bit values and
+        per-32 scales and minimums, shaped ``[rows, columns]`` and ``[rows, columns // 32]``
+        (a 2-D tensor; the caller checks its type and shape)."""
+        info = self.tensors[name]
+        fields = W4A16_TYPES[info.ggml_type](self.blocks(info))
+        rows = info.shape[0]
+        return Q4Fields(
+            fields.q.reshape(rows, -1), fields.scale.reshape(rows, -1), fields.min.reshape(rows, -1)
+        )
+
+    def blocks(self, info: GGUFTensorInfo) -> torch.Tensor:
+        """The tensor's blocks, uint8 ``[num_blocks, block_bytes]`` viewing the file, after
+        checking that every block's scales are finite (:class:`CorruptWeights` naming the
+        tensor and the block otherwise)."""
         kind = GGML_TYPES[info.ggml_type]
         num_blocks = info.num_elements // kind.block_elements
         raw = self.raw(info, info.num_bytes).view(num_blocks, kind.block_bytes)
-        return _DEQUANTIZE[info.ggml_type](raw).reshape(info.shape)
-
-
-def _half(raw: torch.Tensor, start: int) -> torch.Tensor:
-    """Column ``[start, start + 2)`` of each block, read as float16, as float32 [blocks, 1]."""
-    return raw[:, start : start + 2].contiguous().view(torch.float16).float()
-
-
-def _nibbles(raw: torch.Tensor) -> torch.Tensor:
-    """The 32 4-bit values of each block's 16 bytes: low nibbles first, then high."""
-    return torch.cat((raw & 0x0F, raw >> 4), dim=1).float()
-
-
-def _q8_0(raw: torch.Tensor) -> torch.Tensor:
-    return _half(raw, 0) * raw[:, 2:].contiguous().view(torch.int8).float()
-
-
-def _q4_0(raw: torch.Tensor) -> torch.Tensor:
-    return _half(raw, 0) * (_nibbles(raw[:, 2:]) - 8.0)
-
-
-def _q4_1(raw: torch.Tensor) -> torch.Tensor:
-    return _half(raw, 0) * _nibbles(raw[:, 4:]) + _half(raw, 2)
-
-
-_DEQUANTIZE: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
-    0: lambda raw: raw.contiguous().view(torch.float32).clone(),
-    1: lambda raw: raw.contiguous().view(torch.float16).float(),
-    30: lambda raw: raw.contiguous().view(torch.bfloat16).float(),
-    2: _q4_0,
-    3: _q4_1,
-    8: _q8_0,
-}
+        for start in range(0, num_blocks, CHUNK_BLOCKS):
+            bad = first_non_finite_scale(info.ggml_type, raw[start : start + CHUNK_BLOCKS])
+            if bad is not None:
+                raise CorruptWeights(
+                    f"tensor {info.name!r} ({kind.name}) block {start + bad} has a scale that "
+                    "is infinite or NaN",
+                    location=Location(str(self.path), field=info.name),
+                )
+        return raw
