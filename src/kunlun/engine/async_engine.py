@@ -66,6 +66,7 @@ class AsyncLLMEngine:
         if thread is not None:
             thread.join(timeout)
         self._fail_all(EngineError("the engine was shut down"))
+        self.engine.close()
 
     async def __aenter__(self) -> AsyncLLMEngine:
         self.start()

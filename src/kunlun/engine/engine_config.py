@@ -38,6 +38,13 @@ class EngineConfig:
     """CPU threads for torch; None leaves torch's default."""
     seed: int = 0
     """Seeds the generator shared by requests that bring no seed of their own."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (>= 1; one process per rank, see
+    :mod:`kunlun.engine.tp_group`); the heads must split as :mod:`kunlun.engine.tp_layout`
+    says."""
+    distributed_backend: str | None = None
+    """``torch.distributed`` backend of the group (gloo, nccl, hccl, ...), from the device
+    plugin; needed when ``tensor_parallel_size > 1``."""
 
     def validate(self) -> EngineConfig:
         """Raise :class:`ConfigError` naming the first bad field and its value."""
@@ -59,4 +66,14 @@ class EngineConfig:
                 raise ConfigError(
                     f"engine setting {name}={value!r} is invalid: expected an integer >= 1"
                 )
+        tp = self.tensor_parallel_size
+        if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1):
+            raise ConfigError(
+                f"engine setting tensor_parallel_size={tp!r} is invalid: expected an integer >= 1"
+            )
+        if tp > 1 and not self.distributed_backend:
+            raise ConfigError(
+                f"engine setting tensor_parallel_size={tp} needs distributed_backend (the "
+                "device plugin's torch.distributed backend, e.g. gloo for cpu)"
+            )
         return self

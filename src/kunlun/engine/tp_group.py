@@ -1,0 +1,254 @@
+"""A tensor-parallel group seen from rank 0: start the other ranks, feed them, watch them.
+
+Design: rank 0 is the engine's own process. It runs the scheduler, the sampler and the
+detokenizer as with one device, and its :class:`~kunlun.engine.model_runner.ModelRunner`
+holds rank 0's slices of the model. Ranks 1..N-1 are *follower* processes
+(``python -m kunlun.engine.tp_worker``, this interpreter) that rank 0 starts with
+``PR_SET_PDEATHSIG`` set, so they die with it. Each follower loads its own slices, then loops:
+receive a step (:class:`~kunlun.engine.model_runner.StepBatch`, broadcast by rank 0 before
+its own forward), run the same forward, take part in its all-reduces and all-gathers; ``None``
+ends the loop. The group is ready when every rank has loaded (a barrier).
+
+Rank death: a watcher thread waits on every follower. A follower that exits while the group
+is open is a fatal group failure: rank 0's collectives with it fail on their closed
+connections, and the watcher calls :attr:`RankGroup.on_lost` with the reason; the worker fails its streams and exits, and the node agent restarts the replica
+as a group. When rank 0 dies, the followers die with it (the death signal).
+
+On CPU all ranks share the machine's cores: each rank gets ``num_threads // tp`` threads
+(at least one).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kunlun.engine.config import ModelConfig
+from kunlun.engine.engine_config import EngineConfig
+from kunlun.engine.model_runner import StepBatch
+from kunlun.engine.parallel import TPGroup
+from kunlun.engine.tp_layout import head_split_problem
+from kunlun.errors import ConfigError, EngineError, Location
+
+logger = logging.getLogger(__name__)
+
+#: How long ranks wait for each other to join the group and in any one collective.
+GROUP_TIMEOUT = timedelta(minutes=10)
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent exits (Linux; no-op elsewhere)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def rank_threads(config: EngineConfig) -> int | None:
+    """Torch threads of each rank: on CPU the ranks split ``num_threads`` (or all cores)."""
+    if config.tensor_parallel_size == 1 or not str(config.device).startswith("cpu"):
+        return config.num_threads
+    total = config.num_threads or torch.get_num_threads()
+    return max(1, total // config.tensor_parallel_size)
+
+
+def rank_device(device: str, rank: int) -> str:
+    """The device of ``rank``: ``cuda:2`` -> ``cuda:2+rank``; cpu stays cpu (ranks share it)."""
+    kind, _, index = str(device).partition(":")
+    if kind == "cpu" or rank == 0:
+        return str(device)
+    return f"{kind}:{int(index or 0) + rank}"
+
+
+def config_to_json(config: EngineConfig) -> str:
+    """The settings a follower needs, as JSON (its command-line argument)."""
+    return json.dumps({
+        "model_dir": str(config.model_dir), "device": str(config.device),
+        "dtype": str(config.dtype).removeprefix("torch."), "block_size": config.block_size,
+        "num_blocks": config.num_blocks, "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
+        "max_model_len": config.max_model_len, "num_threads": rank_threads(config),
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "distributed_backend": config.distributed_backend,
+    })  # fmt: skip
+
+
+def config_from_json(text: str) -> EngineConfig:
+    """Inverse of :func:`config_to_json`."""
+    raw: dict[str, Any] = json.loads(text)
+    raw["dtype"] = getattr(torch, raw["dtype"])
+    return EngineConfig(**raw)
+
+
+def check_tp_split(model_dir: str | Path, tp: int) -> None:
+    """Raise :class:`ConfigError` naming the model and the numbers when its heads do not
+    split over ``tp`` ranks (:mod:`kunlun.engine.tp_layout`)."""
+    config = ModelConfig.from_dir(model_dir)
+    problem = head_split_problem(config.num_attention_heads, config.num_key_value_heads, tp)
+    if problem is not None:
+        raise ConfigError(
+            f"{model_dir}: {problem}", location=Location("tensor_parallel_size"),
+            hint="choose a tensor-parallel size the heads split over",
+        )  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RankGroup:
+    """Rank 0's handle on its followers. Build it before the model, then :meth:`attach`
+    the runner, :meth:`wait_ready`, and :meth:`close` when done."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        """Start ranks 1..N-1 and join the process group as rank 0."""
+        self.size = config.tensor_parallel_size
+        self.backend = config.distributed_backend or ""
+        self.device = torch.device(str(config.device))
+        self.on_lost: Callable[[str], None] = self._log_lost
+        """Called once, from the watcher thread, when a rank dies while the group is open."""
+        self._closing = False
+        self._lost: str | None = None
+        address = f"tcp://127.0.0.1:{_free_port()}"
+        settings = config_to_json(config)
+        self.followers = [
+            subprocess.Popen(
+                [sys.executable, "-m", "kunlun.engine.tp_worker", "--rank", str(rank),
+                 "--init-method", address, "--config", settings],
+                preexec_fn=die_with_parent,
+            )  # fmt: skip
+            for rank in range(1, self.size)
+        ]
+        self._watcher = threading.Thread(target=self._watch, name="kunlun-tp-watch", daemon=True)
+        self._watcher.start()
+        try:
+            dist.init_process_group(
+                self.backend, init_method=address, rank=0, world_size=self.size,
+                timeout=GROUP_TIMEOUT,
+            )  # fmt: skip
+        except Exception as exc:
+            self.close()
+            raise EngineError(
+                f"tensor_parallel_size={self.size}: the {self.backend} process group did not "
+                f"form: {type(exc).__name__}: {exc}"
+            ) from exc
+        self.group = TPGroup(rank=0, size=self.size)
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of ranks 1..N-1."""
+        return [proc.pid for proc in self.followers]
+
+    def attach(self, runner: Any) -> None:
+        """Send every step ``runner`` executes to the followers before it runs."""
+        runner.step_hook = self.send
+
+    def send(self, batch: StepBatch | None) -> None:
+        """Broadcast one step (``None``: stop) to the followers."""
+        if self._lost is not None:
+            raise EngineError(self._lost)
+        device = None if self.device.type == "cpu" else self.device
+        dist.broadcast_object_list([batch], src=0, device=device)
+
+    def wait_ready(self) -> None:
+        """Return once every rank has loaded its slices (raises if a rank failed)."""
+        try:
+            dist.barrier()
+        except Exception as exc:
+            self.close()
+            raise EngineError(
+                self._lost or f"a tensor-parallel rank failed to load: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def close(self) -> None:
+        """Stop the followers (asking first, killing what does not stop) and leave the group."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._lost is None and dist.is_initialized():
+            try:
+                self.send(None)
+            except Exception as exc:  # a broken group: the followers are killed below
+                logger.warning("could not tell the tensor-parallel ranks to stop: %s", exc)
+        for proc in self.followers if self._lost is None else []:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def _watch(self) -> None:
+        """Wait for any follower to exit; outside :meth:`close`, that ends the group."""
+        done = threading.Event()
+        exited: list[tuple[int, int]] = []
+
+        def wait(rank: int, proc: subprocess.Popen[bytes]) -> None:
+            code = proc.wait()
+            exited.append((rank, code))
+            done.set()
+
+        for rank, proc in enumerate(self.followers, start=1):
+            threading.Thread(target=wait, args=(rank, proc), daemon=True).start()
+        done.wait()
+        if self._closing:
+            return
+        rank, code = exited[0]
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        self._lost = (
+            f"tensor-parallel rank {rank} of {self.size} (pid {self.followers[rank - 1].pid}) "
+            f"died ({how}); the replica's group must restart"
+        )
+        # the other ranks die with rank 0 (the worker exits on this); rank 0's collectives
+        # with the dead rank fail on their closed connections
+        self.on_lost(self._lost)
+
+    @staticmethod
+    def _log_lost(reason: str) -> None:
+        logger.error("%s", reason)
+
+
+def follower_main(rank: int, init_method: str, settings: str) -> int:
+    """Rank ``rank``'s life: join, load its slices, run the steps rank 0 sends."""
+    from kunlun.engine.model_runner import ModelRunner
+
+    die_with_parent()
+    config = config_from_json(settings).validate()
+    device = rank_device(str(config.device), rank)
+    dist.init_process_group(
+        config.distributed_backend or "", init_method=init_method, rank=rank,
+        world_size=config.tensor_parallel_size, timeout=GROUP_TIMEOUT,
+    )  # fmt: skip
+    runner = ModelRunner(
+        Path(config.model_dir), device=device, dtype=config.dtype,
+        block_size=config.block_size, num_blocks=config.num_blocks,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes, max_model_len=config.max_model_len,
+        num_threads=config.num_threads,
+        group=TPGroup(rank=rank, size=config.tensor_parallel_size),
+    )  # fmt: skip
+    dist.barrier()
+    target = None if runner.device.type == "cpu" else runner.device
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0, device=target)
+        batch = message[0]
+        if batch is None:
+            break
+        runner.run(batch)
+    dist.destroy_process_group()
+    return 0
