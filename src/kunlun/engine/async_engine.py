@@ -105,6 +105,11 @@ class AsyncLLMEngine:
         self._wake.set()
         await asyncio.wrap_future(done)
 
+    def fail_all(self, error: BaseException) -> None:
+        """End every open stream with ``error`` (safe from any thread): the engine cannot
+        go on, e.g. a rank of its tensor-parallel group died."""
+        self._fail_all(error)
+
     def stats(self) -> EngineStats:
         """The engine's statistics as of its last step (safe from any thread)."""
         return self._stats

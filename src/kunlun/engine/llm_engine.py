@@ -35,7 +35,7 @@ from kunlun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kunlun.engine.sequence import Sequence, TopLogprobs
 from kunlun.engine.step_profiler import NO_TRACE, StepProfiler
 from kunlun.engine.tp_group import RankGroup, check_tp_split, rank_threads
-from kunlun.errors import EngineError, KunlunError, PromptTooLong, RequestError
+from kunlun.errors import ConfigError, EngineError, KunlunError, PromptTooLong, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +118,16 @@ class LLMEngine:
 
     def _start_group(self, config: EngineConfig) -> ModelRunner:
         """Rank 0's runner of a tensor-parallel group, once every rank has loaded."""
-        check_tp_split(config.model_dir, config.tensor_parallel_size)
-        group = self.rank_group = self.rank_group or RankGroup(config)
         try:
+            check_tp_split(config.model_dir, config.tensor_parallel_size)
+        except ConfigError:
+            self.close()  # a group the caller started
+            raise
+        group = self.rank_group = self.rank_group or RankGroup(
+            config.tensor_parallel_size, config.distributed_backend or "", str(config.device)
+        )
+        try:
+            group.load(config)
             runner = ModelRunner(
                 config.model_dir, device=config.device, dtype=config.dtype,
                 block_size=config.block_size, num_blocks=config.num_blocks,

@@ -114,21 +114,25 @@ class RankGroup:
     """Rank 0's handle on its followers. Build it before the model, then :meth:`attach`
     the runner, :meth:`wait_ready`, and :meth:`close` when done."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        """Start ranks 1..N-1 and join the process group as rank 0."""
-        self.size = config.tensor_parallel_size
-        self.backend = config.distributed_backend or ""
-        self.device = torch.device(str(config.device))
+    def __init__(self, size: int, backend: str, device: str = "cpu") -> None:
+        """Start ranks 1..N-1 and join the ``backend`` process group as rank 0 on ``device``.
+
+        The followers wait for their settings (:meth:`load`), so the group can be formed
+        before the model is chosen: the worker forms it before its sandbox forbids new
+        processes.
+        """
+        self.size = size
+        self.backend = backend
+        self.device = torch.device(str(device))
         self.on_lost: Callable[[str], None] = self._log_lost
         """Called once, from the watcher thread, when a rank dies while the group is open."""
         self._closing = False
         self._lost: str | None = None
         address = f"tcp://127.0.0.1:{_free_port()}"
-        settings = config_to_json(config)
         self.followers = [
             subprocess.Popen(
                 [sys.executable, "-m", "kunlun.engine.tp_worker", "--rank", str(rank),
-                 "--init-method", address, "--config", settings],
+                 "--world-size", str(size), "--backend", backend, "--init-method", address],
                 preexec_fn=die_with_parent,
             )  # fmt: skip
             for rank in range(1, self.size)
@@ -153,6 +157,15 @@ class RankGroup:
         """Process ids of ranks 1..N-1."""
         return [proc.pid for proc in self.followers]
 
+    def load(self, config: EngineConfig) -> None:
+        """Send the followers the engine settings; each then loads its slices."""
+        if config.tensor_parallel_size != self.size:
+            raise EngineError(
+                f"tensor_parallel_size={config.tensor_parallel_size} but the group has "
+                f"{self.size} ranks"
+            )
+        self._broadcast(config_to_json(config))
+
     def attach(self, runner: Any) -> None:
         """Send every step ``runner`` executes to the followers before it runs."""
         runner.step_hook = self.send
@@ -161,8 +174,11 @@ class RankGroup:
         """Broadcast one step (``None``: stop) to the followers."""
         if self._lost is not None:
             raise EngineError(self._lost)
+        self._broadcast(batch)
+
+    def _broadcast(self, message: object) -> None:
         device = None if self.device.type == "cpu" else self.device
-        dist.broadcast_object_list([batch], src=0, device=device)
+        dist.broadcast_object_list([message], src=0, device=device)
 
     def wait_ready(self) -> None:
         """Return once every rank has loaded its slices (raises if a rank failed)."""
@@ -223,17 +239,20 @@ class RankGroup:
         logger.error("%s", reason)
 
 
-def follower_main(rank: int, init_method: str, settings: str) -> int:
-    """Rank ``rank``'s life: join, load its slices, run the steps rank 0 sends."""
+def follower_main(rank: int, world_size: int, backend: str, init_method: str) -> int:
+    """Rank ``rank``'s life: join, receive the settings, load its slices, run the steps
+    rank 0 sends."""
     from kunlun.engine.model_runner import ModelRunner
 
     die_with_parent()
-    config = config_from_json(settings).validate()
-    device = rank_device(str(config.device), rank)
     dist.init_process_group(
-        config.distributed_backend or "", init_method=init_method, rank=rank,
-        world_size=config.tensor_parallel_size, timeout=GROUP_TIMEOUT,
+        backend, init_method=init_method, rank=rank, world_size=world_size,
+        timeout=GROUP_TIMEOUT,
     )  # fmt: skip
+    settings: list[Any] = [None]
+    dist.broadcast_object_list(settings, src=0)
+    config = config_from_json(settings[0]).validate()
+    device = rank_device(str(config.device), rank)
     runner = ModelRunner(
         Path(config.model_dir), device=device, dtype=config.dtype,
         block_size=config.block_size, num_blocks=config.num_blocks,

@@ -12,7 +12,10 @@ and prints, for the node agent's log capture, ``Compilation Time: 0.00 s`` (the 
 when ``--model-dir`` names a ``.gguf`` file, plus casting the weights to ``--dtype`` into
 ``--plan-dir`` on a plan's first start, logged as ``conversion: ...``; 0 otherwise),
 ``Load Time: 1.23 s``, ``First Token Latency: 45.6 ms``, then one line per finished request.
-SIGTERM stops accepting connections, lets in-flight requests finish, and exits 0. A bad
+With ``--tensor-parallel-size N`` (N > 1) the worker is rank 0 of a group: it starts ranks
+1..N-1 (:mod:`kunlun.engine.tp_group`) before anything else, and is ready only once every rank
+has loaded. When a rank dies, open streams end with an SSE error event and the worker exits 1,
+so the node agent restarts the whole group. SIGTERM stops accepting connections, lets in-flight requests finish, and exits 0. A bad
 argument or a model that cannot load prints the error and exits 2 (configuration) or 1.
 """
 
@@ -66,6 +69,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="KV cache size in MiB (default: the engine's)",
     )
     parser.add_argument("--num-threads", type=_positive, default=None, help="CPU threads for torch")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=_positive,
+        default=1,
+        help="ranks the model is split over, one process each (on cpu they share the cores)",
+    )
+    parser.add_argument(
+        "--distributed-backend",
+        default=None,
+        help="torch.distributed backend of the ranks (default: the device plugin's)",
+    )
     parser.add_argument(
         "--nice",
         type=_nice,
@@ -183,12 +197,43 @@ def torch_device(device: str) -> str:
     return "cpu" if device.split(":", 1)[0] == "cpu" else device
 
 
-def build_engine(args: argparse.Namespace) -> tuple[Any, float, float]:
-    """The :class:`AsyncLLMEngine` for ``args``, its compile (import) and load times."""
+def start_rank_group(args: argparse.Namespace) -> Any:
+    """With ``--tensor-parallel-size`` > 1, the other ranks, started (before the sandbox
+    locks: it forbids new processes) and joined; None otherwise. The backend is
+    ``--distributed-backend`` or the device plugin's."""
+    if args.tensor_parallel_size == 1:
+        return None
+    from kunlun.engine.tp_group import RankGroup
+    from kunlun.errors import ConfigError
+
+    backend = args.distributed_backend or plugin_backend(args.device)
+    if backend is None:
+        raise ConfigError(
+            f"--tensor-parallel-size {args.tensor_parallel_size}: no device plugin gives a "
+            f"distributed backend for device {args.device!r}; pass --distributed-backend"
+        )
+    return RankGroup(args.tensor_parallel_size, backend, torch_device(args.device))
+
+
+def plugin_backend(device: str) -> str | None:
+    """The ``distributed_backend`` of the plugin whose torch device type ``device`` has."""
+    from kunlun.device.registry import load_plugins
+
+    kind = device.split(":", 1)[0]
+    for plugin in load_plugins().plugins.values():
+        if kind in (plugin.torch_device_type, plugin.device_type):
+            return plugin.distributed_backend
+    return None
+
+
+def build_engine(args: argparse.Namespace, group: Any = None) -> tuple[Any, float, float]:
+    """The :class:`AsyncLLMEngine` for ``args`` (rank 0 of ``group`` when given), its
+    compile (import) and load times."""
     import torch
 
     from kunlun.engine.async_engine import AsyncLLMEngine
     from kunlun.engine.device import resolve_device
+    from kunlun.engine.engine_config import EngineConfig
     from kunlun.engine.llm_engine import LLMEngine
 
     started = time.perf_counter()
@@ -207,7 +252,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, float, float]:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     kv_bytes = None if args.kv_cache_memory_mb is None else args.kv_cache_memory_mb << 20
     started = time.perf_counter()
-    engine = LLMEngine.from_model(
+    config = EngineConfig(
         model_dir,
         device=str(resolve_device(torch_device(args.device))),
         dtype=dtype,
@@ -215,7 +260,10 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, float, float]:
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=kv_bytes,
         num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_backend=None if group is None else group.backend,
     )
+    engine = LLMEngine(config, rank_group=group)
     return AsyncLLMEngine(engine), compile_time, time.perf_counter() - started
 
 
@@ -254,12 +302,12 @@ def write_ready_file(path: Path, info: dict[str, Any]) -> None:
     os.replace(temporary, path)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, group: Any = None) -> None:
     import uvicorn
 
     from kunlun.serving.worker_app import create_worker_app
 
-    engine, compile_time, load_time = build_engine(args)
+    engine, compile_time, load_time = build_engine(args, group)
     say(f"Compilation Time: {compile_time:.2f} s")
     say(f"Load Time: {load_time:.2f} s")
     engine.start()
@@ -272,6 +320,7 @@ async def serve(args: argparse.Namespace) -> None:
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             timeout_keep_alive=30)  # fmt: skip
     server = uvicorn.Server(config)
+    lost = watch_rank_group(group, engine, server)
     # uvicorn re-raises the SIGTERM it handled once drained: make that a no-op, so the
     # worker shuts the engine down and exits 0
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -290,6 +339,31 @@ async def serve(args: argparse.Namespace) -> None:
         await asyncio.to_thread(engine.shutdown)
         if profiler is not None:
             profiler.close()
+    if lost:
+        from kunlun.errors import EngineError
+
+        raise EngineError(lost[0])
+
+
+def watch_rank_group(group: Any, engine: Any, server: Any) -> list[str]:
+    """When a rank of ``group`` dies: fail every open stream (each gets an SSE error event),
+    stop serving and let :func:`serve` exit with the reason (the node agent restarts the
+    replica, all its ranks together). Returns the list the reason lands in."""
+    lost: list[str] = []
+    if group is None:
+        return lost
+    loop = asyncio.get_running_loop()
+
+    def on_lost(reason: str) -> None:  # the group's watcher thread
+        from kunlun.errors import EngineError
+
+        say(f"error: {reason}")
+        lost.append(reason)
+        engine.fail_all(EngineError(reason, hint="the replica restarts; retry the request"))
+        loop.call_soon_threadsafe(setattr, server, "should_exit", True)
+
+    group.on_lost = on_lost
+    return lost
 
 
 def start_profiler(engine: Any, args: argparse.Namespace) -> Any:
@@ -340,11 +414,12 @@ def main(argv: list[str] | None = None) -> int:
         sandbox.enter(args.sandbox)  # dies with the daemon; rlimits, no_new_privs
     if args.nice:
         os.nice(args.nice)  # first, so every thread started later (torch, engine) inherits it
-    if args.sandbox is not None:
-        import_trusted_modules()
-        sandbox.lock(args.sandbox)  # the seccomp allow-list, before any model file is read
     try:
-        run_event_loop(serve(args))
+        group = start_rank_group(args)  # new processes: before the sandbox forbids them
+        if args.sandbox is not None:
+            import_trusted_modules()
+            sandbox.lock(args.sandbox)  # the seccomp allow-list, before any model file is read
+        run_event_loop(serve(args, group))
     except KunlunError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -208,6 +208,10 @@ class WorkloadManager:
                 "--max-model-len", str(plan.max_model_len),
                 "--kv-cache-memory-mb", str(plan.kv_cache_memory_mb),
                 "--plan-dir", str(plan_dir)]  # fmt: skip
+        if plan.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(plan.tensor_parallel_size)]
+            if plugin is not None and plugin.distributed_backend:
+                args += ["--distributed-backend", plugin.distributed_backend]
         args += worker_profiling_args(spec.telemetry, self.agent.log_dir, replica.replica_id)
         self.agent.launch(replica, args, env, memory_cap_mb=cap_mb)
 
