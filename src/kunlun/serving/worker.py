@@ -6,7 +6,7 @@ model into an :class:`LLMEngine`, runs one warm-up generation, then serves the O
 ready file atomically, as JSON::
 
     {"pid": 1234, "port": 41234, "load_time_s": 1.23, "warmup_ttft_ms": 45.6,
-     "compile_time_s": 0.0}
+     "compile_time_s": 0.0, "ranks": [{"rank": 0, "pid": 1234, "device": "cpu:0"}]}
 
 and prints, for the node agent's log capture, ``Compilation Time: 0.00 s`` (the GGUF import
 when ``--model-dir`` names a ``.gguf`` file, plus casting the weights to ``--dtype`` into
@@ -329,7 +329,8 @@ async def serve(args: argparse.Namespace, group: Any = None) -> None:
         await asyncio.sleep(0.01)
     if server.started:
         info = {"pid": os.getpid(), "port": port, "load_time_s": round(load_time, 3),
-                "warmup_ttft_ms": round(ttft_ms, 1), "compile_time_s": round(compile_time, 3)}  # fmt: skip
+                "warmup_ttft_ms": round(ttft_ms, 1), "compile_time_s": round(compile_time, 3),
+                "ranks": ranks(group, args.device)}  # fmt: skip
         if args.ready_file is not None:
             write_ready_file(args.ready_file, info)
         say(f"Serving {args.served_name} on http://{args.host}:{port}")
@@ -343,6 +344,15 @@ async def serve(args: argparse.Namespace, group: Any = None) -> None:
         from kunlun.errors import EngineError
 
         raise EngineError(lost[0])
+
+
+def ranks(group: Any, device: str) -> list[dict[str, Any]]:
+    """Each rank of the replica: its number, process id and device (for ``workload describe``)."""
+    from kunlun.engine.tp_group import rank_device
+
+    pids = [os.getpid(), *([] if group is None else group.pids)]
+    return [{"rank": rank, "pid": pid, "device": rank_device(device, rank)}
+            for rank, pid in enumerate(pids)]  # fmt: skip
 
 
 def watch_rank_group(group: Any, engine: Any, server: Any) -> list[str]:
