@@ -100,10 +100,16 @@ def test_each_rank_holds_only_its_slices(make_tiny_model) -> None:
         mine = dict(two.runner.model.named_parameters())
         qkv = "model.layers.0.self_attn.qkv_proj.weight"
         assert mine[qkv].shape[0] * 2 == full[qkv].shape[0]
-        assert mine[qkv.replace("weight", "bias")].shape[0] * 2 == full[qkv.replace("weight", "bias")].shape[0]
+        assert (
+            mine[qkv.replace("weight", "bias")].shape[0] * 2
+            == full[qkv.replace("weight", "bias")].shape[0]
+        )
         down = "model.layers.0.mlp.down_proj.weight"
         assert mine[down].shape[1] * 2 == full[down].shape[1]
-        assert mine["model.embed_tokens.weight"].shape[0] * 2 == full["model.embed_tokens.weight"].shape[0]
+        assert (
+            mine["model.embed_tokens.weight"].shape[0] * 2
+            == full["model.embed_tokens.weight"].shape[0]
+        )
         # the KV cache of a rank holds its KV heads only
         assert two.runner.kv_cache.shape[-2] * 2 == one.runner.kv_cache.shape[-2]
     finally:

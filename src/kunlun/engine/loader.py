@@ -164,7 +164,9 @@ def _copy(
     elif part is not None and part[2] < target.shape[part[0]]:
         target = target.narrow(part[0], 0, part[2])  # the padded last block of the vocabulary
     if tuple(target.shape) != tuple(tensor.shape):
-        where = "" if part is None else f" (rank slice {part[1]}:{part[1] + part[2]} of dim {part[0]})"
+        where = (
+            "" if part is None else f" (rank slice {part[1]}:{part[1] + part[2]} of dim {part[0]})"
+        )
         raise ModelError(
             f"tensor {name!r}{where} has shape {tuple(tensor.shape)}, the model expects "
             f"{tuple(target.shape)}",

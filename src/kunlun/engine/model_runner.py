@@ -24,7 +24,7 @@ from kunlun.engine.models.llama import LlamaForCausalLM
 from kunlun.engine.parallel import SINGLE, TPGroup
 from kunlun.engine.step_profiler import NO_TRACE, StepTrace
 from kunlun.engine.tokenizer import Tokenizer
-from kunlun.engine.tp_layout import max_kv_heads_per_rank
+from kunlun.engine.tp_layout import head_split, max_kv_heads_per_rank
 from kunlun.errors import ConfigError, EngineError
 
 #: Default KV cache budget when neither ``num_blocks`` nor ``kv_cache_memory_bytes`` is given.
@@ -155,14 +155,18 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         config = self.config
+        group = self.group
+        split = head_split(
+            config.num_attention_heads, config.num_key_value_heads, group.size, group.rank
+        )
         shape = (
             2,
             config.num_hidden_layers,
             self.num_blocks,
             self.block_size,
-            self.model.model.layers[0].self_attn.num_kv_heads,  # this rank's
+            split.kv.size,
             config.head_dim,
-        )
+        )  # fmt: skip  (this rank's KV heads)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for index, attention in enumerate(self.model.attention_layers()):
             attention.k_cache = self.kv_cache[0, index]

@@ -131,8 +131,19 @@ class RankGroup:
         address = f"tcp://127.0.0.1:{_free_port()}"
         self.followers = [
             subprocess.Popen(
-                [sys.executable, "-m", "kunlun.engine.tp_worker", "--rank", str(rank),
-                 "--world-size", str(size), "--backend", backend, "--init-method", address],
+                [
+                    sys.executable,
+                    "-m",
+                    "kunlun.engine.tp_worker",
+                    "--rank",
+                    str(rank),
+                    "--world-size",
+                    str(size),
+                    "--backend",
+                    backend,
+                    "--init-method",
+                    address,
+                ],
                 preexec_fn=die_with_parent,
             )  # fmt: skip
             for rank in range(1, self.size)

@@ -15,7 +15,6 @@ each), the embedding and LM head vocabulary-parallel, heads split as
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kunlun.engine.attention import AttentionContext, PagedAttention
