@@ -164,9 +164,9 @@ class ModelRunner:
             config.num_hidden_layers,
             self.num_blocks,
             self.block_size,
-            split.kv.size,
+            split.kv.size,  # this rank's KV heads
             config.head_dim,
-        )  # fmt: skip  (this rank's KV heads)
+        )
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for index, attention in enumerate(self.model.attention_layers()):
             attention.k_cache = self.kv_cache[0, index]
