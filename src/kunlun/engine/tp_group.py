@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from kunlun.engine.config import ModelConfig
+from kunlun.engine.device import resolve_device
 from kunlun.engine.engine_config import EngineConfig
 from kunlun.engine.model_runner import StepBatch
 from kunlun.engine.parallel import TPGroup
@@ -123,34 +124,17 @@ class RankGroup:
         """
         self.size = size
         self.backend = backend
-        self.device = torch.device(str(device))
+        self.device = resolve_device(device)  # imports the vendor's torch extension
         self.on_lost: Callable[[str], None] = self._log_lost
         """Called once, from the watcher thread, when a rank dies while the group is open."""
         self._closing = False
         self._lost: str | None = None
         address = f"tcp://127.0.0.1:{_free_port()}"
-        self.followers = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "kunlun.engine.tp_worker",
-                    "--rank",
-                    str(rank),
-                    "--world-size",
-                    str(size),
-                    "--backend",
-                    backend,
-                    "--init-method",
-                    address,
-                ],
-                preexec_fn=die_with_parent,
-            )  # fmt: skip
-            for rank in range(1, self.size)
-        ]
+        self.followers = [self._start(rank, address) for rank in range(1, size)]
         self._watcher = threading.Thread(target=self._watch, name="kunlun-tp-watch", daemon=True)
         self._watcher.start()
         try:
+            use_device(self.device)
             dist.init_process_group(
                 self.backend, init_method=address, rank=0, world_size=self.size,
                 timeout=GROUP_TIMEOUT,
@@ -162,6 +146,12 @@ class RankGroup:
                 f"form: {type(exc).__name__}: {exc}"
             ) from exc
         self.group = TPGroup(rank=0, size=self.size)
+
+    def _start(self, rank: int, address: str) -> subprocess.Popen[bytes]:
+        command = [sys.executable, "-m", "kunlun.engine.tp_worker", "--rank", str(rank),
+                   "--world-size", str(self.size), "--backend", self.backend,
+                   "--init-method", address, "--device", rank_device(str(self.device), rank)]  # fmt: skip
+        return subprocess.Popen(command, preexec_fn=die_with_parent)
 
     @property
     def pids(self) -> list[int]:
@@ -250,29 +240,36 @@ class RankGroup:
         logger.error("%s", reason)
 
 
-def follower_main(rank: int, world_size: int, backend: str, init_method: str) -> int:
-    """Rank ``rank``'s life: join, receive the settings, load its slices, run the steps
-    rank 0 sends."""
+def use_device(device: torch.device) -> None:
+    """Make ``device`` this process's current accelerator (collectives run there)."""
+    if device.type != "cpu" and device.index is not None:
+        torch.accelerator.set_device_index(device.index)
+
+
+def follower_main(rank: int, world_size: int, backend: str, init_method: str, device: str) -> int:
+    """Rank ``rank``'s life on ``device``: join, receive the settings, load its slices, run
+    the steps rank 0 sends."""
     from kunlun.engine.model_runner import ModelRunner
 
     die_with_parent()
+    here = resolve_device(device)  # imports the vendor's torch extension
+    use_device(here)
+    target = None if here.type == "cpu" else here
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size,
         timeout=GROUP_TIMEOUT,
     )  # fmt: skip
     settings: list[Any] = [None]
-    dist.broadcast_object_list(settings, src=0)
+    dist.broadcast_object_list(settings, src=0, device=target)
     config = config_from_json(settings[0]).validate()
-    device = rank_device(str(config.device), rank)
     runner = ModelRunner(
-        Path(config.model_dir), device=device, dtype=config.dtype,
+        Path(config.model_dir), device=here, dtype=config.dtype,
         block_size=config.block_size, num_blocks=config.num_blocks,
         kv_cache_memory_bytes=config.kv_cache_memory_bytes, max_model_len=config.max_model_len,
         num_threads=config.num_threads,
         group=TPGroup(rank=rank, size=config.tensor_parallel_size),
     )  # fmt: skip
     dist.barrier()
-    target = None if runner.device.type == "cpu" else runner.device
     while True:
         message: list[Any] = [None]
         dist.broadcast_object_list(message, src=0, device=target)
