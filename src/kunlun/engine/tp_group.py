@@ -128,6 +128,7 @@ class RankGroup:
         self.on_lost: Callable[[str], None] = self._log_lost
         """Called once, from the watcher thread, when a rank dies while the group is open."""
         self._closing = False
+        self._ready = False
         self._lost: str | None = None
         address = f"tcp://127.0.0.1:{_free_port()}"
         self.followers = [self._start(rank, address) for rank in range(1, size)]
@@ -185,6 +186,7 @@ class RankGroup:
         """Return once every rank has loaded its slices (raises if a rank failed)."""
         try:
             dist.barrier()
+            self._ready = True
         except Exception as exc:
             self.close()
             raise EngineError(
@@ -192,21 +194,24 @@ class RankGroup:
             ) from exc
 
     def close(self) -> None:
-        """Stop the followers (asking first, killing what does not stop) and leave the group."""
+        """Stop the followers of a ready group (asking first, killing what does not stop
+        within 30 s) and leave the group. Followers of a group that never became ready or
+        lost a rank are not waited for: they die with this process (their death signal)."""
         if self._closing:
             return
         self._closing = True
-        if self._lost is None and dist.is_initialized():
+        if self._ready and self._lost is None:
             try:
                 self.send(None)
-            except Exception as exc:  # a broken group: the followers are killed below
+            except Exception as exc:
                 logger.warning("could not tell the tensor-parallel ranks to stop: %s", exc)
-        for proc in self.followers if self._lost is None else []:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            else:
+                for proc in self.followers:
+                    try:
+                        proc.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
 
