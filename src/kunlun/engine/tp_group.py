@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -75,15 +76,13 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def config_to_json(config: EngineConfig) -> str:
-    """The settings a follower needs, as JSON (its command-line argument)."""
-    return json.dumps({
-        "model_dir": str(config.model_dir), "device": str(config.device),
-        "dtype": str(config.dtype).removeprefix("torch."), "block_size": config.block_size,
-        "num_blocks": config.num_blocks, "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
-        "max_model_len": config.max_model_len, "num_threads": rank_threads(config),
-        "tensor_parallel_size": config.tensor_parallel_size,
-        "distributed_backend": config.distributed_backend,
-    })  # fmt: skip
+    """Every engine setting, as JSON for the followers (each field travels, so a setting
+    added to :class:`EngineConfig` reaches every rank); ``num_threads`` is per rank."""
+    raw: dict[str, Any] = {item.name: getattr(config, item.name) for item in fields(config)}
+    raw["model_dir"] = str(config.model_dir)
+    raw["dtype"] = str(config.dtype).removeprefix("torch.")
+    raw["num_threads"] = rank_threads(config)
+    return json.dumps(raw)
 
 
 def config_from_json(text: str) -> EngineConfig:
