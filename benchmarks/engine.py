@@ -13,7 +13,11 @@ not matter and eos never stops a request early (ours: ``ignore_eos``; transforme
   static batches of 16 over the same requests (left padding; each batch generates the
   longest output of its requests).
 
-Usage: ``python benchmarks/engine.py [--quick] [--threads N] [--no-bf16] [--hf-bf16-static]``.
+- tensor parallelism (fp32): ``tp2_vs_tp1_single`` and ``tp2_vs_tp1_concurrent16``, TP=2's
+  tokens/s over TP=1's, two ranks over gloo sharing the same threads (half each).
+
+Usage: ``python benchmarks/engine.py [--quick] [--threads N] [--no-bf16] [--hf-bf16-static]
+[--no-tp]``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import TypeVar
 
 import torch
 
+from kunlun.engine.engine_config import EngineConfig
 from kunlun.engine.gguf import demo_model_dir
 from kunlun.engine.llm_engine import LLMEngine
 from kunlun.engine.sampling_params import SamplingParams
@@ -70,10 +75,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 # ---- ours ----
-def make_engine(model_dir: Path, dtype: torch.dtype, workload: Workload) -> LLMEngine:
+def engine_config(model_dir: Path, dtype: torch.dtype, workload: Workload) -> EngineConfig:
     longest = workload.prompt_lens[1] + workload.output_lens[1]
     num_blocks = workload.in_flight * (-(-longest // 16) + 1)
-    return LLMEngine.from_model(
+    return EngineConfig(
         model_dir,
         dtype=dtype,
         max_model_len=max(longest, workload.single_prompt_len + workload.single_output_len),
@@ -81,6 +86,10 @@ def make_engine(model_dir: Path, dtype: torch.dtype, workload: Workload) -> LLME
         max_num_seqs=workload.in_flight,
         max_num_batched_tokens=512,
     )
+
+
+def make_engine(model_dir: Path, dtype: torch.dtype, workload: Workload) -> LLMEngine:
+    return LLMEngine(engine_config(model_dir, dtype, workload))
 
 
 def ours_single(engine: LLMEngine, prompt: list[int], num_tokens: int) -> float:
@@ -216,6 +225,39 @@ def log(dtype: torch.dtype, name: str, value: T) -> T:
     return value
 
 
+# ---- tensor parallelism: TP=2 over gloo against TP=1, same threads in total ----
+def run_tp(model_dir: Path, workload: Workload, repeats: int) -> dict[str, object]:
+    """``tp2_vs_tp1_single`` and ``tp2_vs_tp1_concurrent16`` in fp32: the ratio of TP=2's
+    tokens/s to TP=1's, single stream (best of ``repeats``) and with ``in_flight`` requests.
+    The two ranks split the threads TP=1 uses (``num_threads // 2`` each)."""
+    threads = torch.get_num_threads()
+    rates: dict[int, dict[str, float]] = {}
+    for tp in (1, 2):
+        config = engine_config(model_dir, torch.float32, workload)
+        config.tensor_parallel_size = tp
+        config.distributed_backend = "gloo" if tp > 1 else None
+        config.num_threads = threads
+        engine = LLMEngine(config)
+        try:
+            requests = workload.requests(engine.runner.config.vocab_size)
+            prompt = requests[0][0][: workload.single_prompt_len]
+            ours_single(engine, prompt, 8)  # warm-up
+            single = max(
+                ours_single(engine, prompt, workload.single_output_len) for _ in range(repeats)
+            )
+            concurrent = ours_concurrent(engine, requests, workload.in_flight)["tokens_per_s"]
+        finally:
+            engine.close()
+        rates[tp] = log(torch.float32, f"tp{tp}", {"single": single, "concurrent": concurrent})
+    return {
+        "tp2_vs_tp1_single": round(rates[2]["single"] / rates[1]["single"], 3),
+        "tp2_vs_tp1_concurrent16": round(rates[2]["concurrent"] / rates[1]["concurrent"], 3),
+        "tp_detail": {
+            f"tp{tp}_{k}_tokens_per_s": round(v, 2) for tp, r in rates.items() for k, v in r.items()
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
@@ -227,6 +269,7 @@ def main() -> None:
         help="also run transformers' static batches in bf16 (slow on CPUs without bf16 units)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="single-stream runs per side")
+    parser.add_argument("--no-tp", action="store_true", help="skip the TP=2 vs TP=1 runs")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -258,6 +301,8 @@ def main() -> None:
         report["hf_bf16_single_stream_tokens_per_s"] = round(float(bf16["hf_single"]), 2)  # type: ignore[arg-type]
         if "hf_static" in bf16:
             report["hf_bf16_static_batch_tokens_per_s"] = round(float(bf16["hf_static"]), 2)  # type: ignore[arg-type]
+    if not args.no_tp:
+        report.update(run_tp(model_dir, workload, args.repeats))
     import transformers
 
     report["setup"] = {

@@ -34,6 +34,10 @@ def plan(
     config: Annotated[Path | None, typer.Option(help="device-plugin-config.yaml.")] = None,
     dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16.")] = None,
     quantization: Annotated[str | None, typer.Option(help="none, w8a8 or w4a16.")] = None,
+    tp_size: Annotated[
+        int | None,
+        typer.Option("--tp-size", help="Tensor-parallel size (default: what memory needs)."),
+    ] = None,
     max_model_len: Annotated[int | None, typer.Option(help="Context limit.")] = None,
     batch_size: Annotated[int | None, typer.Option(help="max_num_seqs.")] = None,
     priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
@@ -46,7 +50,7 @@ def plan(
     """Plan MODEL on the devices: dtype, quantization, TP, KV blocks, operators, options, env."""
     fields = {"model": model, "device": device, "dtype": dtype, "quantization": quantization,
               "max_model_len": max_model_len, "batch_size": batch_size, "priority": priority,
-              "scorer": scorer}  # fmt: skip
+              "scorer": scorer, "tensor_parallel_size": tp_size}  # fmt: skip
     spec = parse_spec({k: v for k, v in fields.items() if v is not None}, "command line")
     state = kunlun_home() / "state.db"
     name, path = locate_model(SQLiteStore(state) if state.exists() else None, model)

@@ -29,6 +29,10 @@ def submit(
     device: Annotated[str | None, typer.Option(help="Explicit device, e.g. cpu:0.")] = None,
     dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16.")] = None,
     quantization: Annotated[str | None, typer.Option(help="none, w8a8 or w4a16.")] = None,
+    tp_size: Annotated[
+        int | None,
+        typer.Option("--tp-size", help="Tensor-parallel size (default: what memory needs)."),
+    ] = None,
     scorer: Annotated[
         str | None, typer.Option(help="performance, roofline, binpack or spread.")
     ] = None,
@@ -51,6 +55,7 @@ def submit(
         "device": device,
         "dtype": dtype,
         "quantization": quantization,
+        "tensor_parallel_size": tp_size,
         "scorer": scorer,
         "batch_size": batch_size,
         "priority": priority,
@@ -137,6 +142,8 @@ def describe(job: str, json: JsonOpt = False) -> None:
             f"replica {r['replica_id']} on {r['device']}: {'ready' if r['ready'] else 'not ready'}, "
             f"pid {r['pid']}, restarts {r['restarts']}, in flight {r['in_flight']}"
         )
+        for rank in r.get("ranks") or []:
+            console.print(f"  rank {rank['rank']}: pid {rank['pid']} on {rank['device']}")
     console.print("events:")
     for e in d["events"]:
         console.print(f"  {datetime.fromtimestamp(e['ts']):%H:%M:%S} {e['kind']:<9} ", end="")

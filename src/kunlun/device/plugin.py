@@ -93,6 +93,10 @@ class DevicePlugin(ABC):
     #: that registers it (``None`` when torch has it built in).
     torch_device_type: ClassVar[str] = "cpu"
     torch_module: ClassVar[str | None] = None
+    #: ``torch.distributed`` backend of a tensor-parallel group on this family's devices, as
+    #: the vendor's torch build registers it (``None``: the family runs one device per
+    #: replica).
+    distributed_backend: ClassVar[str | None] = None
     #: Declaration field names of the memory split: (device memory, host-mapped memory).
     memory_fields: ClassVar[tuple[str, str] | None] = None
     #: Known ``custom_attributes`` and their types; others are kept with a warning.

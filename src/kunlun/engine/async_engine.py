@@ -66,6 +66,7 @@ class AsyncLLMEngine:
         if thread is not None:
             thread.join(timeout)
         self._fail_all(EngineError("the engine was shut down"))
+        self.engine.close()
 
     async def __aenter__(self) -> AsyncLLMEngine:
         self.start()
@@ -103,6 +104,11 @@ class AsyncLLMEngine:
         self.start()
         self._wake.set()
         await asyncio.wrap_future(done)
+
+    def fail_all(self, error: BaseException) -> None:
+        """End every open stream with ``error`` (safe from any thread): the engine cannot
+        go on, e.g. a rank of its tensor-parallel group died."""
+        self._fail_all(error)
 
     def stats(self) -> EngineStats:
         """The engine's statistics as of its last step (safe from any thread)."""

@@ -43,9 +43,12 @@ class EngineConfig:
     group_size: int | None = None
     """Group size of w4a16 weights (32 or 128); None for every other scheme."""
     tensor_parallel_size: int = 1
-    """Ranks one replica is split over; this engine runs 1."""
+    """Ranks the model is split over (>= 1; one process per rank, see
+    :mod:`kunlun.engine.tp_group`); the heads must split as :mod:`kunlun.engine.tp_layout`
+    says."""
     distributed_backend: str | None = None
-    """``torch.distributed`` backend between ranks, from the device plugin (gloo, nccl...)."""
+    """``torch.distributed`` backend of the group (gloo, nccl, hccl, ...), from the device
+    plugin; needed when ``tensor_parallel_size > 1``."""
 
     def validate(self) -> EngineConfig:
         """Raise :class:`ConfigError` naming the first bad field and its value."""
@@ -70,7 +73,6 @@ class EngineConfig:
         unsupported: dict[str, tuple[object, object]] = {
             "quantization": (self.quantization, "none"),
             "group_size": (self.group_size, None),
-            "tensor_parallel_size": (self.tensor_parallel_size, 1),
         }
         for name, (setting, runs) in unsupported.items():
             if setting != runs:
@@ -78,4 +80,14 @@ class EngineConfig:
                     f"engine setting {name}={setting!r} is not supported by this engine yet "
                     f"(it runs {name}={runs!r})"
                 )
+        tp = self.tensor_parallel_size
+        if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1):
+            raise ConfigError(
+                f"engine setting tensor_parallel_size={tp!r} is invalid: expected an integer >= 1"
+            )
+        if tp > 1 and not self.distributed_backend:
+            raise ConfigError(
+                f"engine setting tensor_parallel_size={tp} needs distributed_backend (the "
+                "device plugin's torch.distributed backend, e.g. gloo for cpu)"
+            )
         return self

@@ -34,7 +34,8 @@ from kunlun.engine.sampling_params import SamplingParams
 from kunlun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kunlun.engine.sequence import Sequence, TopLogprobs
 from kunlun.engine.step_profiler import NO_TRACE, StepProfiler
-from kunlun.errors import EngineError, KunlunError, PromptTooLong, RequestError
+from kunlun.engine.tp_group import RankGroup, check_tp_split, rank_threads
+from kunlun.errors import ConfigError, EngineError, KunlunError, PromptTooLong, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +68,24 @@ class LLMEngine:
     from one thread (see :class:`kunlun.engine.async_engine.AsyncLLMEngine`), except
     :meth:`make_request`, which only reads."""
 
-    def __init__(self, config: EngineConfig, *, runner: ModelRunner | None = None) -> None:
-        """Load the model (or use ``runner``, already loaded) and size the KV cache."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        runner: ModelRunner | None = None,
+        rank_group: RankGroup | None = None,
+    ) -> None:
+        """Load the model (or use ``runner``, already loaded) and size the KV cache.
+
+        With ``tensor_parallel_size > 1`` this process is rank 0 of a group: ``rank_group``
+        when the caller started it (the worker does, before its sandbox forbids new
+        processes), else one started here; :meth:`close` ends it. Heads that do not split
+        over the ranks are a :class:`ConfigError` before any rank starts.
+        """
         self.config = config.validate()
+        self.rank_group = rank_group
+        if runner is None and config.tensor_parallel_size > 1:
+            runner = self._start_group(config)
         self.runner = runner or ModelRunner(
             config.model_dir,
             device=config.device,
@@ -99,6 +115,37 @@ class LLMEngine:
         self._num_failed_steps = 0
         self.profiler: StepProfiler | None = None
         """Traces sampled steps when set (``advanced_profiling``); see :meth:`set_profiler`."""
+
+    def _start_group(self, config: EngineConfig) -> ModelRunner:
+        """Rank 0's runner of a tensor-parallel group, once every rank has loaded."""
+        try:
+            check_tp_split(config.model_dir, config.tensor_parallel_size)
+        except ConfigError:
+            self.close()  # a group the caller started
+            raise
+        group = self.rank_group = self.rank_group or RankGroup(
+            config.tensor_parallel_size, config.distributed_backend or "", str(config.device)
+        )
+        try:
+            group.load(config)
+            runner = ModelRunner(
+                config.model_dir, device=config.device, dtype=config.dtype,
+                block_size=config.block_size, num_blocks=config.num_blocks,
+                kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+                max_model_len=config.max_model_len, num_threads=rank_threads(config),
+                group=group.group,
+            )  # fmt: skip
+            group.attach(runner)
+            group.wait_ready()
+        except BaseException:
+            group.close()
+            raise
+        return runner
+
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel group (a no-op with one rank)."""
+        if self.rank_group is not None:
+            self.rank_group.close()
 
     @classmethod
     def from_model(cls, model_dir: str | Path, **settings: Any) -> LLMEngine:

@@ -4,12 +4,15 @@ A checkpoint is either one ``model.safetensors`` or shards listed by
 ``model.safetensors.index.json``. Checkpoint names map onto the model's parameters through
 ``model.checkpoint_slot`` (q/k/v and gate/up are fused on the way). When the checkpoint has
 no ``lm_head.weight``, or the config ties embeddings, the LM head shares the embedding.
+Under tensor parallelism each rank reads only its slice of each tensor (modules that are
+split say which through ``checkpoint_slice(leaf, shard) -> (dim, start, length)``).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -21,6 +24,9 @@ from kunlun.errors import CorruptWeights, Location, ModelError, ModelFileMissing
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 LM_HEAD = "lm_head.weight"
+
+_Slice = tuple[int, int, int]
+"""``(dim, start, length)``: the part of a checkpoint tensor one tensor-parallel rank holds."""
 
 
 def checkpoint_files(model_dir: str | Path) -> dict[Path, list[str] | None]:
@@ -102,18 +108,42 @@ def _load_file(
             param = params.get(param_name)
             if param is None:
                 continue  # buffers such as rotary_emb.inv_freq, or a head the model ties
+            module_name, leaf = param_name.rsplit(".", 1)
+            module = model.get_submodule(module_name)
+            part = _rank_slice(module, leaf, shard)
             try:
-                tensor = handle.get_tensor(name)
+                tensor = _read(handle, name, part)
             except (SafetensorError, OSError, ValueError) as exc:
                 raise CorruptWeights(
                     f"cannot read tensor {name!r} from {path}: {exc}",
                     location=Location(str(path), field=name),
                 ) from exc
-            _copy(
-                param, shard, tensor, model.get_submodule(param_name.rsplit(".", 1)[0]), name, path
-            )
+            _copy(param, shard, tensor, module, name, path, part)
             filled.add((param_name, shard))
     return names
+
+
+def _rank_slice(module: torch.nn.Module, leaf: str, shard: str | None) -> _Slice | None:
+    """The part of a checkpoint tensor this rank holds, from the module's
+    ``checkpoint_slice`` (None: the whole tensor)."""
+    method = getattr(module, "checkpoint_slice", None)
+    part: _Slice | None = None if method is None else method(leaf, shard)
+    return part
+
+
+def _read(handle: Any, name: str, part: _Slice | None) -> torch.Tensor:
+    """Tensor ``name``, or only its ``part`` (read from the file without the rest)."""
+    if part is None:
+        return handle.get_tensor(name)
+    dim, start, length = part
+    view = handle.get_slice(name)
+    shape = view.get_shape()
+    if dim >= len(shape):
+        return handle.get_tensor(name)  # the shape check reports the mismatch
+    if start == 0 and length == shape[dim]:
+        return handle.get_tensor(name)
+    index = (slice(None),) * dim + (slice(start, start + length),)
+    return view[index]
 
 
 def _copy(
@@ -123,15 +153,22 @@ def _copy(
     module: torch.nn.Module,
     name: str,
     path: Path,
+    part: _Slice | None = None,
 ) -> None:
-    """Copy ``tensor`` into ``param`` (into its rows for ``shard`` when fused)."""
+    """Copy ``tensor`` into ``param`` (into its rows for ``shard`` when fused; into the
+    rows of this rank's ``part`` under tensor parallelism)."""
     target = param.data
     if isinstance(module, FusedLinear) and shard is not None:
         start, rows = module.shard_offset(shard)
         target = target.narrow(0, start, rows)
+    elif part is not None and part[2] < target.shape[part[0]]:
+        target = target.narrow(part[0], 0, part[2])  # the padded last block of the vocabulary
     if tuple(target.shape) != tuple(tensor.shape):
+        where = (
+            "" if part is None else f" (rank slice {part[1]}:{part[1] + part[2]} of dim {part[0]})"
+        )
         raise ModelError(
-            f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
+            f"tensor {name!r}{where} has shape {tuple(tensor.shape)}, the model expects "
             f"{tuple(target.shape)}",
             location=Location(str(path), field=name),
         )

@@ -9,6 +9,7 @@ model, the tokenizer and the KV cache; it keeps no per-sequence state between st
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +21,10 @@ from kunlun.engine.device import resolve_device
 from kunlun.engine.loader import load_weights
 from kunlun.engine.models import build_model
 from kunlun.engine.models.llama import LlamaForCausalLM
+from kunlun.engine.parallel import SINGLE, TPGroup
 from kunlun.engine.step_profiler import NO_TRACE, StepTrace
 from kunlun.engine.tokenizer import Tokenizer
+from kunlun.engine.tp_layout import head_split, max_kv_heads_per_rank
 from kunlun.errors import ConfigError, EngineError
 
 #: Default KV cache budget when neither ``num_blocks`` nor ``kv_cache_memory_bytes`` is given.
@@ -68,6 +71,7 @@ class ModelRunner:
         kv_cache_memory_bytes: int | None = None,
         max_model_len: int | None = None,
         num_threads: int | None = None,
+        group: TPGroup = SINGLE,
     ) -> None:
         """Load config, tokenizer and weights from ``model_dir`` and allocate the KV cache.
 
@@ -75,7 +79,8 @@ class ModelRunner:
         ``kv_cache_memory_bytes`` (pass at most one); by default enough for four sequences
         of ``max_model_len`` tokens, within 1 GiB. ``max_model_len`` defaults to the model's
         ``max_position_embeddings`` and may not exceed it. ``num_threads`` sets torch's
-        intra-op thread count.
+        intra-op thread count. ``group`` is this process's rank in a tensor-parallel group:
+        the model holds that rank's slices and the KV cache that rank's KV heads.
         """
         if num_threads is not None:
             if num_threads < 1:
@@ -88,12 +93,20 @@ class ModelRunner:
         self.block_size = block_size
         self.config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer(model_dir)
+        self.group = group
+        self.num_kv_heads = max_kv_heads_per_rank(
+            self.config.num_attention_heads, self.config.num_key_value_heads, group.size
+        )
+        """KV heads per rank's cache (the most any rank holds, so every rank has as many blocks)."""
         self.max_model_len = self._max_model_len(max_model_len)
         self.model = self._load_model(Path(model_dir))
         self.num_blocks = self._num_blocks(num_blocks, kv_cache_memory_bytes)
         self._allocate_kv_cache()
         self.trace: StepTrace = NO_TRACE
         """The current step's trace; the engine sets it when it profiles (a no-op otherwise)."""
+        self.step_hook: Callable[[StepBatch], None] | None = None
+        """Called with each validated step before it runs: under tensor parallelism, rank 0
+        sends it to the other ranks here (:mod:`kunlun.engine.tp_group`)."""
 
     def _max_model_len(self, requested: int | None) -> int:
         limit = self.config.max_position_embeddings
@@ -108,7 +121,7 @@ class ModelRunner:
 
     def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
         with torch.device("meta"):
-            model = build_model(self.config, self.max_model_len)
+            model = build_model(self.config, self.max_model_len, self.group)
         model.to_empty(device=self.device)
         model.to(self.dtype)
         model.model.rotary.build(self.dtype)
@@ -116,9 +129,9 @@ class ModelRunner:
         return model.eval().requires_grad_(False)
 
     def kv_bytes_per_block(self) -> int:
-        """Bytes one KV block takes across all layers (keys and values)."""
+        """Bytes one KV block takes across all layers (keys and values), on one rank."""
         config = self.config
-        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+        per_token = 2 * config.num_hidden_layers * self.num_kv_heads * config.head_dim
         element = torch.empty((), dtype=self.dtype).element_size()
         return per_token * self.block_size * element
 
@@ -126,8 +139,8 @@ class ModelRunner:
         if num_blocks is not None and memory_bytes is not None:
             raise ConfigError("pass num_blocks or kv_cache_memory_bytes, not both")
         per_block = self.kv_bytes_per_block()
-        if memory_bytes is not None:
-            num_blocks = memory_bytes // per_block
+        if memory_bytes is not None:  # the whole group's: each rank holds its share
+            num_blocks = memory_bytes // self.group.size // per_block
             if num_blocks < 1:
                 raise ConfigError(
                     f"kv_cache_memory_bytes={memory_bytes} is less than one block "
@@ -142,12 +155,16 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         config = self.config
+        group = self.group
+        split = head_split(
+            config.num_attention_heads, config.num_key_value_heads, group.size, group.rank
+        )
         shape = (
             2,
             config.num_hidden_layers,
             self.num_blocks,
             self.block_size,
-            config.num_key_value_heads,
+            split.kv.size,  # this rank's KV heads
             config.head_dim,
         )
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -166,20 +183,27 @@ class ModelRunner:
             raise EngineError("execute() needs at least one sequence")
         for index, seq in enumerate(seqs):
             self._validate(index, seq)
-        decode = [i for i, seq in enumerate(seqs) if seq.num_new == 1]
-        prefill = [i for i, seq in enumerate(seqs) if seq.num_new != 1]
-        order = decode + prefill
-        step = _StepBuilder(self, [seqs[i] for i in order], len(decode))
+        batch = StepBatch.of(seqs, self.block_size)
+        if self.step_hook is not None:
+            self.step_hook(batch)
+        return self.run(batch)
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> StepOutput:
+        """The forward pass of a validated step; every rank of a tensor-parallel group runs
+        it on the same ``batch`` (rank 0's logits are the ones sampled)."""
+        step = _StepBuilder(self, batch)
         self._end_phase("prepare")
         hidden = self.model(step.input_ids, step.positions, step.context)
         logits = self.model.compute_logits(hidden.index_select(0, step.last_index)).float()
-        if prefill and decode and decode[-1] > prefill[0]:  # undo the decode-first order
+        order = batch.order
+        if order != sorted(order):  # undo the decode-first order
             reordered = torch.empty_like(logits)
             reordered[torch.tensor(order, device=self.device)] = logits
             logits = reordered
-        prompt_logits: list[torch.Tensor | None] = [None] * len(seqs)
+        prompt_logits: list[torch.Tensor | None] = [None] * len(order)
         for position, index in enumerate(order):
-            if seqs[index].want_prompt_logits:
+            if batch.rows[position].want_prompt_logits:
                 start, count = step.spans[position]
                 rows = hidden[start : start + count]
                 prompt_logits[index] = self.model.compute_logits(rows).float()
@@ -225,10 +249,48 @@ class ModelRunner:
             )
 
 
+@dataclass
+class StepRow:
+    """One sequence of a step as the forward pass needs it (no full token history)."""
+
+    new_token_ids: list[int]
+    """The tokens computed this step."""
+    num_computed: int
+    """Tokens already in the KV cache."""
+    block_table: list[int]
+    """Block ids covering ``[0, num_computed + len(new_token_ids))``, no more."""
+    want_prompt_logits: bool
+
+
+@dataclass
+class StepBatch:
+    """A validated step, decode rows first: what rank 0 sends the other ranks of a
+    tensor-parallel group (small and picklable)."""
+
+    rows: list[StepRow]
+    order: list[int]
+    """For each row, the index of its sequence in the caller's list."""
+    num_decode: int
+    """Rows with one new token; they lead."""
+
+    @classmethod
+    def of(cls, seqs: list[StepSeq], block_size: int) -> StepBatch:
+        decode = [i for i, seq in enumerate(seqs) if seq.num_new == 1]
+        order = decode + [i for i, seq in enumerate(seqs) if seq.num_new != 1]
+        rows = []
+        for i in order:
+            seq = seqs[i]
+            end = seq.num_computed + seq.num_new
+            rows.append(StepRow(seq.token_ids[seq.num_computed : end], seq.num_computed,
+                                seq.block_table[: -(-end // block_size)],
+                                seq.want_prompt_logits))  # fmt: skip
+        return cls(rows, order, len(decode))
+
+
 class _StepBuilder:
     """Flat-batch tensors and attention metadata for one step (decode sequences first)."""
 
-    def __init__(self, runner: ModelRunner, seqs: list[StepSeq], num_decode: int) -> None:
+    def __init__(self, runner: ModelRunner, batch: StepBatch) -> None:
         self.device = runner.device
         self.block_size = runner.block_size
         self.spans: list[tuple[int, int]] = []
@@ -236,22 +298,24 @@ class _StepBuilder:
         positions: list[int] = []
         slots: list[int] = []
         bs = self.block_size
-        for seq in seqs[:num_decode]:
-            pos = seq.num_computed
+        num_decode = batch.num_decode
+        for row in batch.rows[:num_decode]:
+            pos = row.num_computed
             self.spans.append((len(ids), 1))
-            ids.append(seq.token_ids[pos])
+            ids.append(row.new_token_ids[0])
             positions.append(pos)
-            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            slots.append(row.block_table[pos // bs] * bs + pos % bs)
         prefills: list[PrefillSegment] = []
-        for seq in seqs[num_decode:]:
-            start, end = seq.num_computed, seq.num_computed + seq.num_new
-            self.spans.append((len(ids), seq.num_new))
-            table = seq.block_table[: -(-end // bs)]
+        for row in batch.rows[num_decode:]:
+            num_new = len(row.new_token_ids)
+            start, end = row.num_computed, row.num_computed + num_new
+            self.spans.append((len(ids), num_new))
+            table = row.block_table
             segment_table = None
-            if seq.num_computed > 0:
+            if row.num_computed > 0:
                 segment_table = torch.tensor(table, dtype=torch.long, device=self.device)
-            prefills.append(PrefillSegment(len(ids), seq.num_new, seq.num_computed, segment_table))
-            ids.extend(seq.token_ids[start:end])
+            prefills.append(PrefillSegment(len(ids), num_new, row.num_computed, segment_table))
+            ids.extend(row.new_token_ids)
             positions.extend(range(start, end))
             slots.extend(table[pos // bs] * bs + pos % bs for pos in range(start, end))
         self.input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -259,14 +323,14 @@ class _StepBuilder:
         self.last_index = torch.tensor(
             [start + count - 1 for start, count in self.spans], dtype=torch.long, device=self.device
         )
-        decode = self._decode_batch(seqs[:num_decode], runner.dtype) if num_decode else None
+        decode = batch.rows[:num_decode]
         self.context = AttentionContext(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            decode=decode,
+            decode=self._decode_batch(decode, runner.dtype) if decode else None,
             prefills=prefills,
         )
 
-    def _decode_batch(self, seqs: list[StepSeq], dtype: torch.dtype) -> DecodeBatch:
+    def _decode_batch(self, seqs: list[StepRow], dtype: torch.dtype) -> DecodeBatch:
         bs = self.block_size
         context_lens = [seq.num_computed + 1 for seq in seqs]
         max_blocks = -(-max(context_lens) // bs)

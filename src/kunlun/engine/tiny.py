@@ -1,7 +1,7 @@
 """Tiny seeded random models for tests and benchmarks (needs ``transformers``).
 
 :func:`build_tiny_model` saves a random transformers model of a supported architecture
-(3 layers, hidden size 64, 4 heads, 2 KV heads) with a real tokenizer copied from another
+(3 layers, hidden size 64, 4 heads, 2 KV heads by default) with a real tokenizer copied from another
 model directory (the demo's), so the engine loads it like any checkpoint. A forward step
 costs almost nothing, which makes it the workload for measuring what surrounds the engine
 (``benchmarks/gateway.py --model tiny``) and for parity tests against transformers.
@@ -18,17 +18,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _tiny_config(
-    arch: str, tie_word_embeddings: bool, llama3_rope: bool, attention_bias: bool = False
+    arch: str,
+    tie_word_embeddings: bool,
+    llama3_rope: bool,
+    attention_bias: bool = False,
+    heads: tuple[int, int] = (4, 2),
 ) -> Any:
     import transformers
 
+    num_heads, num_kv_heads = heads
     common: dict[str, Any] = dict(
         vocab_size=49152,
-        hidden_size=64,
+        hidden_size=16 * num_heads,
         intermediate_size=128,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
         initializer_range=0.1,
@@ -59,9 +64,14 @@ def _tiny_config(
 
 
 def build_tiny_model(
-    arch: str, tie_word_embeddings: bool, out_dir: Path, tokenizer_dir: Path, **options: bool
+    arch: str, tie_word_embeddings: bool, out_dir: Path, tokenizer_dir: Path, **options: Any
 ) -> Path:
-    """Save a seeded random ``arch`` model plus ``tokenizer_dir``'s tokenizer in ``out_dir``."""
+    """Save a seeded random ``arch`` model plus ``tokenizer_dir``'s tokenizer in ``out_dir``.
+
+    Options: ``llama3_rope``, ``attention_bias``, ``sharded`` (bools) and ``heads``, a
+    ``(num_attention_heads, num_key_value_heads)`` pair (default (4, 2); the hidden size is
+    16 per head).
+    """
     import torch
     import transformers
 
@@ -70,6 +80,7 @@ def build_tiny_model(
         tie_word_embeddings,
         options.get("llama3_rope", False),
         options.get("attention_bias", False),
+        options.get("heads", (4, 2)),
     )
     torch.manual_seed(0)
     model = getattr(transformers, arch)(config).eval()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kunlun.engine.launch import EngineLaunch, device_fields
+from kunlun.engine.tp_layout import head_split_problem
 from kunlun.planner.capacity import DeviceCapacity
 from kunlun.planner.engine_options import engine_options
 from kunlun.planner.estimate import (
@@ -59,6 +60,8 @@ class Demand:
     scorer: str = "performance"
     replicas: int = 1
     engine: str = "embedded"
+    tp: int | None = None
+    """The spec's tensor-parallel size, or None: the smallest that fits."""
 
     @property
     def priority_weight(self) -> int:
@@ -76,6 +79,13 @@ class Option:
     """The decode estimate (roofline)."""
     compute_tokens_per_s: float | None
     """The declared compute throughput."""
+    shared_device: bool = False
+    """The ``tp`` ranks share one host CPU device (and its cores) instead of one device each."""
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the replica's ranks span."""
+        return 1 if self.shared_device else self.tp
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,18 +151,20 @@ def options(
         if demand.quantization == "w4a16" and dtype == "fp32":
             rejected.append(Rejection(label, dtype, None, "w4a16 needs bf16 or fp16 activations"))
             continue
-        for tp in TP_SIZES:
-            why = _tp_problem(demand, cap, tp, num_devices)
+        for tp in (demand.tp,) if demand.tp else TP_SIZES:
+            shared = shares_host_device(demand, cap, tp, num_devices)
+            split = 1 if shared else tp  # memory and rates per device
+            why = _tp_problem(demand, cap, tp, num_devices, shared)
             if why is None:
-                need = memory_need(demand.model, dtype, demand.quantization, tp,
+                need = memory_need(demand.model, dtype, demand.quantization, split,
                                    demand.max_model_len, demand.batch,
                                    demand.kv_cache_memory_mb)  # fmt: skip
                 if need.weights_mb + need.min_kv_mb <= cap.usable_mb:
-                    rate = tokens_per_s(demand.model, cap, dtype, demand.quantization, tp,
+                    rate = tokens_per_s(demand.model, cap, dtype, demand.quantization, split,
                                         demand.batch, demand.max_model_len)  # fmt: skip
                     compute = compute_tokens_per_s(demand.model, cap, dtype,
-                                                   demand.quantization, tp)  # fmt: skip
-                    found.append(Option(dtype, tp, need, rate, compute))
+                                                   demand.quantization, split)  # fmt: skip
+                    found.append(Option(dtype, tp, need, rate, compute, shared))
                     if tp >= num_devices or len(found) == _MAX_OPTIONS:
                         break
                     continue
@@ -180,16 +192,22 @@ def options(
     return found, rejected
 
 
-def _tp_problem(demand: Demand, cap: DeviceCapacity, tp: int, num_devices: int) -> str | None:
+def shares_host_device(demand: Demand, cap: DeviceCapacity, tp: int, num_devices: int) -> bool:
+    """Whether ``tp`` ranks run together on one host CPU device, splitting its cores: only
+    when the spec asks for that tensor-parallel size and the class has fewer devices."""
+    return demand.tp == tp > num_devices and cap.torch_device_type == "cpu"
+
+
+def _tp_problem(
+    demand: Demand, cap: DeviceCapacity, tp: int, num_devices: int, shared: bool = False
+) -> str | None:
     model = demand.model
-    if tp > num_devices:
+    if tp > num_devices and not shared:
         return f"tp={tp} needs {tp} devices; {num_devices} in this class"
-    if model.num_attention_heads % tp or (model.num_kv_heads % tp and tp % model.num_kv_heads):
-        return (
-            f"tp={tp} does not divide {model.num_attention_heads} attention heads / "
-            f"{model.num_kv_heads} KV heads"
-        )
-    if tp > 1 and not cap.p2p:
+    why = head_split_problem(model.num_attention_heads, model.num_kv_heads, tp)
+    if why is not None:
+        return f"tp={tp}: {why}"
+    if tp > 1 and not shared and not cap.p2p:
         return f"tp={tp} needs peer-to-peer between devices; p2p_enabled is false"
     return None
 
@@ -270,7 +288,7 @@ def build_plan(
     """The plan for one replica of ``demand`` on ``group`` with ``option``."""
     first, model = group[0], demand.model
     kv_token = model.kv_bytes_per_token(option.dtype)
-    blocks = int(kv_mb * MIB * option.tp // (BLOCK_SIZE * kv_token))
+    blocks = int(kv_mb * MIB * option.num_devices // (BLOCK_SIZE * kv_token))
     if blocks * BLOCK_SIZE < demand.max_model_len:
         notes_kv = [f"KV ({blocks} blocks) is shorter than max_model_len={demand.max_model_len}"]
     else:
@@ -303,7 +321,7 @@ def build_plan(
         max_num_seqs=demand.batch,
         block_size=BLOCK_SIZE,
         num_kv_blocks=blocks,
-        kv_cache_memory_mb=int(kv_mb * option.tp),
+        kv_cache_memory_mb=int(kv_mb * option.num_devices),
         weight_memory_mb=int(round(option.need.weights_mb)),
         memory={
             "device_memory_mb": first.memory_total_mb,

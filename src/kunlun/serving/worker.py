@@ -7,12 +7,16 @@ settings; nothing else reaches a worker), loads the model into an :class:`LLMEng
 ready file atomically, as JSON::
 
     {"pid": 1234, "port": 41234, "load_time_s": 1.23, "warmup_ttft_ms": 45.6,
-     "compile_time_s": 0.0}
+     "compile_time_s": 0.0, "ranks": [{"rank": 0, "pid": 1234, "device": "cpu:0"}]}
 
 and prints, for the node agent's log capture, ``Compilation Time: 0.00 s`` (the GGUF import
 when ``model_dir`` names a ``.gguf`` file, plus casting the weights to ``dtype`` into
 ``plan_dir`` on a plan's first start, logged as ``conversion: ...``; 0 otherwise),
 ``Load Time: 1.23 s``, ``First Token Latency: 45.6 ms``, then one line per finished request.
+With ``tensor_parallel_size`` N > 1 the worker is rank 0 of a group: it starts ranks
+1..N-1 (:mod:`kunlun.engine.tp_group`) before anything else, and is ready only once every rank
+has loaded. When a rank dies, open streams end with an SSE error event and the worker exits 1,
+so the node agent restarts the whole group.
 SIGTERM stops accepting connections, lets in-flight requests finish, and exits 0. A bad
 launch file (naming the field and value) or a model that cannot load prints the error and
 exits 2 (configuration) or 1.
@@ -113,8 +117,26 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-def build_engine(launch: EngineLaunch) -> tuple[Any, float, float]:
-    """The :class:`AsyncLLMEngine` for ``launch``, its compile (import) and load times."""
+def start_rank_group(launch: EngineLaunch) -> Any:
+    """With ``tensor_parallel_size`` > 1, the other ranks, started (before the sandbox locks:
+    it forbids new processes) and joined; None otherwise. The backend is the launch's, which
+    the device plugin gave it."""
+    if launch.tensor_parallel_size == 1:
+        return None
+    from kunlun.engine.tp_group import RankGroup
+    from kunlun.errors import ConfigError
+
+    if launch.distributed_backend is None:
+        raise ConfigError(
+            f"tensor_parallel_size={launch.tensor_parallel_size}: the launch names no "
+            f"distributed_backend for device {launch.device!r}"
+        )
+    return RankGroup(launch.tensor_parallel_size, launch.distributed_backend, launch.device)
+
+
+def build_engine(launch: EngineLaunch, group: Any = None) -> tuple[Any, float, float]:
+    """The :class:`AsyncLLMEngine` for ``launch`` (rank 0 of ``group`` when given), its
+    compile (import) and load times."""
     from kunlun.engine.async_engine import AsyncLLMEngine
     from kunlun.engine.device import import_extension
     from kunlun.engine.llm_engine import LLMEngine
@@ -134,7 +156,7 @@ def build_engine(launch: EngineLaunch) -> tuple[Any, float, float]:
     compile_time = time.perf_counter() - started
     started = time.perf_counter()
     import_extension(launch.torch_module, launch.device)
-    engine = LLMEngine(launch.engine_config(model_dir))
+    engine = LLMEngine(launch.engine_config(model_dir), rank_group=group)
     return AsyncLLMEngine(engine), compile_time, time.perf_counter() - started
 
 
@@ -173,12 +195,12 @@ def write_ready_file(path: Path, info: dict[str, Any]) -> None:
     os.replace(temporary, path)
 
 
-async def serve(launch: EngineLaunch) -> None:
+async def serve(launch: EngineLaunch, group: Any = None) -> None:
     import uvicorn
 
     from kunlun.serving.worker_app import create_worker_app
 
-    engine, compile_time, load_time = build_engine(launch)
+    engine, compile_time, load_time = build_engine(launch, group)
     say(f"Compilation Time: {compile_time:.2f} s")
     say(f"Load Time: {load_time:.2f} s")
     engine.start()
@@ -191,6 +213,7 @@ async def serve(launch: EngineLaunch) -> None:
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             timeout_keep_alive=30)  # fmt: skip
     server = uvicorn.Server(config)
+    lost = watch_rank_group(group, engine, server)
     # uvicorn re-raises the SIGTERM it handled once drained: make that a no-op, so the
     # worker shuts the engine down and exits 0
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -199,7 +222,8 @@ async def serve(launch: EngineLaunch) -> None:
         await asyncio.sleep(0.01)
     if server.started:
         info = {"pid": os.getpid(), "port": port, "load_time_s": round(load_time, 3),
-                "warmup_ttft_ms": round(ttft_ms, 1), "compile_time_s": round(compile_time, 3)}  # fmt: skip
+                "warmup_ttft_ms": round(ttft_ms, 1), "compile_time_s": round(compile_time, 3),
+                "ranks": ranks(group, launch.device)}  # fmt: skip
         if launch.ready_file is not None:
             write_ready_file(launch.ready_file, info)
         say(f"Serving {launch.served_name} on http://{launch.host}:{port}")
@@ -209,6 +233,40 @@ async def serve(launch: EngineLaunch) -> None:
         await asyncio.to_thread(engine.shutdown)
         if profiler is not None:
             profiler.close()
+    if lost:
+        from kunlun.errors import EngineError
+
+        raise EngineError(lost[0])
+
+
+def ranks(group: Any, device: str) -> list[dict[str, Any]]:
+    """Each rank of the replica: its number, process id and device (for ``workload describe``)."""
+    from kunlun.engine.tp_group import rank_device
+
+    pids = [os.getpid(), *([] if group is None else group.pids)]
+    return [{"rank": rank, "pid": pid, "device": rank_device(device, rank)}
+            for rank, pid in enumerate(pids)]  # fmt: skip
+
+
+def watch_rank_group(group: Any, engine: Any, server: Any) -> list[str]:
+    """When a rank of ``group`` dies: fail every open stream (each gets an SSE error event),
+    stop serving and let :func:`serve` exit with the reason (the node agent restarts the
+    replica, all its ranks together). Returns the list the reason lands in."""
+    lost: list[str] = []
+    if group is None:
+        return lost
+    loop = asyncio.get_running_loop()
+
+    def on_lost(reason: str) -> None:  # the group's watcher thread
+        from kunlun.errors import EngineError
+
+        say(f"error: {reason}")
+        lost.append(reason)
+        engine.fail_all(EngineError(reason, hint="the replica restarts; retry the request"))
+        loop.call_soon_threadsafe(setattr, server, "should_exit", True)
+
+    group.on_lost = on_lost
+    return lost
 
 
 def start_profiler(engine: Any, launch: EngineLaunch) -> Any:
@@ -272,10 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     if nice:
         os.nice(nice)  # first, so every thread started later (torch, engine) inherits it
     try:
+        group = start_rank_group(launch)  # new processes: before the sandbox forbids them
         if confinement is not None:
             import_trusted_modules(launch)
             sandbox.lock(confinement)  # the seccomp allow-list, before any model file is read
-        run_event_loop(serve(launch))
+        run_event_loop(serve(launch, group))
     except KunlunError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

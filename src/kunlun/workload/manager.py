@@ -242,6 +242,7 @@ class WorkloadManager:
                     {
                         "replica_id": r.replica_id,
                         "device": r.device,
+                        "ranks": (worker.info if worker else {}).get("ranks", []),
                         "ready": r.ready,
                         "pid": r.pid,
                         "base_url": r.base_url,

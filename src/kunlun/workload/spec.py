@@ -38,6 +38,15 @@ class WorkloadSpec(BaseModel):
         "in the device's supported_dtypes); w4a16 (4-bit weights, 16-bit activations). A "
         "checkpoint that is already quantized keeps its own scheme.",
     )
+    tensor_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        le=16,
+        description="Ranks each replica's model is split over (--tp-size); default: the "
+        "smallest the memory and topology need. Refused with the reason when the devices or "
+        "the model's heads cannot take it. On a host CPU device the ranks share it and its "
+        "cores (only when asked for).",
+    )
     scorer: Literal["performance", "roofline", "binpack", "spread"] = Field(
         "performance",
         description="How placement ranks devices that fit: declared compute throughput for "

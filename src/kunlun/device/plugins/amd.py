@@ -63,6 +63,7 @@ class AmdPlugin(DevicePlugin):
     visibility_env = "HIP_VISIBLE_DEVICES"
     runtime_env = ("ROCM_PATH", "HIP_PATH", "LD_LIBRARY_PATH")
     torch_device_type = "cuda"  # ROCm builds of PyTorch use the cuda device type
+    distributed_backend = "nccl"  # RCCL, under the nccl name
     torch_module = None
     memory_fields = None
     custom_attributes = {"hipblaslt_enabled": bool}

@@ -307,6 +307,7 @@ class AscendPlugin(DevicePlugin):
         "LD_LIBRARY_PATH",
     )
     torch_device_type = "npu"
+    distributed_backend = "hccl"
     torch_module = "torch_npu"
     memory_fields = ("hbm_memory_mb", "sys_memory_mb")
     custom_attributes = {"aclnn_fusion_enabled": bool}

@@ -65,6 +65,7 @@ class CambriconPlugin(DevicePlugin):
     visibility_env = "MLU_VISIBLE_DEVICES"
     runtime_env = ("NEUWARE_HOME", "LD_LIBRARY_PATH")
     torch_device_type = "mlu"
+    distributed_backend = "cncl"
     torch_module = "torch_mlu"
     memory_fields = ("mlu_memory_mb", "ddr_memory_mb")
     custom_attributes = {"magicmind_opt_level": str, "mlu_stream_priority": str}

@@ -41,6 +41,7 @@ class CpuPlugin(DevicePlugin):
     tools = ("lscpu",)
     visibility_env = None
     torch_device_type = "cpu"
+    distributed_backend = "gloo"
     torch_module = None
     compute_unit_dtype = "fp32"
     custom_attributes = {"num_threads": int, "numa_node": int}

@@ -57,6 +57,7 @@ class EnflamePlugin(DevicePlugin):
     visibility_env = "TOPS_VISIBLE_DEVICES"
     runtime_env = ("LD_LIBRARY_PATH",)
     torch_device_type = "gcu"
+    distributed_backend = "eccl"
     torch_module = "torch_gcu"
     memory_fields = None
     custom_attributes = {"topsgraph_enabled": bool}

@@ -62,6 +62,7 @@ class HygonPlugin(DevicePlugin):
     visibility_env = "HIP_VISIBLE_DEVICES"
     runtime_env = ("ROCM_PATH", "DTK_HOME", "LD_LIBRARY_PATH")
     torch_device_type = "cuda"  # DTK builds of PyTorch use the cuda device type
+    distributed_backend = "nccl"  # DTK ships RCCL under the nccl name
     torch_module = None
     memory_fields = ("vram_memory_mb", "gddr6_memory_mb")
     custom_attributes = {"hipblaslt_enabled": bool}

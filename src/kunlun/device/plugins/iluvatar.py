@@ -55,6 +55,7 @@ class IluvatarPlugin(DevicePlugin):
     visibility_env = "CUDA_VISIBLE_DEVICES"
     runtime_env = ("COREX_HOME", "LD_LIBRARY_PATH")
     torch_device_type = "cuda"
+    distributed_backend = "nccl"
     torch_module = None
     memory_fields = None
     custom_attributes = {"cuda_graphs": bool}

@@ -73,6 +73,7 @@ class KunlunxinPlugin(DevicePlugin):
     visibility_env = "XPU_VISIBLE_DEVICES"
     runtime_env = ("LD_LIBRARY_PATH",)
     torch_device_type = "xpu"
+    distributed_backend = "bkcl"
     torch_module = "torch_xmlir"
     memory_fields = None
     custom_attributes = {"xpu_graph_enabled": bool}

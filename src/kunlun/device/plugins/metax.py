@@ -58,6 +58,7 @@ class MetaxPlugin(DevicePlugin):
     visibility_env = "CUDA_VISIBLE_DEVICES"
     runtime_env = ("MACA_PATH", "LD_LIBRARY_PATH")
     torch_device_type = "cuda"
+    distributed_backend = "nccl"  # MCCL, under the nccl name
     torch_module = None
     memory_fields = None
     custom_attributes = {"cuda_graphs": bool}

@@ -70,6 +70,7 @@ class MooreThreadsPlugin(DevicePlugin):
     visibility_env = "MUSA_VISIBLE_DEVICES"
     runtime_env = ("MUSA_HOME", "MUSA_PATH", "LD_LIBRARY_PATH")
     torch_device_type = "musa"
+    distributed_backend = "mccl"
     torch_module = "torch_musa"
     memory_fields = None
     custom_attributes = {"musa_graphs": bool}

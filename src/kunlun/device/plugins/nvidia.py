@@ -181,6 +181,7 @@ class NvidiaPlugin(DevicePlugin):
     visibility_env = "CUDA_VISIBLE_DEVICES"
     runtime_env = ("CUDA_HOME", "CUDA_PATH", "CUDA_MODULE_LOADING", "LD_LIBRARY_PATH")
     torch_device_type = "cuda"
+    distributed_backend = "nccl"
     torch_module = None
     memory_fields = None
     custom_attributes = {"cuda_graphs": bool}

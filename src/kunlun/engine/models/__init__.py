@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kunlun.engine.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kunlun.engine.models.llama import LlamaForCausalLM
+from kunlun.engine.parallel import SINGLE, TPGroup
 from kunlun.errors import UnsupportedArchitecture
 
 #: Architecture name (``config.json`` ``architectures[0]``) -> model class.
@@ -20,15 +21,18 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def build_model(config: ModelConfig, max_positions: int | None = None) -> LlamaForCausalLM:
-    """An uninitialized model for ``config`` (weights come from the loader)."""
+def build_model(
+    config: ModelConfig, max_positions: int | None = None, group: TPGroup = SINGLE
+) -> LlamaForCausalLM:
+    """An uninitialized model for ``config``, this rank's slices of it under tensor
+    parallelism (weights come from the loader)."""
     cls = MODEL_REGISTRY.get(config.architecture)
     if cls is None:
         raise UnsupportedArchitecture(
             f"architecture {config.architecture!r} is not supported; supported: "
             + ", ".join(SUPPORTED_ARCHITECTURES)
         )
-    return cls(config, max_positions)
+    return cls(config, max_positions, group)
 
 
 __all__ = ["MODEL_REGISTRY", "LlamaForCausalLM", "build_model"]

@@ -1,4 +1,5 @@
-"""Building blocks shared by the decoder models: norm, rotary embedding, gated MLP, fused linear.
+"""Building blocks shared by the decoder models: norm, rotary embedding, gated MLP, and the
+linear and embedding layers, split across ranks under tensor parallelism.
 
 The arithmetic follows transformers' Llama code step for step (RMSNorm in float32 then cast
 back, cos/sin computed in float32 then cast) so that results agree with it closely.
@@ -12,6 +13,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kunlun.engine.parallel import SINGLE, TPGroup
+from kunlun.engine.tp_layout import Span, vocab_span
 
 
 class RMSNorm(nn.Module):
@@ -47,12 +51,21 @@ class FusedLinear(nn.Linear):
     """A linear layer whose output rows stack several checkpoint projections.
 
     ``shards`` maps each checkpoint projection name (``"q_proj"``) to its number of output
-    rows, in stacking order; :meth:`shard_offset` tells the loader where each one goes.
+    rows, in stacking order; :meth:`shard_offset` tells the loader where each one goes. Under
+    tensor parallelism (column-parallel) each rank holds a slice of each projection's rows:
+    ``sources`` gives the first checkpoint row of each shard's slice (0 when absent).
     """
 
-    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        shards: dict[str, int],
+        bias: bool,
+        sources: dict[str, int] | None = None,
+    ) -> None:
         super().__init__(in_features, sum(shards.values()), bias=bias)
         self.shards = dict(shards)
+        self.sources = dict(sources or {})
 
     def shard_offset(self, name: str) -> tuple[int, int]:
         """``(first_row, num_rows)`` of shard ``name`` in the fused weight."""
@@ -62,6 +75,82 @@ class FusedLinear(nn.Linear):
                 return start, rows
             start += rows
         raise KeyError(name)
+
+    def checkpoint_slice(self, leaf: str, shard: str | None) -> tuple[int, int, int] | None:
+        """``(dim, start, length)`` of the checkpoint tensor this rank reads for ``shard``."""
+        if shard is None:
+            return None
+        return 0, self.sources.get(shard, 0), self.shards[shard]
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear layer whose input columns are split across ranks (o_proj, down_proj).
+
+    Each rank multiplies its slice of the input by its columns of the weight; the partial
+    outputs are summed over the ranks, then the (whole, replicated) bias is added once.
+    """
+
+    def __init__(
+        self, columns: Span, out_features: int, bias: bool, group: TPGroup = SINGLE
+    ) -> None:
+        super().__init__(columns.size, out_features, bias=bias)
+        self.columns = columns
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [..., local in] -> [..., out], summed over the group."""
+        if self.group.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = self.group.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+    def checkpoint_slice(self, leaf: str, shard: str | None) -> tuple[int, int, int] | None:
+        """The weight's columns of this rank; the bias whole."""
+        return (1, self.columns.start, self.columns.size) if leaf == "weight" else None
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose rows (the vocabulary) are split in equal blocks across ranks.
+
+    A rank looks up the ids in its block, zeroes the others, and the rows are summed over
+    the ranks. The last block is padded; its padding rows are never looked up.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup = SINGLE) -> None:
+        super().__init__()
+        self.rows, padded = vocab_span(vocab_size, group.size, group.rank)
+        self.group = group
+        self.weight = nn.Parameter(torch.empty(padded, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embeddings [T, hidden] of ``input_ids`` [T]."""
+        if self.group.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.rows.start
+        mine = (local >= 0) & (local < self.rows.size)
+        out = F.embedding(local.masked_fill(~mine, 0), self.weight)
+        out.masked_fill_(~mine.unsqueeze(-1), 0.0)
+        return self.group.all_reduce(out)
+
+    def checkpoint_slice(self, leaf: str, shard: str | None) -> tuple[int, int, int] | None:
+        """The vocabulary rows of this rank."""
+        return 0, self.rows.start, self.rows.size
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The LM head, split by vocabulary rows like the embedding (and tied to it when the
+    model ties them); :meth:`logits` gathers every rank's columns, in rank order."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup = SINGLE) -> None:
+        super().__init__(vocab_size, hidden_size, group)
+        self.vocab_size = vocab_size
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] of hidden states [n, hidden], on every rank."""
+        local = F.linear(hidden, self.weight)
+        if self.group.size == 1:
+            return local
+        return self.group.all_gather_last(local)[..., : self.vocab_size]
 
 
 def rope_inverse_frequencies(

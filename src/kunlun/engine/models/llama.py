@@ -5,23 +5,32 @@ Differences between the four are flags of :class:`~kunlun.engine.config.ModelCon
 keys), ``rope_scaling`` (Llama 3) and ``tie_word_embeddings``. Parameter names follow the
 Hugging Face checkpoints, except that q/k/v become one ``qkv_proj`` and gate/up one
 ``gate_up_proj`` (see :meth:`LlamaForCausalLM.checkpoint_slot`).
+
+Under tensor parallelism (a :class:`~kunlun.engine.parallel.TPGroup` of more than one rank)
+q/k/v and gate/up are column-parallel, o_proj and down_proj row-parallel (one all-reduce
+each), the embedding and LM head vocabulary-parallel, heads split as
+:mod:`kunlun.engine.tp_layout` says; each rank's modules hold only its slices.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kunlun.engine.attention import AttentionContext, PagedAttention
 from kunlun.engine.config import ModelConfig
 from kunlun.engine.models.layers import (
     FusedLinear,
+    ParallelLMHead,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     SiluAndMul,
+    VocabParallelEmbedding,
     apply_rotary,
 )
+from kunlun.engine.parallel import SINGLE, TPGroup
+from kunlun.engine.tp_layout import even_split, head_split
 
 #: Checkpoint projection -> the fused module that holds it.
 FUSED_PROJECTIONS: dict[str, str] = {
@@ -36,19 +45,24 @@ FUSED_PROJECTIONS: dict[str, str] = {
 class LlamaAttention(nn.Module):
     """Self-attention with fused q/k/v projection, RoPE, optional q/k norm and paged KV."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, group: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        split = head_split(
+            config.num_attention_heads, config.num_key_value_heads, group.size, group.rank
+        )
+        self.num_heads = split.q.size
+        self.num_kv_heads = split.kv.size
         self.head_dim = config.head_dim
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
+        q_rows, kv_rows = split.q.scaled(self.head_dim), split.kv.scaled(self.head_dim)
         self.qkv_proj = FusedLinear(
             config.hidden_size,
-            {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size},
+            {"q_proj": q_rows.size, "k_proj": kv_rows.size, "v_proj": kv_rows.size},
             bias=config.attention_bias,
+            sources={"q_proj": q_rows.start, "k_proj": kv_rows.start, "v_proj": kv_rows.start},
         )
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = RowParallelLinear(
+            q_rows, config.hidden_size, bias=config.o_proj_bias, group=group
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
@@ -71,13 +85,18 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """Gated MLP: ``down(silu(gate(x)) * up(x))`` with gate and up fused."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, group: TPGroup = SINGLE) -> None:
         super().__init__()
-        size = config.intermediate_size
+        rows = even_split(config.intermediate_size, group.size, group.rank)
         self.gate_up_proj = FusedLinear(
-            config.hidden_size, {"gate_proj": size, "up_proj": size}, bias=config.mlp_bias
+            config.hidden_size,
+            {"gate_proj": rows.size, "up_proj": rows.size},
+            bias=config.mlp_bias,
+            sources={"gate_proj": rows.start, "up_proj": rows.start},
         )
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(
+            rows, config.hidden_size, bias=config.mlp_bias, group=group
+        )
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,10 +107,10 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm residual block: attention then MLP."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, group: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, group)
+        self.mlp = LlamaMLP(config, group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -106,14 +125,14 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and the final norm."""
 
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, group: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, group)
         self.rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, group) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -131,11 +150,14 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder plus LM head; the one model class behind every supported architecture."""
 
-    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int | None = None, group: TPGroup = SINGLE
+    ) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_positions or config.max_position_embeddings)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.group = group
+        self.model = LlamaModel(config, max_positions or config.max_position_embeddings, group)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, group)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -146,8 +168,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [n, vocab] for hidden states [n, hidden]."""
-        return F.linear(hidden, self.lm_head.weight)
+        """Logits [n, vocab] for hidden states [n, hidden] (gathered on every rank)."""
+        return self.lm_head.logits(hidden)
 
     def attention_layers(self) -> list[PagedAttention]:
         """The paged-attention modules, one per layer, in order."""

@@ -7,8 +7,9 @@ reason for everything it drops, so that every placement can be explained:
 2. explicit device: only that device's class, with only that device;
 3. dtype and quantization support, and 4. memory fit at the smallest tensor-parallel size:
    :func:`kunlun.planner.plan.options`;
-5. runnable here (the torch backend imports; the embedded engine runs one unquantized
-   device per replica), only when the workload is actually starting.
+5. runnable here (the torch backend imports; tensor parallelism needs the plugin's
+   distributed backend; the embedded engine runs no quantized weights yet), only when the
+   workload is actually starting.
 """
 
 from __future__ import annotations
@@ -75,14 +76,25 @@ def judge_class(
 def _runnable_options(
     cap: DeviceCapacity, demand: Demand, found: list[Option], label: str
 ) -> tuple[list[Option], list[Rejection]]:
-    """Only what the embedded engine can start here: backend importable, one device, no
-    weight quantization."""
+    """Only what the embedded engine can start here: backend importable, tensor parallelism
+    only where the device plugin names a distributed backend, no weight quantization."""
     if (why := runnable(cap)) is not None:
         return [], [Rejection(label, None, None, why)]
     if demand.quantization != "none":
         return [], [Rejection(label, None, None, f"the embedded engine does not run "
                               f"quantization={demand.quantization} weights yet")]  # fmt: skip
+    if distributed_backend(cap) is not None:
+        return found, []
     kept = [o for o in found if o.tp == 1]
-    refused = [Rejection(label, o.dtype, o.tp, "the embedded engine runs one device per replica")
+    refused = [Rejection(label, o.dtype, o.tp, f"the {cap.device_type} device plugin names no "
+                         "torch.distributed backend: one device per replica")
                for o in found if o.tp > 1]  # fmt: skip
     return kept, refused
+
+
+def distributed_backend(cap: DeviceCapacity) -> str | None:
+    """The torch.distributed backend of ``cap``'s device plugin (None: no tensor parallelism)."""
+    from kunlun.device.registry import load_plugins
+
+    plugin = load_plugins().plugins.get(cap.device_type)
+    return None if plugin is None else plugin.distributed_backend

@@ -119,7 +119,7 @@ class Placer:
         the classes' rejections. Cached: the judgement does not depend on memory in use."""
         key = (demand.model.name, demand.dtype, demand.quantization, demand.max_model_len,
                demand.batch, demand.kv_cache_memory_mb, demand.device,
-               demand.preferred_device_types, demand.scorer)  # fmt: skip
+               demand.preferred_device_types, demand.scorer, demand.tp)  # fmt: skip
         cached = self._judged.get(key)
         if cached is not None:
             return cached
@@ -140,7 +140,7 @@ class Placer:
     ) -> tuple[list[Option], list[Rejection]]:
         """The class's options and rejections for the demand's model and sizes (cached)."""
         key = (id(pool), num_devices, demand.model.name, demand.dtype, demand.quantization,
-               demand.max_model_len, demand.batch, demand.kv_cache_memory_mb)  # fmt: skip
+               demand.max_model_len, demand.batch, demand.kv_cache_memory_mb, demand.tp)  # fmt: skip
         cached = self._options.get(key)
         if cached is None:
             cached = self._options[key] = judge_class(
@@ -268,6 +268,7 @@ def demand_of(spec: WorkloadSpec, model: ModelInfo) -> Demand:
         scorer=spec.scorer,
         replicas=spec.replicas,
         engine=spec.engine,
+        tp=spec.tensor_parallel_size,
     )
 
 

@@ -107,7 +107,8 @@ def choose(
     known_topology = pool.first.topology is not None
     for option in found:
         # a group is chosen by topology among 4 x tp devices; without topology, the first
-        limit = 4 * option.tp if option.tp > 1 and known_topology else option.tp
+        size = option.num_devices
+        limit = 4 * size if size > 1 and known_topology else size
         need = option.need
         if only is not None:
             positions: range | list[int] = [only]
@@ -126,10 +127,10 @@ def choose(
                 shares.append(share)
                 if len(group) >= limit:
                     break
-        if len(group) < option.tp:
+        if len(group) < size:
             continue
-        if option.tp > 1:
-            group, shares = nearest_group(pool, group, shares, option.tp)
+        if size > 1:
+            group, shares = nearest_group(pool, group, shares, size)
         headroom = min(ledger.headroom(pool.caps[i]) for i in group)
         return Candidate(pool, option, group, shares, headroom)
     return None
