@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from kunlun.engine.quant import make_spec
 from kunlun.errors import ConfigError
 
 
@@ -38,6 +39,12 @@ class EngineConfig:
     """CPU threads for torch; None leaves torch's default."""
     seed: int = 0
     """Seeds the generator shared by requests that bring no seed of their own."""
+    quantization: str = "none"
+    """Weight quantization, one of :data:`kunlun.engine.quant.SCHEMES`; a checkpoint already
+    quantized (``quant_method`` kunlun) runs in its own scheme whatever this says, unless it
+    names a different one (an error)."""
+    group_size: int | None = None
+    """w4a16 only: 32 or 128; None: the checkpoint's, or 128 when the layers allow, else 32."""
 
     def validate(self) -> EngineConfig:
         """Raise :class:`ConfigError` naming the first bad field and its value."""
@@ -59,4 +66,5 @@ class EngineConfig:
                 raise ConfigError(
                     f"engine setting {name}={value!r} is invalid: expected an integer >= 1"
                 )
+        make_spec(self.quantization, self.group_size)
         return self

@@ -79,6 +79,8 @@ class LLMEngine:
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             max_model_len=config.max_model_len,
             num_threads=config.num_threads,
+            quantization=config.quantization,
+            group_size=config.group_size,
         )
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len

@@ -4,18 +4,25 @@ A checkpoint is either one ``model.safetensors`` or shards listed by
 ``model.safetensors.index.json``. Checkpoint names map onto the model's parameters through
 ``model.checkpoint_slot`` (q/k/v and gate/up are fused on the way). When the checkpoint has
 no ``lm_head.weight``, or the config ties embeddings, the LM head shares the embedding.
+
+Quantized layers (:class:`~kunlun.engine.models.quant_linear.QuantLinear`) take either the
+canonical tensors of :mod:`kunlun.engine.quant` or a floating-point ``weight``, which is
+quantized on the way in (per checkpoint shard, so fused projections are exact); once every
+tensor is in, each layer repacks them for its kernel.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kunlun.engine.models.layers import FusedLinear
 from kunlun.engine.models.llama import LlamaForCausalLM
+from kunlun.engine.models.quant_linear import QuantLinear
+from kunlun.engine.quant import quantize
 from kunlun.errors import CorruptWeights, Location, ModelError, ModelFileMissing
 
 SINGLE_FILE = "model.safetensors"
@@ -67,7 +74,10 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     and :class:`ModelError` naming the tensor and file when a tensor is missing or has the
     wrong shape.
     """
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    for module_name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            params.update({f"{module_name}.{k}": v for k, v in module.canonical().items()})
     filled: set[tuple[str, str | None]] = set()
     seen: set[str] = set()
     files = checkpoint_files(model_dir)
@@ -79,11 +89,14 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     elif model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     _check_complete(model, params, filled, files)
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.prepare()
 
 
 def _load_file(
     model: LlamaForCausalLM,
-    params: dict[str, torch.nn.Parameter],
+    params: dict[str, torch.Tensor],
     path: Path,
     filled: set[tuple[str, str | None]],
 ) -> set[str]:
@@ -95,29 +108,42 @@ def _load_file(
             f"cannot read safetensors file {path}: {exc}", location=Location(str(path))
         ) from exc
     names: set[str] = set()
+    modules = dict(model.named_modules())
     with handle:
         for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
             names.add(name)
             param_name, shard = model.checkpoint_slot(name)
+            module_name, _, leaf = param_name.rpartition(".")
             param = params.get(param_name)
-            if param is None:
+            module = modules.get(module_name)
+            if isinstance(module, QuantLinear) and leaf == "weight":
+                tensor = _read(handle, name, path)
+                if tensor.is_floating_point():
+                    _check_shape(tensor, module.float_shape(shard), name, path)
+                    for suffix, part in quantize(tensor, module.spec).items():
+                        target = f"{module_name}.{suffix}"
+                        _copy(params[target], shard, part, module, name, path)
+                        filled.add((target, shard))
+                    continue
+            if param is None or module is None:
                 continue  # buffers such as rotary_emb.inv_freq, or a head the model ties
-            try:
-                tensor = handle.get_tensor(name)
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise CorruptWeights(
-                    f"cannot read tensor {name!r} from {path}: {exc}",
-                    location=Location(str(path), field=name),
-                ) from exc
-            _copy(
-                param, shard, tensor, model.get_submodule(param_name.rsplit(".", 1)[0]), name, path
-            )
+            _copy(param, shard, _read(handle, name, path), module, name, path)
             filled.add((param_name, shard))
     return names
 
 
+def _read(handle: Any, name: str, path: Path) -> torch.Tensor:
+    try:
+        return handle.get_tensor(name)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CorruptWeights(
+            f"cannot read tensor {name!r} from {path}: {exc}",
+            location=Location(str(path), field=name),
+        ) from exc
+
+
 def _copy(
-    param: torch.nn.Parameter,
+    param: torch.Tensor,
     shard: str | None,
     tensor: torch.Tensor,
     module: torch.nn.Module,
@@ -126,22 +152,25 @@ def _copy(
 ) -> None:
     """Copy ``tensor`` into ``param`` (into its rows for ``shard`` when fused)."""
     target = param.data
-    if isinstance(module, FusedLinear) and shard is not None:
+    if shard is not None and getattr(module, "shards", None) is not None:
         start, rows = module.shard_offset(shard)
         target = target.narrow(0, start, rows)
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise ModelError(
-            f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
-            f"{tuple(target.shape)}",
-            location=Location(str(path), field=name),
-        )
+    _check_shape(tensor, tuple(target.shape), name, path)
     with torch.no_grad():
         target.copy_(tensor)
 
 
+def _check_shape(tensor: torch.Tensor, expected: tuple[int, ...], name: str, path: Path) -> None:
+    if tuple(tensor.shape) != expected:
+        raise ModelError(
+            f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects {expected}",
+            location=Location(str(path), field=name),
+        )
+
+
 def _check_complete(
     model: LlamaForCausalLM,
-    params: dict[str, torch.nn.Parameter],
+    params: dict[str, torch.Tensor],
     filled: set[tuple[str, str | None]],
     files: dict[Path, list[str] | None],
 ) -> None:

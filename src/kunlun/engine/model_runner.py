@@ -20,6 +20,8 @@ from kunlun.engine.device import resolve_device
 from kunlun.engine.loader import load_weights
 from kunlun.engine.models import build_model
 from kunlun.engine.models.llama import LlamaForCausalLM
+from kunlun.engine.models.quant_linear import quantize_linears
+from kunlun.engine.quant import resolve_spec
 from kunlun.engine.step_profiler import NO_TRACE, StepTrace
 from kunlun.engine.tokenizer import Tokenizer
 from kunlun.errors import ConfigError, EngineError
@@ -68,6 +70,8 @@ class ModelRunner:
         kv_cache_memory_bytes: int | None = None,
         max_model_len: int | None = None,
         num_threads: int | None = None,
+        quantization: str = "none",
+        group_size: int | None = None,
     ) -> None:
         """Load config, tokenizer and weights from ``model_dir`` and allocate the KV cache.
 
@@ -75,7 +79,8 @@ class ModelRunner:
         ``kv_cache_memory_bytes`` (pass at most one); by default enough for four sequences
         of ``max_model_len`` tokens, within 1 GiB. ``max_model_len`` defaults to the model's
         ``max_position_embeddings`` and may not exceed it. ``num_threads`` sets torch's
-        intra-op thread count.
+        intra-op thread count. ``quantization`` and ``group_size`` are
+        :class:`~kunlun.engine.engine_config.EngineConfig`'s (see :func:`resolve_spec`).
         """
         if num_threads is not None:
             if num_threads < 1:
@@ -89,6 +94,8 @@ class ModelRunner:
         self.config = ModelConfig.from_dir(model_dir)
         self.tokenizer = Tokenizer(model_dir)
         self.max_model_len = self._max_model_len(max_model_len)
+        self.quant_spec = resolve_spec(model_dir, quantization, group_size, self.config)
+        """The weights' quantization (None: floating point)."""
         self.model = self._load_model(Path(model_dir))
         self.num_blocks = self._num_blocks(num_blocks, kv_cache_memory_bytes)
         self._allocate_kv_cache()
@@ -112,6 +119,8 @@ class ModelRunner:
         model.to_empty(device=self.device)
         model.to(self.dtype)
         model.model.rotary.build(self.dtype)
+        if self.quant_spec is not None:
+            quantize_linears(model, self.quant_spec, self.dtype)
         load_weights(model, model_dir)
         return model.eval().requires_grad_(False)
 
