@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from kunlun.engine.models.layers import FusedLinear
 from kunlun.engine.models.llama import LlamaForCausalLM
 from kunlun.engine.models.quant_linear import QuantLinear
 from kunlun.engine.quant import quantize
@@ -152,7 +153,7 @@ def _copy(
 ) -> None:
     """Copy ``tensor`` into ``param`` (into its rows for ``shard`` when fused)."""
     target = param.data
-    if shard is not None and getattr(module, "shards", None) is not None:
+    if shard is not None and isinstance(module, FusedLinear | QuantLinear) and module.shards:
         start, rows = module.shard_offset(shard)
         target = target.narrow(0, start, rows)
     _check_shape(tensor, tuple(target.shape), name, path)

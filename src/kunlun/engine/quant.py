@@ -21,6 +21,9 @@ Every scale belongs to one output row, so quantizing the checkpoint shards of a 
 projection (q/k/v, gate/up) one by one and stacking the rows is exact. The engine's kernels
 (:mod:`kunlun.engine.models.quant_linear`) repack these tensors at load time; the format does
 not change with the kernel.
+
+Importing this module does not import torch (the planner and the CLI read the scheme names);
+the functions that work on tensors import it when called.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kunlun.errors import ConfigError, Location, ModelError
 from kunlun.hf_config import HFConfig
+
+if TYPE_CHECKING:
+    import torch
 
 #: Weight quantization schemes, ``"none"`` first.
 SCHEMES: tuple[str, ...] = ("none", "w8a8", "w8a16", "w4a16")
@@ -153,6 +157,8 @@ def quantize(weight: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
     Scales are computed in float32 from the weight as given; an all-zero row or group gets
     scale 1 (it dequantizes to zeros exactly).
     """
+    import torch
+
     w = weight.detach().float()
     if spec.scheme in ("w8a8", "w8a16"):
         scale = w.abs().amax(dim=1) / 127.0
@@ -175,6 +181,7 @@ def quantize(weight: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
 
 def dequantize(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tensor:
     """The float32 weight [out, in] the canonical ``tensors`` stand for."""
+
     scale = tensors["weight_scale"].float()
     if spec.scheme in ("w8a8", "w8a16"):
         return tensors["weight"].float() * scale[:, None]
@@ -188,12 +195,16 @@ def dequantize(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tenso
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """uint8 [out, in // 2] from values 0..15 [out, in]: column ``2j`` low nibble, ``2j+1`` high."""
+    import torch
+
     q = q.to(torch.uint8)
     return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """uint8 values 0..15 [out, 2 * n] from ``packed`` [out, n] (inverse of :func:`pack_int4`)."""
+    import torch
+
     low = packed & 0x0F
     high = packed >> 4
     return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)

@@ -133,9 +133,6 @@ def options(
                 )
             )
             continue
-        if demand.quantization == "w4a16" and dtype == "fp32":
-            rejected.append(Rejection(label, dtype, None, "w4a16 needs bf16 or fp16 activations"))
-            continue
         for tp in TP_SIZES:
             why = _tp_problem(demand, cap, tp, num_devices)
             if why is None:

@@ -10,7 +10,8 @@ ready file atomically, as JSON::
 
 and prints, for the node agent's log capture, ``Compilation Time: 0.00 s`` (the GGUF import
 when ``--model-dir`` names a ``.gguf`` file, plus casting the weights to ``--dtype`` into
-``--plan-dir`` on a plan's first start, logged as ``conversion: ...``; 0 otherwise),
+``--plan-dir`` on a plan's first start, quantizing them when ``--quantization`` asks, logged
+as ``conversion: ...``; 0 otherwise),
 ``Load Time: 1.23 s``, ``First Token Latency: 45.6 ms``, then one line per finished request.
 SIGTERM stops accepting connections, lets in-flight requests finish, and exits 0. A bad
 argument or a model that cannot load prints the error and exits 2 (configuration) or 1.
@@ -29,6 +30,8 @@ import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
+
+from kunlun.engine.quant import GROUP_SIZES, SCHEMES
 
 _DTYPES = ("fp32", "bf16", "fp16")
 WORKER_NICE = 5
@@ -50,6 +53,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device", default="cpu:0", help="device from the device plugin, e.g. cpu:0, cuda:0, npu:1"
     )
     parser.add_argument("--dtype", choices=_DTYPES, default="fp32")
+    parser.add_argument(
+        "--quantization",
+        "--quantize",
+        choices=SCHEMES,
+        default="none",
+        help="weight quantization (a checkpoint already quantized keeps its own)",
+    )
+    parser.add_argument(
+        "--group-size", type=int, choices=GROUP_SIZES, default=None, help="w4a16 group size"
+    )
     parser.add_argument(
         "--max-num-seqs", type=_positive, default=64, help="most sequences in one engine step"
     )
@@ -201,7 +214,9 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, float, float]:
     if args.plan_dir is not None:
         from kunlun.engine.convert import prepare_weights
 
-        model_dir, line = prepare_weights(model_dir, args.plan_dir / "weights", args.dtype)
+        model_dir, line = prepare_weights(
+            model_dir, args.plan_dir / "weights", args.dtype, args.quantization, args.group_size
+        )
         say(line)
     compile_time = time.perf_counter() - started
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
@@ -215,6 +230,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, float, float]:
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=kv_bytes,
         num_threads=args.num_threads,
+        quantization=args.quantization,
+        group_size=args.group_size,
     )
     return AsyncLLMEngine(engine), compile_time, time.perf_counter() - started
 

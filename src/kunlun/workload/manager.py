@@ -204,6 +204,7 @@ class WorkloadManager:
         cap_mb = memory_cap_mb(plan.weight_memory_mb, host_kv_mb, spec.memory_cap_mb)
         args = ["--model-dir", str(model_dir), "--served-name", record.name,
                 "--device", plan.torch_device, "--dtype", plan.dtype,
+                "--quantization", plan.quantization,
                 "--max-num-seqs", str(plan.max_num_seqs), "--num-threads", str(threads),
                 "--max-model-len", str(plan.max_model_len),
                 "--kv-cache-memory-mb", str(plan.kv_cache_memory_mb),

@@ -49,6 +49,15 @@ class QuantLinear(nn.Module):
     """A linear layer with quantized weights; ``shards`` as in
     :class:`~kunlun.engine.models.layers.FusedLinear` when it stacks projections."""
 
+    weight: torch.Tensor
+    """int8 [out, in] (w8a8, w8a16)."""
+    weight_packed: torch.Tensor
+    """uint8 [out, in // 2] (w4a16)."""
+    weight_scale: torch.Tensor
+    """float32 [out] (int8 schemes) or [out, in // group_size] (w4a16)."""
+    weight_min: torch.Tensor
+    """float32 [out, in // group_size] (w4a16)."""
+
     def __init__(
         self,
         in_features: int,
@@ -153,8 +162,9 @@ class QuantLinear(nn.Module):
             out = torch._int_mm(x_int, self.weight.t()).float() * x_scale * self.weight_scale
         elif self.kernel == "int4pack":
             assert self._packed is not None and self._scales_zeros is not None
+            group_size = self.spec.group_size or self.in_features
             out = torch._weight_int4pack_mm_for_cpu(
-                x.to(torch.bfloat16), self._packed, self.spec.group_size, self._scales_zeros
+                x.to(torch.bfloat16), self._packed, group_size, self._scales_zeros
             )
         else:
             weight = dequantize(self.canonical(), self.spec).to(x.dtype)
