@@ -60,6 +60,8 @@ LINEAR_NAMES: tuple[str, ...] = (
     "up_proj",
     "down_proj",
 )
+#: Fractions of a row's largest magnitude tried as its int8 clipping point (1.0 first).
+_CLIP_RATIOS: tuple[float, ...] = tuple(1.0 - 0.04 * i for i in range(11))
 _LINEAR_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+)\.weight$")
 
 
@@ -161,8 +163,7 @@ def quantize(weight: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
 
     w = weight.detach().float()
     if spec.scheme in ("w8a8", "w8a16"):
-        scale = w.abs().amax(dim=1) / 127.0
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        scale = _int8_scales(w)
         q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         return {"weight": q.contiguous(), "weight_scale": scale.contiguous()}
     group = _group_size(spec)
@@ -177,6 +178,29 @@ def quantize(weight: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
         "weight_scale": scale.contiguous(),
         "weight_min": low.contiguous(),
     }
+
+
+def _int8_scales(w: torch.Tensor) -> torch.Tensor:
+    """Per-row scales that minimise the squared rounding error: the row's largest magnitude
+    over 127, or that clipped to one of :data:`_CLIP_RATIOS` of it when that loses less (a
+    few outliers clipped buy a finer step for every other weight)."""
+    import torch
+
+    top = w.abs().amax(dim=1)
+    top = torch.where(top > 0, top, torch.ones_like(top))
+    best_scale, best_error = top / 127.0, None
+    for ratio in _CLIP_RATIOS:
+        scale = top * ratio / 127.0
+        error = ((torch.round(w / scale[:, None]).clamp(-127, 127) * scale[:, None] - w) ** 2).sum(
+            1
+        )
+        if best_error is None:
+            best_error = error
+            continue
+        better = error < best_error
+        best_scale = torch.where(better, scale, best_scale)
+        best_error = torch.where(better, error, best_error)
+    return best_scale.contiguous()
 
 
 def dequantize(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tensor:
