@@ -61,7 +61,7 @@ LINEAR_NAMES: tuple[str, ...] = (
     "down_proj",
 )
 #: Fractions of a row's largest magnitude tried as its int8 clipping point (1.0 first).
-_CLIP_RATIOS: tuple[float, ...] = tuple(1.0 - 0.04 * i for i in range(11))
+_CLIP_RATIOS: tuple[float, ...] = tuple(1.0 - 0.02 * i for i in range(26))
 _LINEAR_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+)\.weight$")
 
 
