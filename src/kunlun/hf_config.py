@@ -274,6 +274,14 @@ def _quantization(config: Any, source: str) -> CheckpointQuantization | None:
             location=Location(source, field="quantization_config"),
         )
     method = config["quant_method"]
+    if method == "kunlun":  # kunlun.engine.quant's format names its scheme
+        scheme = config.get("scheme")
+        bits = config.get("bits")
+        return CheckpointQuantization(
+            method,
+            bits if isinstance(bits, int) else None,
+            scheme if isinstance(scheme, str) else "other",
+        )
     bits = config.get("bits") or config.get("w_bit")
     if method == "bitsandbytes":
         bits = 4 if config.get("load_in_4bit") else 8 if config.get("load_in_8bit") else None

@@ -137,8 +137,12 @@ def test_unknown_device_and_too_long_context_are_config_errors() -> None:
 
 def test_replayed_devices_plan_but_do_not_start() -> None:
     with pytest.raises(ConfigError) as caught:
-        place(int8_llama(), node("mixed"), LLAMA, starting=True)
+        place(int8_llama(device="ascend:0"), node("mixed"), LLAMA, starting=True)
     assert "torch backend for npu (torch_npu) is not installed here" in str(caught.value)
+    # w8a8 is no longer refused by the engine: it starts elsewhere, saying why not the Ascend
+    placement = place(int8_llama(), node("mixed"), LLAMA, starting=True)
+    assert "ascend" not in placement.target_device and placement.plans[0].quantization == "w8a8"
+    assert "torch_npu" in placement.rejected["ascend:0-3"]
 
 
 # ---- the 8 x Ascend 910A node: topology, Degraded devices ----

@@ -66,8 +66,10 @@ def test_operators_fall_back_to_generic_torch_when_the_vendor_extension_is_missi
     assert {op: c.fallback for op, c in chosen.items()} == dict.fromkeys(operators.OPERATORS, True)
     assert chosen["attention"].implementation == operators.GENERIC["attention"]
     assert chosen["attention"].why == "torch_npu not importable"
-    quantized = operators.choose_operators("cpu", "w4a16")["matmul"]
+    quantized = operators.choose_operators("npu", "w4a16")["matmul"]
     assert quantized.fallback and quantized.implementation.startswith("dequantize")
+    on_cpu = operators.choose_operators("cpu", "w4a16")["matmul"]  # the engine's own kernels
+    assert not on_cpu.fallback and on_cpu.implementation == "torch._weight_int4pack_mm_for_cpu"
     unknown = operators.choose_operators("gcu", "none")["rmsnorm"]
     assert unknown.fallback and "no gcu kernel registered" in unknown.why
 

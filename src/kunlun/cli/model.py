@@ -1,4 +1,4 @@
-"""``kunlun-cli model import-gguf | list``: local models only, nothing is downloaded.
+"""``kunlun-cli model import-gguf | quantize | list``: local models only, nothing is downloaded.
 
 With ``KUNLUN_ENDPOINT`` set the daemon does the work; otherwise the CLI works on
 ``KUNLUN_HOME`` directly.
@@ -19,7 +19,7 @@ from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.paths import kunlun_home
 from kunlun.state.sqlite import SQLiteStore
 
-app = typer.Typer(help="Models: import GGUF files, list aliases.", no_args_is_help=True)
+app = typer.Typer(help="Models: import GGUF files, quantize, list aliases.", no_args_is_help=True)
 
 
 def _remote() -> DaemonClient | None:
@@ -89,6 +89,31 @@ def import_gguf(
         else:
             record = vars(catalog.import_demo(store))
     console.print(f"model {record['alias']} -> {record['path']}")
+
+
+@app.command("quantize")
+@handle_errors
+def quantize(
+    model: Annotated[str, typer.Option(help="Alias or local HF directory (floating point).")],
+    quantization: Annotated[
+        str, typer.Option("--quantization", "--quantize", help="w8a8, w8a16 or w4a16.")
+    ],
+    group_size: Annotated[
+        int | None,
+        typer.Option(help="w4a16 only: 32 or 128 (default 128 where the layers allow, else 32)."),
+    ] = None,
+    name: Annotated[str | None, typer.Option(help="Alias (default: MODEL-SCHEME).")] = None,
+) -> None:
+    """Write MODEL's weights quantized as a new local model and register its alias."""
+    remote = _remote()
+    if remote is not None:
+        body = {"model": model, "quantization": quantization, "group_size": group_size,
+                "name": name}  # fmt: skip
+        record = remote.post("/api/v1/models/quantize", json=body, timeout=1800)
+    else:
+        store = SQLiteStore(kunlun_home() / "state.db")
+        record = vars(catalog.quantize_model(store, model, quantization, group_size, name))
+    console.print(f"model {record['alias']} -> {record['path']} ({record['meta']['quantization']})")
 
 
 @app.command("list")

@@ -33,7 +33,10 @@ def plan(
     replay: Annotated[Path | None, typer.Option(help="Recorded vendor-tool output.")] = None,
     config: Annotated[Path | None, typer.Option(help="device-plugin-config.yaml.")] = None,
     dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16.")] = None,
-    quantization: Annotated[str | None, typer.Option(help="none, w8a8 or w4a16.")] = None,
+    quantization: Annotated[
+        str | None,
+        typer.Option("--quantization", "--quantize", help="none, w8a8, w8a16 or w4a16."),
+    ] = None,
     tp_size: Annotated[
         int | None,
         typer.Option("--tp-size", help="Tensor-parallel size (default: what memory needs)."),

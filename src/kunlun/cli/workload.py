@@ -28,7 +28,10 @@ def submit(
     file: Annotated[Path | None, typer.Option("--file", "-f", help="Workload spec YAML.")] = None,
     device: Annotated[str | None, typer.Option(help="Explicit device, e.g. cpu:0.")] = None,
     dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16.")] = None,
-    quantization: Annotated[str | None, typer.Option(help="none, w8a8 or w4a16.")] = None,
+    quantization: Annotated[
+        str | None,
+        typer.Option("--quantization", "--quantize", help="none, w8a8, w8a16 or w4a16."),
+    ] = None,
     tp_size: Annotated[
         int | None,
         typer.Option("--tp-size", help="Tensor-parallel size (default: what memory needs)."),

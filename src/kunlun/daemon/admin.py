@@ -154,6 +154,20 @@ def admin_router(platform: Platform) -> APIRouter:
             )
         return vars(record)
 
+    @router.post("/models/quantize")
+    async def quantize_model(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
+        model, scheme = body.get("model"), body.get("quantization")
+        if not isinstance(model, str) or platform.store.get_model(model) is None:
+            raise ConfigError(
+                f"'model' must be the alias of a registered model, got {model!r}",
+                location=Location("model"),
+            )
+        if not isinstance(scheme, str):
+            raise ConfigError("'quantization' is required", location=Location("quantization"))
+        record = await asyncio.to_thread(catalog.quantize_model, platform.store, model, scheme,
+                                         body.get("group_size"), body.get("name"))  # fmt: skip
+        return vars(record)
+
     @router.get("/apikeys")
     async def list_keys() -> list[dict[str, Any]]:
         return [describe_key(k) for k in platform.store.list_api_keys()]

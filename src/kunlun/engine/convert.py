@@ -1,11 +1,14 @@
-"""Casting a checkpoint once to the dtype a plan runs in, so later starts load it directly.
+"""Casting (and quantizing) a checkpoint once for a plan, so later starts load it directly.
 
 :func:`prepare_weights` returns the directory the engine should load: the model's own when its
-floating-point weights are already in the plan's dtype, else ``target`` (an entry of the plan
-cache), filled on the first start with every safetensors file cast to that dtype and links to
-the model's other files (config, tokenizer). The directory appears atomically (built aside,
-then renamed), so a start that died half-way leaves nothing that looks complete. The returned
-line says which of the three happened; the worker logs it as ``conversion: ...``.
+floating-point weights are already in the plan's dtype and quantization, else ``target`` (an
+entry of the plan cache), filled on the first start with every safetensors file cast to that
+dtype (and its decoder linear layers quantized, :mod:`kunlun.engine.quant`) and links to the
+model's other files (tokenizer; a quantized copy writes its own ``config.json``). The
+directory appears atomically (built aside, then renamed), so a start that died half-way leaves
+nothing that looks complete. The returned line says which of the three happened; the worker
+logs it as ``conversion: ...``. :func:`write_quantized` is the same conversion for
+``kunlun-cli model quantize``, which keeps the result as a model of its own.
 """
 
 from __future__ import annotations
@@ -16,12 +19,21 @@ import shutil
 import struct
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kunlun.engine.loader import INDEX_FILE, checkpoint_files
+from kunlun.engine.quant import (
+    QuantSpec,
+    fit_group_size,
+    is_quantized_linear,
+    make_spec,
+    quantize,
+    read_spec,
+)
 
 #: Plan dtype -> (torch dtype, safetensors header dtype).
 DTYPES: dict[str, tuple[torch.dtype, str]] = {
@@ -35,47 +47,113 @@ RECORD = "conversion.json"
 
 def floating_dtypes(model_dir: str | Path) -> set[str]:
     """The safetensors dtypes (F32, BF16, ...) of the floating-point tensors, from the headers
-    only (no tensor is read)."""
+    only (no tensor is read); quantization scales, which stay float32, do not count."""
     found: set[str] = set()
-    for path in checkpoint_files(model_dir):
-        with path.open("rb") as handle:
-            (size,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(size))
-        found |= {v["dtype"] for k, v in header.items() if k != "__metadata__"} & _FLOATING
+    for header in _headers(model_dir):
+        found |= {v["dtype"] for k, v in header.items() if _castable(k)} & _FLOATING
     return found
 
 
-def prepare_weights(model_dir: str | Path, target: Path, dtype: str) -> tuple[Path, str]:
-    """``(directory to load, log line)`` for running ``model_dir`` in ``dtype``."""
+def prepare_weights(
+    model_dir: str | Path,
+    target: Path,
+    dtype: str,
+    quantization: str = "none",
+    group_size: int | None = None,
+) -> tuple[Path, str]:
+    """``(directory to load, log line)`` for running ``model_dir`` in ``dtype``, its linear
+    layers quantized as ``quantization`` (``group_size`` for w4a16; a checkpoint already
+    quantized keeps its scheme, see :func:`~kunlun.engine.quant.resolve_spec`)."""
     source = Path(model_dir)
-    torch_dtype, header_dtype = DTYPES[dtype]
-    if floating_dtypes(source) <= {header_dtype}:
+    spec = make_spec(quantization, group_size)
+    if read_spec(source) is not None:
+        spec = None  # already quantized: only cast what is floating
+    if spec is None and floating_dtypes(source) <= {DTYPES[dtype][1]}:
         return source, f"conversion: none (weights are already {dtype})"
     if (target / RECORD).is_file():
-        return target, f"conversion: reused {target} ({dtype} weights cast on an earlier start)"
+        what = dtype if spec is None else f"{dtype}, {spec.scheme}"
+        return target, f"conversion: reused {target} ({what} weights from an earlier start)"
+    record = write_quantized(source, target, dtype, spec, link_files=True)
+    done = f"cast {record['num_tensors']} tensors to {dtype}"
+    if spec is not None:
+        done = f"quantized {record['num_quantized']} layers to {record['quantization']}, " + done
+    return target, f"conversion: {done} in {record['seconds']:.2f} s -> {target}"
+
+
+def write_quantized(
+    source: Path, target: Path, dtype: str | None, spec: QuantSpec | None, *, link_files: bool
+) -> dict[str, Any]:
+    """Write ``source``'s checkpoint into ``target`` (replaced atomically): floating tensors
+    cast to ``dtype`` (None: kept), decoder linear weights quantized by ``spec`` (the group size
+    fitted to the layers), ``config.json`` with its ``quantization_config``. The model's other
+    files are linked (``link_files``) or copied. Returns the record kept in ``target``."""
     started = time.perf_counter()
+    if spec is not None:
+        spec = fit_group_size(spec, _linear_widths(source))
     staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    num_tensors = 0
+    num_tensors = num_quantized = 0
+    index: dict[str, str] = {}
     for path in checkpoint_files(source):
         tensors = {}
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
                 tensor = handle.get_tensor(name)
-                tensors[name] = tensor.to(torch_dtype) if tensor.is_floating_point() else tensor
+                if spec is not None and is_quantized_linear(name):
+                    prefix = name.removesuffix(".weight")
+                    parts = quantize(tensor, spec).items()
+                    tensors.update({f"{prefix}.{suffix}": part for suffix, part in parts})
+                    num_quantized += 1
+                elif dtype is not None and tensor.is_floating_point() and _castable(name):
+                    tensors[name] = tensor.to(DTYPES[dtype][0])
+                else:
+                    tensors[name] = tensor
         save_file(tensors, str(staging / path.name), metadata={"format": "pt"})
+        index.update(dict.fromkeys(tensors, path.name))
         num_tensors += len(tensors)
+    rewritten = {"config.json"} if spec is not None else set()
     for entry in source.iterdir():
-        if entry.suffix != ".safetensors" and entry.name != INDEX_FILE:
+        if entry.suffix == ".safetensors" or entry.name in {INDEX_FILE, RECORD, *rewritten}:
+            continue
+        if link_files:
             (staging / entry.name).symlink_to(entry.resolve())
+        elif entry.is_file():
+            shutil.copyfile(entry, staging / entry.name)
     if (source / INDEX_FILE).is_file():
-        shutil.copyfile(source / INDEX_FILE, staging / INDEX_FILE)  # not its mode
-    seconds = time.perf_counter() - started
-    record = {"source": str(source), "dtype": dtype, "num_tensors": num_tensors, "seconds": seconds}
+        (staging / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    if spec is not None:
+        config = json.loads((source / "config.json").read_text(encoding="utf-8"))
+        config["quantization_config"] = spec.config()
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+    record = {"source": str(source), "dtype": dtype, "num_tensors": num_tensors,
+              "quantization": None if spec is None else spec.describe(),
+              "num_quantized": num_quantized, "seconds": time.perf_counter() - started}  # fmt: skip
     (staging / RECORD).write_text(json.dumps(record))
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staging, target)
-    return target, (
-        f"conversion: cast {num_tensors} tensors to {dtype} in {seconds:.2f} s -> {target}"
-    )
+    return record
+
+
+def _castable(name: str) -> bool:
+    """Whether a floating tensor follows the plan dtype (quantization scales stay float32)."""
+    return name != "__metadata__" and not name.endswith((".weight_scale", ".weight_min"))
+
+
+def _headers(model_dir: str | Path) -> list[dict[str, Any]]:
+    headers = []
+    for path in checkpoint_files(model_dir):
+        with path.open("rb") as handle:
+            (size,) = struct.unpack("<Q", handle.read(8))
+            headers.append(json.loads(handle.read(size)))
+    return headers
+
+
+def _linear_widths(model_dir: Path) -> dict[str, int]:
+    """Input width of every decoder linear weight, from the headers."""
+    return {
+        name: entry["shape"][1]
+        for header in _headers(model_dir)
+        for name, entry in header.items()
+        if is_quantized_linear(name)
+    }

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from kunlun.engine.quant import make_spec
 from kunlun.errors import ConfigError
 
 
@@ -39,9 +40,11 @@ class EngineConfig:
     seed: int = 0
     """Seeds the generator shared by requests that bring no seed of their own."""
     quantization: str = "none"
-    """Weight quantization scheme of the checkpoint or the plan; this engine runs "none"."""
+    """Weight quantization, one of :data:`kunlun.engine.quant.SCHEMES`; a checkpoint already
+    quantized (``quant_method`` kunlun) runs in its own scheme whatever this says, unless it
+    names a different one (an error)."""
     group_size: int | None = None
-    """Group size of w4a16 weights (32 or 128); None for every other scheme."""
+    """w4a16 only: 32 or 128; None: the checkpoint's, or 128 when the layers allow, else 32."""
     tensor_parallel_size: int = 1
     """Ranks the model is split over (>= 1; one process per rank, see
     :mod:`kunlun.engine.tp_group`); the heads must split as :mod:`kunlun.engine.tp_layout`
@@ -70,16 +73,7 @@ class EngineConfig:
                 raise ConfigError(
                     f"engine setting {name}={value!r} is invalid: expected an integer >= 1"
                 )
-        unsupported: dict[str, tuple[object, object]] = {
-            "quantization": (self.quantization, "none"),
-            "group_size": (self.group_size, None),
-        }
-        for name, (setting, runs) in unsupported.items():
-            if setting != runs:
-                raise ConfigError(
-                    f"engine setting {name}={setting!r} is not supported by this engine yet "
-                    f"(it runs {name}={runs!r})"
-                )
+        make_spec(self.quantization, self.group_size)
         tp = self.tensor_parallel_size
         if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1):
             raise ConfigError(

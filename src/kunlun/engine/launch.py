@@ -126,6 +126,15 @@ class EngineLaunch(BaseModel):
             raise ValueError(f"device must look like TYPE or TYPE:INDEX, got {value!r}")
         return "cpu" if kind == "cpu" else value.strip()
 
+    @field_validator("quantization")
+    @classmethod
+    def _scheme(cls, value: str) -> str:
+        from kunlun.engine.quant import SCHEMES
+
+        if value not in SCHEMES:
+            raise ValueError(f"quantization must be one of {', '.join(SCHEMES)}, got {value!r}")
+        return value
+
     @field_validator("sandbox")
     @classmethod
     def _sandbox(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -29,6 +29,7 @@ from kunlun.engine.detokenizer import Detokenizer
 from kunlun.engine.engine_config import EngineConfig
 from kunlun.engine.model_runner import ModelRunner, StepOutput, StepSeq
 from kunlun.engine.outputs import CompletionOutput, EngineStats, RequestOutput, RequestOutputDelta
+from kunlun.engine.quant import read_spec
 from kunlun.engine.sampler import Sampler, top_logprobs
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -95,6 +96,8 @@ class LLMEngine:
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
             max_model_len=config.max_model_len,
             num_threads=config.num_threads,
+            quantization=config.quantization,
+            group_size=config.group_size,
         )
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
@@ -120,6 +123,17 @@ class LLMEngine:
         """Rank 0's runner of a tensor-parallel group, once every rank has loaded."""
         try:
             check_tp_split(config.model_dir, config.tensor_parallel_size)
+            scheme = config.quantization
+            if scheme == "none" and (stored := read_spec(config.model_dir)) is not None:
+                scheme = stored.scheme
+            if scheme != "none":
+                raise ConfigError(
+                    f"quantization={scheme} with tensor_parallel_size="
+                    f"{config.tensor_parallel_size}: quantized weights run on one rank only "
+                    "for now",
+                    hint="run the quantized model with tensor_parallel_size 1, or the floating "
+                    "model split over ranks",
+                )
         except ConfigError:
             self.close()  # a group the caller started
             raise
@@ -133,6 +147,7 @@ class LLMEngine:
                 block_size=config.block_size, num_blocks=config.num_blocks,
                 kv_cache_memory_bytes=config.kv_cache_memory_bytes,
                 max_model_len=config.max_model_len, num_threads=rank_threads(config),
+                quantization=config.quantization, group_size=config.group_size,
                 group=group.group,
             )  # fmt: skip
             group.attach(runner)

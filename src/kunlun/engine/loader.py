@@ -6,6 +6,11 @@ A checkpoint is either one ``model.safetensors`` or shards listed by
 no ``lm_head.weight``, or the config ties embeddings, the LM head shares the embedding.
 Under tensor parallelism each rank reads only its slice of each tensor (modules that are
 split say which through ``checkpoint_slice(leaf, shard) -> (dim, start, length)``).
+
+Quantized layers (:class:`~kunlun.engine.models.quant_linear.QuantLinear`) take either the
+canonical tensors of :mod:`kunlun.engine.quant` or a floating-point ``weight``, which is
+quantized on the way in (per checkpoint shard, so fused projections are exact); once every
+tensor is in, each layer repacks them for its kernel.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from safetensors import SafetensorError, safe_open
 
 from kunlun.engine.models.layers import FusedLinear
 from kunlun.engine.models.llama import LlamaForCausalLM
+from kunlun.engine.models.quant_linear import QuantLinear
+from kunlun.engine.quant import quantize
 from kunlun.errors import CorruptWeights, Location, ModelError, ModelFileMissing
 
 SINGLE_FILE = "model.safetensors"
@@ -73,7 +80,10 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     and :class:`ModelError` naming the tensor and file when a tensor is missing or has the
     wrong shape.
     """
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    for module_name, module in model.named_modules():
+        if isinstance(module, QuantLinear):
+            params.update({f"{module_name}.{k}": v for k, v in module.canonical().items()})
     filled: set[tuple[str, str | None]] = set()
     seen: set[str] = set()
     files = checkpoint_files(model_dir)
@@ -85,11 +95,14 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     elif model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     _check_complete(model, params, filled, files)
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.prepare()
 
 
 def _load_file(
     model: LlamaForCausalLM,
-    params: dict[str, torch.nn.Parameter],
+    params: dict[str, torch.Tensor],
     path: Path,
     filled: set[tuple[str, str | None]],
 ) -> set[str]:
@@ -101,24 +114,27 @@ def _load_file(
             f"cannot read safetensors file {path}: {exc}", location=Location(str(path))
         ) from exc
     names: set[str] = set()
+    modules = dict(model.named_modules())
     with handle:
         for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
             names.add(name)
             param_name, shard = model.checkpoint_slot(name)
+            module_name, _, leaf = param_name.rpartition(".")
             param = params.get(param_name)
-            if param is None:
+            module = modules.get(module_name)
+            if isinstance(module, QuantLinear) and leaf == "weight":
+                tensor = _read(handle, name, path)
+                if tensor.is_floating_point():
+                    _check_shape(tensor, module.float_shape(shard), name, path)
+                    for suffix, part in quantize(tensor, module.spec).items():
+                        target = f"{module_name}.{suffix}"
+                        _copy(params[target], shard, part, module, name, path)
+                        filled.add((target, shard))
+                    continue
+            if param is None or module is None:
                 continue  # buffers such as rotary_emb.inv_freq, or a head the model ties
-            module_name, leaf = param_name.rsplit(".", 1)
-            module = model.get_submodule(module_name)
-            part = _rank_slice(module, leaf, shard)
-            try:
-                tensor = _read(handle, name, part)
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise CorruptWeights(
-                    f"cannot read tensor {name!r} from {path}: {exc}",
-                    location=Location(str(path), field=name),
-                ) from exc
-            _copy(param, shard, tensor, module, name, path, part)
+            piece = _rank_slice(module, leaf, shard)
+            _copy(param, shard, _read(handle, name, path, piece), module, name, path, piece)
             filled.add((param_name, shard))
     return names
 
@@ -131,23 +147,27 @@ def _rank_slice(module: torch.nn.Module, leaf: str, shard: str | None) -> _Slice
     return part
 
 
-def _read(handle: Any, name: str, part: _Slice | None) -> torch.Tensor:
+def _read(handle: Any, name: str, path: Path, part: _Slice | None = None) -> torch.Tensor:
     """Tensor ``name``, or only its ``part`` (read from the file without the rest)."""
-    if part is None:
-        return handle.get_tensor(name)
-    dim, start, length = part
-    view = handle.get_slice(name)
-    shape = view.get_shape()
-    if dim >= len(shape):
-        return handle.get_tensor(name)  # the shape check reports the mismatch
-    if start == 0 and length == shape[dim]:
-        return handle.get_tensor(name)
-    index = (slice(None),) * dim + (slice(start, start + length),)
-    return view[index]
+    try:
+        if part is None:
+            return handle.get_tensor(name)
+        dim, start, length = part
+        view = handle.get_slice(name)
+        shape = view.get_shape()
+        if dim >= len(shape) or (start == 0 and length == shape[dim]):
+            return handle.get_tensor(name)  # a wrong shape: the shape check reports it
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return view[index]
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CorruptWeights(
+            f"cannot read tensor {name!r} from {path}: {exc}",
+            location=Location(str(path), field=name),
+        ) from exc
 
 
 def _copy(
-    param: torch.nn.Parameter,
+    param: torch.Tensor,
     shard: str | None,
     tensor: torch.Tensor,
     module: torch.nn.Module,
@@ -158,27 +178,30 @@ def _copy(
     """Copy ``tensor`` into ``param`` (into its rows for ``shard`` when fused; into the
     rows of this rank's ``part`` under tensor parallelism)."""
     target = param.data
-    if isinstance(module, FusedLinear) and shard is not None:
+    if shard is not None and isinstance(module, FusedLinear | QuantLinear) and module.shards:
         start, rows = module.shard_offset(shard)
         target = target.narrow(0, start, rows)
     elif part is not None and part[2] < target.shape[part[0]]:
         target = target.narrow(part[0], 0, part[2])  # the padded last block of the vocabulary
-    if tuple(target.shape) != tuple(tensor.shape):
-        where = (
-            "" if part is None else f" (rank slice {part[1]}:{part[1] + part[2]} of dim {part[0]})"
-        )
-        raise ModelError(
-            f"tensor {name!r}{where} has shape {tuple(tensor.shape)}, the model expects "
-            f"{tuple(target.shape)}",
-            location=Location(str(path), field=name),
-        )
+    where = "" if part is None else f" (rank slice {part[1]}:{part[1] + part[2]} of dim {part[0]})"
+    _check_shape(tensor, tuple(target.shape), name, path, where)
     with torch.no_grad():
         target.copy_(tensor)
 
 
+def _check_shape(
+    tensor: torch.Tensor, expected: tuple[int, ...], name: str, path: Path, where: str = ""
+) -> None:
+    if tuple(tensor.shape) != expected:
+        raise ModelError(
+            f"tensor {name!r}{where} has shape {tuple(tensor.shape)}, the model expects {expected}",
+            location=Location(str(path), field=name),
+        )
+
+
 def _check_complete(
     model: LlamaForCausalLM,
-    params: dict[str, torch.nn.Parameter],
+    params: dict[str, torch.Tensor],
     filled: set[tuple[str, str | None]],
     files: dict[Path, list[str] | None],
 ) -> None:

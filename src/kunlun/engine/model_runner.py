@@ -21,7 +21,9 @@ from kunlun.engine.device import resolve_device
 from kunlun.engine.loader import load_weights
 from kunlun.engine.models import build_model
 from kunlun.engine.models.llama import LlamaForCausalLM
+from kunlun.engine.models.quant_linear import quantize_linears
 from kunlun.engine.parallel import SINGLE, TPGroup
+from kunlun.engine.quant import resolve_spec
 from kunlun.engine.step_profiler import NO_TRACE, StepTrace
 from kunlun.engine.tokenizer import Tokenizer
 from kunlun.engine.tp_layout import head_split, max_kv_heads_per_rank
@@ -72,6 +74,8 @@ class ModelRunner:
         max_model_len: int | None = None,
         num_threads: int | None = None,
         group: TPGroup = SINGLE,
+        quantization: str = "none",
+        group_size: int | None = None,
     ) -> None:
         """Load config, tokenizer and weights from ``model_dir`` and allocate the KV cache.
 
@@ -81,6 +85,9 @@ class ModelRunner:
         ``max_position_embeddings`` and may not exceed it. ``num_threads`` sets torch's
         intra-op thread count. ``group`` is this process's rank in a tensor-parallel group:
         the model holds that rank's slices and the KV cache that rank's KV heads.
+        ``quantization`` and ``group_size`` are
+        :class:`~kunlun.engine.engine_config.EngineConfig`'s (see :func:`resolve_spec`);
+        quantized weights run on one rank only for now (a :class:`ConfigError` otherwise).
         """
         if num_threads is not None:
             if num_threads < 1:
@@ -99,6 +106,15 @@ class ModelRunner:
         )
         """KV heads per rank's cache (the most any rank holds, so every rank has as many blocks)."""
         self.max_model_len = self._max_model_len(max_model_len)
+        self.quant_spec = resolve_spec(model_dir, quantization, group_size, self.config)
+        """The weights' quantization (None: floating point)."""
+        if self.quant_spec is not None and group.size > 1:
+            raise ConfigError(
+                f"quantization={self.quant_spec.scheme} with tensor_parallel_size={group.size}: "
+                "quantized weights run on one rank only for now",
+                hint="run the quantized model with tensor_parallel_size 1, or the floating "
+                "model split over ranks",
+            )
         self.model = self._load_model(Path(model_dir))
         self.num_blocks = self._num_blocks(num_blocks, kv_cache_memory_bytes)
         self._allocate_kv_cache()
@@ -125,6 +141,8 @@ class ModelRunner:
         model.to_empty(device=self.device)
         model.to(self.dtype)
         model.model.rotary.build(self.dtype)
+        if self.quant_spec is not None:
+            quantize_linears(model, self.quant_spec, self.dtype)
         load_weights(model, model_dir)
         return model.eval().requires_grad_(False)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kunlun.catalog import resolve
+from kunlun.engine.quant import DEFAULT_GROUP_SIZE, SCHEMES
 from kunlun.errors import UnknownModel
 from kunlun.hf_config import SUPPORTED_ARCHITECTURES, CheckpointQuantization, HFConfig
 from kunlun.state.store import StateStore
@@ -36,12 +37,6 @@ DTYPE_BYTES: dict[str, float] = {
 
 #: transformers' dtype names -> the dtype vocabulary of :mod:`kunlun.device.dtypes`.
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-#: Weight quantization schemes: bytes per linear weight, and the scale overhead per weight.
-#: w8a8: int8 weights with one 16-bit scale per output channel; w4a16: 4-bit weights with
-#: one 16-bit scale per group of 128 (the usual GPTQ/AWQ layout).
-QUANTIZATION_SCHEMES: tuple[str, ...] = ("none", "w8a8", "w4a16")
-_GROUP_SIZE = 128
 
 
 @dataclass(frozen=True)
@@ -81,19 +76,22 @@ class ModelInfo:
     def weight_bytes(self, dtype: str, quantization: str = "none") -> int:
         """Bytes of all weights when run in ``dtype`` with weight ``quantization``.
 
-        Quantization covers the projection matrices of the decoder layers; embeddings, the LM
-        head, biases and norms stay in ``dtype``.
+        Quantization (one of :data:`~kunlun.engine.quant.SCHEMES`, whose module owns the
+        format) covers the projection matrices of the decoder layers: w8a8 and w8a16 store
+        int8 weights with one float32 scale per output channel, w4a16 4-bit weights with a
+        float32 scale and minimum per group (of 128 when the platform quantizes). Embeddings,
+        the LM head, biases and norms stay in ``dtype``.
         """
         element = DTYPE_BYTES[dtype]
         if quantization == "none":
             return int(self.num_parameters * element)
         rest = (self.num_parameters - self.linear_parameters) * element
-        if quantization == "w8a8":
-            return int(self.linear_parameters * 1 + self.linear_out_channels * 2 + rest)
+        if quantization in ("w8a8", "w8a16"):
+            return int(self.linear_parameters * 1 + self.linear_out_channels * 4 + rest)
         if quantization == "w4a16":
-            scales = self.linear_parameters / _GROUP_SIZE * 2
+            scales = self.linear_parameters / DEFAULT_GROUP_SIZE * 2 * 4
             return int(self.linear_parameters * 0.5 + scales + rest)
-        raise ValueError(f"unknown quantization {quantization!r}")
+        raise ValueError(f"unknown quantization {quantization!r}; expected one of {SCHEMES}")
 
     def flops_per_token(self) -> int:
         """Flops of one decoded token: 2 per weight of every matrix multiply (the layers' and

@@ -72,14 +72,19 @@ REGISTRY: dict[str, dict[str, tuple[Kernel, ...]]] = {
     },
     "cuda": {
         "attention": (Kernel("flash_attn_varlen_func (flash_attn)", "flash_attn"),),
-        "matmul": (Kernel("cuBLAS / hipBLAS through torch", None, native=True),),
+        "matmul": (
+            Kernel("torch._int_mm (int8 GEMM, above 16 tokens)", None, "w8a8", native=True),
+            Kernel("cuBLAS / hipBLAS through torch", None, native=True),
+        ),
     },
     "cpu": {
         "attention": (Kernel("torch sdpa (native CPU kernel)", None, native=True),),
         "rmsnorm": (Kernel("torch rms_norm (native)", None, native=True),),
         "rotary": (Kernel("torch elementwise rotate-half (native)", None, native=True),),
         "matmul": (
-            Kernel("torch._int_mm (int8 GEMM)", None, "w8a8", native=True),
+            Kernel("torch._weight_int8pack_mm (int8 x int8 values)", None, "w8a8", native=True),
+            Kernel("torch._weight_int8pack_mm (bf16 x int8)", None, "w8a16", native=True),
+            Kernel("torch._weight_int4pack_mm_for_cpu", None, "w4a16", native=True),
             Kernel("oneDNN linear through torch", None, native=True),
         ),
     },

@@ -148,9 +148,6 @@ def options(
                 )
             )
             continue
-        if demand.quantization == "w4a16" and dtype == "fp32":
-            rejected.append(Rejection(label, dtype, None, "w4a16 needs bf16 or fp16 activations"))
-            continue
         for tp in (demand.tp,) if demand.tp else TP_SIZES:
             shared = shares_host_device(demand, cap, tp, num_devices)
             split = 1 if shared else tp  # memory and rates per device
@@ -209,6 +206,9 @@ def _tp_problem(
         return f"tp={tp}: {why}"
     if tp > 1 and not shared and not cap.p2p:
         return f"tp={tp} needs peer-to-peer between devices; p2p_enabled is false"
+    if tp > 1 and demand.quantization != "none":
+        return (f"tp={tp}: the embedded engine runs {demand.quantization} weights on one rank "
+                "only (it splits floating weights)")  # fmt: skip
     return None
 
 

@@ -11,7 +11,8 @@ ready file atomically, as JSON::
 
 and prints, for the node agent's log capture, ``Compilation Time: 0.00 s`` (the GGUF import
 when ``model_dir`` names a ``.gguf`` file, plus casting the weights to ``dtype`` into
-``plan_dir`` on a plan's first start, logged as ``conversion: ...``; 0 otherwise),
+``plan_dir`` on a plan's first start, quantizing them when ``quantization`` asks, logged
+as ``conversion: ...``; 0 otherwise),
 ``Load Time: 1.23 s``, ``First Token Latency: 45.6 ms``, then one line per finished request.
 With ``tensor_parallel_size`` N > 1 the worker is rank 0 of a group: it starts ranks
 1..N-1 (:mod:`kunlun.engine.tp_group`) before anything else, and is ready only once every rank
@@ -151,7 +152,13 @@ def build_engine(launch: EngineLaunch, group: Any = None) -> tuple[Any, float, f
     if launch.plan_dir is not None:
         from kunlun.engine.convert import prepare_weights
 
-        model_dir, line = prepare_weights(model_dir, launch.plan_dir / "weights", launch.dtype)
+        model_dir, line = prepare_weights(
+            model_dir,
+            launch.plan_dir / "weights",
+            launch.dtype,
+            launch.quantization,
+            launch.group_size,
+        )
         say(line)
     compile_time = time.perf_counter() - started
     started = time.perf_counter()

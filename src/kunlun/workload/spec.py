@@ -32,11 +32,12 @@ class WorkloadSpec(BaseModel):
     dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
         None, description="Compute dtype; default: the best the device supports (fp32 on CPU)."
     )
-    quantization: Literal["none", "w8a8", "w4a16"] = Field(
+    quantization: Literal["none", "w8a8", "w8a16", "w4a16"] = Field(
         "none",
-        description="Weight quantization: none; w8a8 (int8 weights and activations, needs int8 "
-        "in the device's supported_dtypes); w4a16 (4-bit weights, 16-bit activations). A "
-        "checkpoint that is already quantized keeps its own scheme.",
+        description="Weight quantization (kunlun.engine.quant.SCHEMES): none; w8a8 (int8 "
+        "weights and activations, needs int8 in the device's supported_dtypes); w8a16 (int8 "
+        "weights); w4a16 (4-bit weights in groups of 128, or 32 where the layers need it). "
+        "A checkpoint that is already quantized keeps its own scheme.",
     )
     tensor_parallel_size: int | None = Field(
         None,

@@ -4,7 +4,8 @@ The whole host is one device, ``cpu:0``. Memory is the host's RAM; utilization i
 load; NUMA nodes and the ISA flags come from ``/proc/cpuinfo`` and ``/sys`` (live) or from
 ``lscpu`` and ``free -m`` output (replay). ISA flags map to dtypes: fp32 and bf16 always
 (PyTorch computes bf16 on any x86-64 or Arm CPU; natively with avx512_bf16, amx_bf16 or Arm's
-bf16), fp16 with avx512_fp16 / amx_fp16 / Arm fphp, int8 with VNNI / AMX-INT8 / Arm i8mm.
+bf16), fp16 with avx512_fp16 / amx_fp16 / Arm fphp, int8 always (the engine's int8 weight
+kernels run on any CPU; natively, ``int8_native: yes``, with VNNI / AMX-INT8 / Arm i8mm).
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ def dtypes_from_flags(flags: set[str]) -> list[str]:
     dtypes = ["fp32", "bf16"]
     if flags & _FP16:
         dtypes.append("fp16")
-    if flags & _INT8:
-        dtypes.append("int8")
-    return dtypes
+    return [*dtypes, "int8"]
 
 
 class CpuPlugin(DevicePlugin):
@@ -68,6 +67,7 @@ class CpuPlugin(DevicePlugin):
             "threads": str(os.cpu_count() or 1),
             "numa_nodes": str(_numa_nodes()),
             "bf16_native": "yes" if flags & _NATIVE_BF16 else "no",
+            "int8_native": "yes" if flags & _INT8 else "no",
         }
         return Discovery([device])
 
@@ -94,6 +94,7 @@ class CpuPlugin(DevicePlugin):
             "threads": fields.get("CPU(s)", "unknown"),
             "numa_nodes": fields.get("NUMA node(s)", "1"),
             "bf16_native": "yes" if flags & _NATIVE_BF16 else "no",
+            "int8_native": "yes" if flags & _INT8 else "no",
         }
         return Discovery([device])
 

@@ -8,8 +8,8 @@ reason for everything it drops, so that every placement can be explained:
 3. dtype and quantization support, and 4. memory fit at the smallest tensor-parallel size:
    :func:`kunlun.planner.plan.options`;
 5. runnable here (the torch backend imports; tensor parallelism needs the plugin's
-   distributed backend; the embedded engine runs no quantized weights yet), only when the
-   workload is actually starting.
+   distributed backend; weights floating or in Kunlun's own quantized format), only
+   when the workload is actually starting.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import importlib.util
 
 from kunlun.device.profile import Status
 from kunlun.device.registry import torch_extension
+from kunlun.engine.quant import QUANT_METHOD
 from kunlun.errors import ConfigError, Location
 from kunlun.planner.capacity import DeviceCapacity
 from kunlun.planner.plan import Demand, Option, Rejection, options
@@ -77,12 +78,18 @@ def _runnable_options(
     cap: DeviceCapacity, demand: Demand, found: list[Option], label: str
 ) -> tuple[list[Option], list[Rejection]]:
     """Only what the embedded engine can start here: backend importable, tensor parallelism
-    only where the device plugin names a distributed backend, no weight quantization."""
+    only where the device plugin names a distributed backend, weights floating or in Kunlun's
+    own quantized format. Every scheme runs on every torch device: with packed int8/int4
+    kernels on the CPU, ``torch._int_mm`` for w8a8 on CUDA-like devices, and elsewhere a
+    dequantize-then-matmul fallback (:mod:`kunlun.engine.models.quant_linear`)."""
     if (why := runnable(cap)) is not None:
         return [], [Rejection(label, None, None, why)]
-    if demand.quantization != "none":
-        return [], [Rejection(label, None, None, f"the embedded engine does not run "
-                              f"quantization={demand.quantization} weights yet")]  # fmt: skip
+    checkpoint = demand.model.quantization
+    if checkpoint is not None and checkpoint.method != QUANT_METHOD:
+        return [], [Rejection(label, None, None, f"the embedded engine reads quantized weights "
+                              f"in its own format only (quant_method {QUANT_METHOD!r}), not "
+                              f"{checkpoint.method!r}; quantize the floating-point model with "
+                              f"kunlun-cli model quantize")]  # fmt: skip
     if distributed_backend(cap) is not None:
         return found, []
     kept = [o for o in found if o.tp == 1]

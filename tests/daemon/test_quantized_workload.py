@@ -1,0 +1,104 @@
+"""Quantized workloads on a real daemon: ``workload submit --model smollm2 --quantization
+w8a8 --device cpu:0`` (and ``--quantize w4a16``) start, serve a chat completion through the
+``openai`` SDK, and ``kunlun-cli validate`` passes on the w4a16 one (not yet on w8a8: see
+:data:`W8A8_GAP`); ``model quantize`` writes
+a model the planner and the engine both read."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from tests.daemon.conftest import Daemon, free_port, new_home
+from tests.validate.conftest import wait_running
+
+SPEC = """\
+model: smollm2
+batch_size: 4
+max_model_len: 1024
+kv_cache_memory_mb: 64
+"""
+WORKLOADS = {"smollm2-w8a8": ("--quantization", "w8a8"), "smollm2-w4a16": ("--quantize", "w4a16")}
+
+
+@pytest.fixture(scope="module")
+def quantized(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A daemon running the demo model as w8a8 and as w4a16 on cpu:0."""
+    daemon = Daemon(new_home(models_home, tmp_path_factory, "quant-home"), free_port())
+    daemon.start(wait_ready=False)
+    spec = daemon.home / "spec.yaml"
+    spec.write_text(SPEC)
+    try:
+        for name, flags in WORKLOADS.items():
+            proc = daemon.cli("workload", "submit", "--file", str(spec), "--model", "smollm2",
+                              *flags, "--device", "cpu:0", "--name", name, "--json")  # fmt: skip
+            assert proc.returncode == 0, proc.stderr
+        wait_running(daemon, tuple(WORKLOADS))
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.parametrize(("name", "scheme"), [("smollm2-w8a8", "w8a8"), ("smollm2-w4a16", "w4a16")])
+def test_quantized_workload_serves_a_chat_completion(
+    quantized: Daemon, name: str, scheme: str
+) -> None:
+    client = openai.OpenAI(base_url=quantized.url + "/v1", api_key="none", max_retries=0,
+                           timeout=300)  # fmt: skip
+    answer = client.chat.completions.create(
+        model=name,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12,
+        temperature=0,
+    )
+    assert answer.choices[0].message.content
+    assert answer.usage is not None and answer.usage.completion_tokens >= 1
+    rows = json.loads(quantized.cli("workload", "list", "--json").stdout)
+    job = next(w["workload_id"] for w in rows if w["name"] == name)
+    plan = quantized.describe(job)["placement"]["plan"]
+    assert plan["quantization"] == scheme and plan["devices"] == ["cpu:0"]
+    logs = quantized.cli("workload", "logs", job).stdout
+    assert f"quantized 210 layers to {scheme}" in logs, logs
+
+
+W8A8_GAP = (
+    "w8a8 (dynamic per-token int8 activations, +6 % perplexity on the demo) answers 'capital "
+    "of Australia' with Sydney: functional.short_text, concurrency and batch fail; needs "
+    "calibrated activation smoothing (docs/quantization.md)"
+)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "smollm2-w4a16",
+        pytest.param("smollm2-w8a8", marks=pytest.mark.xfail(strict=True, reason=W8A8_GAP)),
+    ],
+)
+def test_validate_passes_on_the_quantized_workload(
+    quantized: Daemon, tmp_path: Path, name: str
+) -> None:
+    out = tmp_path / "out"
+    proc = quantized.cli("validate", "--endpoint", quantized.url, "--model", name,
+                         "--out", str(out), "--seed", "7", timeout=1200)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = json.loads((out / "validation.json").read_text())
+    statuses = {cell["status"] for cell in run["cells"][name].values()}
+    assert statuses <= {"PASS", "SKIP"} and "PASS" in statuses
+
+
+def test_model_quantize_registers_a_model_the_planner_reads(quantized: Daemon) -> None:
+    made = quantized.cli("model", "quantize", "--model", "smollm2", "--quantize", "w8a16",
+                         "--name", "smollm2-int8")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    assert "model smollm2-int8 -> " in made.stdout and "(w8a16)" in made.stdout
+    planned = quantized.cli("plan", "--model", "smollm2-int8", "--device", "cpu:0", "--json",
+                            remote=False)  # fmt: skip
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads(planned.stdout)["plan"]["quantization"] == "w8a16"
+    again = quantized.cli("model", "quantize", "--model", "smollm2-int8", "--quantize", "w8a8")
+    assert again.returncode == 2
+    assert "is already quantized (w8a16)" in again.stderr
