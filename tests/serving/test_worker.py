@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import httpx
 import openai
+import pytest
 
 from kunlun.serving.worker import worker_command
 
@@ -104,18 +105,21 @@ def test_a_bad_launch_file_is_refused_naming_the_field_and_value(tmp_path: Path)
 
 
 def test_an_engine_setting_the_engine_cannot_run_is_refused_naming_it(tmp_path: Path) -> None:
-    """A launch the contract accepts but the engine cannot run (a quantization scheme it
-    does not know) fails at start with the setting named, exit 2, instead of running
-    something else."""
+    """A launch the contract accepts but the engine cannot run on this model (int4 groups of
+    128 on the demo, whose layers are 576 wide) fails at start with the setting named, exit
+    2, instead of running something else; a scheme the contract does not know is refused
+    before that, naming the field."""
     from kunlun.engine.gguf import demo_model_dir
     from kunlun.serving.worker import write_launch
 
-    launch = write_launch(tmp_path / "launch.json", demo_model_dir(), "x",
-                          quantization="int3", ready_file=tmp_path / "ready.json")  # fmt: skip
+    launch = write_launch(tmp_path / "launch.json", demo_model_dir(), "x", quantization="w4a16",
+                          group_size=128, ready_file=tmp_path / "ready.json")  # fmt: skip
     done = subprocess.run(worker_command(launch), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
-    assert "quantization='int3'" in done.stderr
+    assert "group_size=128" in done.stderr and "576" in done.stderr
     assert not (tmp_path / "ready.json").exists()
+    with pytest.raises(ValueError, match="quantization must be one of .* got 'int3'"):
+        write_launch(tmp_path / "bad.json", demo_model_dir(), "x", quantization="int3")
 
 
 def test_health_models_and_stats(worker: WorkerProcess) -> None:
