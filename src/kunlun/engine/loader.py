@@ -16,6 +16,7 @@ tensor is in, each layer repacks them for its kernel.
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,24 @@ def checkpoint_files(model_dir: str | Path) -> dict[Path, list[str] | None]:
         f"no weights in {root}: expected {SINGLE_FILE} or {INDEX_FILE}",
         location=Location(str(root)),
     )
+
+
+def stored_quantized_layers(model_dir: str | Path) -> set[str]:
+    """The checkpoint names of the layers ``model_dir`` stores quantized (those with a
+    ``weight_scale``), from the safetensors headers only (no tensor is read)."""
+    found: set[str] = set()
+    for path in checkpoint_files(model_dir):
+        try:
+            with path.open("rb") as handle:
+                (size,) = struct.unpack("<Q", handle.read(8))
+                names = json.loads(handle.read(size))
+        except (OSError, ValueError, struct.error) as exc:
+            raise CorruptWeights(
+                f"cannot read the safetensors header of {path}: {exc}",
+                location=Location(str(path)),
+            ) from exc
+        found |= {n.removesuffix(".weight_scale") for n in names if n.endswith(".weight_scale")}
+    return found
 
 
 def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:

@@ -18,12 +18,12 @@ import torch
 from kunlun.engine.attention import AttentionContext, DecodeBatch, PrefillSegment
 from kunlun.engine.config import ModelConfig
 from kunlun.engine.device import resolve_device
-from kunlun.engine.loader import load_weights
+from kunlun.engine.loader import load_weights, stored_quantized_layers
 from kunlun.engine.models import build_model
 from kunlun.engine.models.llama import LlamaForCausalLM
 from kunlun.engine.models.quant_linear import quantize_linears
 from kunlun.engine.parallel import SINGLE, TPGroup
-from kunlun.engine.quant import resolve_spec
+from kunlun.engine.quant import read_spec, resolve_spec
 from kunlun.engine.step_profiler import NO_TRACE, StepTrace
 from kunlun.engine.tokenizer import Tokenizer
 from kunlun.engine.tp_layout import head_split, max_kv_heads_per_rank
@@ -142,9 +142,25 @@ class ModelRunner:
         model.to(self.dtype)
         model.model.rotary.build(self.dtype)
         if self.quant_spec is not None:
-            quantize_linears(model, self.quant_spec, self.dtype)
+            quantize_linears(
+                model, self.quant_spec, self.dtype, self._quantized_modules(model, model_dir)
+            )
         load_weights(model, model_dir)
         return model.eval().requires_grad_(False)
+
+    def _quantized_modules(self, model: LlamaForCausalLM, model_dir: Path) -> set[str] | None:
+        """The modules to run quantized: every linear layer (None) for a floating checkpoint
+        quantized while loading; for a quantized checkpoint, those holding a layer it stores
+        quantized. A layer it stores in floating point stays so (a GGUF import keeps the
+        projections llama.cpp left in 5, 6 or 8 bits as bf16), unless it shares a fused
+        module with a quantized one (then it is quantized as it loads)."""
+        if read_spec(model_dir) is None:
+            return None
+        modules = set()
+        for layer in stored_quantized_layers(model_dir):
+            param_name, _ = model.checkpoint_slot(f"{layer}.weight")
+            modules.add(param_name.rpartition(".")[0])
+        return modules
 
     def kv_bytes_per_block(self) -> int:
         """Bytes one KV block takes across all layers (keys and values), on one rank."""

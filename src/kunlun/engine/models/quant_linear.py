@@ -197,12 +197,17 @@ def _quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
-def quantize_linears(model: nn.Module, spec: QuantSpec, dtype: torch.dtype) -> int:
-    """Replace every linear layer under ``model.layers`` by an empty :class:`QuantLinear`
-    on the same device (the loader fills it); returns how many were replaced."""
+def quantize_linears(
+    model: nn.Module, spec: QuantSpec, dtype: torch.dtype, only: set[str] | None = None
+) -> int:
+    """Replace every linear layer under ``model.layers`` (or only the modules named in
+    ``only``) by an empty :class:`QuantLinear` on the same device (the loader fills it);
+    returns how many were replaced."""
     replaced = 0
     for name, module in list(model.named_modules()):
         if not (isinstance(module, nn.Linear) and ".layers." in f".{name}"):
+            continue
+        if only is not None and name not in only:
             continue
         parent_name, _, child = name.rpartition(".")
         quantized = QuantLinear(
