@@ -42,8 +42,9 @@ from kunlun.engine.loader import checkpoint_files
 from kunlun.engine.quant import QuantSpec, read_spec
 from kunlun.engine.tokenizer import Tokenizer
 
-#: Migration strength: 0 leaves the activations alone, 1 moves all their range to the weights.
-ALPHA = 0.6
+#: Migration strength per layer: 0 leaves the activations alone, 1 moves all their range to
+#: the weights. Chosen on the demo model (docs/quantization.md gives the measurements).
+ALPHAS: dict[str, float] = {"qkv_proj": 0.6, "o_proj": 0.6, "gate_up_proj": 0.6, "down_proj": 0.5}
 #: Floor of a channel's statistics (a channel never seen non-zero keeps factor 1).
 _EPS = 1e-5
 
@@ -95,7 +96,7 @@ of a triangle is 180 degrees, and the square of 12 is 144.
 
 
 def smoothed_tensors(
-    model_dir: str | Path, spec: QuantSpec | None, *, alpha: float = ALPHA
+    model_dir: str | Path, spec: QuantSpec | None, *, alphas: dict[str, float] | None = None
 ) -> dict[str, torch.Tensor]:
     """Checkpoint name -> float32 tensor to use in place of the checkpoint's, so that
     quantizing ``model_dir`` by ``spec`` quantizes the smoothed model.
@@ -107,6 +108,7 @@ def smoothed_tensors(
     """
     if spec is None or spec.scheme != "w8a8" or read_spec(model_dir) is not None:
         return {}
+    alpha = ALPHAS if alphas is None else alphas
     config, stats = _calibrate(Path(model_dir))
     group = config.num_attention_heads // config.num_key_value_heads
     head_dim = config.head_dim
@@ -120,18 +122,18 @@ def smoothed_tensors(
             return (out[name] if name in out else tensors[name]).float()
 
         qkv = [f"{attn}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")]
-        s = _factors(stats[f"{attn}.qkv_proj"], [get(n) for n in qkv], alpha)
+        s = _factors(stats[f"{attn}.qkv_proj"], [get(n) for n in qkv], alpha["qkv_proj"])
         out[f"{layer}.input_layernorm.weight"] = get(f"{layer}.input_layernorm.weight") / s
         out.update({name: get(name) * s for name in qkv})
 
         gate_up = [f"{mlp}.{p}.weight" for p in ("gate_proj", "up_proj")]
-        s = _factors(stats[f"{mlp}.gate_up_proj"], [get(n) for n in gate_up], alpha)
+        s = _factors(stats[f"{mlp}.gate_up_proj"], [get(n) for n in gate_up], alpha["gate_up_proj"])
         norm = f"{layer}.post_attention_layernorm.weight"
         out[norm] = get(norm) / s
         out.update({name: get(name) * s for name in gate_up})
 
         down = f"{mlp}.down_proj.weight"
-        s = _factors(stats[f"{mlp}.down_proj"], [get(down)], alpha)
+        s = _factors(stats[f"{mlp}.down_proj"], [get(down)], alpha["down_proj"])
         out[down] = get(down) * s
         _divide_rows(out, tensors, f"{mlp}.up_proj", s)
 
@@ -139,7 +141,7 @@ def smoothed_tensors(
         weight = get(o_proj)
         x_max = stats[f"{attn}.o_proj"].view(-1, group, head_dim).amax(dim=1)
         w_max = weight.abs().amax(dim=0).view(-1, group, head_dim).amax(dim=1)
-        s_kv = _from_maxima(x_max, w_max, alpha).reshape(-1)  # per v_proj row
+        s_kv = _from_maxima(x_max, w_max, alpha["o_proj"]).reshape(-1)  # per v_proj row
         s = s_kv.view(-1, 1, head_dim).expand(-1, group, head_dim).reshape(-1)
         out[o_proj] = weight * s
         _divide_rows(out, tensors, f"{attn}.v_proj", s_kv)
