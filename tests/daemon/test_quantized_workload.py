@@ -1,8 +1,8 @@
 """Quantized workloads on a real daemon: ``workload submit --model smollm2 --quantization
 w8a8 --device cpu:0`` (and ``--quantize w4a16``) start, serve a chat completion through the
-``openai`` SDK, and ``kunlun-cli validate`` passes on the w4a16 one (not yet on w8a8: see
-:data:`W8A8_GAP`); ``model quantize`` writes
-a model the planner and the engine both read."""
+``openai`` SDK, and ``kunlun-cli validate`` passes on both (w8a8 with the activation
+smoothing of :mod:`kunlun.engine.smooth`); ``model quantize`` writes a model the planner and
+the engine both read."""
 
 from __future__ import annotations
 
@@ -64,20 +64,7 @@ def test_quantized_workload_serves_a_chat_completion(
     assert f"quantized 210 layers to {scheme}" in logs, logs
 
 
-W8A8_GAP = (
-    "w8a8 (dynamic per-token int8 activations, +6 % perplexity on the demo) answers 'capital "
-    "of Australia' with Sydney: functional.short_text, concurrency and batch fail; needs "
-    "calibrated activation smoothing (docs/quantization.md)"
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        "smollm2-w4a16",
-        pytest.param("smollm2-w8a8", marks=pytest.mark.xfail(strict=True, reason=W8A8_GAP)),
-    ],
-)
+@pytest.mark.parametrize("name", ["smollm2-w4a16", "smollm2-w8a8"])
 def test_validate_passes_on_the_quantized_workload(
     quantized: Daemon, tmp_path: Path, name: str
 ) -> None:

@@ -1,7 +1,8 @@
 """Quality of the quantized demo model: perplexity on a fixed public-domain English text
-(``data/declaration.txt``, about 2,000 tokens) within 2 % of fp32 for w8a16, 6 % for w4a16
-and 8 % for w8a8 (see :data:`BOUNDS`), and greedy agreement with fp32 over the first 32 tokens of 8 prompts (printed;
-asserted only against a loose floor).
+(``data/declaration.txt``, about 2,000 tokens) within 2 % of fp32 for w8a16 and w8a8 (the
+latter with its activation smoothing, calibrated on another text: :mod:`kunlun.engine.smooth`)
+and 6 % for w4a16 (see :data:`BOUNDS`), and greedy agreement with fp32 over the first 32
+tokens of 8 prompts (printed; asserted only against a loose floor).
 
 The demo's hidden size (576) is not a multiple of 128, so w4a16 runs in groups of 32 there
 (the default the platform picks for it); group 128 is refused with the layer named.
@@ -29,12 +30,9 @@ PROMPTS = [
     "Explain why the sky is blue in one sentence.",
     "Water boils at",
 ]
-#: scheme -> largest allowed perplexity increase over fp32: the issue's bounds (2 %, 6 %), except
-#: w8a8, measured at +6.2 %: dynamic per-token int8 activations lose that much on this model
-#: whatever the kernel (the dequantize fallback does no better); bringing it within 2 % needs
-#: activation smoothing calibrated on data (SmoothQuant), which the format leaves room for
-#: (the factors fold into the norms) but the platform does not do yet.
-BOUNDS = {"w8a8": 0.08, "w8a16": 0.02, "w4a16": 0.06}
+#: scheme -> largest allowed perplexity increase over fp32 (w8a8 measured at +1.7 % with
+#: smoothing, +6.2 % without it).
+BOUNDS = {"w8a8": 0.02, "w8a16": 0.02, "w4a16": 0.06}
 
 
 def _text_body() -> str:
@@ -103,7 +101,7 @@ def test_quantized_perplexity_and_greedy_agreement(
           f"({(ppl / reference_ppl - 1) * 100:+.2f} %); greedy agreement over 8 x 32 tokens: "
           f"{same:.1%} of positions, common prefix {prefix:.1%}")  # fmt: skip
     assert ppl <= reference_ppl * (1 + BOUNDS[scheme])
-    assert same >= (0.5 if scheme != "w8a8" else 0.2)
+    assert same >= (0.5 if scheme != "w8a8" else 0.3)
 
 
 def test_group_128_is_refused_on_the_demo_naming_the_layer(demo_model_dir: Path) -> None:

@@ -3,7 +3,8 @@
 :func:`prepare_weights` returns the directory the engine should load: the model's own when its
 floating-point weights are already in the plan's dtype and quantization, else ``target`` (an
 entry of the plan cache), filled on the first start with every safetensors file cast to that
-dtype (and its decoder linear layers quantized, :mod:`kunlun.engine.quant`) and links to the
+dtype (and its decoder linear layers quantized, :mod:`kunlun.engine.quant`; for ``w8a8``
+after the smoothing of :mod:`kunlun.engine.smooth`) and links to the
 model's other files (tokenizer; a quantized copy writes its own ``config.json``). The
 directory appears atomically (built aside, then renamed), so a start that died half-way leaves
 nothing that looks complete. The returned line says which of the three happened; the worker
@@ -34,6 +35,7 @@ from kunlun.engine.quant import (
     quantize,
     read_spec,
 )
+from kunlun.engine.smooth import smoothed_tensors
 
 #: Plan dtype -> (torch dtype, safetensors header dtype).
 DTYPES: dict[str, tuple[torch.dtype, str]] = {
@@ -95,11 +97,14 @@ def write_quantized(
     staging.mkdir(parents=True)
     num_tensors = num_quantized = 0
     index: dict[str, str] = {}
+    replacements = smoothed_tensors(source, spec)
     for path in checkpoint_files(source):
         tensors = {}
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
-                tensor = handle.get_tensor(name)
+                tensor = replacements.get(name)
+                if tensor is None:
+                    tensor = handle.get_tensor(name)
                 if spec is not None and is_quantized_linear(name):
                     prefix = name.removesuffix(".weight")
                     parts = quantize(tensor, spec).items()

@@ -92,8 +92,14 @@ def stored_quantized_layers(model_dir: str | Path) -> set[str]:
     return found
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
-    """Copy every parameter of ``model`` from the checkpoint in ``model_dir``.
+def load_weights(
+    model: LlamaForCausalLM,
+    model_dir: str | Path,
+    replacements: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Copy every parameter of ``model`` from the checkpoint in ``model_dir``; a checkpoint
+    name in ``replacements`` takes that tensor instead of the file's (the smoothed weights of
+    :func:`kunlun.engine.smooth.smoothed_tensors`; whole tensors, one rank only).
 
     Raises :class:`CorruptWeights` naming the file when a safetensors header cannot be read,
     and :class:`ModelError` naming the tensor and file when a tensor is missing or has the
@@ -107,7 +113,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
     seen: set[str] = set()
     files = checkpoint_files(model_dir)
     for path in files:
-        seen.update(_load_file(model, params, path, filled))
+        seen.update(_load_file(model, params, path, filled, replacements or {}))
     if LM_HEAD not in seen:
         model.lm_head.weight = model.model.embed_tokens.weight
         filled.add((LM_HEAD, None))
@@ -124,8 +130,10 @@ def _load_file(
     params: dict[str, torch.Tensor],
     path: Path,
     filled: set[tuple[str, str | None]],
+    replacements: dict[str, torch.Tensor],
 ) -> set[str]:
-    """Copy the tensors of one safetensors file; returns the checkpoint names it held."""
+    """Copy the tensors of one safetensors file (or their ``replacements``); returns the
+    checkpoint names it held."""
     try:
         handle = safe_open(str(path), framework="pt")
     except (SafetensorError, OSError, ValueError) as exc:
@@ -141,8 +149,9 @@ def _load_file(
             module_name, _, leaf = param_name.rpartition(".")
             param = params.get(param_name)
             module = modules.get(module_name)
+            replaced = replacements.get(name)
             if isinstance(module, QuantLinear) and leaf == "weight":
-                tensor = _read(handle, name, path)
+                tensor = _read(handle, name, path) if replaced is None else replaced
                 if tensor.is_floating_point():
                     _check_shape(tensor, module.float_shape(shard), name, path)
                     for suffix, part in quantize(tensor, module.spec).items():
@@ -153,7 +162,11 @@ def _load_file(
             if param is None or module is None:
                 continue  # buffers such as rotary_emb.inv_freq, or a head the model ties
             piece = _rank_slice(module, leaf, shard)
-            _copy(param, shard, _read(handle, name, path, piece), module, name, path, piece)
+            if replaced is not None:
+                tensor = replaced.to(param.dtype)
+            else:
+                tensor = _read(handle, name, path, piece)
+            _copy(param, shard, tensor, module, name, path, piece)
             filled.add((param_name, shard))
     return names
 

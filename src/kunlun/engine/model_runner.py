@@ -24,6 +24,7 @@ from kunlun.engine.models.llama import LlamaForCausalLM
 from kunlun.engine.models.quant_linear import quantize_linears
 from kunlun.engine.parallel import SINGLE, TPGroup
 from kunlun.engine.quant import read_spec, resolve_spec
+from kunlun.engine.smooth import smoothed_tensors
 from kunlun.engine.step_profiler import NO_TRACE, StepTrace
 from kunlun.engine.tokenizer import Tokenizer
 from kunlun.engine.tp_layout import head_split, max_kv_heads_per_rank
@@ -145,7 +146,7 @@ class ModelRunner:
             quantize_linears(
                 model, self.quant_spec, self.dtype, self._quantized_modules(model, model_dir)
             )
-        load_weights(model, model_dir)
+        load_weights(model, model_dir, smoothed_tensors(model_dir, self.quant_spec))
         return model.eval().requires_grad_(False)
 
     def _quantized_modules(self, model: LlamaForCausalLM, model_dir: Path) -> set[str] | None:
