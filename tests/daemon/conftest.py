@@ -217,3 +217,14 @@ def daemon(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     wait_ready(d)
     yield d
     d.stop()
+
+
+def assert_validate_passes(daemon: Daemon, model: str, out: Path) -> None:
+    """``kunlun-cli validate`` on ``model`` through ``daemon`` exits 0 and every cell of its
+    matrix is PASS or SKIP (at least one PASS)."""
+    proc = daemon.cli("validate", "--endpoint", daemon.url, "--model", model, "--out", str(out),
+                      "--seed", "7", timeout=1200)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = json.loads((out / "validation.json").read_text())
+    statuses = {cell["status"] for cell in run["cells"][model].values()}
+    assert statuses <= {"PASS", "SKIP"} and "PASS" in statuses

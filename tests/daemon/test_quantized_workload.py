@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from tests.daemon.conftest import Daemon, free_port, new_home
+from tests.daemon.conftest import Daemon, assert_validate_passes, free_port, new_home
 from tests.validate.conftest import wait_running
 
 SPEC = """\
@@ -68,13 +68,7 @@ def test_quantized_workload_serves_a_chat_completion(
 def test_validate_passes_on_the_quantized_workload(
     quantized: Daemon, tmp_path: Path, name: str
 ) -> None:
-    out = tmp_path / "out"
-    proc = quantized.cli("validate", "--endpoint", quantized.url, "--model", name,
-                         "--out", str(out), "--seed", "7", timeout=1200)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    run = json.loads((out / "validation.json").read_text())
-    statuses = {cell["status"] for cell in run["cells"][name].values()}
-    assert statuses <= {"PASS", "SKIP"} and "PASS" in statuses
+    assert_validate_passes(quantized, name, tmp_path / "out")
 
 
 def test_model_quantize_registers_a_model_the_planner_reads(quantized: Daemon) -> None:

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from kunlun.cli.options import Quantization, TpSize
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.device.inventory import build_inventory
 from kunlun.errors import ConfigError, Location
@@ -33,14 +34,8 @@ def plan(
     replay: Annotated[Path | None, typer.Option(help="Recorded vendor-tool output.")] = None,
     config: Annotated[Path | None, typer.Option(help="device-plugin-config.yaml.")] = None,
     dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16.")] = None,
-    quantization: Annotated[
-        str | None,
-        typer.Option("--quantization", "--quantize", help="none, w8a8, w8a16 or w4a16."),
-    ] = None,
-    tp_size: Annotated[
-        int | None,
-        typer.Option("--tp-size", help="Tensor-parallel size (default: what memory needs)."),
-    ] = None,
+    quantization: Quantization = None,
+    tp_size: TpSize = None,
     max_model_len: Annotated[int | None, typer.Option(help="Context limit.")] = None,
     batch_size: Annotated[int | None, typer.Option(help="max_num_seqs.")] = None,
     priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,

@@ -12,6 +12,7 @@ import typer
 from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
+from kunlun.cli.options import Quantization, TpSize
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.planner.plan import ExecutionPlan
 from kunlun.workload.spec import load_spec_file, parse_spec
@@ -28,14 +29,8 @@ def submit(
     file: Annotated[Path | None, typer.Option("--file", "-f", help="Workload spec YAML.")] = None,
     device: Annotated[str | None, typer.Option(help="Explicit device, e.g. cpu:0.")] = None,
     dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16.")] = None,
-    quantization: Annotated[
-        str | None,
-        typer.Option("--quantization", "--quantize", help="none, w8a8, w8a16 or w4a16."),
-    ] = None,
-    tp_size: Annotated[
-        int | None,
-        typer.Option("--tp-size", help="Tensor-parallel size (default: what memory needs)."),
-    ] = None,
+    quantization: Quantization = None,
+    tp_size: TpSize = None,
     scorer: Annotated[
         str | None, typer.Option(help="performance, roofline, binpack or spread.")
     ] = None,

@@ -150,6 +150,7 @@ def _load_file(
             param = params.get(param_name)
             module = modules.get(module_name)
             replaced = replacements.get(name)
+            tensor: torch.Tensor | None = None
             if isinstance(module, QuantLinear) and leaf == "weight":
                 tensor = _read(handle, name, path) if replaced is None else replaced
                 if tensor.is_floating_point():
@@ -164,7 +165,7 @@ def _load_file(
             piece = _rank_slice(module, leaf, shard)
             if replaced is not None:
                 tensor = replaced.to(param.dtype)
-            else:
+            elif tensor is None:  # a quantized layer's int8 weight is read above already
                 tensor = _read(handle, name, path, piece)
             _copy(param, shard, tensor, module, name, path, piece)
             filled.add((param_name, shard))

@@ -1,0 +1,18 @@
+"""Command-line options that several commands share, spelled once."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+Quantization = Annotated[
+    str | None,
+    typer.Option("--quantization", "--quantize", help="none, w8a8, w8a16 or w4a16."),
+]
+"""Weight quantization (``--quantize`` is the seed's spelling)."""
+TpSize = Annotated[
+    int | None,
+    typer.Option("--tp-size", help="Tensor-parallel size (default: what memory needs)."),
+]
+"""Tensor-parallel size, overriding the plan's."""
