@@ -29,13 +29,13 @@ from kunlun.engine.detokenizer import Detokenizer
 from kunlun.engine.engine_config import EngineConfig
 from kunlun.engine.model_runner import ModelRunner, StepOutput, StepSeq
 from kunlun.engine.outputs import CompletionOutput, EngineStats, RequestOutput, RequestOutputDelta
-from kunlun.engine.quant import read_spec
+from kunlun.engine.preflight import preflight
 from kunlun.engine.sampler import Sampler, top_logprobs
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kunlun.engine.sequence import Sequence, TopLogprobs
 from kunlun.engine.step_profiler import NO_TRACE, StepProfiler
-from kunlun.engine.tp_group import RankGroup, check_tp_split, rank_threads
+from kunlun.engine.tp_group import RankGroup, rank_threads
 from kunlun.errors import ConfigError, EngineError, KunlunError, PromptTooLong, RequestError
 
 logger = logging.getLogger(__name__)
@@ -80,11 +80,18 @@ class LLMEngine:
 
         With ``tensor_parallel_size > 1`` this process is rank 0 of a group: ``rank_group``
         when the caller started it (the worker does, before its sandbox forbids new
-        processes), else one started here; :meth:`close` ends it. Heads that do not split
-        over the ranks are a :class:`ConfigError` before any rank starts.
+        processes), else one started here; :meth:`close` ends it. Whatever
+        :func:`~kunlun.engine.preflight.preflight` refuses (heads that do not split over the
+        ranks, quantized weights split over ranks, a bad setting) is a :class:`ConfigError`
+        before any rank starts or any weight is read.
         """
-        self.config = config.validate()
+        self.config = config
         self.rank_group = rank_group
+        try:
+            preflight(config)
+        except ConfigError:
+            self.close()  # a group the caller started
+            raise
         if runner is None and config.tensor_parallel_size > 1:
             runner = self._start_group(config)
         self.runner = runner or ModelRunner(
@@ -121,22 +128,6 @@ class LLMEngine:
 
     def _start_group(self, config: EngineConfig) -> ModelRunner:
         """Rank 0's runner of a tensor-parallel group, once every rank has loaded."""
-        try:
-            check_tp_split(config.model_dir, config.tensor_parallel_size)
-            scheme = config.quantization
-            if scheme == "none" and (stored := read_spec(config.model_dir)) is not None:
-                scheme = stored.scheme
-            if scheme != "none":
-                raise ConfigError(
-                    f"quantization={scheme} with tensor_parallel_size="
-                    f"{config.tensor_parallel_size}: quantized weights run on one rank only "
-                    "for now",
-                    hint="run the quantized model with tensor_parallel_size 1, or the floating "
-                    "model split over ranks",
-                )
-        except ConfigError:
-            self.close()  # a group the caller started
-            raise
         group = self.rank_group = self.rank_group or RankGroup(
             config.tensor_parallel_size, config.distributed_backend or "", str(config.device)
         )

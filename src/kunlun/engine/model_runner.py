@@ -23,6 +23,7 @@ from kunlun.engine.models import build_model
 from kunlun.engine.models.llama import LlamaForCausalLM
 from kunlun.engine.models.quant_linear import quantize_linears
 from kunlun.engine.parallel import SINGLE, TPGroup
+from kunlun.engine.preflight import check_max_model_len, raise_if_quantized_split
 from kunlun.engine.quant import read_spec, resolve_spec
 from kunlun.engine.smooth import smoothed_tensors
 from kunlun.engine.step_profiler import NO_TRACE, StepTrace
@@ -106,16 +107,11 @@ class ModelRunner:
             self.config.num_attention_heads, self.config.num_key_value_heads, group.size
         )
         """KV heads per rank's cache (the most any rank holds, so every rank has as many blocks)."""
-        self.max_model_len = self._max_model_len(max_model_len)
+        self.max_model_len = check_max_model_len(max_model_len, self.config)
         self.quant_spec = resolve_spec(model_dir, quantization, group_size, self.config)
         """The weights' quantization (None: floating point)."""
-        if self.quant_spec is not None and group.size > 1:
-            raise ConfigError(
-                f"quantization={self.quant_spec.scheme} with tensor_parallel_size={group.size}: "
-                "quantized weights run on one rank only for now",
-                hint="run the quantized model with tensor_parallel_size 1, or the floating "
-                "model split over ranks",
-            )
+        if self.quant_spec is not None:
+            raise_if_quantized_split(self.quant_spec.scheme, group.size)
         self.model = self._load_model(Path(model_dir))
         self.num_blocks = self._num_blocks(num_blocks, kv_cache_memory_bytes)
         self._allocate_kv_cache()
@@ -124,17 +120,6 @@ class ModelRunner:
         self.step_hook: Callable[[StepBatch], None] | None = None
         """Called with each validated step before it runs: under tensor parallelism, rank 0
         sends it to the other ranks here (:mod:`kunlun.engine.tp_group`)."""
-
-    def _max_model_len(self, requested: int | None) -> int:
-        limit = self.config.max_position_embeddings
-        if requested is None:
-            return limit
-        if not 1 <= requested <= limit:
-            raise ConfigError(
-                f"max_model_len={requested} is outside [1, {limit}] "
-                f"(the model's max_position_embeddings)"
-            )
-        return requested
 
     def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
         with torch.device("meta"):
@@ -147,6 +132,8 @@ class ModelRunner:
                 model, self.quant_spec, self.dtype, self._quantized_modules(model, model_dir)
             )
         load_weights(model, model_dir, smoothed_tensors(model_dir, self.quant_spec))
+        if self.quant_spec is not None:
+            model.lm_head.quantize_int8()
         return model.eval().requires_grad_(False)
 
     def _quantized_modules(self, model: LlamaForCausalLM, model_dir: Path) -> set[str] | None:

@@ -37,13 +37,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from kunlun.engine.config import ModelConfig
 from kunlun.engine.device import resolve_device
 from kunlun.engine.engine_config import EngineConfig
 from kunlun.engine.model_runner import StepBatch
 from kunlun.engine.parallel import TPGroup
-from kunlun.engine.tp_layout import head_split_problem
-from kunlun.errors import ConfigError, EngineError, Location
+from kunlun.errors import EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -90,18 +88,6 @@ def config_from_json(text: str) -> EngineConfig:
     raw: dict[str, Any] = json.loads(text)
     raw["dtype"] = getattr(torch, raw["dtype"])
     return EngineConfig(**raw)
-
-
-def check_tp_split(model_dir: str | Path, tp: int) -> None:
-    """Raise :class:`ConfigError` naming the model and the numbers when its heads do not
-    split over ``tp`` ranks (:mod:`kunlun.engine.tp_layout`)."""
-    config = ModelConfig.from_dir(model_dir)
-    problem = head_split_problem(config.num_attention_heads, config.num_key_value_heads, tp)
-    if problem is not None:
-        raise ConfigError(
-            f"{model_dir}: {problem}", location=Location("tensor_parallel_size"),
-            hint="choose a tensor-parallel size the heads split over",
-        )  # fmt: skip
 
 
 def _free_port() -> int:

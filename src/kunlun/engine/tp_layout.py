@@ -72,6 +72,17 @@ def head_split_problem(num_heads: int, num_kv_heads: int, tp: int) -> str | None
     return None
 
 
+def quantized_split_problem(quantization: str, tp: int) -> str | None:
+    """Why ``tp`` ranks cannot run weights quantized as ``quantization``, or None: the engine
+    splits floating weights only (a quantized model runs with ``tp`` 1)."""
+    if tp > 1 and quantization != "none":
+        return (
+            f"tp={tp}: the embedded engine runs {quantization} weights on one rank only "
+            "(it splits floating weights)"
+        )
+    return None
+
+
 def head_split(num_heads: int, num_kv_heads: int, tp: int, rank: int) -> HeadSplit:
     """The heads of ``rank``; raises ValueError with :func:`head_split_problem`'s reason."""
     problem = head_split_problem(num_heads, num_kv_heads, tp)

@@ -11,12 +11,13 @@ vendor attributes, and the visibility environment.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kunlun.engine.launch import EngineLaunch, device_fields
-from kunlun.engine.tp_layout import head_split_problem
+from kunlun.engine.tp_layout import head_split_problem, quantized_split_problem
 from kunlun.planner.capacity import DeviceCapacity
 from kunlun.planner.engine_options import engine_options
 from kunlun.planner.estimate import (
@@ -206,10 +207,7 @@ def _tp_problem(
         return f"tp={tp}: {why}"
     if tp > 1 and not shared and not cap.p2p:
         return f"tp={tp} needs peer-to-peer between devices; p2p_enabled is false"
-    if tp > 1 and demand.quantization != "none":
-        return (f"tp={tp}: the embedded engine runs {demand.quantization} weights on one rank "
-                "only (it splits floating weights)")  # fmt: skip
-    return None
+    return quantized_split_problem(demand.quantization, tp)
 
 
 @dataclass
@@ -288,7 +286,10 @@ def build_plan(
     """The plan for one replica of ``demand`` on ``group`` with ``option``."""
     first, model = group[0], demand.model
     kv_token = model.kv_bytes_per_token(option.dtype)
-    blocks = int(kv_mb * MIB * option.num_devices // (BLOCK_SIZE * kv_token))
+    # whole MiB, rounded up, as the launch hands them to the engine (truncating would give a
+    # small model's sub-MiB budget as an invalid 0); the blocks are what the engine makes
+    kv_total_mb = math.ceil(kv_mb * option.num_devices)
+    blocks = kv_total_mb * MIB // (BLOCK_SIZE * kv_token)
     if blocks * BLOCK_SIZE < demand.max_model_len:
         notes_kv = [f"KV ({blocks} blocks) is shorter than max_model_len={demand.max_model_len}"]
     else:
@@ -321,7 +322,7 @@ def build_plan(
         max_num_seqs=demand.batch,
         block_size=BLOCK_SIZE,
         num_kv_blocks=blocks,
-        kv_cache_memory_mb=int(kv_mb * option.num_devices),
+        kv_cache_memory_mb=kv_total_mb,
         weight_memory_mb=int(round(option.need.weights_mb)),
         memory={
             "device_memory_mb": first.memory_total_mb,

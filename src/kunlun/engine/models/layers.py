@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kunlun.engine.models.quant_linear import Int8Rows, int8pack_runs_on
 from kunlun.engine.parallel import SINGLE, TPGroup
 from kunlun.engine.tp_layout import Span, vocab_span
 
@@ -144,10 +145,21 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup = SINGLE) -> None:
         super().__init__(vocab_size, hidden_size, group)
         self.vocab_size = vocab_size
+        self.int8: Int8Rows | None = None
+        """The int8 copy the logits use, once :meth:`quantize_int8` made it."""
+
+    def quantize_int8(self) -> bool:
+        """Compute the logits from an int8 copy of the weight (per-row scales) where the
+        device has the int8pack kernel; returns whether it does. The weight itself stays (a
+        tied embedding still looks rows up in it)."""
+        if not int8pack_runs_on(self.weight.device):
+            return False
+        self.int8 = Int8Rows(self.weight)
+        return True
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of hidden states [n, hidden], on every rank."""
-        local = F.linear(hidden, self.weight)
+        local = F.linear(hidden, self.weight) if self.int8 is None else self.int8.matmul(hidden)
         if self.group.size == 1:
             return local
         return self.group.all_gather_last(local)[..., : self.vocab_size]
