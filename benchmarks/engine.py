@@ -21,8 +21,16 @@ not matter and eos never stops a request early (ours: ``ignore_eos``; transforme
   stream (best of ``--repeats``, the two alternating), ``int8_concurrent16_vs_hf_fp32`` its
   16-in-flight throughput over transformers' fp32 static batches of 16 (measured above).
 
+- int4: ``int4_single_vs_llamacpp_q4`` is our decode rate on the demo GGUF imported as it
+  ships (its 4-bit projections kept as w4a16, groups of 32; fp32 activations) over
+  llama.cpp's (``llama-cpp-python``, the optional ``bench`` extra) on the same GGUF file,
+  same thread count. Decode rate: tokens after the first over the time after the first
+  (so neither side's prompt processing counts); exactly ``single_output_len`` greedy tokens
+  on both sides (llama.cpp through ``Llama.generate``, which never stops on its own). Best
+  of ``--repeats``, alternating. Skipped, saying so, when llama_cpp is not installed.
+
 Usage: ``python benchmarks/engine.py [--quick] [--threads N] [--no-bf16] [--hf-bf16-static]
-[--int8-scheme w8a16|w8a8|none] [--no-tp]``.
+[--int8-scheme w8a16|w8a8|none] [--no-tp] [--no-int4]``.
 """
 
 from __future__ import annotations
@@ -109,6 +117,18 @@ def ours_single(engine: LLMEngine, prompt: list[int], num_tokens: int) -> float:
     while engine.has_unfinished():
         engine.step()
     return num_tokens / (time.perf_counter() - start)
+
+
+def ours_decode(engine: LLMEngine, prompt: list[int], num_tokens: int) -> float:
+    """Decode tokens/s of one request: tokens after the first over the time after the first
+    (the first step is the prefill, which produces the first token)."""
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
+    engine.add_request(prompt, params)
+    engine.step()
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return (num_tokens - 1) / (time.perf_counter() - start)
 
 
 def ours_concurrent(
@@ -257,6 +277,56 @@ def run_int8(
     return result
 
 
+def llamacpp_decode(llm, prompt: list[int], num_tokens: int) -> float:  # noqa: ANN001
+    """llama.cpp's decode tokens/s, measured as :func:`ours_decode` does (greedy)."""
+    start = 0.0
+    for count, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True), start=1):
+        if count == 1:
+            start = time.perf_counter()
+        if count == num_tokens:
+            break
+    return (num_tokens - 1) / (time.perf_counter() - start)
+
+
+def run_int4(workload: Workload, repeats: int) -> dict[str, object]:
+    """``int4_single_vs_llamacpp_q4``: our decode rate on the demo GGUF imported with its 4-bit
+    projections kept (w4a16) over llama.cpp's on the same file, same threads."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return {"int4_skipped": "llama_cpp is not installed (pip install '.[bench]')"}
+    from kunlun.engine.gguf import ImportOptions, demo_gguf_path, import_gguf
+    from kunlun.paths import model_cache_dir
+
+    gguf = demo_gguf_path()
+    model_dir = import_gguf(gguf, model_cache_dir() / "smollm2-gguf-w4a16", ImportOptions())
+    engine = make_engine(model_dir, torch.float32, workload)
+    threads = torch.get_num_threads()
+    llm = llama_cpp.Llama(
+        model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=512,
+        verbose=False,
+    )  # fmt: skip
+    prompt = workload.requests(engine.runner.config.vocab_size)[0][0][: workload.single_prompt_len]
+    tokens = workload.single_output_len
+    ours_decode(engine, prompt, 8)  # warm-up
+    llamacpp_decode(llm, prompt, 8)
+    ours, theirs = [], []
+    for _ in range(repeats):
+        ours.append(log(torch.float32, "w4a16 decode", ours_decode(engine, prompt, tokens)))
+        theirs.append(log(torch.float32, "llama.cpp decode", llamacpp_decode(llm, prompt, tokens)))
+    spec = engine.runner.quant_spec
+    return {
+        "int4_decode_tokens_per_s": round(max(ours), 2),
+        "llamacpp_q4_decode_tokens_per_s": round(max(theirs), 2),
+        "int4_single_vs_llamacpp_q4": round(max(ours) / max(theirs), 3),
+        "int4_detail": {
+            "gguf": gguf.name,
+            "ours": f"{spec.describe() if spec else 'floating'}, fp32 activations",
+            "llama_cpp_python": llama_cpp.__version__,
+        },
+    }
+
+
 def log(dtype: torch.dtype, name: str, value: T) -> T:
     """Report a partial result on stderr as soon as it is known (long runs)."""
     print(f"[{time.strftime('%X')}] {dtype} {name}: {value}", file=sys.stderr, flush=True)
@@ -296,6 +366,20 @@ def run_tp(model_dir: Path, workload: Workload, repeats: int) -> dict[str, objec
     }
 
 
+def cpu_facts() -> dict[str, object]:
+    """This CPU as the cpu device plugin sees it: model name, native bf16 and int8 units."""
+    from kunlun.device.inventory import build_inventory
+
+    profile = build_inventory().get("cpu:0")
+    if profile is None:
+        return {}
+    attributes = profile.get("attributes") or {}
+    return {
+        "name": profile.get("name"),
+        **{k: attributes.get(k) for k in ("bf16_native", "int8_native")},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
@@ -308,6 +392,7 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3, help="single-stream runs per side")
     parser.add_argument("--no-tp", action="store_true", help="skip the TP=2 vs TP=1 runs")
+    parser.add_argument("--no-int4", action="store_true", help="skip int4 against llama.cpp")
     parser.add_argument(
         "--int8-scheme",
         choices=("w8a16", "w8a8", "none"),
@@ -349,6 +434,8 @@ def main() -> None:
             ours8["tokens_per_s"] / float(fp32["hf_static"]),  # type: ignore[arg-type]
             3,
         )
+    if not args.no_int4:
+        report.update(run_int4(workload, args.repeats))
     if not args.no_bf16:
         bf16 = run_dtype(model_dir, torch.bfloat16, workload, args.hf_bf16_static, args.repeats)
         ours16 = bf16["concurrent"]
@@ -379,6 +466,7 @@ def main() -> None:
             "transformers": transformers.__version__,
         },
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_facts(),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
