@@ -403,6 +403,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     workload = QUICK if args.quick else FULL
+    threads = torch.get_num_threads()  # before TP: rank 0 of a group lowers it for itself
     model_dir = demo_model_dir()
     load_before = os.getloadavg()
     fp32 = run_dtype(model_dir, torch.float32, workload, True, args.repeats)
@@ -452,7 +453,7 @@ def main() -> None:
     report["setup"] = {
         "model": "SmolLM2-135M-Instruct (demo GGUF imported to HF safetensors)",
         "device": "cpu",
-        "threads": torch.get_num_threads(),
+        "threads": threads,
         "dtype": "float32 (bf16 figures: bfloat16 on both sides)",
         "attention": "ours: kunlun paged attention; transformers: sdpa",
         "prompts": "random token ids, seed 0",
