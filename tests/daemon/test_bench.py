@@ -82,9 +82,15 @@ def test_bench_sweep_poisson_json_and_chart(daemon: Daemon, tmp_path: Path) -> N
             assert request["num_prompt_tokens"] == INPUT_LEN
             assert 0 < request["ttft_ms"] <= request["e2e_ms"]
             assert 1 <= request["num_chunks"] <= OUTPUT_LEN
+            assert request["e2e_ms"] <= run["duration_s"] * 1e3 + 0.1  # duration: 0.1 ms steps
+            if request["tpot_ms"] is None:
+                # every chunk came in one network read (a client behind on a loaded machine):
+                # the time between tokens was never seen, so bench reports none (stats.py)
+                # rather than a near-zero TPOT, and the request cannot meet the TPOT SLO
+                assert request not in met
+                continue
             tpot = (request["e2e_ms"] - request["ttft_ms"]) / (OUTPUT_LEN - 1)
             assert request["tpot_ms"] == pytest.approx(tpot, abs=0.01)
-            assert request["e2e_ms"] <= run["duration_s"] * 1e3 + 0.1  # duration: 0.1 ms steps
         assert run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"] <= run["e2e_ms"]["p99"]
         assert run["peak_memory_bytes"] > 0
     memory = doc["memory"]

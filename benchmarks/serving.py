@@ -1,0 +1,274 @@
+"""The platform against its own engine: end-to-end serving throughput; prints one JSON object.
+
+Same machine, same run, same requests, the demo model with the plan the platform makes for it
+on this machine's CPU (``place`` on the live inventory: dtype, ``max_num_seqs``, KV):
+
+* **engine**: that plan's :class:`~kunlun.engine.engine_config.EngineConfig` in this process,
+  requests added at once and stepped to the end (no HTTP, no detokenized text sent anywhere);
+* **platform**: ``kunlun-platform --demo`` started here with a fresh ``KUNLUN_HOME`` and
+  default settings, the same requests sent at once through the gateway with the ``openai``
+  SDK (streaming completions of token-id prompts, ``ignore_eos`` so every request runs to
+  its ``max_tokens``);
+* **llama.cpp** (``llama_cpp.server`` on the demo GGUF, same threads) when its server extra
+  is installed; skipped, saying so, otherwise.
+
+Sets: ``uniform`` (16 requests at once, 32-token prompts, 128 output tokens; and one request
+alone, best of 3) and ``mixed`` (32 requests, 16 at once, prompts 32-512, outputs 16-256).
+Output tokens/s count every output token over the wall time from the first request sent to
+the last token received; TTFT is per request, from sending it to its first token.
+
+Keys: ``platform_vs_engine_16``, ``platform_vs_engine_1``, ``platform_vs_engine_mixed``,
+``ttft_p50_ms_16`` (the platform's), and each side's figures.
+
+Usage: ``python benchmarks/serving.py [--threads N] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kunlun.device.inventory import build_inventory
+from kunlun.device.registry import load_plugins
+from kunlun.engine.gguf import demo_model_dir
+from kunlun.engine.llm_engine import LLMEngine
+from kunlun.engine.sampling_params import SamplingParams
+from kunlun.planner.model_info import inspect_model
+from kunlun.planner.plan import ExecutionPlan, engine_launch
+from kunlun.workload.placement import place
+from kunlun.workload.spec import WorkloadSpec
+
+BIN = Path(sys.executable).parent
+Request = tuple[list[int], int]
+
+
+def requests(count: int, prompt_lens: tuple[int, int], output_lens: tuple[int, int],
+             seed: int = 0) -> list[Request]:  # fmt: skip
+    rng = random.Random(seed)
+    return [
+        ([rng.randrange(100, 49000) for _ in range(rng.randint(*prompt_lens))],
+         rng.randint(*output_lens))
+        for _ in range(count)
+    ]  # fmt: skip
+
+
+def summary(started: float, ttfts: list[float], ends: list[float], tokens: int) -> dict[str, float]:
+    elapsed = max(ends) - started
+    return {
+        "output_tokens_per_s": round(tokens / elapsed, 2),
+        "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1),
+        "elapsed_s": round(elapsed, 2),
+        "output_tokens": tokens,
+    }
+
+
+# ---- the engine, in this process ----
+def engine_run(engine: LLMEngine, batch: list[Request], in_flight: int) -> dict[str, float]:
+    """``batch`` with ``in_flight`` at once (a new one enters as one finishes)."""
+    pending = list(batch)
+    sent: dict[str, float] = {}
+    first: dict[str, float] = {}
+    ends: list[float] = []
+    tokens = 0
+    started = time.perf_counter()
+
+    def add() -> None:
+        prompt, num = pending.pop(0)
+        params = SamplingParams(temperature=0, max_tokens=num, ignore_eos=True)
+        sent[engine.add_request(prompt, params)] = time.perf_counter()
+
+    for _ in range(min(in_flight, len(pending))):
+        add()
+    while engine.has_unfinished():
+        for delta in engine.step():
+            now = time.perf_counter()
+            if delta.token_ids and delta.request_id not in first:
+                first[delta.request_id] = now
+            tokens += len(delta.token_ids)
+            if delta.final is not None:
+                ends.append(now)
+                if pending:
+                    add()
+    ttfts = [first[r] - sent[r] for r in sent]
+    return summary(started, ttfts, ends, tokens)
+
+
+# ---- the platform, through the gateway ----
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_platform(home: Path, port: int) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, KUNLUN_HOME=str(home))
+    log = (home / "platform.log").open("wb")
+    return subprocess.Popen([str(BIN / "kunlun-platform"), "--demo", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+
+async def wait_serving(url: str, model: str, timeout_s: float = 600) -> None:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await client.completions.create(model=model, prompt=[100, 101], max_tokens=1)
+            return
+        except Exception as exc:  # noqa: BLE001 - not up yet: connection refused, 503
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not serve {model}: {exc}") from exc
+            await asyncio.sleep(1)
+
+
+async def client_run(url: str, model: str, batch: list[Request], in_flight: int,
+                     extra: dict[str, Any], count_chunks: bool = False) -> dict[str, float]:  # fmt: skip
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                timeout=900)  # fmt: skip
+    gate = asyncio.Semaphore(in_flight)
+    ttfts: list[float] = []
+    ends: list[float] = []
+    counted = [0]
+
+    async def one(prompt: list[int], num: int) -> None:
+        async with gate:
+            sent = time.perf_counter()
+            stream = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=num, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body=extra,
+            )  # fmt: skip
+            seen_first = False
+            async for chunk in stream:
+                if not seen_first and chunk.choices and chunk.choices[0].text:
+                    ttfts.append(time.perf_counter() - sent)
+                    seen_first = True
+                if chunk.usage is not None:
+                    counted[0] += chunk.usage.completion_tokens
+                elif count_chunks and chunk.choices and chunk.choices[0].text:
+                    counted[0] += 1  # a server that sends no usage: one token per chunk
+            ends.append(time.perf_counter())
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(p, n) for p, n in batch))
+    await client.close()
+    return summary(started, ttfts, ends, counted[0])
+
+
+def start_llamacpp(port: int, threads: int) -> subprocess.Popen[bytes] | str:
+    try:
+        import llama_cpp.server  # noqa: F401
+    except ImportError as exc:
+        return f"llama_cpp.server is not installed ({exc.name}): pip install 'llama-cpp-python[server]'"
+    from kunlun.engine.gguf import demo_gguf_path
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(demo_gguf_path()),
+         "--port", str(port), "--n_threads", str(threads), "--n_ctx", "8192",
+         "--model_alias", "smollm2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+# ---- the run ----
+def platform_plan() -> ExecutionPlan:
+    """The plan ``kunlun-platform --demo`` makes for the demo workload on this machine."""
+    model_dir = demo_model_dir()
+    spec = WorkloadSpec(model="smollm2", device="cpu:0")
+    return place(spec, build_inventory(), inspect_model(model_dir, "smollm2")).plans[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="fewer and shorter requests")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    output = 16 if args.quick else 128
+    sets = {
+        "16": (requests(16, (32, 32), (output, output)), 16),
+        "1": (requests(1, (32, 32), (output, output), seed=1), 1),
+        "mixed": (requests(8 if args.quick else 32, (32, 512), (16, output), seed=2), 16),
+    }
+    plan = platform_plan()
+    launch = engine_launch(plan, load_plugins().plugins["cpu"], demo_model_dir(), "smollm2",
+                           None, args.threads)  # fmt: skip
+    report: dict[str, Any] = {"plan": plan.summary()}
+    engine = LLMEngine(launch.engine_config())
+    engine_run(engine, requests(2, (32, 32), (8, 8), seed=9), 2)  # warm-up
+    ours: dict[str, dict[str, float]] = {}
+    for name, (batch, in_flight) in sets.items():
+        runs = [engine_run(engine, batch, in_flight) for _ in range(3 if name == "1" else 1)]
+        ours[name] = max(runs, key=lambda r: r["output_tokens_per_s"])
+        print(f"engine {name}: {ours[name]}", file=sys.stderr, flush=True)
+    del engine
+    report["engine"] = ours
+
+    with tempfile.TemporaryDirectory(prefix="kunlun-serving-") as home:
+        port = free_port()
+        proc = start_platform(Path(home), port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            asyncio.run(wait_serving(url, "smollm2"))
+            theirs: dict[str, dict[str, float]] = {}
+            for name, (batch, in_flight) in sets.items():
+                runs = [asyncio.run(client_run(url, "smollm2", batch, in_flight,
+                                               {"ignore_eos": True}))
+                        for _ in range(3 if name == "1" else 1)]  # fmt: skip
+                theirs[name] = max(runs, key=lambda r: r["output_tokens_per_s"])
+                print(f"platform {name}: {theirs[name]}", file=sys.stderr, flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    report["platform"] = theirs
+    for name in sets:
+        ratio = theirs[name]["output_tokens_per_s"] / ours[name]["output_tokens_per_s"]
+        report[f"platform_vs_engine_{name}"] = round(ratio, 3)
+    report["ttft_p50_ms_16"] = theirs["16"]["ttft_p50_ms"]
+
+    llama_port = free_port()
+    server = start_llamacpp(llama_port, args.threads)
+    if isinstance(server, str):
+        report["llamacpp_skipped"] = server
+    else:
+        url = f"http://127.0.0.1:{llama_port}"
+        try:
+            asyncio.run(wait_serving(url, "smollm2"))
+            llama = {}
+            for name, (batch, in_flight) in sets.items():
+                # no ignore_eos there: outputs may end early; tokens are counted as sent
+                llama[name] = asyncio.run(client_run(url, "smollm2", batch, in_flight, {},
+                                                     count_chunks=True))  # fmt: skip
+                print(f"llama.cpp {name}: {llama[name]}", file=sys.stderr, flush=True)
+            report["llamacpp"] = llama
+        finally:
+            server.terminate()
+            server.wait(60)
+    report["setup"] = {
+        "threads": args.threads,
+        "quick": args.quick,
+        "cpu_count": os.cpu_count(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "torch": torch.__version__,
+    }
+    json.dump(report, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()
