@@ -16,3 +16,11 @@ TpSize = Annotated[
     typer.Option("--tp-size", help="Tensor-parallel size (default: what memory needs)."),
 ]
 """Tensor-parallel size, overriding the plan's."""
+BatchSize = Annotated[
+    int | None,
+    typer.Option(
+        "--batch-size", "--max-num-seqs",
+        help="Sequences decoded together (max_num_seqs; default: sized by the plan).",
+    ),
+]  # fmt: skip
+"""``max_num_seqs``, overriding the plan's sizing."""

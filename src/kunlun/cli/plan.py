@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from kunlun.cli.options import Quantization, TpSize
+from kunlun.cli.options import BatchSize, Quantization, TpSize
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.device.inventory import build_inventory
 from kunlun.errors import ConfigError, Location
@@ -37,7 +37,7 @@ def plan(
     quantization: Quantization = None,
     tp_size: TpSize = None,
     max_model_len: Annotated[int | None, typer.Option(help="Context limit.")] = None,
-    batch_size: Annotated[int | None, typer.Option(help="max_num_seqs.")] = None,
+    batch_size: BatchSize = None,
     priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
     scorer: Annotated[
         str | None, typer.Option(help="performance, roofline, binpack or spread.")

@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
-from kunlun.cli.options import Quantization, TpSize
+from kunlun.cli.options import BatchSize, Quantization, TpSize
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.planner.plan import ExecutionPlan
 from kunlun.workload.spec import load_spec_file, parse_spec
@@ -34,7 +34,7 @@ def submit(
     scorer: Annotated[
         str | None, typer.Option(help="performance, roofline, binpack or spread.")
     ] = None,
-    batch_size: Annotated[int | None, typer.Option(help="Sequences decoded together.")] = None,
+    batch_size: BatchSize = None,
     priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
     preferred_device_types: Annotated[
         str | None, typer.Option(help="Comma-separated, in order.")

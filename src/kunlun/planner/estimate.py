@@ -29,6 +29,9 @@ from kunlun.planner.model_info import ModelInfo
 
 #: Average context (tokens) of a decoding sequence assumed by the throughput estimate.
 PLANNING_CONTEXT_TOKENS = 1024
+#: The most sequences the planner puts in one replica's batch on its own
+#: (:mod:`kunlun.planner.batching`); a spec's ``batch_size`` may ask for more.
+MAX_AUTO_BATCH = 64
 #: Token slots per KV block (the embedded engine's default).
 BLOCK_SIZE = 16
 MIB = 1 << 20
@@ -43,7 +46,13 @@ class MemoryNeed:
     """KV for one sequence of ``max_model_len`` tokens (the least that makes the workload
     usable)."""
     wanted_kv_mb: float
-    """KV for ``batch`` sequences of ``max_model_len`` tokens (more is never used)."""
+    """KV for ``batch`` sequences of ``max_model_len`` tokens (more is never used); with the
+    batch left to the planner, for :data:`MAX_AUTO_BATCH` sequences of the average context."""
+
+
+def average_context(max_model_len: int) -> int:
+    """Tokens a running sequence is assumed to hold on average."""
+    return min(max_model_len, PLANNING_CONTEXT_TOKENS)
 
 
 def compute_dtype(dtype: str, quantization: str) -> str:
@@ -57,7 +66,7 @@ def memory_need(
     quantization: str,
     tp: int,
     max_model_len: int,
-    batch: int,
+    batch: int | None,
     kv_cache_memory_mb: int | None = None,
 ) -> MemoryNeed:
     """What one replica needs on each of its ``tp`` devices (KV in ``dtype``). A given
@@ -67,7 +76,12 @@ def memory_need(
         return MemoryNeed(weights, kv_cache_memory_mb / tp, kv_cache_memory_mb / tp)
     blocks = -(-max_model_len // BLOCK_SIZE)
     one_sequence = blocks * BLOCK_SIZE * model.kv_bytes_per_token(dtype)
-    return MemoryNeed(weights, one_sequence / tp / MIB, one_sequence * batch / tp / MIB)
+    if batch is None:
+        auto = MAX_AUTO_BATCH * average_context(max_model_len) * model.kv_bytes_per_token(dtype)
+        wanted = max(one_sequence, auto)
+    else:
+        wanted = one_sequence * batch
+    return MemoryNeed(weights, one_sequence / tp / MIB, wanted / tp / MIB)
 
 
 def compute_tokens_per_s(
@@ -92,7 +106,7 @@ def tokens_per_s(
     compute = compute_tokens_per_s(model, device, dtype, quantization, tp)
     rates = [] if compute is None else [compute]
     if device.bandwidth_gbps:
-        context = min(max_model_len, PLANNING_CONTEXT_TOKENS)
+        context = average_context(max_model_len)
         step_bytes = model.weight_bytes(dtype, quantization) + batch * context * (
             model.kv_bytes_per_token(dtype)
         )

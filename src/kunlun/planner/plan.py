@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kunlun.engine.launch import EngineLaunch, device_fields
 from kunlun.engine.tp_layout import head_split_problem, quantized_split_problem
+from kunlun.planner.batching import BatchSizing, size_batch
 from kunlun.planner.capacity import DeviceCapacity
 from kunlun.planner.engine_options import engine_options
 from kunlun.planner.estimate import (
@@ -53,7 +54,9 @@ class Demand:
     quantization: str
     """Effective weight quantization: the spec's, or the checkpoint's scheme."""
     max_model_len: int
-    batch: int
+    batch: int | None
+    """The spec's ``batch_size`` (max_num_seqs), or None: sized per plan
+    (:mod:`kunlun.planner.batching`)."""
     priority: str
     kv_cache_memory_mb: int | None = None
     device: str | None = None
@@ -158,8 +161,10 @@ def options(
                                    demand.max_model_len, demand.batch,
                                    demand.kv_cache_memory_mb)  # fmt: skip
                 if need.weights_mb + need.min_kv_mb <= cap.usable_mb:
+                    empty_kv = kv_budget_mb(demand, cap, need, cap.usable_mb - need.weights_mb)
+                    batch = plan_batch(demand, cap, dtype, split, empty_kv * split).max_num_seqs
                     rate = tokens_per_s(demand.model, cap, dtype, demand.quantization, split,
-                                        demand.batch, demand.max_model_len)  # fmt: skip
+                                        batch, demand.max_model_len)  # fmt: skip
                     compute = compute_tokens_per_s(demand.model, cap, dtype,
                                                    demand.quantization, split)  # fmt: skip
                     found.append(Option(dtype, tp, need, rate, compute, shared))
@@ -267,6 +272,18 @@ class ExecutionPlan:
         return cls(**known)
 
 
+def plan_batch(
+    demand: Demand, cap: DeviceCapacity, dtype: str, num_devices: int, kv_mb: float
+) -> BatchSizing:
+    """``max_num_seqs`` of a replica of ``demand`` on ``num_devices`` devices like ``cap``
+    with ``kv_mb`` MiB of KV in all: the spec's ``batch_size``, else sized
+    (:func:`~kunlun.planner.batching.size_batch`)."""
+    if demand.batch is not None:
+        return BatchSizing(demand.batch, f"max_num_seqs {demand.batch}: the spec's batch_size")
+    return size_batch(demand.model, cap, dtype, demand.quantization, num_devices,
+                      demand.max_model_len, kv_mb)  # fmt: skip
+
+
 def kv_budget_mb(demand: Demand, cap: DeviceCapacity, need: MemoryNeed, share_mb: float) -> float:
     """Per-device KV memory of one replica on ``cap``: its priority share of the memory left
     after weights, no more than it can use (``batch`` full-length sequences, or the spec's
@@ -290,6 +307,8 @@ def build_plan(
     # small model's sub-MiB budget as an invalid 0); the blocks are what the engine makes
     kv_total_mb = math.ceil(kv_mb * option.num_devices)
     blocks = kv_total_mb * MIB // (BLOCK_SIZE * kv_token)
+    sizing = plan_batch(demand, first, option.dtype, option.num_devices, kv_total_mb)
+    batch = sizing.max_num_seqs
     if blocks * BLOCK_SIZE < demand.max_model_len:
         notes_kv = [f"KV ({blocks} blocks) is shorter than max_model_len={demand.max_model_len}"]
     else:
@@ -299,11 +318,11 @@ def build_plan(
     if first.visibility_env:
         env[first.visibility_env] = ",".join(str(c.index) for c in group)
     local = 0 if first.visibility_env else first.index
-    notes[:0] = [share_note, *notes_kv]
-    if blocks * BLOCK_SIZE < demand.batch * demand.max_model_len:
+    notes[:0] = [share_note, *notes_kv, sizing.reason]
+    if blocks * BLOCK_SIZE < batch * demand.max_model_len:
         notes.append(
-            f"KV holds {blocks * BLOCK_SIZE} tokens: {demand.batch} sequences run together "
-            f"when they average at most {blocks * BLOCK_SIZE // demand.batch} tokens"
+            f"KV holds {blocks * BLOCK_SIZE} tokens: {batch} sequences run together "
+            f"when they average at most {blocks * BLOCK_SIZE // batch} tokens"
         )
     return ExecutionPlan(
         model=model.name,
@@ -319,7 +338,7 @@ def build_plan(
         quantization=demand.quantization,
         tensor_parallel_size=option.tp,
         max_model_len=demand.max_model_len,
-        max_num_seqs=demand.batch,
+        max_num_seqs=batch,
         block_size=BLOCK_SIZE,
         num_kv_blocks=blocks,
         kv_cache_memory_mb=kv_total_mb,

@@ -54,8 +54,14 @@ class WorkloadSpec(BaseModel):
         "the compute dtype (performance; int8 TOPS for w8a8), decode estimate from compute and "
         "memory bandwidth (roofline), fewest free MiB left (binpack) or most free MiB (spread).",
     )
-    batch_size: int = Field(
-        8, ge=1, le=256, description="Sequences decoded together (max_num_seqs)."
+    batch_size: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="Sequences decoded together (max_num_seqs); default: sized per plan from "
+        "the KV memory it reserves, the average context and where the device's decode estimate "
+        "saturates "
+        "(kunlun.planner.batching).",
     )
     priority: Priority = Field("normal", description="Scheduling class: high, normal or low.")
     preferred_device_types: list[str] = Field(

@@ -1,0 +1,95 @@
+"""How many sequences one replica decodes together (``max_num_seqs``) when the workload
+spec leaves it to the planner.
+
+The rule, per plan, from what the plan reserves and what the device declares:
+
+- **memory**: the KV budget holds ``kv_tokens = kv_cache_memory / kv_bytes_per_token``
+  (the whole tensor-parallel group); sequences are assumed to average
+  ``context = min(max_model_len, PLANNING_CONTEXT_TOKENS)`` tokens, so
+  ``kv_tokens // context`` of them run together without preemption (at least one: the plan
+  always holds one full-length sequence).
+- **saturation**: the decode estimate of :mod:`kunlun.planner.estimate` at ``b`` sequences is
+  the smaller of the declared compute throughput ``C`` and the memory-bound rate
+  ``M(b) = b * bandwidth * tp / (weight_bytes + b * context * kv_bytes_per_token)``, which
+  rises towards ``A = bandwidth * tp / (context * kv_bytes_per_token)`` (every step then
+  reads mostly KV). Its limit is ``L = min(C, A)``; past the smallest ``b`` with
+  ``M(b) >= SATURATION * L``, more sequences add latency and almost no throughput:
+  ``b = SATURATION * L * weight_bytes / (bandwidth * tp - SATURATION * L * context *
+  kv_bytes_per_token)``. Without a bandwidth figure (a CPU declares none by default) the
+  estimate does not depend on the batch, so there is no such point.
+- **bounds**: at most :data:`MAX_AUTO_BATCH`; a spec's ``batch_size`` (``--batch-size``,
+  up to 256) overrides the whole rule.
+
+The reason is one line of the plan's notes, which ``plan --explain`` prints.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kunlun.planner.capacity import DeviceCapacity
+from kunlun.planner.estimate import (
+    MAX_AUTO_BATCH,
+    MIB,
+    average_context,
+    compute_tokens_per_s,
+)
+from kunlun.planner.model_info import ModelInfo
+
+SATURATION = 0.9
+"""The share of its limit at which the decode estimate counts as saturated."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSizing:
+    """``max_num_seqs`` for one plan and why."""
+
+    max_num_seqs: int
+    reason: str
+
+
+def saturation_batch(
+    model: ModelInfo, cap: DeviceCapacity, dtype: str, quantization: str, tp: int, context: int
+) -> int | None:
+    """Sequences at which the decode estimate on ``tp`` devices like ``cap`` reaches
+    :data:`SATURATION` of its limit, or None without a bandwidth figure (see module)."""
+    if not cap.bandwidth_gbps:
+        return None
+    bandwidth = cap.bandwidth_gbps * 1e9 * tp
+    kv_per_sequence = context * model.kv_bytes_per_token(dtype)
+    limit = bandwidth / kv_per_sequence
+    compute = compute_tokens_per_s(model, cap, dtype, quantization, tp)
+    if compute is not None:
+        limit = min(limit, compute)
+    target = SATURATION * limit
+    weights = model.weight_bytes(dtype, quantization)
+    return max(1, math.ceil(target * weights / (bandwidth - target * kv_per_sequence)))
+
+
+def size_batch(
+    model: ModelInfo,
+    cap: DeviceCapacity,
+    dtype: str,
+    quantization: str,
+    tp: int,
+    max_model_len: int,
+    kv_mb: float,
+) -> BatchSizing:
+    """``max_num_seqs`` for a replica with ``kv_mb`` MiB of KV over its whole group."""
+    context = average_context(max_model_len)
+    kv_tokens = int(kv_mb * MIB // model.kv_bytes_per_token(dtype))
+    by_memory = max(1, kv_tokens // context)
+    knee = saturation_batch(model, cap, dtype, quantization, tp, context)
+    seqs = min(by_memory, MAX_AUTO_BATCH, knee or MAX_AUTO_BATCH)
+    parts = [
+        f"max_num_seqs {seqs}: the KV ({kv_mb:.0f} MiB, {kv_tokens} tokens) holds {by_memory} "
+        f"sequences of {context} tokens (the assumed average context)"
+    ]
+    if knee is None:
+        parts.append("no saturation point (no declared memory bandwidth)")
+    else:
+        parts.append(f"decode reaches {SATURATION:.0%} of its limit at {knee} sequences")
+    if seqs == MAX_AUTO_BATCH and MAX_AUTO_BATCH < min(by_memory, knee or by_memory + 1):
+        parts.append(f"capped at {MAX_AUTO_BATCH}")
+    return BatchSizing(seqs, "; ".join(parts) + " (--batch-size overrides)")

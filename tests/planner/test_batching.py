@@ -1,0 +1,86 @@
+"""The planner's ``max_num_seqs`` sizing (:mod:`kunlun.planner.batching`): monotonic in the
+KV memory, bounded by what the KV holds at the average context (so by ``max_model_len``),
+stopped at the roofline knee where the device declares one, overridden by ``batch_size``,
+and explained by ``plan --explain``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from tests.planner.conftest import model, node
+from tests.planner.test_plan_cli import cli, mixed
+
+from kunlun.planner.batching import SATURATION, saturation_batch, size_batch
+from kunlun.planner.capacity import capacity_of
+from kunlun.planner.estimate import MAX_AUTO_BATCH, MIB, average_context, tokens_per_s
+from kunlun.workload.placement import place
+from kunlun.workload.spec import WorkloadSpec
+
+CAPS = {p.device_type: capacity_of(p) for p in node("mixed").profiles}
+LENGTHS = (128, 512, 1024, 2048, 8192)
+
+
+@pytest.mark.parametrize("device", sorted(CAPS))
+@pytest.mark.parametrize("name", ["Qwen2-0.5B", "Llama-3-8B"])
+def test_more_kv_memory_never_means_fewer_sequences(device: str, name: str) -> None:
+    info, cap = model(name), CAPS[device]
+    for max_model_len in LENGTHS:
+        sizes = [size_batch(info, cap, "fp16", "none", 1, max_model_len, kv).max_num_seqs
+                 for kv in (1, 64, 256, 1024, 4096, 16384, 65536)]  # fmt: skip
+        assert sizes == sorted(sizes), (max_model_len, sizes)
+        assert 1 <= sizes[0] and sizes[-1] <= MAX_AUTO_BATCH
+
+
+@pytest.mark.parametrize("device", sorted(CAPS))
+def test_the_kv_holds_every_sequence_at_the_average_context(device: str) -> None:
+    info, cap = model("Qwen2-0.5B"), CAPS[device]
+    for kv_mb in (16, 256, 2048):
+        kv_tokens = kv_mb * MIB // info.kv_bytes_per_token("fp16")
+        sizes = []
+        for max_model_len in LENGTHS:
+            seqs = size_batch(info, cap, "fp16", "none", 1, max_model_len, kv_mb).max_num_seqs
+            assert seqs == 1 or seqs * average_context(max_model_len) <= kv_tokens
+            sizes.append(seqs)
+        assert sizes == sorted(sizes, reverse=True)  # longer contexts, never more sequences
+
+
+def test_the_batch_stops_where_the_decode_estimate_saturates() -> None:
+    info = model("Qwen2-0.5B")
+    # a device with little compute for its bandwidth (5 TFLOPS fp16, 320 GB/s)
+    slow = dataclasses.replace(CAPS["nvidia"], compute={"fp16": 5.0})
+    knee = saturation_batch(info, slow, "fp16", "none", 1, average_context(2048))
+    assert knee is not None and 1 < knee < MAX_AUTO_BATCH
+    rate = [tokens_per_s(info, slow, "fp16", "none", 1, b, 2048) for b in (knee - 1, knee, 512)]
+    assert rate[0] is not None and rate[1] is not None and rate[2] is not None
+    assert rate[0] < SATURATION * rate[2] <= rate[1] <= rate[2]
+    plenty = size_batch(info, slow, "fp16", "none", 1, 2048, 1 << 20)
+    assert plenty.max_num_seqs == knee and f"of its limit at {knee} sequences" in plenty.reason
+    # without a bandwidth figure (a CPU's default) the estimate ignores the batch: memory decides
+    bare = dataclasses.replace(slow, bandwidth_gbps=None)
+    assert saturation_batch(info, bare, "fp16", "none", 1, 1024) is None
+    assert size_batch(info, bare, "fp16", "none", 1, 2048, 1 << 20).max_num_seqs == MAX_AUTO_BATCH
+
+
+def test_the_spec_overrides_and_the_plan_uses_the_sized_batch() -> None:
+    info = model("Qwen2-0.5B")
+    sized = place(WorkloadSpec(model="Qwen2-0.5B", device="nvidia:0", max_model_len=2048),
+                  node("mixed"), info).plans[0]  # fmt: skip
+    knee = saturation_batch(info, CAPS["nvidia"], sized.dtype, "none", 1, average_context(2048))
+    assert sized.max_num_seqs == min(knee or MAX_AUTO_BATCH, MAX_AUTO_BATCH)
+    assert any(n.startswith(f"max_num_seqs {sized.max_num_seqs}: the KV") for n in sized.notes)
+    fixed = place(WorkloadSpec(model="Qwen2-0.5B", device="nvidia:0", max_model_len=2048,
+                               batch_size=3), node("mixed"), info).plans[0]  # fmt: skip
+    assert fixed.max_num_seqs == 3 and "max_num_seqs 3: the spec's batch_size" in fixed.notes
+
+
+def test_plan_explain_shows_the_sizing_and_max_num_seqs_overrides(tmp_path: Path) -> None:
+    args = ("--model", "Qwen2-0.5B", "--device", "nvidia:0", "--max-model-len", "2048", *mixed())
+    explained = cli(*args, "--explain", home=tmp_path)
+    assert explained.returncode == 0, explained.stderr
+    assert "max_num_seqs" in explained.stdout and "of its limit at" in explained.stdout
+    forced = cli(*args, "--max-num-seqs", "5", "--json", home=tmp_path)
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads(forced.stdout)["plan"]["max_num_seqs"] == 5
