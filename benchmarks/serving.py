@@ -10,7 +10,9 @@ on this machine's CPU (``place`` on the live inventory: dtype, ``max_num_seqs``,
   SDK (streaming completions of token-id prompts, ``ignore_eos`` so every request runs to
   its ``max_tokens``);
 * **llama.cpp** (``llama_cpp.server`` on the demo GGUF, same threads) when its server extra
-  is installed; skipped, saying so, otherwise.
+  is installed; skipped, saying so, otherwise. Its server takes text prompts only (the same
+  ids decoded, so its token counts may differ by a few) and has no ``ignore_eos`` (eos gets a
+  logit bias of -100 instead); it serves one request at a time.
 
 Sets: ``uniform`` (16 requests at once, 32-token prompts, 128 output tokens; and one request
 alone, best of 3) and ``mixed`` (32 requests, 16 at once, prompts 32-512, outputs 16-256).
@@ -46,6 +48,7 @@ from kunlun.device.registry import load_plugins
 from kunlun.engine.gguf import demo_model_dir
 from kunlun.engine.llm_engine import LLMEngine
 from kunlun.engine.sampling_params import SamplingParams
+from kunlun.engine.tokenizer import Tokenizer
 from kunlun.planner.model_info import inspect_model
 from kunlun.planner.plan import ExecutionPlan, engine_launch
 from kunlun.workload.placement import place
@@ -127,7 +130,7 @@ async def wait_serving(url: str, model: str, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            await client.completions.create(model=model, prompt=[100, 101], max_tokens=1)
+            await client.completions.create(model=model, prompt="Hello", max_tokens=1)
             return
         except Exception as exc:  # noqa: BLE001 - not up yet: connection refused, 503
             if time.monotonic() > deadline:
@@ -135,7 +138,7 @@ async def wait_serving(url: str, model: str, timeout_s: float = 600) -> None:
             await asyncio.sleep(1)
 
 
-async def client_run(url: str, model: str, batch: list[Request], in_flight: int,
+async def client_run(url: str, model: str, batch: list[tuple[Any, int]], in_flight: int,
                      extra: dict[str, Any], count_chunks: bool = False) -> dict[str, float]:  # fmt: skip
     import openai
 
@@ -146,7 +149,7 @@ async def client_run(url: str, model: str, batch: list[Request], in_flight: int,
     ends: list[float] = []
     counted = [0]
 
-    async def one(prompt: list[int], num: int) -> None:
+    async def one(prompt: list[int] | str, num: int) -> None:
         async with gate:
             sent = time.perf_counter()
             stream = await client.completions.create(
@@ -172,7 +175,7 @@ async def client_run(url: str, model: str, batch: list[Request], in_flight: int,
 
 def start_llamacpp(port: int, threads: int) -> subprocess.Popen[bytes] | str:
     try:
-        import llama_cpp.server  # noqa: F401
+        import llama_cpp.server.app  # noqa: F401
     except ImportError as exc:
         return f"llama_cpp.server is not installed ({exc.name}): pip install 'llama-cpp-python[server]'"
     from kunlun.engine.gguf import demo_gguf_path
@@ -250,10 +253,13 @@ def main() -> None:
         try:
             asyncio.run(wait_serving(url, "smollm2"))
             llama = {}
+            tokenizer = Tokenizer(demo_model_dir())
+            eos = {str(t): -100 for t in tokenizer.eos_token_ids}  # its stand-in for ignore_eos
             for name, (batch, in_flight) in sets.items():
-                # no ignore_eos there: outputs may end early; tokens are counted as sent
-                llama[name] = asyncio.run(client_run(url, "smollm2", batch, in_flight, {},
-                                                     count_chunks=True))  # fmt: skip
+                # its server takes text prompts only: the same ids, decoded
+                texts = [(tokenizer.decode(p), n) for p, n in batch]
+                llama[name] = asyncio.run(client_run(url, "smollm2", texts, in_flight,
+                                                     {"logit_bias": eos}, count_chunks=True))  # fmt: skip
                 print(f"llama.cpp {name}: {llama[name]}", file=sys.stderr, flush=True)
             report["llamacpp"] = llama
         finally:
