@@ -53,6 +53,11 @@ def fuzzed(
     daemon.stop()
 
 
+FUZZER_CRASH = "AST constructor recursion depth mismatch"
+"""What CPython 3.11's ``ast.parse`` raises inside hypothesis when it describes a strategy at
+some stack depths; it ends the schemathesis run with a "Runtime Error" of its own."""
+
+
 def test_schemathesis_finds_no_server_error(fuzzed: tuple[Daemon, str], tmp_path: Path) -> None:
     daemon, key = fuzzed
     report = tmp_path / "report.json"
@@ -74,6 +79,10 @@ def test_schemathesis_finds_no_server_error(fuzzed: tuple[Daemon, str], tmp_path
         "--no-color",
     ]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
+    if proc.returncode != 0 and FUZZER_CRASH in proc.stdout + proc.stderr:
+        # the fuzzer itself crashed drawing a case (a CPython 3.11 ast.parse bug inside
+        # hypothesis), not the server: run the same seed once more; that run must pass whole
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     doc = json.loads(report.read_text())
     print(json.dumps(doc.get("summary", doc), indent=1)[:2000])
