@@ -9,11 +9,9 @@ before any rank or device is touched.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from kunlun.engine.config import ModelConfig
 from kunlun.engine.engine_config import EngineConfig
-from kunlun.engine.quant import QuantSpec, read_spec, resolve_spec
+from kunlun.engine.quant import QuantSpec, resolve_spec
 from kunlun.engine.tp_layout import head_split_problem, quantized_split_problem
 from kunlun.errors import ConfigError, Location
 
@@ -27,7 +25,15 @@ def preflight(config: EngineConfig) -> QuantSpec | None:
     model = ModelConfig.from_dir(config.model_dir)
     check_max_model_len(config.max_model_len, model)
     spec = resolve_spec(config.model_dir, config.quantization, config.group_size, model)
-    check_tp_split(config.model_dir, config.tensor_parallel_size, config.quantization)
+    tp = config.tensor_parallel_size
+    problem = head_split_problem(model.num_attention_heads, model.num_key_value_heads, tp)
+    if problem is not None:
+        raise ConfigError(
+            f"{config.model_dir}: {problem}", location=Location("tensor_parallel_size"),
+            hint="choose a tensor-parallel size the heads split over",
+        )  # fmt: skip
+    # the scheme the weights run in: the checkpoint's own, or the one asked
+    raise_if_quantized_split("none" if spec is None else spec.scheme, tp)
     return spec
 
 
@@ -43,22 +49,6 @@ def check_max_model_len(requested: int | None, model: ModelConfig) -> int:
             f"(the model's max_position_embeddings)"
         )
     return requested
-
-
-def check_tp_split(model_dir: str | Path, tp: int, quantization: str = "none") -> None:
-    """Raise :class:`ConfigError` naming the model and the numbers when its heads do not
-    split over ``tp`` ranks, or its weights (``quantization``, or the checkpoint's own
-    scheme) are quantized and ``tp`` > 1 (:mod:`kunlun.engine.tp_layout`)."""
-    model = ModelConfig.from_dir(model_dir)
-    problem = head_split_problem(model.num_attention_heads, model.num_key_value_heads, tp)
-    if problem is not None:
-        raise ConfigError(
-            f"{model_dir}: {problem}", location=Location("tensor_parallel_size"),
-            hint="choose a tensor-parallel size the heads split over",
-        )  # fmt: skip
-    if quantization == "none" and (stored := read_spec(model_dir)) is not None:
-        quantization = stored.scheme
-    raise_if_quantized_split(quantization, tp)
 
 
 def raise_if_quantized_split(quantization: str, tp: int) -> None:
