@@ -177,3 +177,50 @@ def test_stats_are_a_snapshot_readable_from_the_loop(engine: LLMEngine) -> None:
     assert stats.num_blocks_total == engine.block_manager.num_blocks
     assert stats.num_blocks_used == 0 and stats.num_unfinished_requests == 0
     assert stats.num_generated_tokens > 0
+
+
+def test_a_factory_builds_the_engine_on_the_thread_that_steps_it(demo_model_dir: Path) -> None:
+    # torch keeps one OpenMP pool per thread that computed: the server's engine is loaded
+    # and stepped on one thread, so only one pool exists (the module's docstring)
+    import threading
+
+    threads: dict[str, set[int]] = {"build": set(), "step": set()}
+
+    def factory() -> LLMEngine:
+        threads["build"].add(threading.get_ident())
+        built = LLMEngine.from_model(demo_model_dir, max_model_len=256)
+        step = built.step
+
+        def traced_step():  # noqa: ANN202
+            threads["step"].add(threading.get_ident())
+            return step()
+
+        built.step = traced_step  # type: ignore[method-assign]
+        return built
+
+    async def main() -> list[RequestOutputDelta]:
+        server = AsyncLLMEngine(factory)
+        with pytest.raises(RuntimeError, match="still being built"):
+            server.stats()
+        async with server:
+            assert server.stats().num_blocks_total > 0
+            return await collect(server.add_request("Hello", GREEDY))
+
+    deltas = run(main())
+    assert deltas[-1].final is not None
+    assert threads["step"] == threads["build"] != {threading.get_ident()}
+
+
+def test_a_factory_that_fails_raises_from_ready() -> None:
+    def factory() -> LLMEngine:
+        raise RequestError("no such model")
+
+    async def main() -> None:
+        server = AsyncLLMEngine(factory)
+        with pytest.raises(RequestError, match="no such model"):
+            await server.ready()
+        with pytest.raises(RuntimeError, match="could not be built: no such model"):
+            server.engine  # noqa: B018
+        await asyncio.to_thread(server.shutdown)
+
+    run(main())

@@ -1,5 +1,14 @@
 """Serve the engine to asyncio code: the step loop runs in a background thread.
 
+Every torch computation of an engine served here runs on that one thread: given a factory
+instead of a built engine, the thread builds it (loading, casting, quantizing weights) before
+its first step, and :meth:`AsyncLLMEngine.ready` waits for that. This matters on CPUs: torch's
+OpenMP runtime keeps one worker pool per thread that has run a parallel operation; a second
+pool (weights loaded on the main thread, steps on this one) makes more pool threads than
+cores, and the runtime then parks its workers after every operation instead of spinning.
+Measured on the 2-vCPU benchmark machine, a decode-sized matrix product took about 2.5x as
+long on the second thread (docs/benchmarks.md, "One thread runs the model").
+
 The event loop never waits on the model. :meth:`AsyncLLMEngine.add_request` validates the
 request in the caller (bad input raises there, at once), hands it to the engine thread and
 returns an async iterator of :class:`RequestOutputDelta`. The engine thread takes new
@@ -17,7 +26,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from kunlun.engine.llm_engine import LLMEngine, Prompt, Request
@@ -37,14 +46,21 @@ class _Stream:
 class AsyncLLMEngine:
     """An :class:`LLMEngine` driven by a background thread, for asyncio servers."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+        """``engine`` is a built engine, or a factory the engine thread calls to build it
+        (see the module: a server should pass a factory)."""
+        self._built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
+        self._factory: Callable[[], LLMEngine] | None = None
+        if isinstance(engine, LLMEngine):
+            self._built.set_result(engine)
+        else:
+            self._factory = engine
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._new: list[Request] = []
         self._aborts: list[tuple[str, concurrent.futures.Future[None] | None]] = []
         self._streams: dict[str, _Stream] = {}
-        self._stats = engine.stats()
+        self._stats: EngineStats | None = None if self._factory else self.engine.stats()
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -66,10 +82,27 @@ class AsyncLLMEngine:
         if thread is not None:
             thread.join(timeout)
         self._fail_all(EngineError("the engine was shut down"))
-        self.engine.close()
+        if self._built.done() and self._built.exception() is None:
+            self.engine.close()
+
+    @property
+    def engine(self) -> LLMEngine:
+        """The engine (a :class:`RuntimeError` while the engine thread is still building it,
+        or when building failed)."""
+        if not self._built.done():
+            raise RuntimeError("the engine is still being built: await ready() first")
+        if (failure := self._built.exception()) is not None:
+            raise RuntimeError(f"the engine could not be built: {failure}")
+        return self._built.result()
+
+    async def ready(self) -> LLMEngine:
+        """Start the engine thread and wait until the engine is built; raises what building
+        raised (the thread then ends)."""
+        self.start()
+        return await asyncio.wrap_future(self._built)
 
     async def __aenter__(self) -> AsyncLLMEngine:
-        self.start()
+        await self.ready()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -85,7 +118,7 @@ class AsyncLLMEngine:
         bad input or a request id already in use.
         """
         loop = asyncio.get_running_loop()
-        request = self.engine.make_request(prompt, params, request_id)
+        request = self.engine.make_request(prompt, params, request_id)  # once ready()
         stream = _Stream(loop, asyncio.Queue())
         with self._lock:
             if request.request_id in self._streams:
@@ -111,7 +144,9 @@ class AsyncLLMEngine:
         self._fail_all(error)
 
     def stats(self) -> EngineStats:
-        """The engine's statistics as of its last step (safe from any thread)."""
+        """The engine's statistics as of its last step (safe from any thread; once built)."""
+        if self._stats is None:
+            raise RuntimeError("the engine is still being built: await ready() first")
         return self._stats
 
     # ---- consumer side ----
@@ -140,6 +175,8 @@ class AsyncLLMEngine:
 
     # ---- engine thread ----
     def _run(self) -> None:
+        if not self._build():
+            return
         while True:
             self._wake.clear()
             with self._lock:
@@ -155,6 +192,23 @@ class AsyncLLMEngine:
                 _resolve(aborts)
             if not self.engine.has_unfinished():
                 self._wake.wait()
+
+    def _build(self) -> bool:
+        """Build the engine from the factory on this thread, once; False when that failed
+        (the error goes to :meth:`ready`)."""
+        if self._built.done():
+            return self._built.exception() is None
+        assert self._factory is not None
+        try:
+            engine = self._factory()
+        except BaseException as exc:  # noqa: BLE001 - handed to ready(), which raises it
+            self._built.set_exception(exc)
+            with self._lock:
+                self._thread = None
+            return False
+        self._stats = engine.stats()
+        self._built.set_result(engine)
+        return True
 
     def _step(
         self, new: list[Request], aborts: list[tuple[str, concurrent.futures.Future[None] | None]]

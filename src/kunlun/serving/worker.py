@@ -135,36 +135,45 @@ def start_rank_group(launch: EngineLaunch) -> Any:
     return RankGroup(launch.tensor_parallel_size, launch.distributed_backend, launch.device)
 
 
-def build_engine(launch: EngineLaunch, group: Any = None) -> tuple[Any, float, float]:
-    """The :class:`AsyncLLMEngine` for ``launch`` (rank 0 of ``group`` when given), its
-    compile (import) and load times."""
+def build_engine(launch: EngineLaunch, group: Any = None) -> tuple[Any, dict[str, float]]:
+    """The :class:`AsyncLLMEngine` for ``launch`` (rank 0 of ``group`` when given), built by
+    its own engine thread once started (every torch computation of the worker runs on that
+    thread: :mod:`kunlun.engine.async_engine`), and the dict its factory fills with the
+    compile (import, conversion) and load times in seconds."""
     from kunlun.engine.async_engine import AsyncLLMEngine
-    from kunlun.engine.device import import_extension
-    from kunlun.engine.llm_engine import LLMEngine
 
-    started = time.perf_counter()
-    model_dir = launch.model_dir
-    if model_dir.suffix == ".gguf" and model_dir.is_file():
-        from kunlun.engine.gguf import import_gguf
-        from kunlun.paths import model_cache_dir
+    times: dict[str, float] = {}
 
-        model_dir = import_gguf(model_dir, model_cache_dir() / model_dir.stem)
-    if launch.plan_dir is not None:
-        from kunlun.engine.convert import prepare_weights
+    def factory() -> Any:
+        from kunlun.engine.device import import_extension
+        from kunlun.engine.llm_engine import LLMEngine
 
-        model_dir, line = prepare_weights(
-            model_dir,
-            launch.plan_dir / "weights",
-            launch.dtype,
-            launch.quantization,
-            launch.group_size,
-        )
-        say(line)
-    compile_time = time.perf_counter() - started
-    started = time.perf_counter()
-    import_extension(launch.torch_module, launch.device)
-    engine = LLMEngine(launch.engine_config(model_dir), rank_group=group)
-    return AsyncLLMEngine(engine), compile_time, time.perf_counter() - started
+        started = time.perf_counter()
+        model_dir = launch.model_dir
+        if model_dir.suffix == ".gguf" and model_dir.is_file():
+            from kunlun.engine.gguf import import_gguf
+            from kunlun.paths import model_cache_dir
+
+            model_dir = import_gguf(model_dir, model_cache_dir() / model_dir.stem)
+        if launch.plan_dir is not None:
+            from kunlun.engine.convert import prepare_weights
+
+            model_dir, line = prepare_weights(
+                model_dir,
+                launch.plan_dir / "weights",
+                launch.dtype,
+                launch.quantization,
+                launch.group_size,
+            )
+            say(line)
+        times["compile_time_s"] = time.perf_counter() - started
+        started = time.perf_counter()
+        import_extension(launch.torch_module, launch.device)
+        engine = LLMEngine(launch.engine_config(model_dir), rank_group=group)
+        times["load_time_s"] = time.perf_counter() - started
+        return engine
+
+    return AsyncLLMEngine(factory), times
 
 
 async def warm_up(engine: Any) -> float:
@@ -207,10 +216,11 @@ async def serve(launch: EngineLaunch, group: Any = None) -> None:
 
     from kunlun.serving.worker_app import create_worker_app
 
-    engine, compile_time, load_time = build_engine(launch, group)
+    engine, times = build_engine(launch, group)
+    await engine.ready()
+    compile_time, load_time = times["compile_time_s"], times["load_time_s"]
     say(f"Compilation Time: {compile_time:.2f} s")
     say(f"Load Time: {load_time:.2f} s")
-    engine.start()
     ttft_ms = await warm_up(engine)
     say(f"First Token Latency: {ttft_ms:.1f} ms")
     profiler = start_profiler(engine, launch)
