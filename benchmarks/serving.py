@@ -14,15 +14,28 @@ on this machine's CPU (``place`` on the live inventory: dtype, ``max_num_seqs``,
   ids decoded, so its token counts may differ by a few) and has no ``ignore_eos`` (eos gets a
   logit bias of -100 instead); it serves one request at a time.
 
-Sets: ``uniform`` (16 requests at once, 32-token prompts, 128 output tokens; and one request
-alone, best of 3) and ``mixed`` (32 requests, 16 at once, prompts 32-512, outputs 16-256).
+Sets: ``16`` (16 requests at once, 32-token prompts, 128 output tokens), ``1`` (one such
+request alone) and ``mixed`` (32 requests, 16 at once, prompts 32-512, outputs 16-256).
 Output tokens/s count every output token over the wall time from the first request sent to
-the last token received; TTFT is per request, from sending it to its first token.
+the last token received; TTFT is per request, from sending it to its first token. This
+machine's speed drifts (other tenants' load shows as CPU steal): the platform is started
+first and idles while the engine runs, and the two sides take turns, round after round
+(``1``: 3 rounds, the others 2); each side's figure is its best round.
+
+``worker_layout``: the single-stream set on the in-process engine stepped from a second
+thread (how the worker ran before: weights loaded on the main thread, steps on the engine
+thread, two OpenMP pools) against the same engine on the thread that built it (how the worker
+runs now), and the ratio.
+
+``--profile``: py-spy (when installed) samples the platform's worker during one more ``16``
+run; ``profile`` gives each worker thread's share of the samples, the top functions by own
+time, and each process's CPU use (cores) over that run.
 
 Keys: ``platform_vs_engine_16``, ``platform_vs_engine_1``, ``platform_vs_engine_mixed``,
-``ttft_p50_ms_16`` (the platform's), and each side's figures.
+``ttft_p50_ms_16`` (the platform's), ``worker_layout``, ``cpu_steal_pct`` (the share of CPU
+time the host took during the whole run), and each side's figures.
 
-Usage: ``python benchmarks/serving.py [--threads N] [--quick]``.
+Usage: ``python benchmarks/serving.py [--threads N] [--quick] [--profile]``.
 """
 
 from __future__ import annotations
@@ -37,7 +50,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -196,10 +211,86 @@ def platform_plan() -> ExecutionPlan:
     return place(spec, build_inventory(), inspect_model(model_dir, "smollm2")).plans[0]
 
 
+def cpu_steal_ticks() -> tuple[int, int]:
+    """(steal, all) CPU ticks since boot, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[7], sum(fields[:8])
+
+
+def on_second_thread(engine: LLMEngine, batch: list[Request]) -> dict[str, float]:
+    """:func:`engine_run` from a new thread (the engine was built on this one)."""
+    result: list[dict[str, float]] = []
+    thread = threading.Thread(target=lambda: result.append(engine_run(engine, batch, 1)))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def worker_pid(platform: subprocess.Popen[bytes]) -> int:
+    import psutil
+
+    for child in psutil.Process(platform.pid).children(recursive=True):
+        if "kunlun.serving.worker" in " ".join(child.cmdline()):
+            return child.pid
+    raise RuntimeError("no worker process under the platform")
+
+
+def profile_worker(url: str, platform: subprocess.Popen[bytes], batch: list[Request],
+                   in_flight: int) -> dict[str, Any]:  # fmt: skip
+    """py-spy on the worker during one run of ``batch`` (see the module)."""
+    import psutil
+
+    spy = BIN / "py-spy"
+    if not spy.exists():
+        return {"skipped": "py-spy is not installed: pip install py-spy"}
+    pid = worker_pid(platform)
+    processes = {"worker": psutil.Process(pid), "daemon": psutil.Process(platform.pid),
+                 "client": psutil.Process()}  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:
+        raw = Path(folder) / "worker.txt"
+        recorder = subprocess.Popen([str(spy), "record", "--pid", str(pid), "--rate", "50",
+                                     "--threads", "--format", "raw", "--output", str(raw),
+                                     "--nonblocking"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        time.sleep(1)
+        before = {name: sum(p.cpu_times()[:2]) for name, p in processes.items()}
+        started = time.perf_counter()
+        run = asyncio.run(client_run(url, "smollm2", batch, in_flight, {"ignore_eos": True}))
+        wall = time.perf_counter() - started
+        cores = {name: round((sum(p.cpu_times()[:2]) - before[name]) / wall, 2)
+                 for name, p in processes.items()}  # fmt: skip
+        recorder.send_signal(2)
+        recorder.wait(60)
+        threads: Counter[str] = Counter()
+        leaves: Counter[str] = Counter()
+        for line in raw.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            frames = stack.split(";")
+            threads[frames[0].split(" ")[0] + " " + _thread_role(stack)] += int(count)
+            leaves[frames[-1]] += int(count)
+    total = sum(threads.values()) or 1
+    return {
+        "run": run,
+        "cores": cores,
+        "samples": total,
+        "threads_pct": {t: round(100 * n / total, 1) for t, n in threads.most_common()},
+        "top_self_pct": {f: round(100 * n / total, 1) for f, n in leaves.most_common(8)},
+    }
+
+
+def _thread_role(stack: str) -> str:
+    if "_run (kunlun/engine/async_engine.py" in stack:
+        return "(engine thread)"
+    if "run_event_loop (kunlun/serving/worker.py" in stack or "uvloop" in stack:
+        return "(event loop)"
+    return "(other)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="fewer and shorter requests")
+    parser.add_argument("--profile", action="store_true", help="py-spy on the worker")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     output = 16 if args.quick else 128
@@ -208,41 +299,52 @@ def main() -> None:
         "1": (requests(1, (32, 32), (output, output), seed=1), 1),
         "mixed": (requests(8 if args.quick else 32, (32, 512), (16, output), seed=2), 16),
     }
+    rounds = {"16": 2, "1": 3, "mixed": 2}
+    steal_start = cpu_steal_ticks()
     plan = platform_plan()
-    launch = engine_launch(plan, load_plugins().plugins["cpu"], demo_model_dir(), "smollm2",
-                           None, args.threads)  # fmt: skip
     report: dict[str, Any] = {"plan": plan.summary()}
-    engine = LLMEngine(launch.engine_config())
-    engine_run(engine, requests(2, (32, 32), (8, 8), seed=9), 2)  # warm-up
-    ours: dict[str, dict[str, float]] = {}
-    for name, (batch, in_flight) in sets.items():
-        runs = [engine_run(engine, batch, in_flight) for _ in range(3 if name == "1" else 1)]
-        ours[name] = max(runs, key=lambda r: r["output_tokens_per_s"])
-        print(f"engine {name}: {ours[name]}", file=sys.stderr, flush=True)
-    del engine
-    report["engine"] = ours
-
     with tempfile.TemporaryDirectory(prefix="kunlun-serving-") as home:
         port = free_port()
-        proc = start_platform(Path(home), port)
+        proc = start_platform(Path(home), port)  # loads while the engine below does
         url = f"http://127.0.0.1:{port}"
         try:
+            launch = engine_launch(plan, load_plugins().plugins["cpu"], demo_model_dir(),
+                                   "smollm2", None, args.threads)  # fmt: skip
+            engine = LLMEngine(launch.engine_config())
+            engine_run(engine, requests(2, (32, 32), (8, 8), seed=9), 2)  # warm-up
             asyncio.run(wait_serving(url, "smollm2"))
-            theirs: dict[str, dict[str, float]] = {}
+            ours: dict[str, list[dict[str, float]]] = {name: [] for name in sets}
+            theirs: dict[str, list[dict[str, float]]] = {name: [] for name in sets}
             for name, (batch, in_flight) in sets.items():
-                runs = [asyncio.run(client_run(url, "smollm2", batch, in_flight,
-                                               {"ignore_eos": True}))
-                        for _ in range(3 if name == "1" else 1)]  # fmt: skip
-                theirs[name] = max(runs, key=lambda r: r["output_tokens_per_s"])
-                print(f"platform {name}: {theirs[name]}", file=sys.stderr, flush=True)
+                for _ in range(rounds[name]):
+                    ours[name].append(engine_run(engine, batch, in_flight))
+                    theirs[name].append(asyncio.run(client_run(
+                        url, "smollm2", batch, in_flight, {"ignore_eos": True})))  # fmt: skip
+                    print(f"{name}: engine {ours[name][-1]['output_tokens_per_s']}, platform "
+                          f"{theirs[name][-1]['output_tokens_per_s']}", file=sys.stderr,
+                          flush=True)  # fmt: skip
+            layout = [(on_second_thread(engine, sets["1"][0]), engine_run(engine, sets["1"][0], 1))
+                      for _ in range(3)]  # fmt: skip
+            del engine
+            if args.profile:
+                report["profile"] = profile_worker(url, proc, *sets["16"])
         finally:
             proc.terminate()
             proc.wait(60)
-    report["platform"] = theirs
+    best = {side: {name: max(runs, key=lambda r: r["output_tokens_per_s"])
+                   for name, runs in results.items()}
+            for side, results in (("engine", ours), ("platform", theirs))}  # fmt: skip
+    report.update(best)
     for name in sets:
-        ratio = theirs[name]["output_tokens_per_s"] / ours[name]["output_tokens_per_s"]
+        ratio = (best["platform"][name]["output_tokens_per_s"]
+                 / best["engine"][name]["output_tokens_per_s"])  # fmt: skip
         report[f"platform_vs_engine_{name}"] = round(ratio, 3)
-    report["ttft_p50_ms_16"] = theirs["16"]["ttft_p50_ms"]
+    report["ttft_p50_ms_16"] = best["platform"]["16"]["ttft_p50_ms"]
+    second = max(r[0]["output_tokens_per_s"] for r in layout)
+    same = max(r[1]["output_tokens_per_s"] for r in layout)
+    report["worker_layout"] = {"second_thread_tokens_per_s": second,
+                               "same_thread_tokens_per_s": same,
+                               "same_vs_second": round(same / second, 3)}  # fmt: skip
 
     llama_port = free_port()
     server = start_llamacpp(llama_port, args.threads)
@@ -252,19 +354,20 @@ def main() -> None:
         url = f"http://127.0.0.1:{llama_port}"
         try:
             asyncio.run(wait_serving(url, "smollm2"))
-            llama = {}
+            # its server takes text prompts only (the same ids, decoded), has no ignore_eos
+            # (eos gets a logit bias of -100 instead) and serves one request at a time: the
+            # single-stream set only
             tokenizer = Tokenizer(demo_model_dir())
-            eos = {str(t): -100 for t in tokenizer.eos_token_ids}  # its stand-in for ignore_eos
-            for name, (batch, in_flight) in sets.items():
-                # its server takes text prompts only: the same ids, decoded
-                texts = [(tokenizer.decode(p), n) for p, n in batch]
-                llama[name] = asyncio.run(client_run(url, "smollm2", texts, in_flight,
-                                                     {"logit_bias": eos}, count_chunks=True))  # fmt: skip
-                print(f"llama.cpp {name}: {llama[name]}", file=sys.stderr, flush=True)
-            report["llamacpp"] = llama
+            eos = {str(t): -100 for t in tokenizer.eos_token_ids}
+            texts = [(tokenizer.decode(p), n) for p, n in sets["1"][0]]
+            runs = [asyncio.run(client_run(url, "smollm2", texts, 1, {"logit_bias": eos},
+                                           count_chunks=True)) for _ in range(rounds["1"])]  # fmt: skip
+            report["llamacpp"] = {"1": max(runs, key=lambda r: r["output_tokens_per_s"])}
         finally:
             server.terminate()
             server.wait(60)
+    steal, total = (a - b for a, b in zip(cpu_steal_ticks(), steal_start, strict=True))
+    report["cpu_steal_pct"] = round(100 * steal / max(total, 1), 1)
     report["setup"] = {
         "threads": args.threads,
         "quick": args.quick,

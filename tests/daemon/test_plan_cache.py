@@ -44,7 +44,7 @@ def test_plan_cache_hit_reuses_conversion_and_a_changed_declaration_misses(
         listed = daemon.cli("workload", "list", "--json")
         assert json.loads(listed.stdout) == [] and not (home / "plan-cache").exists()
 
-        first = submit_demo(daemon, BF16)
+        first = submit_demo(daemon, BF16 + "stream_interval: 2\n")
         wait_ready(daemon)
         text = logs(daemon, first)
         assert "plan_cache: miss" in text and "conversion: cast" in text
@@ -55,6 +55,10 @@ def test_plan_cache_hit_reuses_conversion_and_a_changed_declaration_misses(
         launch = read_launch(artifact.parent.parent / "launch.json")
         assert (launch.dtype, launch.device, launch.device_type) == ("bf16", "cpu", "cpu")
         assert launch.plan_dir == artifact.parent.parent and launch.sandbox is None
+        # the plan's step budget and the spec's stream interval reach the worker
+        plan = json.loads((artifact.parent.parent / "plan.json").read_text())
+        assert launch.max_num_batched_tokens == plan["max_num_batched_tokens"] >= 1
+        assert launch.stream_interval == 2
         (replica_launch,) = home.glob("run/workers/*.launch.json")
         started = read_launch(replica_launch)
         assert started.ready_file is not None and started.sandbox is not None

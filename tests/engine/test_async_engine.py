@@ -47,7 +47,8 @@ def test_deltas_add_up_to_the_final_output(engine: LLMEngine) -> None:
     final = deltas[-1].final
     assert final is not None and all(d.final is None for d in deltas[:-1])
     completion = final.outputs[0]
-    assert len(deltas) == len(completion.token_ids) > 1  # one delta per token: streamed
+    # streamed: one delta per token, unless the consumer fell behind and deltas merged
+    assert 1 < len(deltas) <= len(completion.token_ids)
     assert "".join(d.text for d in deltas) == completion.text
     assert [t for d in deltas for t in d.token_ids] == completion.token_ids
     assert deltas[-1].finish_reason == completion.finish_reason in ("stop", "length")
@@ -224,3 +225,34 @@ def test_a_factory_that_fails_raises_from_ready() -> None:
         await asyncio.to_thread(server.shutdown)
 
     run(main())
+
+
+def test_deltas_that_wait_are_merged_and_an_interval_holds_tokens(engine: LLMEngine) -> None:
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def late_consumer() -> list[RequestOutputDelta]:
+        async with AsyncLLMEngine(engine) as server:
+            stream = server.add_request("Once upon a time", params, request_id="late")
+            deltas = [await anext(stream)]
+            queue = server._streams["late"].queue
+            await wait_until(lambda: queue.qsize() >= 3)  # the engine ran ahead of us
+            deltas += [d async for d in stream]
+            return deltas
+
+    late = run(late_consumer())
+    assert len(late[0].token_ids) == 1 and len(late[1].token_ids) >= 3
+    final = late[-1].final
+    assert final is not None and late[-1].finish_reason == "length"
+    assert [t for d in late for t in d.token_ids] == final.outputs[0].token_ids
+    assert "".join(d.text for d in late) == final.outputs[0].text
+
+    async def with_interval() -> list[RequestOutputDelta]:
+        async with AsyncLLMEngine(engine, stream_interval=5) as server:
+            return await collect(server.add_request("Once upon a time", params))
+
+    held = run(with_interval())
+    sizes = [len(d.token_ids) for d in held]
+    assert sizes[0] == 1 and all(size >= 5 for size in sizes[1:-1]) and sum(sizes) == 24
+    assert [t for d in held for t in d.token_ids] == final.outputs[0].token_ids  # greedy
+    with pytest.raises(ValueError, match="stream_interval"):
+        AsyncLLMEngine(engine, stream_interval=0)

@@ -1,7 +1,9 @@
 """The planner's ``max_num_seqs`` sizing (:mod:`kunlun.planner.batching`): monotonic in the
 KV memory, bounded by what the KV holds at the average context (so by ``max_model_len``),
 stopped at the roofline knee where the device declares one, overridden by ``batch_size``,
-and explained by ``plan --explain``."""
+and explained by ``plan --explain``; and the step budget (``max_num_batched_tokens``):
+monotonic in the declared compute, never below one decode per sequence plus a prompt chunk,
+never above ``max_num_seqs * max_model_len``, overridden by the spec, handed to the engine."""
 
 from __future__ import annotations
 
@@ -13,9 +15,18 @@ import pytest
 from tests.planner.conftest import model, node
 from tests.planner.test_plan_cli import cli, mixed
 
-from kunlun.planner.batching import SATURATION, saturation_batch, size_batch
+from kunlun.planner.batching import (
+    DEFAULT_STEP_TOKENS,
+    MAX_STEP_TOKENS,
+    MIN_PREFILL_CHUNK,
+    SATURATION,
+    saturation_batch,
+    size_batch,
+    size_step_tokens,
+)
 from kunlun.planner.capacity import capacity_of
-from kunlun.planner.estimate import MAX_AUTO_BATCH, MIB, average_context, tokens_per_s
+from kunlun.planner.estimate import BLOCK_SIZE, MAX_AUTO_BATCH, MIB, average_context, tokens_per_s
+from kunlun.planner.plan import engine_launch
 from kunlun.workload.placement import place
 from kunlun.workload.spec import WorkloadSpec
 
@@ -84,3 +95,60 @@ def test_plan_explain_shows_the_sizing_and_max_num_seqs_overrides(tmp_path: Path
     forced = cli(*args, "--max-num-seqs", "5", "--json", home=tmp_path)
     assert forced.returncode == 0, forced.stderr
     assert json.loads(forced.stdout)["plan"]["max_num_seqs"] == 5
+
+
+def test_more_declared_compute_never_means_a_smaller_step() -> None:
+    info = model("Llama-3-8B")
+    for seqs, max_model_len in ((1, 64), (8, 512), (45, 8192), (64, 2048)):
+        sizes = []
+        for tflops in (0.5, 5.0, 50.0, 400.0, 1000.0, 4000.0):
+            cap = dataclasses.replace(CAPS["nvidia"], compute={"fp16": tflops})
+            sizes.append(size_step_tokens(info, cap, "fp16", "none", 1, max_model_len, seqs).tokens)
+        assert sizes == sorted(sizes), (seqs, max_model_len, sizes)
+        ceiling = min(MAX_STEP_TOKENS, seqs * max_model_len)
+        floor = min(seqs + MIN_PREFILL_CHUNK, ceiling)
+        assert all(floor <= s <= ceiling for s in sizes), (seqs, max_model_len, sizes)
+    # mid-range compute: whole KV blocks of 50 ms of it
+    cap = dataclasses.replace(CAPS["nvidia"], compute={"fp16": 400.0})
+    step = size_step_tokens(info, cap, "fp16", "none", 1, 8192, 8)
+    assert step.tokens % BLOCK_SIZE == 0 and "50 ms of the declared compute" in step.reason
+
+
+def test_a_device_without_a_compute_figure_gets_the_measured_default() -> None:
+    info = model("Qwen2-0.5B")
+    bare = dataclasses.replace(CAPS["nvidia"], compute={})
+    assert size_step_tokens(info, bare, "fp16", "none", 1, 8192, 8).tokens == DEFAULT_STEP_TOKENS
+    # the floor wins over the default for a wide batch, max_model_len over both
+    wide = size_step_tokens(info, bare, "fp16", "none", 1, 8192, 256)
+    assert wide.tokens == 256 + MIN_PREFILL_CHUNK and "raised to" in wide.reason
+    short = size_step_tokens(info, bare, "fp16", "none", 1, 16, 2)
+    assert short.tokens == 32 and "capped at 32" in short.reason
+
+
+def test_the_plan_hands_its_step_budget_to_the_engine_and_the_spec_overrides_it() -> None:
+    info = model("Qwen2-0.5B")
+    spec = WorkloadSpec(model="Qwen2-0.5B", device="nvidia:0", max_model_len=2048)
+    sized = place(spec, node("mixed"), info).plans[0]
+    expected = size_step_tokens(info, CAPS["nvidia"], sized.dtype, "none", 1, 2048,
+                                sized.max_num_seqs)  # fmt: skip
+    assert sized.max_num_batched_tokens == expected.tokens
+    assert expected.reason in sized.notes and "max_num_batched_tokens" in sized.summary()
+    launch = engine_launch(sized, None, "/models/q", "q", None, 2)
+    assert launch.max_num_batched_tokens == sized.max_num_batched_tokens
+    assert launch.engine_config().max_num_batched_tokens == sized.max_num_batched_tokens
+    fixed = place(spec.model_copy(update={"max_num_batched_tokens": 96}), node("mixed"),
+                  info).plans[0]  # fmt: skip
+    assert fixed.max_num_batched_tokens == 96
+    assert "max_num_batched_tokens 96: the spec's" in fixed.notes
+
+
+def test_plan_explain_shows_the_step_budget_and_the_flag_overrides(tmp_path: Path) -> None:
+    args = ("--model", "Qwen2-0.5B", "--device", "nvidia:0", "--max-model-len", "2048", *mixed())
+    explained = cli(*args, "--explain", home=tmp_path)
+    assert explained.returncode == 0, explained.stderr
+    assert "max_num_batched_tokens" in explained.stdout and "chunked-prefill" in explained.stdout
+    forced = cli(*args, "--max-num-batched-tokens", "200", "--json", home=tmp_path)
+    assert forced.returncode == 0, forced.stderr
+    assert json.loads(forced.stdout)["plan"]["max_num_batched_tokens"] == 200
+    bad = cli(*args, "--max-num-batched-tokens", "0", home=tmp_path)
+    assert bad.returncode != 0 and "max_num_batched_tokens" in bad.stderr

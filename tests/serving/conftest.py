@@ -52,7 +52,11 @@ class WorkerProcess:
                 self.process.wait()
 
 
-def launch_worker(folder: Path, served_name: str = MODEL, timeout_s: float = 240) -> WorkerProcess:
+def launch_worker(
+    folder: Path, served_name: str = MODEL, timeout_s: float = 240, **settings: object
+) -> WorkerProcess:
+    """A worker serving the demo model as ``served_name``; ``settings`` are other launch
+    fields."""
     from kunlun.engine.gguf import demo_model_dir
     from kunlun.errors import ModelFileMissing
 
@@ -64,7 +68,7 @@ def launch_worker(folder: Path, served_name: str = MODEL, timeout_s: float = 240
     ready_file, log_path = folder / "ready.json", folder / "worker.log"
     launch = write_launch(
         folder / "launch.json", model_dir, served_name, ready_file=ready_file, max_num_seqs=8,
-        kv_cache_memory_bytes=64 << 20, max_model_len=MAX_MODEL_LEN, num_threads=1,
+        kv_cache_memory_bytes=64 << 20, max_model_len=MAX_MODEL_LEN, num_threads=1, **settings,
     )  # fmt: skip
     command = worker_command(launch)
     with log_path.open("wb") as log:

@@ -208,3 +208,23 @@ def test_sigterm_finishes_streams_then_exits_0(
         rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]"
     assert spare.process.wait(30) == 0
+
+
+def test_stream_interval_sends_fewer_larger_events_and_loses_nothing(tmp_path: Path) -> None:
+    from tests.serving.conftest import launch_worker
+
+    coalescing = launch_worker(tmp_path / "interval", stream_interval=4)
+    try:
+        client = openai.OpenAI(base_url=coalescing.base_url + "/v1", api_key="none", max_retries=0)
+        args = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 17,
+                "temperature": 0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+        whole = client.completions.create(**args)
+        chunks = list(client.completions.create(**args, stream=True,
+                                                stream_options={"include_usage": True}))  # fmt: skip
+    finally:
+        coalescing.stop()
+    texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert "".join(texts) == whole.choices[0].text
+    # the first token alone, then at least 4 tokens per event: at most 1 + 16 / 4 events
+    assert 2 <= len(texts) <= 5, texts
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 17

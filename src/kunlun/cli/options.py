@@ -24,3 +24,12 @@ BatchSize = Annotated[
     ),
 ]  # fmt: skip
 """``max_num_seqs``, overriding the plan's sizing."""
+StepTokens = Annotated[
+    int | None,
+    typer.Option(
+        "--max-num-batched-tokens",
+        help="Tokens one engine step computes, prefill chunks and decodes together (the "
+        "chunked-prefill budget; default: sized by the plan).",
+    ),
+]  # fmt: skip
+"""``max_num_batched_tokens``, overriding the plan's sizing."""

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from kunlun.cli.options import BatchSize, Quantization, TpSize
+from kunlun.cli.options import BatchSize, Quantization, StepTokens, TpSize
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.device.inventory import build_inventory
 from kunlun.errors import ConfigError, Location
@@ -38,6 +38,7 @@ def plan(
     tp_size: TpSize = None,
     max_model_len: Annotated[int | None, typer.Option(help="Context limit.")] = None,
     batch_size: BatchSize = None,
+    max_num_batched_tokens: StepTokens = None,
     priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
     scorer: Annotated[
         str | None, typer.Option(help="performance, roofline, binpack or spread.")
@@ -48,6 +49,7 @@ def plan(
     """Plan MODEL on the devices: dtype, quantization, TP, KV blocks, operators, options, env."""
     fields = {"model": model, "device": device, "dtype": dtype, "quantization": quantization,
               "max_model_len": max_model_len, "batch_size": batch_size, "priority": priority,
+              "max_num_batched_tokens": max_num_batched_tokens,
               "scorer": scorer, "tensor_parallel_size": tp_size}  # fmt: skip
     spec = parse_spec({k: v for k, v in fields.items() if v is not None}, "command line")
     state = kunlun_home() / "state.db"

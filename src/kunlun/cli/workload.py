@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
-from kunlun.cli.options import BatchSize, Quantization, TpSize
+from kunlun.cli.options import BatchSize, Quantization, StepTokens, TpSize
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.planner.plan import ExecutionPlan
 from kunlun.workload.spec import load_spec_file, parse_spec
@@ -35,11 +35,16 @@ def submit(
         str | None, typer.Option(help="performance, roofline, binpack or spread.")
     ] = None,
     batch_size: BatchSize = None,
+    max_num_batched_tokens: StepTokens = None,
     priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
     preferred_device_types: Annotated[
         str | None, typer.Option(help="Comma-separated, in order.")
     ] = None,
     replicas: Annotated[int | None, typer.Option(help="Engine processes.")] = None,
+    stream_interval: Annotated[
+        int | None,
+        typer.Option(help="Tokens per streamed event after the first (default 1: each token)."),
+    ] = None,
     name: Annotated[str | None, typer.Option(help="Model name clients use.")] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Only show where it would run.")
@@ -56,8 +61,10 @@ def submit(
         "tensor_parallel_size": tp_size,
         "scorer": scorer,
         "batch_size": batch_size,
+        "max_num_batched_tokens": max_num_batched_tokens,
         "priority": priority,
         "replicas": replicas,
+        "stream_interval": stream_interval,
         "name": name,
     }
     data.update({k: v for k, v in flags.items() if v is not None})

@@ -9,6 +9,11 @@ cores, and the runtime then parks its workers after every operation instead of s
 Measured on the 2-vCPU benchmark machine, a decode-sized matrix product took about 2.5x as
 long on the second thread (docs/benchmarks.md, "One thread runs the model").
 
+Streaming: each completion's first delta goes out at once; after it, deltas that are already
+waiting when the consumer reads are merged into one (a consumer that fell behind catches up in
+one event instead of one per token: no token waits for this), and with ``stream_interval`` N > 1
+a completion's tokens are held until N are there (or it finishes), for fewer, larger events.
+
 The event loop never waits on the model. :meth:`AsyncLLMEngine.add_request` validates the
 request in the caller (bad input raises there, at once), hands it to the engine thread and
 returns an async iterator of :class:`RequestOutputDelta`. The engine thread takes new
@@ -46,9 +51,15 @@ class _Stream:
 class AsyncLLMEngine:
     """An :class:`LLMEngine` driven by a background thread, for asyncio servers."""
 
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+    def __init__(
+        self, engine: LLMEngine | Callable[[], LLMEngine], stream_interval: int = 1
+    ) -> None:
         """``engine`` is a built engine, or a factory the engine thread calls to build it
-        (see the module: a server should pass a factory)."""
+        (see the module: a server should pass a factory); ``stream_interval``: tokens a
+        completion's delta holds before it is handed out, after the first (see the module)."""
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        self.stream_interval = stream_interval
         self._built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
         self._factory: Callable[[], LLMEngine] | None = None
         if isinstance(engine, LLMEngine):
@@ -152,19 +163,35 @@ class AsyncLLMEngine:
     # ---- consumer side ----
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutputDelta]:
         done = False
+        held: dict[int, RequestOutputDelta] = {}
+        """Per completion index: tokens not handed out yet."""
+        started: set[int] = set()
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                if item.final is not None:
-                    done = True
-                    if item.error is not None:
-                        raise item.error
-                yield item
-                if done:
-                    return
+            while not done:
+                items = [await stream.queue.get()]
+                while not stream.queue.empty():  # already here: merged, nothing waits
+                    items.append(stream.queue.get_nowait())
+                failure: BaseException | None = None
+                for item in items:
+                    if isinstance(item, BaseException):
+                        failure = item
+                        break
+                    if item.final is not None and item.error is not None:
+                        failure = item.error  # what came before it is still handed out
+                        break
+                    before = held.get(item.index)
+                    held[item.index] = item if before is None else _merged(before, item)
+                done = failure is not None or any(d.final is not None for d in held.values())
+                # the delta that finishes the request goes last
+                for index, delta in sorted(held.items(), key=lambda kv: kv[1].final is not None):
+                    due = (done or index not in started or delta.finish_reason is not None
+                           or len(delta.token_ids) >= self.stream_interval)  # fmt: skip
+                    if due:
+                        del held[index]
+                        started.add(index)
+                        yield delta
+                if failure is not None:
+                    raise failure
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
@@ -253,6 +280,25 @@ def _resolve(aborts: list[tuple[str, concurrent.futures.Future[None] | None]]) -
     for _, done in aborts:
         if done is not None and not done.done():
             done.set_result(None)
+
+
+def _merged(first: RequestOutputDelta, then: RequestOutputDelta) -> RequestOutputDelta:
+    """One delta holding ``first`` then ``then`` (same request, same completion)."""
+    logprobs = None
+    if first.logprobs is not None or then.logprobs is not None:
+        logprobs = (first.logprobs or []) + (then.logprobs or [])
+    return RequestOutputDelta(
+        request_id=first.request_id,
+        index=first.index,
+        text=first.text + then.text,
+        token_ids=first.token_ids + then.token_ids,
+        logprobs=logprobs,
+        finish_reason=then.finish_reason,
+        num_prompt_tokens=first.num_prompt_tokens,
+        num_cached_tokens=first.num_cached_tokens,
+        error=then.error,
+        final=then.final,
+    )
 
 
 def _put_all(pairs: list[tuple[_Stream, RequestOutputDelta]]) -> None:

@@ -88,6 +88,13 @@ class EngineLaunch(BaseModel):
     seed: int | None = Field(None, description="Seed of requests that bring none.")
 
     # ---- the worker process ----
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Tokens a completion's streamed delta holds before it is sent, after the "
+        "first (kunlun.engine.async_engine); 1: every token as soon as it is made.",
+    )
     host: str = Field("127.0.0.1", min_length=1, description="Address to serve on.")
     port: int = Field(0, ge=0, le=65535, description="Port to serve on; 0 picks a free one.")
     ready_file: Path | None = Field(

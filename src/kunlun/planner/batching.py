@@ -20,7 +20,24 @@ The rule, per plan, from what the plan reserves and what the device declares:
 - **bounds**: at most :data:`MAX_AUTO_BATCH`; a spec's ``batch_size`` (``--batch-size``,
   up to 256) overrides the whole rule.
 
-The reason is one line of the plan's notes, which ``plan --explain`` prints.
+How many tokens one engine step computes (``max_num_batched_tokens``, the chunked-prefill
+budget): every running sequence decodes one token per step and prompts fill the rest in
+chunks, so the budget sets how long one step can take. A small budget starts the first tokens
+of a burst of requests sooner (the first prompts do not wait for the others' prefills) and
+bounds how long a long prompt stalls the streams already decoding; a large one prefills with
+fewer, larger steps. The rule:
+
+- **time**: :data:`STEP_TARGET_S` of the declared compute throughput
+  (``compute_tokens_per_s``, tokens of this model the device's declared TFLOPS compute per
+  second), rounded down to whole KV blocks; a device that declares no compute figure for the
+  dtype (a CPU, by default) gets :data:`DEFAULT_STEP_TOKENS`, chosen from the measured
+  trade-off in docs/benchmarks.md ("The chunked-prefill budget");
+- **bounds**: at least ``max_num_seqs + MIN_PREFILL_CHUNK`` (every sequence decodes in every
+  step and a prompt still advances), at most :data:`MAX_STEP_TOKENS` and never more than
+  ``max_num_seqs * max_model_len``; a spec's ``max_num_batched_tokens``
+  (``--max-num-batched-tokens``) overrides the whole rule.
+
+Each reason is one line of the plan's notes, which ``plan --explain`` prints.
 """
 
 from __future__ import annotations
@@ -30,6 +47,7 @@ from dataclasses import dataclass
 
 from kunlun.planner.capacity import DeviceCapacity
 from kunlun.planner.estimate import (
+    BLOCK_SIZE,
     MAX_AUTO_BATCH,
     MIB,
     average_context,
@@ -39,6 +57,15 @@ from kunlun.planner.model_info import ModelInfo
 
 SATURATION = 0.9
 """The share of its limit at which the decode estimate counts as saturated."""
+STEP_TARGET_S = 0.05
+"""Declared-compute time one step's tokens may take (real steps run slower than the declared
+peak; 50 ms of peak keeps a step of a GPU plan well under the 100-200 ms a reader notices)."""
+DEFAULT_STEP_TOKENS = 256
+"""The step budget of a device with no compute figure (docs/benchmarks.md)."""
+MAX_STEP_TOKENS = 8192
+"""The largest step budget the planner gives on its own."""
+MIN_PREFILL_CHUNK = 4 * BLOCK_SIZE
+"""Prompt tokens a full step still computes, beyond one decode per sequence."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +73,14 @@ class BatchSizing:
     """``max_num_seqs`` for one plan and why."""
 
     max_num_seqs: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class StepSizing:
+    """``max_num_batched_tokens`` for one plan and why."""
+
+    tokens: int
     reason: str
 
 
@@ -93,3 +128,36 @@ def size_batch(
     if seqs == MAX_AUTO_BATCH and MAX_AUTO_BATCH < min(by_memory, knee or by_memory + 1):
         parts.append(f"capped at {MAX_AUTO_BATCH}")
     return BatchSizing(seqs, "; ".join(parts) + " (--batch-size overrides)")
+
+
+def size_step_tokens(
+    model: ModelInfo,
+    cap: DeviceCapacity,
+    dtype: str,
+    quantization: str,
+    tp: int,
+    max_model_len: int,
+    max_num_seqs: int,
+) -> StepSizing:
+    """``max_num_batched_tokens`` for a replica running ``max_num_seqs`` sequences (see the
+    module)."""
+    compute = compute_tokens_per_s(model, cap, dtype, quantization, tp)
+    if compute is None:
+        wanted = DEFAULT_STEP_TOKENS
+        why = f"no declared compute figure for {dtype}: the default {DEFAULT_STEP_TOKENS}"
+    else:
+        wanted = int(compute * STEP_TARGET_S) // BLOCK_SIZE * BLOCK_SIZE
+        why = (f"{STEP_TARGET_S * 1000:.0f} ms of the declared compute ({compute:.0f} tokens/s) "
+               f"is {wanted} tokens")  # fmt: skip
+    floor = max_num_seqs + MIN_PREFILL_CHUNK
+    ceiling = min(MAX_STEP_TOKENS, max_num_seqs * max_model_len)
+    tokens = min(max(wanted, floor), ceiling)
+    if tokens > wanted:
+        why += f"; raised to {tokens}: {max_num_seqs} decodes and a {MIN_PREFILL_CHUNK}-token chunk"
+    elif tokens < wanted:
+        why += f"; capped at {tokens}"
+    return StepSizing(
+        tokens,
+        f"max_num_batched_tokens {tokens} (tokens per step, the chunked-prefill budget): {why}"
+        " (--max-num-batched-tokens overrides)",
+    )

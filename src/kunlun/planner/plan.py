@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kunlun.engine.launch import EngineLaunch, device_fields
 from kunlun.engine.tp_layout import head_split_problem, quantized_split_problem
-from kunlun.planner.batching import BatchSizing, size_batch
+from kunlun.planner.batching import BatchSizing, StepSizing, size_batch, size_step_tokens
 from kunlun.planner.capacity import DeviceCapacity
 from kunlun.planner.engine_options import engine_options
 from kunlun.planner.estimate import (
@@ -57,7 +57,10 @@ class Demand:
     batch: int | None
     """The spec's ``batch_size`` (max_num_seqs), or None: sized per plan
     (:mod:`kunlun.planner.batching`)."""
-    priority: str
+    step_tokens: int | None = None
+    """The spec's ``max_num_batched_tokens``, or None: sized per plan
+    (:mod:`kunlun.planner.batching`)."""
+    priority: str = "normal"
     kv_cache_memory_mb: int | None = None
     device: str | None = None
     preferred_device_types: tuple[str, ...] = ()
@@ -244,6 +247,9 @@ class ExecutionPlan:
     notes: list[str] = field(default_factory=list)
     compute_tokens_per_s: float | None = None
     """Declared compute throughput for the plan's compute dtype."""
+    max_num_batched_tokens: int | None = None
+    """Tokens one engine step computes (the chunked-prefill budget); None in plans cached
+    before it was planned: the engine's default."""
 
     @property
     def fallback_ops(self) -> list[str]:
@@ -256,6 +262,7 @@ class ExecutionPlan:
             f"{self.model} on {','.join(self.devices)}: engine {self.engine}, dtype {self.dtype}, "
             f"quantization {self.quantization}, tp {self.tensor_parallel_size}, "
             f"max_model_len {self.max_model_len}, max_num_seqs {self.max_num_seqs}, "
+            f"max_num_batched_tokens {self.max_num_batched_tokens or 'default'}, "
             f"KV {self.num_kv_blocks} blocks ({self.kv_cache_memory_mb} MiB), "
             f"decode estimate {'-' if rate is None else f'{rate:.0f}'} tokens/s, "
             f"fallback ops {', '.join(self.fallback_ops) or 'none'}"
@@ -284,6 +291,19 @@ def plan_batch(
                       demand.max_model_len, kv_mb)  # fmt: skip
 
 
+def plan_step_tokens(
+    demand: Demand, cap: DeviceCapacity, dtype: str, num_devices: int, max_num_seqs: int
+) -> StepSizing:
+    """``max_num_batched_tokens`` of a replica of ``demand`` on ``num_devices`` devices like
+    ``cap`` running ``max_num_seqs`` sequences: the spec's, else sized
+    (:func:`~kunlun.planner.batching.size_step_tokens`)."""
+    if demand.step_tokens is not None:
+        return StepSizing(demand.step_tokens,
+                          f"max_num_batched_tokens {demand.step_tokens}: the spec's")  # fmt: skip
+    return size_step_tokens(demand.model, cap, dtype, demand.quantization, num_devices,
+                            demand.max_model_len, max_num_seqs)  # fmt: skip
+
+
 def kv_budget_mb(demand: Demand, cap: DeviceCapacity, need: MemoryNeed, share_mb: float) -> float:
     """Per-device KV memory of one replica on ``cap``: its priority share of the memory left
     after weights, no more than it can use (``batch`` full-length sequences, or the spec's
@@ -309,6 +329,7 @@ def build_plan(
     blocks = kv_total_mb * MIB // (BLOCK_SIZE * kv_token)
     sizing = plan_batch(demand, first, option.dtype, option.num_devices, kv_total_mb)
     batch = sizing.max_num_seqs
+    step = plan_step_tokens(demand, first, option.dtype, option.num_devices, batch)
     if blocks * BLOCK_SIZE < demand.max_model_len:
         notes_kv = [f"KV ({blocks} blocks) is shorter than max_model_len={demand.max_model_len}"]
     else:
@@ -318,7 +339,7 @@ def build_plan(
     if first.visibility_env:
         env[first.visibility_env] = ",".join(str(c.index) for c in group)
     local = 0 if first.visibility_env else first.index
-    notes[:0] = [share_note, *notes_kv, sizing.reason]
+    notes[:0] = [share_note, *notes_kv, sizing.reason, step.reason]
     if blocks * BLOCK_SIZE < batch * demand.max_model_len:
         notes.append(
             f"KV holds {blocks * BLOCK_SIZE} tokens: {batch} sequences run together "
@@ -356,6 +377,7 @@ def build_plan(
         estimated_tokens_per_s=_round(option.tokens_per_s),
         notes=notes,
         compute_tokens_per_s=_round(option.compute_tokens_per_s),
+        max_num_batched_tokens=step.tokens,
     )
 
 
@@ -384,6 +406,7 @@ def engine_launch(
         quantization=plan.quantization,
         tensor_parallel_size=plan.tensor_parallel_size,
         max_num_seqs=plan.max_num_seqs,
+        max_num_batched_tokens=plan.max_num_batched_tokens,
         max_model_len=plan.max_model_len,
         kv_cache_memory_bytes=plan.kv_cache_memory_mb * MIB,
         block_size=plan.block_size,

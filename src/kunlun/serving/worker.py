@@ -173,7 +173,7 @@ def build_engine(launch: EngineLaunch, group: Any = None) -> tuple[Any, dict[str
         times["load_time_s"] = time.perf_counter() - started
         return engine
 
-    return AsyncLLMEngine(factory), times
+    return AsyncLLMEngine(factory, launch.stream_interval), times
 
 
 async def warm_up(engine: Any) -> float:

@@ -63,6 +63,24 @@ class WorkloadSpec(BaseModel):
         "saturates "
         "(kunlun.planner.batching).",
     )
+    max_num_batched_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=65536,
+        description="Tokens one engine step computes, prefill chunks and decodes together (the "
+        "chunked-prefill budget: smaller starts the first tokens of a burst sooner and stalls "
+        "running streams less, larger prefills faster); default: sized per plan "
+        "(kunlun.planner.batching).",
+    )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Streaming: after a completion's first token, its tokens are sent once "
+        "this many are made (or it "
+        "finishes). 1 (default): every token at once; tokens that are already waiting when the "
+        "worker writes go out together whatever this is. Larger: fewer, larger SSE events.",
+    )
     priority: Priority = Field("normal", description="Scheduling class: high, normal or low.")
     preferred_device_types: list[str] = Field(
         default_factory=list, description="Device types to try first, in order."

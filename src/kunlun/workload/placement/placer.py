@@ -261,6 +261,7 @@ def demand_of(spec: WorkloadSpec, model: ModelInfo) -> Demand:
         quantization=quantization,
         max_model_len=max_len,
         batch=spec.batch_size,
+        step_tokens=spec.max_num_batched_tokens,
         priority=spec.priority,
         kv_cache_memory_mb=spec.kv_cache_memory_mb,
         device=spec.device,
