@@ -12,7 +12,8 @@ on this machine's CPU (``place`` on the live inventory: dtype, ``max_num_seqs``,
 * **llama.cpp** (``llama_cpp.server`` on the demo GGUF, same threads) when its server extra
   is installed; skipped, saying so, otherwise. Its server takes text prompts only (the same
   ids decoded, so its token counts may differ by a few) and has no ``ignore_eos`` (eos gets a
-  logit bias of -100 instead); it serves one request at a time.
+  logit bias of -100 instead); it serves one request at a time (``--interrupt_requests
+  False``: by default a new request interrupts the one being generated). One round per set.
 
 Sets: ``16`` (16 requests at once, 32-token prompts, 128 output tokens), ``1`` (one such
 request alone) and ``mixed`` (32 requests, 16 at once, prompts 32-512, outputs 16-256).
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -200,7 +202,7 @@ def start_llamacpp(port: int, threads: int) -> subprocess.Popen[bytes] | str:
     return subprocess.Popen(
         [sys.executable, "-m", "llama_cpp.server", "--model", str(demo_gguf_path()),
          "--port", str(port), "--n_threads", str(threads), "--n_ctx", "8192",
-         "--model_alias", "smollm2"],
+         "--model_alias", "smollm2", "--interrupt_requests", "False"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -217,6 +219,14 @@ def cpu_steal_ticks() -> tuple[int, int]:
     """(steal, all) CPU ticks since boot, from /proc/stat."""
     fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     return fields[7], sum(fields[:8])
+
+
+def with_cores(run: Any) -> dict[str, float]:
+    """``run()``'s result with ``cores``: this process's CPU time over the wall time."""
+    started, cpu = time.perf_counter(), time.process_time()
+    result = dict(run())
+    result["cores"] = round((time.process_time() - cpu) / (time.perf_counter() - started), 2)
+    return result
 
 
 def on_second_thread(engine: LLMEngine, batch: list[Request]) -> dict[str, float]:
@@ -328,7 +338,9 @@ def main() -> None:
                     print(f"{name}: engine {ours[name][-1]['output_tokens_per_s']}, platform "
                           f"{theirs[name][-1]['output_tokens_per_s']}", file=sys.stderr,
                           flush=True)  # fmt: skip
-            layout = [(on_second_thread(engine, sets["1"][0]), engine_run(engine, sets["1"][0], 1))
+            one = sets["1"][0]
+            layout = [(with_cores(functools.partial(on_second_thread, engine, one)),
+                       with_cores(functools.partial(engine_run, engine, one, 1)))
                       for _ in range(3)]  # fmt: skip
             del engine
             if args.profile:
@@ -347,11 +359,15 @@ def main() -> None:
         report["rounds"][name] = [round(r, 3) for r in ratios]
         report[f"platform_vs_engine_{name}"] = round(statistics.median(ratios), 3)
     report["ttft_p50_ms_16"] = best["platform"]["16"]["ttft_p50_ms"]
-    second = max(r[0]["output_tokens_per_s"] for r in layout)
-    same = max(r[1]["output_tokens_per_s"] for r in layout)
-    report["worker_layout"] = {"second_thread_tokens_per_s": second,
-                               "same_thread_tokens_per_s": same,
-                               "same_vs_second": round(same / second, 3)}  # fmt: skip
+    second = max((r[0] for r in layout), key=lambda r: r["output_tokens_per_s"])
+    same = max((r[1] for r in layout), key=lambda r: r["output_tokens_per_s"])
+    report["worker_layout"] = {
+        "second_thread_tokens_per_s": second["output_tokens_per_s"],
+        "second_thread_cores": second["cores"],
+        "same_thread_tokens_per_s": same["output_tokens_per_s"],
+        "same_thread_cores": same["cores"],
+        "same_vs_second": round(same["output_tokens_per_s"] / second["output_tokens_per_s"], 3),
+    }
 
     llama_port = free_port()
     server = start_llamacpp(llama_port, args.threads)
@@ -361,15 +377,17 @@ def main() -> None:
         url = f"http://127.0.0.1:{llama_port}"
         try:
             asyncio.run(wait_serving(url, "smollm2"))
-            # its server takes text prompts only (the same ids, decoded), has no ignore_eos
-            # (eos gets a logit bias of -100 instead) and serves one request at a time: the
-            # single-stream set only
+            # its server takes text prompts only (the same ids, decoded) and has no
+            # ignore_eos (eos gets a logit bias of -100 instead)
             tokenizer = Tokenizer(demo_model_dir())
             eos = {str(t): -100 for t in tokenizer.eos_token_ids}
-            texts = [(tokenizer.decode(p), n) for p, n in sets["1"][0]]
-            runs = [asyncio.run(client_run(url, "smollm2", texts, 1, {"logit_bias": eos},
-                                           count_chunks=True)) for _ in range(rounds["1"])]  # fmt: skip
-            report["llamacpp"] = {"1": max(runs, key=lambda r: r["output_tokens_per_s"])}
+            llama = {}
+            for name, (batch, in_flight) in sets.items():
+                texts = [(tokenizer.decode(p), n) for p, n in batch]
+                llama[name] = asyncio.run(client_run(url, "smollm2", texts, in_flight,
+                                                     {"logit_bias": eos}, count_chunks=True))  # fmt: skip
+                print(f"llama.cpp {name}: {llama[name]}", file=sys.stderr, flush=True)
+            report["llamacpp"] = llama
         finally:
             server.terminate()
             server.wait(60)
