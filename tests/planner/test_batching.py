@@ -147,6 +147,8 @@ def test_plan_explain_shows_the_step_budget_and_the_flag_overrides(tmp_path: Pat
     explained = cli(*args, "--explain", home=tmp_path)
     assert explained.returncode == 0, explained.stderr
     assert "max_num_batched_tokens" in explained.stdout and "chunked-prefill" in explained.stdout
+    plain = cli(*args, home=tmp_path)
+    assert plain.returncode == 0 and "max_num_batched_tokens: " in plain.stdout, plain.stderr
     forced = cli(*args, "--max-num-batched-tokens", "200", "--json", home=tmp_path)
     assert forced.returncode == 0, forced.stderr
     assert json.loads(forced.stdout)["plan"]["max_num_batched_tokens"] == 200

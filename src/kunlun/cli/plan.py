@@ -110,6 +110,7 @@ def plan_lines(p: ExecutionPlan) -> str:
         f"tensor_parallel_size: {p.tensor_parallel_size}  devices: {','.join(p.devices)} "
         f"(torch device {p.torch_device})",
         f"max_model_len: {p.max_model_len}  max_num_seqs: {p.max_num_seqs}  "
+        f"max_num_batched_tokens: {p.max_num_batched_tokens or 'engine default'}  "
         f"kv_cache: {p.num_kv_blocks} blocks of {p.block_size} ({p.kv_cache_memory_mb} MiB)  "
         f"weights: {p.weight_memory_mb} MiB per device",
         f"tokens/s: decode estimate {tokens(p.estimated_tokens_per_s)}, declared compute "
