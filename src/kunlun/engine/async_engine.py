@@ -163,8 +163,7 @@ class AsyncLLMEngine:
     # ---- consumer side ----
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutputDelta]:
         done = False
-        held: dict[int, RequestOutputDelta] = {}
-        """Per completion index: tokens not handed out yet."""
+        held: dict[int, RequestOutputDelta] = {}  # per completion index: not handed out yet
         started: set[int] = set()
         try:
             while not done:

@@ -77,8 +77,7 @@ class WorkloadSpec(BaseModel):
         ge=1,
         le=256,
         description="Streaming: after a completion's first token, its tokens are sent once "
-        "this many are made (or it "
-        "finishes). 1 (default): every token at once; tokens that are already waiting when the "
+        "this many are made (or it finishes). 1 (default): every token at once; tokens that are already waiting when the "
         "worker writes go out together whatever this is. Larger: fewer, larger SSE events.",
     )
     priority: Priority = Field("normal", description="Scheduling class: high, normal or low.")
