@@ -20,6 +20,8 @@ whether it did the work itself or the daemon did.
     ├── RequestError                 request.invalid       exit 2   http 400
     │   └── PromptTooLong            request.prompt_too_long
     ├── PermissionDenied             auth.permission_denied exit 2  http 403
+    ├── PackageError                 package.invalid       exit 3   http 400
+    │   └── SignatureError           package.signature
     └── EngineError                  engine.error          exit 1   http 500
         └── RequestAborted           engine.aborted
 
@@ -150,6 +152,19 @@ class PermissionDenied(KunlunError):
     code = "auth.permission_denied"
     exit_code = 2
     http_status = 403
+
+
+class PackageError(KunlunError):
+    """A signed package or bundle that is refused: damaged, incomplete, unsafe, older than
+    what is installed, or (:class:`SignatureError`) not signed by a trusted key."""
+
+    code = "package.invalid"
+    exit_code = 3
+    http_status = 400
+
+
+class SignatureError(PackageError):
+    code = "package.signature"
 
 
 class EngineError(KunlunError):

@@ -1,4 +1,5 @@
-"""``kunlun-cli model import-gguf | quantize | list``: local models only, nothing is downloaded.
+"""``kunlun-cli model import-gguf | quantize | list | pack | verify | inspect``: local models only,
+nothing is downloaded; ``pack`` writes a signed package (:mod:`kunlun.offline.package`).
 
 With ``KUNLUN_ENDPOINT`` set the daemon does the work; otherwise the CLI works on
 ``KUNLUN_HOME`` directly.
@@ -19,7 +20,9 @@ from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.paths import kunlun_home
 from kunlun.state.sqlite import SQLiteStore
 
-app = typer.Typer(help="Models: import GGUF files, quantize, list aliases.", no_args_is_help=True)
+app = typer.Typer(
+    help="Models: import GGUF files, quantize, list aliases, signed packages.", no_args_is_help=True
+)
 
 
 def _remote() -> DaemonClient | None:
@@ -135,3 +138,91 @@ def list_models(json: Annotated[bool, typer.Option("--json")] = False) -> None:
     for m in rows:
         table.add_row(m["alias"], m["source"], m["path"])
     console.print(table)
+
+
+@app.command("pack")
+@handle_errors
+def pack(
+    model: Annotated[str, typer.Option(help="Alias or local HF directory.")],
+    key: Annotated[Path, typer.Option("--key", help="Private signing key (PEM, Ed25519).")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="The package to write.")],
+    target_device: Annotated[
+        str | None, typer.Option(help="Device the plan is for, e.g. cpu:0 or ascend:0.")
+    ] = None,
+    quantize: Annotated[
+        str | None, typer.Option("--quantize", help="w8a8, w8a16 or w4a16 (default: the plan's).")
+    ] = None,
+    replay: Annotated[
+        Path | None, typer.Option(help="Plan for a recorded node (vendor-tool outputs).")
+    ] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="device-plugin-config.yaml the plan is made against.")
+    ] = None,
+    version: Annotated[
+        int | None,
+        typer.Option("--package-version", min=1, help="Package version (default: creation time)."),
+    ] = None,
+    created: Annotated[
+        int | None,
+        typer.Option(
+            min=0, help="Creation time, Unix seconds (default: SOURCE_DATE_EPOCH or now)."
+        ),
+    ] = None,
+) -> None:
+    """Plan MODEL for the target device and write a signed .kunlunpkg (weights, tokenizer,
+    plan, device profile, engine configuration, manifest.json, manifest.sig)."""
+    from kunlun.offline.package import pack as do_pack
+
+    result = do_pack(model, out, key, target_device=target_device, quantize=quantize,
+                     replay=replay, config=config, version=version, created=created)  # fmt: skip
+    m = result.manifest
+    console.print(
+        f"packed {m.name} version {m.version}: {len(m.files)} files, {m.total_bytes} bytes -> "
+        f"{result.path} in {result.seconds:.1f} s; signer {m.signer}",
+        markup=False,
+    )
+
+
+@app.command("verify")
+@handle_errors
+def verify(
+    package: Annotated[Path, typer.Option("--package", help="The .kunlunpkg file.")],
+    public_key: Annotated[
+        list[Path], typer.Option("--public-key", help="Trusted public key or directory.")
+    ],
+) -> None:
+    """Check the signature, then every file's SHA-256 (streamed); prints the throughput."""
+    from kunlun.offline.package import verify as do_verify
+    from kunlun.offline.signing import TrustedKeys
+
+    report = do_verify(package, TrustedKeys.from_paths(public_key))
+    m = report.manifest
+    console.print(
+        f"OK {m.name} version {m.version}: signature by {report.signer}; {len(m.files)} files, "
+        f"{report.bytes} bytes verified in {report.seconds:.2f} s ({report.gbps:.2f} GB/s)",
+        markup=False,
+    )
+
+
+@app.command("inspect")
+@handle_errors
+def inspect(
+    package: Annotated[Path, typer.Argument(help="The .kunlunpkg file.")],
+    public_key: Annotated[
+        list[Path] | None,
+        typer.Option("--public-key", help="Also check the signature with this key."),
+    ] = None,
+    json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """What a package is for: device types, quantization, minimum memory, plan, signer."""
+    from kunlun.offline.package import inspect as do_inspect
+    from kunlun.offline.signing import TrustedKeys
+
+    info = do_inspect(package, TrustedKeys.from_paths(public_key) if public_key else None)
+    if json:
+        print_json(info)
+        return
+    for key, value in info.items():
+        if isinstance(value, list):
+            value = ", ".join(str(v) for v in value)
+        console.print(f"{key:>22}  {value}", markup=False)

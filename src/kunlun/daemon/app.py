@@ -44,6 +44,7 @@ from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.node.agent import NodeAgent
 from kunlun.node.liveness import LivenessConfig
 from kunlun.node.sandbox import SandboxPolicy
+from kunlun.offline.integrity import DEFAULT_INTERVAL_S, ModelGuard
 from kunlun.serving.gateway import (
     GatewayEndpoints,
     GatewayState,
@@ -78,6 +79,8 @@ class Platform:
     config: Path | None = None
     model_roots: tuple[Path, ...] = ()
     """Directories model imports may read from, besides the defaults and the config's."""
+    integrity_interval_s: float = DEFAULT_INTERVAL_S
+    """How often the served packages and the platform's files are re-hashed."""
     started_at: float = field(default_factory=time.time)
 
     def inventory(self) -> Inventory:
@@ -94,13 +97,17 @@ def make_platform(
     sandbox: SandboxPolicy | None = None,
     liveness: LivenessConfig | None = None,
     upstream_timeouts_s: tuple[float | None, float | None] = (900.0, 300.0),
+    guard: ModelGuard | None = None,
+    integrity_interval_s: float = DEFAULT_INTERVAL_S,
 ) -> Platform:
     """The daemon's parts. ``scheduler_config`` defaults to ``KUNLUN_HOME/scheduler_config.yaml``
     (absent: the defaults); a bad one raises :class:`~kunlun.errors.ConfigError`.
     ``batch_max_jobs``: Batch API jobs that send requests at once (the rest wait).
     ``model_roots``: where admin GGUF imports may read, besides the defaults and the config's;
     ``liveness``: how the node agent probes workers; ``upstream_timeouts_s``: the gateway's
-    first-byte and read timeouts on workers' answers."""
+    first-byte and read timeouts on workers' answers; ``guard``: which models may be served
+    (default: any; :mod:`kunlun.offline.integrity`), re-checked every
+    ``integrity_interval_s``."""
     scheduler = SchedulerConfigSource(scheduler_config or home / SCHEDULER_CONFIG)
     scheduler.load()
     store = SQLiteStore(home / "state.db")
@@ -111,7 +118,11 @@ def make_platform(
     )
     platform_config = config
     manager = WorkloadManager(
-        store, agent, replicas, lambda: build_inventory(config=platform_config)
+        store,
+        agent,
+        replicas,
+        lambda: build_inventory(config=platform_config),
+        guard or ModelGuard(home),
     )
     holder["m"] = manager
     first_byte_s, read_s = upstream_timeouts_s
@@ -134,6 +145,7 @@ def make_platform(
         request_log,
         config,
         model_roots,
+        integrity_interval_s,
     )
 
 
@@ -159,12 +171,29 @@ def feed_routing(gateway: GatewayState, samples: dict[str, Any]) -> None:
         )
 
 
+async def integrity_loop(platform: Platform) -> None:
+    """Re-hash what is served at start and every ``integrity_interval_s``
+    (:meth:`~kunlun.workload.manager.WorkloadManager.integrity_sweep`); a failed sweep is
+    printed and the loop goes on."""
+    while True:
+        try:
+            findings = await asyncio.to_thread(platform.manager.integrity_sweep)
+            for finding in findings:
+                if not finding.ok:
+                    print(f"integrity check failed: {finding.describe()}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - one bad sweep must not end the checks
+            print(f"integrity sweep failed: {exc!r}", flush=True)
+        await asyncio.sleep(platform.integrity_interval_s)
+
+
 def create_app(platform: Platform) -> FastAPI:
     """The daemon's app over ``platform`` (started and stopped by the app's lifespan)."""
     telemetry = PlatformTelemetry(  # telemetry: /metrics and device samples (.devices.latest())
         platform.replicas, platform.agent, platform.gateway.metrics, platform.inventory
     )
     telemetry.devices.listeners.append(lambda samples: feed_routing(platform.gateway, samples))
+    if platform.manager.guard is not None:
+        telemetry.sources.append(platform.manager.guard.families)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -181,9 +210,11 @@ def create_app(platform: Platform) -> FastAPI:
         supervisor = asyncio.create_task(platform.agent.supervise())
         await asyncio.to_thread(platform.manager.resume_all)
         await platform.batches.start()
+        integrity = asyncio.create_task(integrity_loop(platform))
         try:
             yield
         finally:
+            integrity.cancel()
             await platform.batches.close()
             supervisor.cancel()
             await telemetry.close()  # telemetry

@@ -241,6 +241,31 @@ def serve(
             "whole, once generated); past it, 504.",
         ),
     ] = 900.0,
+    require_signed: Annotated[
+        bool,
+        typer.Option(
+            "--require-signed",
+            envvar="KUNLUN_REQUIRE_SIGNED",
+            help="Serve only models installed from signed packages (kunlun-installer), and "
+            "only a device-plugin-config.yaml with a valid detached signature (.sig).",
+        ),
+    ] = False,
+    trusted_keys: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="Trusted public keys: a directory of *.pub or a key file (repeatable; "
+            "default KUNLUN_HOME/trusted-keys).",
+        ),
+    ] = None,
+    integrity_interval_s: Annotated[
+        float,
+        typer.Option(
+            "--integrity-interval",
+            min=1.0,
+            envvar="KUNLUN_INTEGRITY_INTERVAL_S",
+            help="Seconds between re-hashes of the served packages and the platform's files.",
+        ),
+    ] = 300.0,
     upstream_read_timeout_s: Annotated[
         float,
         typer.Option(
@@ -288,6 +313,7 @@ def serve(
         )
     sandbox = SandboxPolicy(home, enabled=worker_sandbox, self_test=worker_self_test)
     roots = model_roots(model_root or [])
+    guard = model_guard(home, config, require_signed, trusted_keys)
     platform = make_platform(
         home,
         config,
@@ -302,6 +328,8 @@ def serve(
             progress_deadline_s=worker_progress_deadline_s,
         ),
         upstream_timeouts_s=(upstream_first_byte_timeout_s, upstream_read_timeout_s),
+        guard=guard,
+        integrity_interval_s=integrity_interval_s,
     )
     platform.gateway.max_sequences_per_request = max_sequences_per_request
     if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:
@@ -334,6 +362,42 @@ def serve(
     finally:
         pid_path.unlink(missing_ok=True)
     raise SystemExit(0)
+
+
+def model_guard(
+    home: Path, config: Path | None, require_signed: bool, keys: list[Path] | None
+) -> Any:
+    """The daemon's :class:`~kunlun.offline.integrity.ModelGuard`. With ``require_signed``:
+    the trusted keys must load, the device config's detached signature must verify and the
+    platform's own installed files must match their hashes, or the daemon does not start."""
+    from kunlun.offline.bootstrap import TRUSTED_KEYS_DIR
+    from kunlun.offline.integrity import ModelGuard
+    from kunlun.offline.signing import TrustedKeys, verify_file
+
+    paths = keys or [home / TRUSTED_KEYS_DIR]
+    default_missing = not keys and not paths[0].is_dir()
+    if not require_signed:
+        trusted = None if default_missing else TrustedKeys.from_paths(paths)
+        return ModelGuard(home, trusted)
+    if default_missing:
+        raise ConfigError(
+            "--require-signed needs trusted keys; none given and no KUNLUN_HOME/trusted-keys",
+            location=Location("--trusted-keys"),
+        )
+    guard = ModelGuard(home, TrustedKeys.from_paths(paths), require_signed=True)
+    if config is not None:
+        signer = verify_file(guard.trusted, config)  # type: ignore[arg-type]
+        guard.audit.write("verified", kind="device_config", path=str(config), signer=signer)
+    own = guard.check_platform()
+    if not own.ok:
+        guard.audit.write("integrity_failure", kind="platform", name=own.name,
+                          problems=own.problems)  # fmt: skip
+        raise DaemonError(
+            f"the platform's installed files fail their integrity check: {own.describe()}",
+            hint="reinstall from the signed bundle (kunlun-installer install --bundle ...)",
+        )
+    guard.audit.write("started", require_signed=True, trusted=sorted(guard.trusted.keys))  # type: ignore[union-attr]
+    return guard
 
 
 def model_roots(flags: list[Path]) -> tuple[Path, ...]:

@@ -13,7 +13,7 @@ device. Each field records where its value came from:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -43,6 +43,12 @@ class Provenance(StrEnum):
 class ProfileField:
     value: Any
     provenance: Provenance
+
+
+VOLATILE_FIELDS = frozenset(
+    {"memory_used_mb", "utilization_pct", "memory_bandwidth_util_pct", "temperature_c", "power_w"}
+)
+"""Readings that change from one moment to the next (not facts of the device)."""
 
 
 @dataclass
@@ -86,6 +92,12 @@ class DeviceProfile:
     @property
     def name(self) -> str:
         return str(self.get("name", self.device_type))
+
+    def at_rest(self) -> DeviceProfile:
+        """This profile without its moment-to-moment readings (:data:`VOLATILE_FIELDS`): the
+        device as a plan for another time sees it, idle (a signed package's plan)."""
+        fields = {k: v for k, v in self.fields.items() if k not in VOLATILE_FIELDS}
+        return replace(self, fields=fields, reasons=list(self.reasons))
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form used by ``device list --json`` and (later) the API."""

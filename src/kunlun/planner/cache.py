@@ -72,11 +72,12 @@ def device_snapshot(cap: DeviceCapacity) -> dict[str, Any]:
 
 
 def key_inputs(
-    fingerprint: str, group: list[DeviceCapacity], plan: ExecutionPlan
+    fingerprint: str, snapshots: list[dict[str, Any]], plan: ExecutionPlan
 ) -> dict[str, Any]:
+    """What an entry's key is made of; ``snapshots``: :func:`device_snapshot` of each device."""
     return {
         "model": fingerprint,
-        "devices": [device_snapshot(c) for c in group],
+        "devices": snapshots,
         "kunlun_version": __version__,
         "plan": {
             "engine": plan.engine,
@@ -108,7 +109,15 @@ class PlanCache:
         self, plan: ExecutionPlan, model_dir: str | Path, group: list[DeviceCapacity]
     ) -> CacheEntry:
         """The entry of ``plan`` (hit when it already existed); writes ``plan.json``."""
-        inputs = key_inputs(model_fingerprint(model_dir), group, plan)
+        return self.seed(plan, model_dir, [device_snapshot(c) for c in group])
+
+    def seed(
+        self, plan: ExecutionPlan, model_dir: str | Path, snapshots: list[dict[str, Any]]
+    ) -> CacheEntry:
+        """The entry of ``plan`` for devices described by ``snapshots`` (a signed package's
+        device profile snapshot: the installer seeds the entry, so the first start on the
+        device the package was planned for is a hit)."""
+        inputs = key_inputs(model_fingerprint(model_dir), snapshots, plan)
         key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:24]
         path = self.root / key
         hit = (path / "key.json").is_file()

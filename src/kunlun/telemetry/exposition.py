@@ -70,6 +70,8 @@ class PlatformTelemetry:
         self.gateway = gateway
         self.devices = DeviceCollector(inventory, interval_s or interval_from_env())
         self._http: httpx.AsyncClient | None = None
+        self.sources: list[Callable[[], Iterable[Metric]]] = []
+        """More families read at scrape time (e.g. the integrity checks')."""
 
     async def start(self) -> None:
         """Start device sampling (call from the app's lifespan)."""
@@ -125,6 +127,8 @@ class PlatformTelemetry:
             "Device samples that failed (the previous sample is kept).",
             collector.num_errors,
         )
+        for source in self.sources:
+            yield from source()
 
 
 def _replica_labels(replica: Replica) -> dict[str, str]:

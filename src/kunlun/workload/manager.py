@@ -21,6 +21,7 @@ from kunlun.device.registry import load_plugins
 from kunlun.errors import ConfigError, KunlunError, Location, ModelError
 from kunlun.node.agent import NodeAgent
 from kunlun.node.sandbox import memory_cap_mb
+from kunlun.offline.integrity import Finding, ModelGuard
 from kunlun.planner.cache import LAUNCH_FILE, PlanCache
 from kunlun.planner.model_info import ModelInfo, inspect_model, locate_model
 from kunlun.planner.plan import ExecutionPlan, engine_launch
@@ -40,11 +41,14 @@ class WorkloadManager:
         agent: NodeAgent,
         replicas: ReplicaSet,
         inventory: Callable[[], Inventory],
+        guard: ModelGuard | None = None,
     ) -> None:
         self.store = store
         self.agent = agent
         self.replicas = replicas
         self.inventory = inventory
+        self.guard = guard
+        """Which models may be served (signed packages, re-hashed at each start)."""
 
     # ---- events ----
     def event(self, workload_id: str, kind: str, message: str) -> None:
@@ -100,6 +104,8 @@ class WorkloadManager:
         """
         record = self._new_record(spec)
         name, path = locate_model(self.store, spec.model)
+        if self.guard is not None:
+            self.guard.admit(name, path, rehash=False)
         try:
             model = inspect_model(path, name)
         except ModelError:
@@ -153,6 +159,8 @@ class WorkloadManager:
         started = time.monotonic()
         try:
             name, path = locate_model(self.store, spec.model)
+            if self.guard is not None:
+                self.guard.admit(name, path, rehash=True)
             model = inspect_model(path, name)
             placement = self._place(spec, model, record.workload_id, starting=True)
         except KunlunError as exc:
@@ -265,6 +273,39 @@ class WorkloadManager:
             "replicas": replicas,
             "events": [{"ts": e.ts, "kind": e.kind, "message": e.message} for e in events],
         }
+
+    def serving(self) -> dict[str, tuple[Path, list[str]]]:
+        """Each active workload's model: alias -> (directory, workload ids)."""
+        out: dict[str, tuple[Path, list[str]]] = {}
+        for record in self.store.list_workloads():
+            if record.state not in ACTIVE:
+                continue
+            try:
+                name, path = locate_model(self.store, str(record.spec.get("model")))
+            except KunlunError:
+                continue
+            out.setdefault(name, (path, []))[1].append(record.workload_id)
+        return out
+
+    def integrity_sweep(self) -> list[Finding]:
+        """Re-check what is served (:meth:`ModelGuard.sweep`); a model that fails stops: its
+        workloads end FAILED with the finding as the reason."""
+        if self.guard is None:
+            return []
+        serving = self.serving()
+        findings = self.guard.sweep({name: path for name, (path, _) in serving.items()})
+        for finding in findings:
+            if finding.ok:
+                continue
+            for name, (path, ids) in serving.items():
+                package = self.guard.package_of(path)
+                hit = finding.kind == "platform" and self.guard.require_signed
+                if hit or (package is not None and package.name == finding.name):
+                    for wid in ids:
+                        self.event(wid, "failed", f"integrity check failed: {finding.describe()}")
+                        self.guard.audit.write("stopped", workload=wid, model=name,
+                                               reason=finding.describe())  # fmt: skip
+        return findings
 
     def stop(self, workload_id: str) -> WorkloadRecord:
         record = self.get(workload_id)

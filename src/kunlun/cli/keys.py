@@ -1,0 +1,41 @@
+"""``kunlun-cli keys generate | sign``: the Ed25519 keys that sign packages and configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kunlun.cli.output import console, handle_errors
+
+app = typer.Typer(help="Signing keys: generate a pair, sign a file.", no_args_is_help=True)
+
+
+@app.command("generate")
+@handle_errors
+def generate(
+    out: Annotated[Path, typer.Option("--out", help="Directory for the key pair.")],
+) -> None:
+    """Write a new Ed25519 key pair: kunlun-signing.key (private, 0600) and .pub."""
+    from kunlun.offline.signing import fingerprint, generate_keys, load_public_key
+
+    private, public = generate_keys(out)
+    console.print(f"private key {private} (keep it on the signing machine)")
+    console.print(f"public key  {public} (give it to every site that installs)")
+    console.print(f"fingerprint {fingerprint(load_public_key(public))}")
+
+
+@app.command("sign")
+@handle_errors
+def sign(
+    file: Annotated[Path, typer.Argument(help="The file to sign, e.g. device-plugin-config.yaml.")],
+    key: Annotated[Path, typer.Option("--key", help="The private key (PEM).")],
+) -> None:
+    """Write FILE.sig, a detached Ed25519 signature of FILE's exact bytes."""
+    from kunlun.errors import ConfigError, Location
+    from kunlun.offline.signing import load_private_key, sign_file
+
+    if not file.is_file():
+        raise ConfigError("file to sign not found", location=Location(str(file)))
+    console.print(f"signature {sign_file(load_private_key(key), file)}")

@@ -1,0 +1,1 @@
+"""Signed offline delivery: model packages, the offline bundle, the installer."""

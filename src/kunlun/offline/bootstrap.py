@@ -1,0 +1,336 @@
+"""``kunlun-installer``: install the platform and its model packages on an air-gapped machine.
+
+Standard library only, so the same code runs before anything is installed: the offline
+bundle carries it as ``kunlun-installer.pyz`` (a zipapp of this module and the few
+standard-library-only modules it imports), and an installed platform has it as the
+``kunlun-installer`` command.
+
+    kunlun-installer bundle -o kunlun-offline.tar --key signing.key     # connected machine
+    tar -xf kunlun-offline.tar kunlun-installer.pyz                      # air-gapped machine
+    python3 kunlun-installer.pyz install --bundle kunlun-offline.tar --public-key K \\
+        --prefix /opt/kunlun --home /var/lib/kunlun --package model.kunlunpkg
+    kunlun-installer install --package model.kunlunpkg --public-key K   # later packages
+    kunlun-installer --repair                                            # restore damage
+
+``install --bundle`` checks the bundle's signature with the public key given (pure-Python
+Ed25519, :mod:`.ed25519`: the bundle's own ``cryptography`` wheel cannot vouch for itself),
+then every wheel's SHA-256 and the unpacking limits, creates a virtual environment at
+``--prefix`` and installs the platform into it with ``pip --no-index`` from the bundle's
+wheels only (pip's configuration files are ignored, so no index or find-links from the
+machine leaks in), copies the public key into ``HOME/trusted-keys/``, writes the systemd
+unit, and installs each ``--package`` with the new environment's ``kunlun-installer``. A
+failure at any step removes the prefix it created: nothing is left half-installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import getpass
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO
+
+from kunlun.errors import ConfigError, KunlunError, Location, PackageError, SignatureError
+from kunlun.offline import ed25519
+from kunlun.offline.archive import ArchiveError, ArchiveReader, Limits
+from kunlun.offline.manifest import BUNDLE_FORMAT, FileEntry, ManifestError, parse
+
+PLATFORM_REQUIREMENT = "kunlun-platform[engine]"
+"""What a bundle installs (the platform and its portable engine)."""
+INSTALLER_MEMBER = "kunlun-installer.pyz"
+WHEELS_DIR = "wheels"
+TRUSTED_KEYS_DIR = "trusted-keys"
+UNIT_NAME = "kunlun-platform.service"
+
+UNIT_TEMPLATE = """\
+# systemd unit for the Kunlun Platform daemon, written by kunlun-installer.
+# Install: copy (or link) to /etc/systemd/system/, then
+# `systemctl daemon-reload && systemctl enable --now kunlun-platform`.
+[Unit]
+Description=Kunlun Platform (chip-agnostic LLM inference)
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+Type=simple
+User={user}
+Environment=KUNLUN_HOME={home}
+# Serves only signed packages; trusted keys are the ones the installer was given.
+ExecStart={prefix}/bin/kunlun-platform --host 127.0.0.1 --port 8470 --require-signed \
+--trusted-keys {home}/trusted-keys
+# SIGTERM drains: in-flight requests finish, new ones get 503, then the daemon exits 0.
+KillSignal=SIGTERM
+# `systemctl reload kunlun-platform`: re-read scheduler_config.yaml now.
+ExecReload=/bin/kill -HUP $MAINPID
+TimeoutStopSec=180
+Restart=on-failure
+RestartSec=5
+LimitNOFILE=65536
+# Everything under KUNLUN_HOME is private (the daemon also sets this umask itself).
+UMask=0077
+# Lets the worker sandbox make one cgroup v2 per workload (memory.max, cpu.max; docs/sandbox.md).
+Delegate=yes
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+
+def systemd_unit(prefix: Path, home: Path, user: str) -> str:
+    return UNIT_TEMPLATE.format(prefix=prefix, home=home, user=user)
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("KUNLUN_HOME") or Path.home() / ".kunlun")
+
+
+def verify_bundle_header(reader: ArchiveReader, public_keys: Sequence[Path]) -> tuple[str, bytes]:
+    """Check the bundle manifest's signature with one of ``public_keys`` (pure Python);
+    returns the signer's fingerprint and the manifest bytes."""
+    data, signature_text = reader.header()
+    try:
+        signature = base64.b64decode(signature_text.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        signature = b""
+    where = Location(f"{reader.path}:manifest.sig")
+    tried = []
+    for path in public_keys:
+        try:
+            key = ed25519.public_key_from_pem(path.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"not an Ed25519 public key: {exc}", location=Location(str(path))
+            ) from None
+        try:
+            ed25519.verify(key, signature, data)
+            return "SHA256:" + hashlib.sha256(key).hexdigest(), data
+        except ed25519.BadSignature as exc:
+            tried.append(f"{path.name}: {exc}")
+    raise SignatureError(
+        "the bundle's signature does not verify with the public key(s) given "
+        f"({'; '.join(tried)}): signed by an untrusted key, or the bytes were changed",
+        location=where,
+    )
+
+
+def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-15:]
+        raise PackageError(f"{what} failed (exit {done.returncode}):\n" + "\n".join(tail))
+
+
+def offline_pip_env() -> dict[str, str]:
+    """pip's environment for an offline install: no configuration file, no index."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+    return env
+
+
+def install_bundle(
+    bundle: Path,
+    public_keys: Sequence[Path],
+    prefix: Path,
+    home: Path,
+    *,
+    user: str | None = None,
+    systemd_dir: Path | None = None,
+    python: str = sys.executable,
+    say: Callable[[str], object] = print,
+) -> Path:
+    """Verify ``bundle`` and install the platform into a new virtual environment at
+    ``prefix``; returns the systemd unit's path. ``prefix`` must not exist or be empty."""
+    if prefix.exists() and any(prefix.iterdir()):
+        raise ConfigError(
+            "the prefix exists and is not empty; install into a new directory",
+            location=Location(str(prefix)),
+        )
+    if not bundle.is_file():
+        raise PackageError("bundle file not found", location=Location(str(bundle)))
+    created_prefix = not prefix.exists()
+    scratch = Path(tempfile.mkdtemp(prefix=".kunlun-bundle-", dir=prefix.parent))
+    try:
+        with _open(bundle) as reader:
+            signer, data = verify_bundle_header(reader, public_keys)
+            try:
+                manifest = parse(data, f"{bundle}:manifest.json", BUNDLE_FORMAT)
+                Limits().check(manifest, reader.size)
+                for _entry in reader.files(manifest, _writer_into(scratch)):
+                    pass
+            except (ArchiveError, ManifestError) as exc:
+                raise PackageError(str(exc), location=Location(str(bundle))) from None
+        say(f"bundle {bundle}: signature by {signer}; {len(manifest.files)} files verified")
+        home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        prefix.mkdir(parents=True, exist_ok=True)
+        _run([python, "-m", "venv", str(prefix)], "creating the virtual environment")
+        wheels = scratch / WHEELS_DIR
+        _run(
+            [str(prefix / "bin" / "python"), "-m", "pip", "install", "--no-index",
+             "--find-links", str(wheels), "--no-compile", "-q", PLATFORM_REQUIREMENT],
+            "pip install --no-index from the bundle's wheels",
+            env=offline_pip_env(),
+        )  # fmt: skip
+        say(f"installed {PLATFORM_REQUIREMENT} into {prefix} (pip --no-index)")
+        trust_keys(home, public_keys)
+        unit_dir = systemd_dir or prefix / "share" / "systemd"
+        unit_dir.mkdir(parents=True, exist_ok=True)
+        unit = unit_dir / UNIT_NAME
+        unit.write_text(systemd_unit(prefix, home, user or getpass.getuser()), encoding="utf-8")
+        say(f"systemd unit {unit}")
+        return unit
+    except BaseException:
+        if created_prefix:
+            shutil.rmtree(prefix, ignore_errors=True)
+        else:  # it was empty: leave it empty
+            for child in prefix.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _open(path: Path) -> ArchiveReader:
+    try:
+        return ArchiveReader(path, "bundle")
+    except ArchiveError as exc:
+        raise PackageError(str(exc), location=Location(str(path))) from None
+
+
+def _writer_into(root: Path) -> Callable[[FileEntry], Callable[[memoryview], object]]:
+    handles: list[IO[bytes]] = []
+
+    def sink(entry: FileEntry) -> Callable[[memoryview], object]:
+        while handles:
+            handles.pop().close()
+        target = root / entry.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle = target.open("xb")
+        handles.append(handle)
+        return handle.write
+
+    return sink
+
+
+def trust_keys(home: Path, public_keys: Sequence[Path]) -> Path:
+    """Copy the public keys into ``HOME/trusted-keys`` (what ``--require-signed`` trusts)."""
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    folder = home / TRUSTED_KEYS_DIR
+    folder.mkdir(exist_ok=True, mode=0o700)
+    for path in public_keys:
+        raw = ed25519.public_key_from_pem(path.read_bytes())
+        name = hashlib.sha256(raw).hexdigest()[:16] + ".pub"
+        shutil.copyfile(path, folder / name)
+        os.chmod(folder / name, 0o600)
+    return folder
+
+
+# ---- the command line ------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kunlun-installer",
+        description="Install Kunlun Platform and signed model packages offline.",
+    )
+    parser.add_argument("--repair", action="store_true",
+                        help="re-verify installed packages and restore damaged files")  # fmt: skip
+    parser.add_argument("--home", type=Path, help="KUNLUN_HOME (default: $KUNLUN_HOME)")
+    parser.add_argument("--public-key", type=Path, action="append", default=[],
+                        help="trusted public key (PEM; repeatable)")  # fmt: skip
+    parser.add_argument("--package", type=Path, action="append", default=[],
+                        help="a model package (.kunlunpkg; repeatable)")  # fmt: skip
+    sub = parser.add_subparsers(dest="command")
+    b = sub.add_parser("bundle", help="collect the platform's wheels into a signed bundle")
+    b.add_argument("-o", "--out", type=Path, required=True)
+    b.add_argument("--key", type=Path, required=True, help="private signing key (PEM)")
+    b.add_argument("--torch-wheel", type=Path, help="torch wheel for the target's chip")
+    b.add_argument("--source", type=Path, help="the platform's source tree (default: found)")
+    b.add_argument("--python-version", help="target Python, e.g. 3.11 (default: this one)")
+    b.add_argument("--platform", help="target wheel platform, e.g. manylinux_2_28_x86_64")
+    b.add_argument("--bundle-version", type=int, help="default: creation time")
+    i = sub.add_parser("install", help="install a bundle and/or model packages")
+    i.add_argument("--bundle", type=Path)
+    i.add_argument("--prefix", type=Path, help="new virtual environment (with --bundle)")
+    i.add_argument("--systemd-dir", type=Path, help="where the unit goes (default PREFIX/share)")
+    i.add_argument("--user", help="the unit's User= (default: this user)")
+    i.add_argument("--public-key", type=Path, action="append", default=[], dest="keys")
+    i.add_argument("--package", type=Path, action="append", default=[], dest="packages")
+    i.add_argument("--home", type=Path, dest="sub_home")
+    u = sub.add_parser("unit", help="print the systemd unit for a prefix and home")
+    u.add_argument("--prefix", type=Path, required=True)
+    u.add_argument("--home", type=Path, dest="sub_home", required=True)
+    u.add_argument("--user", default="kunlun")
+    sub.add_parser("list", help="installed model packages")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except KunlunError as exc:
+        print(f"error [{exc.code}] {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    home = (getattr(args, "sub_home", None) or args.home or default_home()).absolute()
+    keys = [*args.public_key, *getattr(args, "keys", [])]
+    packages = [*args.package, *getattr(args, "packages", [])]
+    if args.repair:
+        from kunlun.offline.commands import repair_command
+
+        return repair_command(home, keys, packages)
+    if args.command == "bundle":
+        from kunlun.offline.bundle import build_bundle
+
+        build_bundle(args.out, args.key, torch_wheel=args.torch_wheel, source=args.source,
+                     python_version=args.python_version, platform=args.platform,
+                     version=args.bundle_version)  # fmt: skip
+        return 0
+    if args.command == "unit":
+        print(systemd_unit(args.prefix.absolute(), home, args.user), end="")
+        return 0
+    if args.command == "list":
+        from kunlun.offline.commands import list_command
+
+        return list_command(home)
+    if args.command == "install":
+        if not keys:
+            raise ConfigError("give the trusted --public-key", location=Location("--public-key"))
+        if args.bundle is None:
+            if not packages:
+                raise ConfigError("give --bundle or --package", location=Location("install"))
+            from kunlun.offline.commands import install_packages
+
+            return install_packages(home, keys, packages)
+        if args.prefix is None:
+            raise ConfigError("--bundle needs --prefix", location=Location("--prefix"))
+        prefix = args.prefix.absolute()
+        install_bundle(args.bundle, keys, prefix, home, user=args.user,
+                       systemd_dir=args.systemd_dir)  # fmt: skip
+        if packages:
+            env = {**os.environ, "KUNLUN_HOME": str(home)}
+            cmd = [str(prefix / "bin" / "kunlun-installer"), "install", "--home", str(home)]
+            for key in keys:
+                cmd += ["--public-key", str(key.absolute())]
+            for package in packages:
+                cmd += ["--package", str(package.absolute())]
+            return subprocess.run(cmd, env=env).returncode
+        return 0
+    _parser().print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

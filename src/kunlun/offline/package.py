@@ -1,0 +1,288 @@
+"""Model packages (``.kunlunpkg``): pack on a connected machine, verify and inspect anywhere.
+
+``kunlun-cli model pack --model M --target-device cpu:0 --key K -o M.kunlunpkg`` plans M for
+the target (``--replay``/``--config`` plan for a recorded node, e.g. ``ascend:0``), writes
+the weights the plan runs (cast to its dtype; quantized with ``--quantize``), and packs:
+
+- ``model/``: the weights (safetensors), ``config.json``, the tokenizer and its chat
+  template, the generation config, the model card (``README.md``) when there is one;
+- ``plan/plan.json``: the execution plan; ``plan/engine.json``: the engine launch the plan
+  gives (model directory relative to the package); ``plan/device-profile.json``: the profile
+  of each target device and the snapshot the plan cache keys on;
+  ``plan/device-plugin-config.yaml``: the declaration the plan was made against, when one was;
+- ``manifest.json`` (:mod:`.manifest`) and ``manifest.sig`` (Ed25519 over its bytes).
+
+Packing is reproducible: the same model, plan, key, version and creation time
+(``SOURCE_DATE_EPOCH``, or ``--created``) give the same bytes; any two packs of the same
+model and plan give the same file hashes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kunlun import __version__
+from kunlun.errors import ConfigError, Location, ModelFileMissing, PackageError
+from kunlun.offline.archive import ArchiveError, ArchiveReader, hash_file, write_archive
+from kunlun.offline.manifest import PACKAGE_FORMAT, FileEntry, Manifest, ManifestError, dump, parse
+from kunlun.offline.signing import TrustedKeys, fingerprint, load_private_key, sign
+
+MODEL_DIR = "model"
+PLAN_FILE = "plan/plan.json"
+ENGINE_FILE = "plan/engine.json"
+PROFILE_FILE = "plan/device-profile.json"
+DECLARATION_FILE = "plan/device-plugin-config.yaml"
+_SKIP = {"conversion.json", "kunlun-import.json"}
+"""Model files that record where and when this machine made them: not shipped."""
+MIB = 1 << 20
+
+
+def model_license(model_dir: Path) -> str | None:
+    """The licence of a model: ``license:`` in its model card's front matter (``README.md``,
+    the Hugging Face convention; the GGUF importer writes one from ``general.license``)."""
+    card = model_dir / "README.md"
+    if not card.is_file():
+        return None
+    lines = card.read_text(encoding="utf-8", errors="replace").splitlines()
+    if not lines or lines[0].strip() != "---":
+        return None
+    for line in lines[1:]:
+        if line.strip() == "---":
+            break
+        key, _, value = line.partition(":")
+        if key.strip() == "license" and value.strip():
+            return value.strip().strip("'\"")
+    return None
+
+
+def created_time(created: int | None = None) -> int:
+    """The creation time of a pack: ``created``, else ``SOURCE_DATE_EPOCH``, else now."""
+    if created is not None:
+        return created
+    env = os.environ.get("SOURCE_DATE_EPOCH")
+    if env:
+        try:
+            return int(env)
+        except ValueError:
+            raise ConfigError(
+                f"SOURCE_DATE_EPOCH must be whole seconds: {env!r}",
+                location=Location("SOURCE_DATE_EPOCH"),
+            ) from None
+    return int(time.time())
+
+
+def iso_utc(seconds: int) -> str:
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class PackResult:
+    path: Path
+    manifest: Manifest
+    seconds: float
+
+
+def pack(
+    model: str,
+    out: Path,
+    key_path: Path,
+    *,
+    target_device: str | None = None,
+    quantize: str | None = None,
+    replay: Path | None = None,
+    config: Path | None = None,
+    version: int | None = None,
+    created: int | None = None,
+) -> PackResult:
+    """Plan ``model`` for ``target_device`` and write the signed package ``out``."""
+    from kunlun.device.inventory import build_inventory
+    from kunlun.engine.convert import prepare_weights
+    from kunlun.paths import kunlun_home
+    from kunlun.planner.cache import device_snapshot
+    from kunlun.planner.model_info import inspect_model, locate_model
+    from kunlun.planner.plan import engine_launch
+    from kunlun.state.sqlite import SQLiteStore
+    from kunlun.workload.placement import place
+    from kunlun.workload.spec import parse_spec
+
+    started = time.perf_counter()
+    key = load_private_key(key_path)
+    signer = fingerprint(key.public_key())
+    when = created_time(created)
+    state = kunlun_home() / "state.db"
+    name, path = locate_model(SQLiteStore(state) if state.exists() else None, model)
+    if not any(path.glob("*.safetensors")):
+        raise ModelFileMissing(
+            f"model {model!r} has no weights (*.safetensors) to pack", location=Location(str(path))
+        )
+    fields = {"model": model, "device": target_device, "quantization": quantize}
+    spec = parse_spec({k: v for k, v in fields.items() if v is not None}, "command line")
+    inventory = build_inventory(config=config, replay=replay)
+    # the plan is for the device, not for this moment of it: idle, so packing is reproducible
+    inventory.profiles = [p.at_rest() for p in inventory.profiles]
+    info = inspect_model(path, name)
+    placement = place(spec, inventory, info)
+    plan, group = placement.plans[0], placement.groups[0]
+    plan.model_path = None  # where the packer kept it means nothing to an installer
+    profiles = {f"{p.device_type}:{p.index}": p for p in inventory.profiles}
+    with tempfile.TemporaryDirectory(prefix=".kunlunpkg-", dir=out.parent) as scratch:
+        work = Path(scratch)
+        weights, _ = prepare_weights(path, work / "weights", plan.dtype, plan.quantization)
+        files: list[tuple[str, Path]] = [
+            (f"{MODEL_DIR}/{p.name}", p)
+            for p in sorted(weights.iterdir())
+            if p.name not in _SKIP and p.resolve().is_file()
+        ]
+        plugin = _plugin(plan.device_type)
+        launch = engine_launch(plan, plugin, MODEL_DIR, name, None, None)
+        generated: dict[str, Any] = {
+            PLAN_FILE: plan.to_dict(),
+            ENGINE_FILE: json.loads(launch.model_dump_json()),
+            PROFILE_FILE: {
+                "snapshot": [device_snapshot(c) for c in group],
+                "profiles": [
+                    profiles[c.device_id].to_dict() for c in group if c.device_id in profiles
+                ],
+            },
+        }
+        for member, data in generated.items():
+            target = work / member
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+            files.append((member, target))
+        declaration = config or _default_declaration(kunlun_home(), replay)
+        if declaration is not None:
+            files.append((DECLARATION_FILE, declaration))
+        files.sort()
+        entries = []
+        for member, source in files:
+            size, digest = hash_file(source)
+            entries.append((FileEntry(member, size, digest), source))
+        kv_mb = math.ceil(info.kv_bytes_per_token(plan.dtype) * plan.max_model_len / MIB)
+        manifest = Manifest(
+            format=PACKAGE_FORMAT,
+            name=name,
+            version=version if version is not None else when,
+            created=iso_utc(when),
+            kunlun_version=__version__,
+            signer=signer,
+            files=[e for e, _ in entries],
+            extra={
+                "model": {
+                    "architecture": plan.architecture,
+                    "dtype": plan.dtype,
+                    "quantization": plan.quantization,
+                    "target_devices": plan.devices,
+                    "target_device_types": sorted({c.device_type for c in group}),
+                    "tensor_parallel_size": plan.tensor_parallel_size,
+                    "min_memory_mb": plan.weight_memory_mb + kv_mb,
+                    "license": model_license(path),
+                    "plan_summary": plan.summary(),
+                    "declaration": DECLARATION_FILE if declaration is not None else None,
+                }
+            },
+        )
+        data = dump(manifest)
+        write_archive(out, data, sign(key, data), entries, when)
+    return PackResult(out, manifest, time.perf_counter() - started)
+
+
+def _plugin(device_type: str) -> Any:
+    from kunlun.device.registry import load_plugins
+
+    return load_plugins().plugins.get(device_type)
+
+
+def _default_declaration(home: Path, replay: Path | None) -> Path | None:
+    """The declaration a plan of this node used when none was given: the daemon's default."""
+    path = home / "device-plugin-config.yaml"
+    return path if replay is None and path.is_file() else None
+
+
+@dataclass
+class VerifyReport:
+    manifest: Manifest
+    signer: str
+    bytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / max(self.seconds, 1e-9) / 1e9
+
+
+def read_manifest(reader: ArchiveReader, trusted: TrustedKeys | None) -> tuple[Manifest, str]:
+    """The package's manifest and its signer's fingerprint: verified against ``trusted``
+    first, when given (an unverified manifest is only parsed, for ``inspect``)."""
+    data, signature = reader.header()
+    where = f"{reader.path}:manifest.json"
+    signer = ""
+    if trusted is not None:
+        signer = trusted.verify(data, signature, where)
+    try:
+        manifest = parse(data, where, PACKAGE_FORMAT)
+    except ManifestError as exc:
+        raise PackageError(str(exc), location=Location(str(reader.path))) from None
+    return manifest, signer or manifest.signer
+
+
+def open_package(path: Path) -> ArchiveReader:
+    if not path.is_file():
+        raise PackageError("package file not found", location=Location(str(path)))
+    try:
+        return ArchiveReader(path)
+    except ArchiveError as exc:
+        raise PackageError(str(exc), location=Location(str(path))) from None
+
+
+def verify(path: Path, trusted: TrustedKeys) -> VerifyReport:
+    """Check the signature, then stream every member against its hash; raises
+    :class:`PackageError` (or its :class:`~kunlun.errors.SignatureError`) naming the cause."""
+    started = time.perf_counter()
+    with open_package(path) as reader:
+        manifest, signer = read_manifest(reader, trusted)
+        try:
+            total = sum(entry.size for entry in reader.files(manifest))
+        except ArchiveError as exc:
+            raise PackageError(str(exc), location=Location(str(path))) from None
+    return VerifyReport(manifest, signer, total, time.perf_counter() - started)
+
+
+def inspect(path: Path, trusted: TrustedKeys | None = None) -> dict[str, Any]:
+    """What a package is for, from its manifest (signature checked when ``trusted`` given)."""
+    with open_package(path) as reader:
+        manifest, signer = read_manifest(reader, trusted)
+    model = manifest.extra.get("model") or {}
+    return {
+        "package": str(path),
+        "name": manifest.name,
+        "version": manifest.version,
+        "created": manifest.created,
+        "kunlun_version": manifest.kunlun_version,
+        "signer": signer,
+        "signature": "verified" if trusted is not None else "not checked (give --public-key)",
+        "files": len(manifest.files),
+        "bytes": manifest.total_bytes,
+        **{
+            k: model.get(k)
+            for k in (
+                "target_device_types",
+                "target_devices",
+                "dtype",
+                "quantization",
+                "tensor_parallel_size",
+                "min_memory_mb",
+                "license",
+                "plan_summary",
+                "declaration",
+            )
+        },  # fmt: skip
+    }
