@@ -47,14 +47,20 @@ def other_keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A seeded random tiny Llama with the demo model's tokenizer."""
+def demo_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model (SmolLM2-135M-Instruct) imported as float32, in a folder ``smollm2``."""
     from kunlun.engine.gguf import FP32_IMPORT, demo_gguf_path, import_gguf
+
+    return import_gguf(demo_gguf_path(), tmp_path_factory.mktemp("demo") / "smollm2", FP32_IMPORT)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(demo_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A seeded random tiny Llama with the demo model's tokenizer."""
     from kunlun.engine.tiny import build_tiny_model
 
-    root = tmp_path_factory.mktemp("tiny")
-    demo = import_gguf(demo_gguf_path(), root / "demo", FP32_IMPORT)
-    return build_tiny_model("LlamaForCausalLM", False, root / "tiny-llama", demo)
+    out = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    return build_tiny_model("LlamaForCausalLM", False, out, demo_fp32)
 
 
 PackFn = Callable[..., Path]

@@ -1,0 +1,64 @@
+"""The whole offline chain on loopback with no network: pack and bundle on this (connected)
+machine, then inside ``unshare -n`` install the bundle into a fresh directory with the
+installer from the bundle, install the package, start the platform with ``--require-signed``
+and get a chat answer from the packaged model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tests.daemon.conftest import free_port
+from tests.offline.conftest import run
+
+AIRGAP = Path(__file__).with_name("airgap.py")
+
+
+def namespace_command() -> list[str]:
+    """``unshare -n`` (root) or ``unshare -rn`` (a user namespace), whichever works here."""
+    for cmd in (["unshare", "-n"], ["unshare", "-rn"]):
+        if shutil.which("unshare") and subprocess.run([*cmd, "true"]).returncode == 0:
+            return cmd
+    pytest.skip("cannot make a network namespace here (unshare -n and -rn both fail)")
+
+
+def test_pack_bundle_then_install_and_serve_with_no_network(
+    demo_fp32: Path, keys: Path, tmp_path: Path
+) -> None:
+    work = tmp_path / "work"
+    (work / "keys").mkdir(parents=True)
+    shutil.copy(keys / "kunlun-signing.pub", work / "keys")
+    key = str(keys / "kunlun-signing.key")
+    run("kunlun-cli", "model", "pack", "--model", str(demo_fp32), "--target-device", "cpu:0",
+        "--key", key, "-o", str(work / "model.kunlunpkg"), home=tmp_path / "packer")  # fmt: skip
+    run("kunlun-installer", "bundle", "-o", str(work / "kunlun-offline.tar"), "--key", key,
+        home=tmp_path / "packer")  # fmt: skip
+    python = str(Path(sys.base_prefix) / "bin" / "python3")  # the machine's, not this venv
+    inside = f"ip link set lo up && exec {python} {AIRGAP} {work} {free_port()}"
+    done = subprocess.run([*namespace_command(), "sh", "-c", inside], capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["internet"] != "connected" and found["interfaces"] == ["lo"]
+    assert found["install"]["rc"] == 0, found["install"]
+    out = found["install"]["out"]
+    assert "signature by SHA256:" in out and "(pip --no-index)" in out
+    assert "installed smollm2 version" in out
+    assert f"ExecStart={work}/prefix/bin/kunlun-platform" in found["unit"]
+    assert "--require-signed" in found["unit"]
+    assert found["submit"]["rc"] == 0, found
+    assert found["plain"]["rc"] != 0
+    assert "is not an installed signed package" in found["plain"]["err"], found["plain"]
+    assert found["chat"]["status"] == 200, found
+    answer = found["chat"]["answer"]["choices"][0]["message"]["content"]
+    assert "Paris" in answer, answer
+    assert "plan_cache: hit" in found["logs"], found["logs"]
+    assert "conversion: none" in found["logs"], found["logs"]
+    assert 'kunlun_integrity_ok{kind="package",name="smollm2"} 1.0' in found["metrics"]
+    assert 'kunlun_integrity_ok{kind="platform",name="kunlun-platform"} 1.0' in found["metrics"]
+    events = [e["event"] for e in found["audit"]]
+    assert "started" in events and "verified" in events and "refused" in events
