@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup run test check lint format typecheck clean
+.PHONY: setup run test check lint format typecheck clean build-offline-image
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,6 +44,12 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 check: lint typecheck test
+
+# An OCI image from the signed offline bundle (docs/offline.md); needs podman or buildah that
+# can run here and a local base image; says so and stops where they cannot.
+# KEY=path/to/kunlun-signing.key [BUNDLE=kunlun-offline.tar] [BASE_IMAGE=...] [IMAGE=...]
+build-offline-image: $(STAMP)
+	BIN=$(BIN) bash deploy/build-offline-image.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -20,6 +20,8 @@ DIR_MODE = 0o700
 """Mode of every directory under ``KUNLUN_HOME`` (and of the home itself)."""
 FILE_MODE = 0o600
 """Mode of every file under ``KUNLUN_HOME``."""
+READ_ONLY_DIR = "packages"
+"""Where signed packages are installed, read-only (:mod:`kunlun.offline.install`)."""
 
 
 def private_umask() -> None:
@@ -46,11 +48,15 @@ def secure_home(home: Path) -> int:
 
     Returns how many paths had group or other bits and were tightened. Symbolic links are
     not followed (what they point at is not Kunlun's), nor are paths owned by another user
-    changed (that would fail; such a tree is the operator's to fix).
+    changed (that would fail; such a tree is the operator's to fix). Installed packages
+    (:data:`READ_ONLY_DIR`) are left as installed: read-only (0444, directories 0555), behind
+    the home's own 0700.
     """
     fixed = 0
     uid = os.geteuid()
     for root, dirs, files in os.walk(home):
+        if root == str(home) and READ_ONLY_DIR in dirs:
+            dirs.remove(READ_ONLY_DIR)
         names = [*dirs, *files] if root != str(home) else [os.curdir, *dirs, *files]
         for name in names:
             path = os.path.normpath(os.path.join(root, name))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -72,6 +73,9 @@ def test_require_signed_serves_a_package_and_refuses_a_plain_directory(
         assert good.returncode == 0, good.stderr
         job = json.loads(good.stdout)["workload_id"]
         wait_state(daemon, job, "RUNNING")
+        model = home / "packages" / "tiny" / "1" / "model"  # the daemon left them read-only
+        assert stat.S_IMODE(model.stat().st_mode) == 0o555
+        assert stat.S_IMODE((model / "config.json").stat().st_mode) == 0o444
         logs = daemon.cli("workload", "logs", job).stdout
         assert "plan_cache: hit" in logs and "conversion: none" in logs, logs
     finally:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kunlun.errors import Location, PackageError
+from kunlun.paths import READ_ONLY_DIR
 from kunlun.offline.archive import ArchiveError, Limits, hash_file
 from kunlun.offline.manifest import MANIFEST, SIGNATURE, FileEntry, Manifest, parse
 from kunlun.offline.package import (
@@ -45,7 +46,7 @@ from kunlun.offline.signing import TrustedKeys
 
 REQUIRED_MEMBERS = (f"{MODEL_DIR}/config.json", PLAN_FILE, PROFILE_FILE)
 """What a model package must hold besides its weights."""
-PACKAGES_DIR = "packages"
+PACKAGES_DIR = READ_ONLY_DIR
 REGISTRY_FILE = "installed.json"
 FILE_MODE_RO = 0o444
 DIR_MODE_RO = 0o555
