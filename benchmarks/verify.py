@@ -42,7 +42,6 @@ from kunlun.offline.signing import (  # noqa: E402
 )
 from serving import cpu_steal_ticks  # noqa: E402
 
-
 OPENSSL = shutil.which("openssl")
 
 

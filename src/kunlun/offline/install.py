@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from kunlun.errors import Location, PackageError
-from kunlun.paths import READ_ONLY_DIR
 from kunlun.offline.archive import ArchiveError, Limits, hash_file
 from kunlun.offline.manifest import MANIFEST, SIGNATURE, FileEntry, Manifest, parse
 from kunlun.offline.package import (
@@ -43,6 +42,7 @@ from kunlun.offline.package import (
     read_manifest,
 )
 from kunlun.offline.signing import TrustedKeys
+from kunlun.paths import READ_ONLY_DIR
 
 REQUIRED_MEMBERS = (f"{MODEL_DIR}/config.json", PLAN_FILE, PROFILE_FILE)
 """What a model package must hold besides its weights."""
