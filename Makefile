@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup run test check lint format typecheck clean build-offline-image
+.PHONY: setup run test check lint format typecheck clean build-offline-image offline-base-image
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -50,6 +50,10 @@ check: lint typecheck test
 # KEY=path/to/kunlun-signing.key [BUNDLE=kunlun-offline.tar] [BASE_IMAGE=...] [IMAGE=...]
 build-offline-image: $(STAMP)
 	BIN=$(BIN) bash deploy/build-offline-image.sh
+
+# The base image for it, from Debian packages (debootstrap; a connected machine).
+offline-base-image:
+	bash deploy/make-base-image.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -2,14 +2,15 @@
 # `make build-offline-image`: an OCI image of Kunlun Platform built from the signed offline
 # bundle, with no network during the build and no curl, wget or git inside; its digest is
 # signed with the bundle's key. Needs podman (or buildah) that can run here and a base image
-# with Python 3.11+ already in local storage (air-gapped: `podman load -i base.tar`).
+# with Python 3.11+ (and venv) already in local storage: `make offline-base-image` makes one
+# from Debian packages; an air-gapped builder loads it with `podman load -i base.tar`.
 #
-#   KEY=keys/kunlun-signing.key [BUNDLE=kunlun-offline.tar] [BASE_IMAGE=python:3.11-slim]
+#   KEY=keys/kunlun-signing.key [BUNDLE=kunlun-offline.tar] [BASE_IMAGE=localhost/kunlun-base:bookworm]
 #   [IMAGE=kunlun-platform-offline:latest] deploy/build-offline-image.sh
 set -euo pipefail
 KEY=${KEY:?give KEY=path/to/kunlun-signing.key (the bundle is signed with it)}
 BUNDLE=${BUNDLE:-kunlun-offline.tar}
-BASE_IMAGE=${BASE_IMAGE:-docker.io/library/python:3.11-slim}
+BASE_IMAGE=${BASE_IMAGE:-localhost/kunlun-base:bookworm}
 IMAGE=${IMAGE:-kunlun-platform-offline:latest}
 BIN=${BIN:-.venv/bin}
 
@@ -27,7 +28,7 @@ if [ -z "$tool" ]; then
 fi
 if ! "$tool" image exists "$BASE_IMAGE" 2>/dev/null; then
   echo "build-offline-image: base image $BASE_IMAGE is not in local storage; nothing is pulled" >&2
-  echo "  (load one: $tool load -i python-3.11-slim.tar, or set BASE_IMAGE)" >&2
+  echo "  (make one: make offline-base-image; or load one: $tool load -i base.tar; or set BASE_IMAGE)" >&2
   exit 2
 fi
 [ -f "$BUNDLE" ] || "$BIN/kunlun-installer" bundle -o "$BUNDLE" --key "$KEY"
@@ -56,12 +57,23 @@ EXPOSE 8470
 ENTRYPOINT ["/opt/kunlun/bin/kunlun-platform", "--host", "0.0.0.0", "--require-signed", \
             "--trusted-keys", "/var/lib/kunlun/trusted-keys"]
 CONTAINERFILE
+# No network during the build: the OCI runtime's own (--network none); where the runtime
+# cannot start containers here (e.g. cgroups in hybrid mode inside a container), RUN steps
+# go through chroot isolation instead, inside a network namespace with no interfaces.
+build=(--pull=never -t "$IMAGE" "$context")
+[ "$tool" = buildah ] && build=(--pull-never -t "$IMAGE" "$context")
+sub=build; [ "$tool" = buildah ] && sub=bud
+if "$tool" run --rm --network=none "$BASE_IMAGE" true >/dev/null 2>&1 || \
+   { [ "$tool" = buildah ] && ctr=$(buildah from --pull-never "$BASE_IMAGE") && buildah run --network none "$ctr" true && buildah rm "$ctr" >/dev/null; }; then
+  "$tool" "$sub" --network=none "${build[@]}"
+else
+  echo "build-offline-image: the OCI runtime cannot run containers here; building with chroot isolation in a network namespace with no interfaces (unshare -n)" >&2
+  unshare -n "$tool" "$sub" --isolation=chroot --network=host "${build[@]}"
+fi
 if [ "$tool" = podman ]; then
-  podman build --network none --pull never -t "$IMAGE" "$context"
   digest=$(podman image inspect --format '{{.Digest}}' "$IMAGE")
 else
-  buildah bud --network none --pull-never -t "$IMAGE" "$context"
-  digest=$(buildah inspect --format '{{.FromImageDigest}}' "$IMAGE")
+  digest=$(buildah inspect --type image --format '{{.FromImageDigest}}' "$IMAGE")
 fi
 echo "$IMAGE $digest" > kunlun-offline-image.digest
 "$BIN/kunlun-cli" keys sign kunlun-offline-image.digest --key "$KEY"

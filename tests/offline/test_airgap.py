@@ -37,6 +37,9 @@ def test_pack_bundle_then_install_and_serve_with_no_network(
         "--key", key, "-o", str(work / "model.kunlunpkg"), home=tmp_path / "packer")  # fmt: skip
     run("kunlun-installer", "bundle", "-o", str(work / "kunlun-offline.tar"), "--key", key,
         home=tmp_path / "packer")  # fmt: skip
+    info = json.loads(run("kunlun-cli", "model", "inspect", str(work / "model.kunlunpkg"),
+                          "--json", home=tmp_path / "packer").stdout)  # fmt: skip
+    assert info["license"] == "apache-2.0" and info["name"] == "smollm2"  # from the GGUF file
     python = str(Path(sys.base_prefix) / "bin" / "python3")  # the machine's, not this venv
     inside = f"ip link set lo up && exec {python} {AIRGAP} {work} {free_port()}"
     done = subprocess.run([*namespace_command(), "sh", "-c", inside], capture_output=True,

@@ -142,3 +142,22 @@ def test_pack_for_a_recorded_ascend_node_carries_its_declaration(pack_tiny: Pack
     assert model["declaration"] == "plan/device-plugin-config.yaml"
     assert files["plan/device-plugin-config.yaml"] == config.read_bytes()
     assert json.loads(files["plan/engine.json"])["device_type"] == "ascend"
+
+
+def test_keys_sign_and_verify_a_detached_signature(
+    keys: Path, other_keys: Path, tmp_path: Path
+) -> None:
+    digest = tmp_path / "kunlun-offline-image.digest"
+    digest.write_text("kunlun-platform-offline:latest sha256:" + "ab" * 32 + "\n")
+    run("kunlun-cli", "keys", "sign", str(digest), "--key", str(keys / "kunlun-signing.key"),
+        home=tmp_path)  # fmt: skip
+    ok = run("kunlun-cli", "keys", "verify", str(digest), "--public-key",
+             str(keys / "kunlun-signing.pub"), home=tmp_path)  # fmt: skip
+    assert re.search(r"OK .*: signed by SHA256:[0-9a-f]{64}", ok.stdout)
+    other = run("kunlun-cli", "keys", "verify", str(digest), "--public-key",
+                str(other_keys / "kunlun-signing.pub"), home=tmp_path, check=False)  # fmt: skip
+    assert other.returncode == 3 and "does not verify with any trusted key" in other.stderr
+    digest.write_text(digest.read_text().replace("ab", "cd", 1))
+    edited = run("kunlun-cli", "keys", "verify", str(digest), "--public-key",
+                 str(keys / "kunlun-signing.pub"), home=tmp_path, check=False)  # fmt: skip
+    assert edited.returncode == 3

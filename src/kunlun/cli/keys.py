@@ -1,4 +1,5 @@
-"""``kunlun-cli keys generate | sign``: the Ed25519 keys that sign packages and configs."""
+"""``kunlun-cli keys generate | sign | verify``: the Ed25519 keys that sign packages, configs and
+image digests, and detached signatures (``FILE.sig``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import typer
 
 from kunlun.cli.output import console, handle_errors
 
-app = typer.Typer(help="Signing keys: generate a pair, sign a file.", no_args_is_help=True)
+app = typer.Typer(
+    help="Signing keys: generate a pair, sign a file, verify it.", no_args_is_help=True
+)
 
 
 @app.command("generate")
@@ -39,3 +42,18 @@ def sign(
     if not file.is_file():
         raise ConfigError("file to sign not found", location=Location(str(file)))
     console.print(f"signature {sign_file(load_private_key(key), file)}")
+
+
+@app.command("verify")
+@handle_errors
+def verify(
+    file: Annotated[Path, typer.Argument(help="A signed file (its signature is FILE.sig).")],
+    public_key: Annotated[
+        list[Path], typer.Option("--public-key", help="Trusted public key or directory.")
+    ],
+) -> None:
+    """Check FILE against its detached signature FILE.sig; prints the signer's fingerprint."""
+    from kunlun.offline.signing import TrustedKeys, verify_file
+
+    signer = verify_file(TrustedKeys.from_paths(public_key), file)
+    console.print(f"OK {file}: signed by {signer}", markup=False)

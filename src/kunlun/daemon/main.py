@@ -377,7 +377,13 @@ def model_guard(
     paths = keys or [home / TRUSTED_KEYS_DIR]
     default_missing = not keys and not paths[0].is_dir()
     if not require_signed:
-        trusted = None if default_missing else TrustedKeys.from_paths(paths)
+        try:  # packages are still checked against their signature when keys are at hand
+            trusted = None if default_missing else TrustedKeys.from_paths(paths)
+        except ConfigError as exc:
+            if keys:
+                raise
+            print(f"not checking package signatures: {exc}", flush=True)
+            trusted = None
         return ModelGuard(home, trusted)
     if default_missing:
         raise ConfigError(
