@@ -242,7 +242,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--repair", action="store_true",
                         help="re-verify installed packages and restore damaged files")  # fmt: skip
-    parser.add_argument("--home", type=Path, help="KUNLUN_HOME (default: $KUNLUN_HOME)")
+    parser.add_argument(
+        "--home", type=Path, help="KUNLUN_HOME (default: $KUNLUN_HOME or ~/.kunlun)"
+    )
     parser.add_argument("--public-key", type=Path, action="append", default=[],
                         help="trusted public key (PEM; repeatable)")  # fmt: skip
     parser.add_argument("--package", type=Path, action="append", default=[],
@@ -257,16 +259,19 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--platform", help="target wheel platform, e.g. manylinux_2_28_x86_64")
     b.add_argument("--bundle-version", type=int, help="default: creation time")
     i = sub.add_parser("install", help="install a bundle and/or model packages")
-    i.add_argument("--bundle", type=Path)
+    i.add_argument("--bundle", type=Path, help="the signed offline bundle (kunlun-offline.tar)")
     i.add_argument("--prefix", type=Path, help="new virtual environment (with --bundle)")
     i.add_argument("--systemd-dir", type=Path, help="where the unit goes (default PREFIX/share)")
     i.add_argument("--user", help="the unit's User= (default: this user)")
-    i.add_argument("--public-key", type=Path, action="append", default=[], dest="keys")
-    i.add_argument("--package", type=Path, action="append", default=[], dest="packages")
-    i.add_argument("--home", type=Path, dest="sub_home")
+    i.add_argument("--public-key", type=Path, action="append", default=[], dest="keys",
+                   metavar="KEY", help="trusted public key (PEM; repeatable)")  # fmt: skip
+    i.add_argument("--package", type=Path, action="append", default=[], dest="packages",
+                   metavar="PACKAGE", help="a model package (.kunlunpkg; repeatable)")  # fmt: skip
+    i.add_argument("--home", type=Path, dest="sub_home", metavar="HOME",
+                   help="KUNLUN_HOME (default: $KUNLUN_HOME or ~/.kunlun)")  # fmt: skip
     u = sub.add_parser("unit", help="print the systemd unit for a prefix and home")
     u.add_argument("--prefix", type=Path, required=True)
-    u.add_argument("--home", type=Path, dest="sub_home", required=True)
+    u.add_argument("--home", type=Path, dest="sub_home", metavar="HOME", required=True)
     u.add_argument("--user", default="kunlun")
     sub.add_parser("list", help="installed model packages")
     return parser
