@@ -156,6 +156,7 @@ def install_bundle(
     if not bundle.is_file():
         raise PackageError("bundle file not found", location=Location(str(bundle)))
     created_prefix = not prefix.exists()
+    prefix.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".kunlun-bundle-", dir=prefix.parent))
     try:
         with _open(bundle) as reader:

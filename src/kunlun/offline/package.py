@@ -133,6 +133,7 @@ def pack(
     plan, group = placement.plans[0], placement.groups[0]
     plan.model_path = None  # where the packer kept it means nothing to an installer
     profiles = {f"{p.device_type}:{p.index}": p for p in inventory.profiles}
+    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".kunlunpkg-", dir=out.parent) as scratch:
         work = Path(scratch)
         weights, _ = prepare_weights(path, work / "weights", plan.dtype, plan.quantization)
