@@ -6,6 +6,7 @@ import json
 import os
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def installed_home(tmp_path: Path, package: Path, keys: Path) -> Path:
 def start_fails(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     daemon = Daemon(home, free_port())
     return subprocess.run(
-        [str(Path(os.sys.executable).parent / "kunlun-platform"), "--port", str(daemon.port),
+        [str(Path(sys.executable).parent / "kunlun-platform"), "--port", str(daemon.port),
          *args],
         capture_output=True, text=True, env=daemon.env(), timeout=120,
     )  # fmt: skip

@@ -313,7 +313,9 @@ def serve(
         )
     sandbox = SandboxPolicy(home, enabled=worker_sandbox, self_test=worker_self_test)
     roots = model_roots(model_root or [])
-    guard = model_guard(home, config, require_signed, trusted_keys)
+    from kunlun.offline.integrity import daemon_guard
+
+    guard = daemon_guard(home, config, require_signed, trusted_keys)
     platform = make_platform(
         home,
         config,
@@ -362,48 +364,6 @@ def serve(
     finally:
         pid_path.unlink(missing_ok=True)
     raise SystemExit(0)
-
-
-def model_guard(
-    home: Path, config: Path | None, require_signed: bool, keys: list[Path] | None
-) -> Any:
-    """The daemon's :class:`~kunlun.offline.integrity.ModelGuard`. With ``require_signed``:
-    the trusted keys must load, the device config's detached signature must verify and the
-    platform's own installed files must match their hashes, or the daemon does not start."""
-    from kunlun.offline.bootstrap import TRUSTED_KEYS_DIR
-    from kunlun.offline.integrity import ModelGuard
-    from kunlun.offline.signing import TrustedKeys, verify_file
-
-    paths = keys or [home / TRUSTED_KEYS_DIR]
-    default_missing = not keys and not paths[0].is_dir()
-    if not require_signed:
-        try:  # packages are still checked against their signature when keys are at hand
-            trusted = None if default_missing else TrustedKeys.from_paths(paths)
-        except ConfigError as exc:
-            if keys:
-                raise
-            print(f"not checking package signatures: {exc}", flush=True)
-            trusted = None
-        return ModelGuard(home, trusted)
-    if default_missing:
-        raise ConfigError(
-            "--require-signed needs trusted keys; none given and no KUNLUN_HOME/trusted-keys",
-            location=Location("--trusted-keys"),
-        )
-    guard = ModelGuard(home, TrustedKeys.from_paths(paths), require_signed=True)
-    if config is not None:
-        signer = verify_file(guard.trusted, config)  # type: ignore[arg-type]
-        guard.audit.write("verified", kind="device_config", path=str(config), signer=signer)
-    own = guard.check_platform()
-    if not own.ok:
-        guard.audit.write("integrity_failure", kind="platform", name=own.name,
-                          problems=own.problems)  # fmt: skip
-        raise DaemonError(
-            f"the platform's installed files fail their integrity check: {own.describe()}",
-            hint="reinstall from the signed bundle (kunlun-installer install --bundle ...)",
-        )
-    guard.audit.write("started", require_signed=True, trusted=sorted(guard.trusted.keys))  # type: ignore[union-attr]
-    return guard
 
 
 def model_roots(flags: list[Path]) -> tuple[Path, ...]:

@@ -121,7 +121,9 @@ def verify_bundle_header(reader: ArchiveReader, public_keys: Sequence[Path]) -> 
     )
 
 
-def _run(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
+def run_step(cmd: list[str], what: str, env: dict[str, str] | None = None) -> None:
+    """Run one step of an install or a bundle build; a failure is a :class:`PackageError`
+    naming the step and ending with the last lines the command printed."""
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-15:]
@@ -171,9 +173,9 @@ def install_bundle(
         say(f"bundle {bundle}: signature by {signer}; {len(manifest.files)} files verified")
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
         prefix.mkdir(parents=True, exist_ok=True)
-        _run([python, "-m", "venv", str(prefix)], "creating the virtual environment")
+        run_step([python, "-m", "venv", str(prefix)], "creating the virtual environment")
         wheels = scratch / WHEELS_DIR
-        _run(
+        run_step(
             [str(prefix / "bin" / "python"), "-m", "pip", "install", "--no-index",
              "--find-links", str(wheels), "--no-compile", "-q", PLATFORM_REQUIREMENT],
             "pip install --no-index from the bundle's wheels",

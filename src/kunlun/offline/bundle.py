@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -29,9 +28,9 @@ from importlib import metadata
 from pathlib import Path
 
 from kunlun import __version__
-from kunlun.errors import ConfigError, Location, PackageError
+from kunlun.errors import ConfigError, Location
 from kunlun.offline.archive import hash_file, write_archive
-from kunlun.offline.bootstrap import INSTALLER_MEMBER, PLATFORM_REQUIREMENT, WHEELS_DIR
+from kunlun.offline.bootstrap import INSTALLER_MEMBER, PLATFORM_REQUIREMENT, WHEELS_DIR, run_step
 from kunlun.offline.manifest import BUNDLE_FORMAT, FileEntry, Manifest, dump
 from kunlun.offline.package import created_time, iso_utc
 from kunlun.offline.signing import fingerprint, load_private_key, sign
@@ -93,10 +92,7 @@ def build_installer(out: Path) -> Path:
 def _pip(args: list[str], what: str) -> None:
     cmd = [sys.executable, "-m", "pip", *args]
     print("$ " + " ".join(cmd), flush=True)
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-20:]
-        raise PackageError(f"{what} failed (exit {done.returncode}):\n" + "\n".join(tail))
+    run_step(cmd, what)
 
 
 def torch_requirement(torch_wheel: Path | None) -> str:

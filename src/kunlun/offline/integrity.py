@@ -34,13 +34,21 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kunlun.errors import KunlunError, Location, PermissionDenied
+from kunlun.errors import ConfigError, KunlunError, Location, PermissionDenied
+from kunlun.offline.bootstrap import TRUSTED_KEYS_DIR
 from kunlun.offline.install import InstalledPackage, Registry, check_installed
-from kunlun.offline.signing import TrustedKeys
+from kunlun.offline.signing import TrustedKeys, verify_file
 
 AUDIT_FILE = Path("logs") / "audit.jsonl"
 DEFAULT_INTERVAL_S = 300.0
 PLATFORM_DIST = "kunlun-platform"
+
+
+class IntegrityError(KunlunError):
+    """The platform's own installed files do not match their hashes: the daemon does not start."""
+
+    code = "daemon.integrity"
+    exit_code = 2
 
 
 class AuditLog:
@@ -61,11 +69,6 @@ class AuditLog:
             except OSError as exc:  # counted and reported once per failure, never raised
                 self.write_errors += 1
                 print(f"audit log {self.path}: cannot write ({exc.strerror}): {line}", flush=True)
-
-    def read(self) -> list[dict[str, Any]]:
-        if not self.path.is_file():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line]
 
 
 @dataclass
@@ -244,3 +247,41 @@ class ModelGuard:
             "When the last integrity sweep ran (Unix time; 0: never).",
             self.last_check,
         )
+
+
+def daemon_guard(
+    home: Path, config: Path | None, require_signed: bool, keys: list[Path] | None
+) -> ModelGuard:
+    """The daemon's :class:`~kunlun.offline.integrity.ModelGuard`. With ``require_signed``:
+    the trusted keys must load, the device config's detached signature must verify and the
+    platform's own installed files must match their hashes, or the daemon does not start."""
+    paths = keys or [home / TRUSTED_KEYS_DIR]
+    default_missing = not keys and not paths[0].is_dir()
+    if not require_signed:
+        try:  # packages are still checked against their signature when keys are at hand
+            trusted = None if default_missing else TrustedKeys.from_paths(paths)
+        except ConfigError as exc:
+            if keys:
+                raise
+            print(f"not checking package signatures: {exc}", flush=True)
+            trusted = None
+        return ModelGuard(home, trusted)
+    if default_missing:
+        raise ConfigError(
+            "--require-signed needs trusted keys; none given and no KUNLUN_HOME/trusted-keys",
+            location=Location("--trusted-keys"),
+        )
+    guard = ModelGuard(home, TrustedKeys.from_paths(paths), require_signed=True)
+    if config is not None:
+        signer = verify_file(guard.trusted, config)  # type: ignore[arg-type]
+        guard.audit.write("verified", kind="device_config", path=str(config), signer=signer)
+    own = guard.check_platform()
+    if not own.ok:
+        guard.audit.write("integrity_failure", kind="platform", name=own.name,
+                          problems=own.problems)  # fmt: skip
+        raise IntegrityError(
+            f"the platform's installed files fail their integrity check: {own.describe()}",
+            hint="reinstall from the signed bundle (kunlun-installer install --bundle ...)",
+        )
+    guard.audit.write("started", require_signed=True, trusted=sorted(guard.trusted.keys))  # type: ignore[union-attr]
+    return guard

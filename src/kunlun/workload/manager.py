@@ -294,11 +294,12 @@ class WorkloadManager:
             return []
         serving = self.serving()
         findings = self.guard.sweep({name: path for name, (path, _) in serving.items()})
+        packages = {name: self.guard.package_of(path) for name, (path, _) in serving.items()}
         for finding in findings:
             if finding.ok:
                 continue
-            for name, (path, ids) in serving.items():
-                package = self.guard.package_of(path)
+            for name, (_path, ids) in serving.items():
+                package = packages[name]
                 hit = finding.kind == "platform" and self.guard.require_signed
                 if hit or (package is not None and package.name == finding.name):
                     for wid in ids:
