@@ -17,6 +17,7 @@ whether it did the work itself or the daemon did.
     │   ├── ModelFileMissing         model.file_missing
     │   └── CorruptWeights           model.corrupt_weights
     ├── StateError                   state.unusable        exit 2   http 500
+    ├── ClusterUnavailable           cluster.unavailable   exit 2   http 503
     ├── RequestError                 request.invalid       exit 2   http 400
     │   └── PromptTooLong            request.prompt_too_long
     ├── PermissionDenied             auth.permission_denied exit 2  http 403
@@ -131,6 +132,16 @@ class StateError(KunlunError):
 
     code = "state.unusable"
     exit_code = 2
+
+
+class ClusterUnavailable(KunlunError):
+    """The cluster's state store (etcd) cannot be reached or has no quorum: every endpoint
+    refused, timed out or answered that it has no leader. The message names the cause and
+    the endpoints. A write that timed out may still have been applied."""
+
+    code = "cluster.unavailable"
+    exit_code = 2
+    http_status = 503
 
 
 class RequestError(KunlunError):

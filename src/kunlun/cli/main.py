@@ -9,7 +9,18 @@ from typing import Annotated
 import typer
 
 from kunlun import __version__
-from kunlun.cli import apikey, batch, bench, device, keys, model, telemetry, validate, workload
+from kunlun.cli import (
+    apikey,
+    batch,
+    bench,
+    cluster,
+    device,
+    keys,
+    model,
+    telemetry,
+    validate,
+    workload,
+)
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.cli.plan import plan
 from kunlun.paths import private_umask
@@ -23,6 +34,8 @@ app.add_typer(device.app, name="device")
 app.add_typer(workload.app, name="workload")
 app.add_typer(model.app, name="model")
 app.add_typer(keys.app, name="keys")
+app.add_typer(cluster.nodes_app, name="node")
+app.add_typer(cluster.cluster_app, name="cluster")
 app.add_typer(apikey.app, name="apikey")
 app.add_typer(batch.app, name="batch")
 app.command("plan")(plan)

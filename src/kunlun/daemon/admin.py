@@ -28,6 +28,7 @@ from kunlun.state.api_keys import (
 from kunlun.workload.spec import parse_spec
 
 if TYPE_CHECKING:
+    from kunlun.cluster.node import ClusterNode
     from kunlun.daemon.app import Platform
 
 MAX_LOG_CHUNK = 1 << 20
@@ -62,7 +63,7 @@ def admin_router(platform: Platform) -> APIRouter:
         return inventory.to_list()
 
     @router.get("/workloads")
-    async def list_workloads() -> list[dict[str, Any]]:
+    def list_workloads() -> list[dict[str, Any]]:
         out = []
         for w in platform.store.list_workloads():
             ready = sum(
@@ -100,11 +101,11 @@ def admin_router(platform: Platform) -> APIRouter:
         }
 
     @router.get("/workloads/{workload_id}")
-    async def describe(workload_id: str) -> dict[str, Any]:
+    def describe(workload_id: str) -> dict[str, Any]:
         return manager.describe(workload_id)
 
     @router.get("/workloads/{workload_id}/logs")
-    async def logs(workload_id: str, offset: int = Query(0, ge=0)) -> dict[str, Any]:
+    def logs(workload_id: str, offset: int = Query(0, ge=0)) -> dict[str, Any]:
         record = manager.get(workload_id)
         path = platform.agent.log_path(record.workload_id)
         if not path.exists():
@@ -127,7 +128,7 @@ def admin_router(platform: Platform) -> APIRouter:
         return {"workload_id": record.workload_id, "state": record.state}
 
     @router.get("/models")
-    async def models() -> list[dict[str, Any]]:
+    def models() -> list[dict[str, Any]]:
         return [vars(m) for m in platform.store.list_models()]
 
     @router.post("/models/import-gguf")
@@ -169,11 +170,11 @@ def admin_router(platform: Platform) -> APIRouter:
         return vars(record)
 
     @router.get("/apikeys")
-    async def list_keys() -> list[dict[str, Any]]:
+    def list_keys() -> list[dict[str, Any]]:
         return [describe_key(k) for k in platform.store.list_api_keys()]
 
     @router.post("/apikeys")
-    async def new_key(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
+    def new_key(body: dict[str, Any] = Body(...)) -> dict[str, Any]:
         unknown = sorted(set(body) - KEY_FIELDS)
         if unknown:
             raise RequestError(
@@ -194,9 +195,35 @@ def admin_router(platform: Platform) -> APIRouter:
         return {**describe_key(record), "key": secret, "warning": no_admin_warning(platform.store)}
 
     @router.delete("/apikeys/{key}")
-    async def revoke(key: str) -> dict[str, Any]:
+    def revoke(key: str) -> dict[str, Any]:
         record = revoke_key(platform.store, key)
         platform.keyring.refresh(force=True)
         return {"key_id": record.key_id, "name": record.name, "revoked": True}
 
+    @router.get("/cluster")
+    def cluster_status() -> dict[str, Any]:
+        return _cluster(platform).status()
+
+    @router.get("/nodes")
+    def nodes() -> list[dict[str, Any]]:
+        return _cluster(platform).nodes()
+
+    @router.post("/nodes/{name}/drain")
+    def drain(name: str) -> dict[str, Any]:
+        return _cluster(platform).drain(name, True)
+
+    @router.post("/nodes/{name}/undrain")
+    def undrain(name: str) -> dict[str, Any]:
+        return _cluster(platform).drain(name, False)
+
     return router
+
+
+def _cluster(platform: Platform) -> ClusterNode:
+    if platform.cluster is None:
+        raise ConfigError(
+            "this daemon is a single node, not part of a cluster",
+            location=Location("kunlun-platform --cluster-etcd"),
+            hint="start every node with --cluster-etcd URL --node-name NAME (docs/cluster.md)",
+        )
+    return platform.cluster

@@ -34,6 +34,10 @@ from starlette.types import ASGIApp
 from kunlun import __version__
 from kunlun.batch.files import FileStore
 from kunlun.batch.jobs import MAX_RUNNING_JOBS, BatchJobs
+from kunlun.cluster.etcd import Etcd
+from kunlun.cluster.member import ClusterConfig
+from kunlun.cluster.node import ClusterNode
+from kunlun.cluster.peer import PeerServer
 from kunlun.daemon.admin import admin_router
 from kunlun.daemon.auth import ApiKeyMiddleware
 from kunlun.daemon.batch_api import batch_router, gateway_app, in_process_sender
@@ -57,7 +61,9 @@ from kunlun.serving.routing import DeviceSample
 from kunlun.serving.scheduler_config import FILE_NAME as SCHEDULER_CONFIG
 from kunlun.serving.scheduler_config import SchedulerConfigSource
 from kunlun.state.api_keys import KeyRing
+from kunlun.state.etcd import EtcdStore
 from kunlun.state.sqlite import SQLiteStore
+from kunlun.state.store import StateStore
 from kunlun.telemetry.exposition import PlatformTelemetry  # telemetry
 from kunlun.workload.manager import WorkloadManager
 
@@ -67,7 +73,7 @@ class Platform:
     """Everything the daemon's routes share."""
 
     home: Path
-    store: SQLiteStore
+    store: StateStore
     keyring: KeyRing
     replicas: ReplicaSet
     agent: NodeAgent
@@ -82,6 +88,10 @@ class Platform:
     integrity_interval_s: float = DEFAULT_INTERVAL_S
     """How often the served packages and the platform's files are re-hashed."""
     started_at: float = field(default_factory=time.time)
+    cluster: ClusterNode | None = None
+    """This node's part in a cluster (``--cluster-etcd``); None on a single node."""
+    peer: PeerServer | None = None
+    """The peer port other cluster nodes relay requests to."""
 
     def inventory(self) -> Inventory:
         return build_inventory(config=self.config)
@@ -99,6 +109,7 @@ def make_platform(
     upstream_timeouts_s: tuple[float | None, float | None] = (900.0, 300.0),
     guard: ModelGuard | None = None,
     integrity_interval_s: float = DEFAULT_INTERVAL_S,
+    cluster: ClusterConfig | None = None,
 ) -> Platform:
     """The daemon's parts. ``scheduler_config`` defaults to ``KUNLUN_HOME/scheduler_config.yaml``
     (absent: the defaults); a bad one raises :class:`~kunlun.errors.ConfigError`.
@@ -107,10 +118,15 @@ def make_platform(
     ``liveness``: how the node agent probes workers; ``upstream_timeouts_s``: the gateway's
     first-byte and read timeouts on workers' answers; ``guard``: which models may be served
     (default: any; :mod:`kunlun.offline.integrity`), re-checked every
-    ``integrity_interval_s``."""
+    ``integrity_interval_s``. ``cluster``: join an etcd cluster (the state then lives in
+    etcd, :mod:`kunlun.cluster`)."""
     scheduler = SchedulerConfigSource(scheduler_config or home / SCHEDULER_CONFIG)
     scheduler.load()
-    store = SQLiteStore(home / "state.db")
+    store: StateStore
+    if cluster is None:
+        store = SQLiteStore(home / "state.db")
+    else:
+        store = EtcdStore(Etcd(cluster.endpoints, cluster.tls), cluster.prefix)
     replicas = ReplicaSet()
     holder: dict[str, WorkloadManager] = {}
     agent = NodeAgent(
@@ -131,8 +147,10 @@ def make_platform(
     )
     request_log = RequestLog(home / "logs" / "requests.jsonl", request_log_config)
     files = FileStore(home / "files", store)
+    if cluster is not None and cluster.tls is not None:
+        gateway.upstream_ssl = cluster.tls.client_context()
     send = in_process_sender(RequestLogMiddleware(gateway_app(replicas, gateway), request_log))
-    return Platform(
+    platform = Platform(
         home,
         store,
         KeyRing(store),
@@ -147,6 +165,12 @@ def make_platform(
         model_roots,
         integrity_interval_s,
     )
+    if isinstance(store, EtcdStore) and cluster is not None:
+        platform.cluster = ClusterNode(cluster, store, manager, replicas,
+                                       lambda: platform.inventory().to_list(),
+                                       gateway.samples)  # fmt: skip
+        manager.cluster = platform.cluster
+    return platform
 
 
 def validation_error(exc: RequestValidationError) -> RequestError:
@@ -194,6 +218,8 @@ def create_app(platform: Platform) -> FastAPI:
     telemetry.devices.listeners.append(lambda samples: feed_routing(platform.gateway, samples))
     if platform.manager.guard is not None:
         telemetry.sources.append(platform.manager.guard.families)
+    if platform.cluster is not None:
+        telemetry.sources.append(platform.cluster.families)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -208,6 +234,10 @@ def create_app(platform: Platform) -> FastAPI:
                 flush=True,
             )
         supervisor = asyncio.create_task(platform.agent.supervise())
+        if platform.peer is not None:
+            platform.peer.start()
+        if platform.cluster is not None:
+            await asyncio.to_thread(platform.cluster.start)
         await asyncio.to_thread(platform.manager.resume_all)
         await platform.batches.start()
         integrity = asyncio.create_task(integrity_loop(platform))
@@ -217,6 +247,10 @@ def create_app(platform: Platform) -> FastAPI:
             integrity.cancel()
             await platform.batches.close()
             supervisor.cancel()
+            if platform.cluster is not None:
+                await asyncio.to_thread(platform.cluster.stop)
+            if platform.peer is not None:
+                await asyncio.to_thread(platform.peer.stop)
             await telemetry.close()  # telemetry
             await asyncio.to_thread(platform.agent.stop_all)
             await platform.gateway.close()

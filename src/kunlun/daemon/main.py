@@ -266,6 +266,55 @@ def serve(
             help="Seconds between re-hashes of the served packages and the platform's files.",
         ),
     ] = 300.0,
+    cluster_etcd: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KUNLUN_CLUSTER_ETCD",
+            help="Join a cluster: its etcd client URLs, comma-separated (docs/cluster.md). "
+            "The state then lives in etcd, shared by every node.",
+        ),
+    ] = None,
+    node_name: Annotated[
+        str | None,
+        typer.Option(envvar="KUNLUN_NODE_NAME", help="This node's name in the cluster."),
+    ] = None,
+    peer_port: Annotated[
+        int | None,
+        typer.Option(
+            min=1, max=65535, help="Port other nodes relay requests to (default: --port + 1)."
+        ),
+    ] = None,
+    advertise_url: Annotated[
+        str | None,
+        typer.Option(
+            help="How other nodes reach this node's peer port (default: https://HOST:PEER_PORT)."
+        ),
+    ] = None,
+    cluster_certs: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="KUNLUN_CLUSTER_CERTS",
+            help="Directory with ca.crt and NODE_NAME.crt/.key (kunlun-cli cluster certs): TLS "
+            "to etcd and between nodes.",
+        ),
+    ] = None,
+    insecure_cluster: Annotated[
+        bool,
+        typer.Option(
+            "--insecure-cluster",
+            help="Plain HTTP to etcd and between nodes, no certificates (a test cluster only).",
+        ),
+    ] = False,
+    cluster_lease_ttl_s: Annotated[
+        int,
+        typer.Option(
+            "--cluster-lease-ttl",
+            min=2,
+            max=300,
+            help="Seconds a node stays in the cluster without renewing its lease (a lost node is "
+            "noticed, and a new leader elected, within this).",
+        ),
+    ] = 10,
     upstream_read_timeout_s: Annotated[
         float,
         typer.Option(
@@ -316,6 +365,17 @@ def serve(
     from kunlun.offline.integrity import daemon_guard
 
     guard = daemon_guard(home, config, require_signed, trusted_keys)
+    cluster = None
+    peer_sock = None
+    if cluster_etcd is not None:
+        peer_port = peer_port or port + 1
+        cluster = cluster_config(cluster_etcd, node_name, host, port, peer_port, advertise_url,
+                                 cluster_certs, insecure_cluster, cluster_lease_ttl_s)  # fmt: skip
+        peer_sock = bind_socket(host, peer_port)
+    elif node_name or cluster_certs or advertise_url or insecure_cluster:
+        raise ConfigError(
+            "cluster options need --cluster-etcd", location=Location("--cluster-etcd")
+        )
     platform = make_platform(
         home,
         config,
@@ -332,7 +392,14 @@ def serve(
         upstream_timeouts_s=(upstream_first_byte_timeout_s, upstream_read_timeout_s),
         guard=guard,
         integrity_interval_s=integrity_interval_s,
+        cluster=cluster,
     )
+    if cluster is not None and peer_sock is not None:
+        from kunlun.cluster.peer import PeerApp, PeerServer
+
+        context = None if cluster.tls is None else cluster.tls.server_context()
+        platform.peer = PeerServer(PeerApp(cluster.node_name, platform.replicas), peer_sock,
+                                   context)  # fmt: skip
     platform.gateway.max_sequences_per_request = max_sequences_per_request
     if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:
         raise DaemonError(
@@ -364,6 +431,55 @@ def serve(
     finally:
         pid_path.unlink(missing_ok=True)
     raise SystemExit(0)
+
+
+def cluster_config(
+    etcd: str,
+    node_name: str | None,
+    host: str,
+    port: int,
+    peer_port: int,
+    advertise_url: str | None,
+    certs: Path | None,
+    insecure: bool,
+    lease_ttl_s: int,
+) -> Any:
+    """The :class:`~kunlun.cluster.member.ClusterConfig` of the cluster flags; TLS unless
+    ``--insecure-cluster``, which is refused together with certificates."""
+    from kunlun.cluster.certs import MemberTLS
+    from kunlun.cluster.member import ClusterConfig
+
+    if not node_name:
+        raise ConfigError("a cluster node needs a name", location=Location("--node-name"))
+    endpoints = [url.strip().rstrip("/") for url in etcd.split(",") if url.strip()]
+    if not endpoints:
+        raise ConfigError(f"no etcd URL in {etcd!r}", location=Location("--cluster-etcd"))
+    tls = None
+    if certs is not None and insecure:
+        raise ConfigError(
+            "--cluster-certs and --insecure-cluster contradict each other",
+            location=Location("--insecure-cluster"),
+        )
+    if certs is not None:
+        tls = MemberTLS.from_dir(certs, node_name)
+    elif not insecure:
+        raise ConfigError(
+            "a cluster talks TLS: no certificates given",
+            location=Location("--cluster-certs"),
+            hint="make them with `kunlun-cli cluster certs --out DIR --name NODE ...` and pass "
+            "--cluster-certs DIR; plain HTTP between nodes only with --insecure-cluster",
+        )
+    if advertise_url is None:
+        if host in ("0.0.0.0", "::"):
+            raise ConfigError(
+                f"--host {host} says nothing of how other nodes reach this one",
+                location=Location("--advertise-url"),
+                hint="pass --advertise-url https://ADDRESS:PEER_PORT",
+            )
+        shown = f"[{host}]" if ":" in host else host
+        advertise_url = f"{'http' if insecure else 'https'}://{shown}:{peer_port}"
+    return ClusterConfig(endpoints, node_name, f"http://{host}:{port}",
+                         advertise_url.rstrip("/"), tls, lease_ttl_s)  # fmt: skip
 
 
 def model_roots(flags: list[Path]) -> tuple[Path, ...]:

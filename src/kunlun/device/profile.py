@@ -120,6 +120,24 @@ class DeviceProfile:
         out["provenance"] = {name: f.provenance.value for name, f in self.fields.items()}
         return out
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DeviceProfile:
+        """The profile :meth:`to_dict` wrote (a cluster node's devices, as another node sees
+        them)."""
+        fields = {
+            name: ProfileField(data.get(name), Provenance(provenance))
+            for name, provenance in (data.get("provenance") or {}).items()
+        }
+        return cls(
+            device_type=str(data["type"]),
+            index=int(data["index"]),
+            status=Status(data.get("status", Status.READY.value)),
+            reasons=list(data.get("reasons") or []),
+            fields=fields,
+            visibility_env=data.get("visibility_env"),
+            torch_device_type=str(data.get("torch_device_type") or "cpu"),
+        )
+
 
 def from_probe(plugin: DevicePlugin, probed: ProbedDevice) -> DeviceProfile:
     """A profile from probed facts alone (no declaration)."""

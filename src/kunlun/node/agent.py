@@ -143,6 +143,11 @@ class NodeAgent:
         targets = [w for w in self.workers.values() if w.replica.workload_id == workload_id]
         self._stop(targets, timeout_s)
 
+    def stop_replica(self, replica_id: str, timeout_s: float = 15.0) -> None:
+        """Stop one worker (a cluster node handing a replica to another node)."""
+        self._stop([w for w in self.workers.values() if w.replica.replica_id == replica_id],
+                   timeout_s)  # fmt: skip
+
     def stop_all(self, timeout_s: float = 15.0) -> None:
         self._stop(list(self.workers.values()), timeout_s)
 

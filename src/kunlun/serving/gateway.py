@@ -25,6 +25,7 @@ import itertools
 import logging
 import os
 import signal
+import ssl
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,6 +118,8 @@ class GatewayState:
     """Slots and backlogs (made by :func:`gateway_router`)."""
     upstream: UpstreamPool | None = field(default=None, repr=False)
     """Shared keep-alive connections to the workers (made by :meth:`start`)."""
+    upstream_ssl: ssl.SSLContext | None = field(default=None, repr=False)
+    """In a cluster: TLS for other nodes' peer ports (their replicas' ``https://`` URLs)."""
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics, repr=False)  # telemetry
     """Request counters and latency histograms (part of the daemon's ``/metrics``)."""
     _ticker: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
@@ -133,6 +136,7 @@ class GatewayState:
                 connect_timeout_s=self.connect_timeout_s,
                 first_byte_timeout_s=self.first_byte_timeout_s,
                 read_timeout_s=self.read_timeout_s,
+                ssl_context=self.upstream_ssl,
             )
         if self._ticker is None:
             self._ticker = asyncio.create_task(self._tick())

@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 _FORWARDED = (b"content-type", b"content-length", b"x-request-id", b"cache-control")
 """Upstream response headers passed to the client."""
 _SSE = sse.MEDIA_TYPE.encode()
+REMOTE_EJECT_S = 5.0
+"""Another node's replica that could not be connected to stays out of routing this long."""
 
 
 class Relay(Response):
@@ -200,6 +202,11 @@ class Relay(Response):
         )
 
     def _unreachable(self, replica: Replica, exc: Exception) -> KunlunError:
+        if replica.node is not None and isinstance(exc, UpstreamUnreachable):
+            # another node that cannot be reached: out of routing for a while, not until its
+            # lease runs out
+            replica.ready = False
+            replica.ejected_until = time.monotonic() + REMOTE_EJECT_S
         if isinstance(exc, UpstreamUnreachable) and replica.fault is None:
             return ServiceUnavailable(
                 f"the engine worker of replica {replica.replica_id} on "

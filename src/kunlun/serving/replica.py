@@ -37,6 +37,12 @@ class Replica:
     outstanding_tokens: int = 0
     """Maintained by the gateway: estimated tokens (prompt + ``max_tokens``) in flight."""
     pid: int | None = None
+    node: str | None = None
+    """In a cluster, the other node this replica runs on (None: this node's own worker);
+    ``base_url`` is then that node's peer port."""
+    ejected_until: float = 0.0
+    """Another node's replica that could not be reached is not routed to before this
+    (``time.monotonic()``), whatever its node last reported."""
     fault: str | None = None
     """Why the node agent took this replica out of routing and killed its worker (it was
     unresponsive or stalled); cleared when a new worker is ready. The gateway answers its
@@ -49,8 +55,8 @@ class Replica:
 
     @cached_property
     def device_type(self) -> str:
-        """The pool of the device (``cpu`` for ``cpu:0``)."""
-        return self.device.partition(":")[0]
+        """The pool of the device (``cpu`` for ``cpu:0`` and for ``node-b/cpu:0``)."""
+        return self.device.rpartition("/")[2].partition(":")[0]
 
 
 @dataclass

@@ -44,6 +44,11 @@ KEY_PRIORITY_SCOPE = "kunlun.key_priority"
 """ASGI scope key where the API-key check leaves the key's priority, when it has one."""
 
 
+REMOTE_TIE_BREAK = 0.5
+"""Added to another cluster node's replica's score (estimated tokens in flight): less than one
+token, so it only decides between equally loaded replicas, for this node's own (no hop)."""
+
+
 class PoolNotFound(RequestError):
     """``X-Kunlun-Pool`` names a device type with no replica of the requested model."""
 
@@ -190,6 +195,8 @@ class Router:
             ):
                 continue
             score: float = replica.outstanding_tokens + tokens
+            if replica.node is not None:  # another node's: at equal load, this node's own wins
+                score += REMOTE_TIE_BREAK
             view = view_of(replica.device)
             if view is not None and view.fresh_until >= now:
                 utilization = view.utilization_pct

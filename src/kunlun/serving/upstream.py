@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -29,6 +30,10 @@ import httptools
 
 HIGH_WATER_BYTES = 256 * 1024
 """Response bytes buffered for a slow client before reading from the worker pauses."""
+
+
+_Key = tuple[str, int, bool]
+"""Where a pooled connection goes: host, port, and whether it speaks TLS."""
 
 
 class UpstreamError(Exception):
@@ -160,7 +165,7 @@ class UpstreamResponse:
     Always :meth:`close` it: a complete response returns its connection to the pool, an
     incomplete one closes it (which tells the worker that nobody is listening)."""
 
-    def __init__(self, pool: UpstreamPool, key: tuple[str, int], connection: _Connection) -> None:
+    def __init__(self, pool: UpstreamPool, key: _Key, connection: _Connection) -> None:
         self._pool, self._key, self._connection = pool, key, connection
         self.status_code: int = connection.status_code or 0
         self.headers: list[tuple[bytes, bytes]] = connection.headers
@@ -206,8 +211,12 @@ class UpstreamPool:
 
     def __init__(self, connect_timeout_s: float = 5.0, idle_timeout_s: float = 20.0,
                  max_idle_per_host: int = 256, first_byte_timeout_s: float | None = None,
-                 read_timeout_s: float | None = None) -> None:  # fmt: skip
+                 read_timeout_s: float | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:  # fmt: skip
         self.connect_timeout_s = connect_timeout_s
+        self.ssl_context = ssl_context
+        """For ``https://`` base URLs (another cluster node's peer port): the cluster CA and
+        this node's certificate. None: ``https://`` is refused."""
         self.first_byte_timeout_s = first_byte_timeout_s
         """Longest wait for a response's head after sending the request (None: no limit)."""
         self.read_timeout_s = read_timeout_s
@@ -216,8 +225,8 @@ class UpstreamPool:
         """Idle connections older than this are not reused (keep it under the worker's
         keep-alive timeout)."""
         self.max_idle_per_host = max_idle_per_host
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
-        self._addresses: dict[str, tuple[tuple[str, int], bytes]] = {}
+        self._idle: dict[_Key, list[_Connection]] = {}
+        self._addresses: dict[str, tuple[_Key, bytes, str]] = {}
 
     async def post(self, base_url: str, path: str, headers: list[tuple[bytes, bytes]],
                    body: bytes) -> UpstreamResponse:  # fmt: skip
@@ -226,8 +235,8 @@ class UpstreamPool:
         Header values must not hold CR or LF (the caller's own values; a client's header
         arrives already parsed). A pooled connection the worker closed meanwhile (nothing
         came back) is retried once on a fresh connection."""
-        key, host = self._address(base_url)
-        head = [b"POST ", path.encode(), b" HTTP/1.1\r\nhost: ", host,
+        key, host, prefix = self._address(base_url)
+        head = [b"POST ", (prefix + path).encode(), b" HTTP/1.1\r\nhost: ", host,
                 b"\r\ncontent-length: ", b"%d" % len(body), b"\r\n"]  # fmt: skip
         for name, value in headers:
             head += (name, b": ", value, b"\r\n")
@@ -252,16 +261,19 @@ class UpstreamPool:
                 connection.close()
 
     # ---- internals ----
-    def _address(self, base_url: str) -> tuple[tuple[str, int], bytes]:
+    def _address(self, base_url: str) -> tuple[_Key, bytes, str]:
+        """Host, port and TLS of ``base_url``, its ``host`` header, and its path (a prefix
+        for every request: a remote replica's is ``/cluster/replicas/<id>``)."""
         address = self._addresses.get(base_url)
         if address is None:
             parts = urlsplit(base_url)
-            key = (parts.hostname or "127.0.0.1", parts.port or 80)
-            address = (key, f"{key[0]}:{key[1]}".encode())
+            tls = parts.scheme == "https"
+            key = (parts.hostname or "127.0.0.1", parts.port or (443 if tls else 80), tls)
+            address = (key, f"{key[0]}:{key[1]}".encode(), parts.path.rstrip("/"))
             self._addresses[base_url] = address
         return address
 
-    def _take(self, key: tuple[str, int]) -> _Connection | None:
+    def _take(self, key: _Key) -> _Connection | None:
         idle = self._idle.get(key)
         now = time.monotonic()
         while idle:
@@ -271,7 +283,7 @@ class UpstreamPool:
             connection.close()
         return None
 
-    def _release(self, key: tuple[str, int], connection: _Connection) -> None:
+    def _release(self, key: _Key, connection: _Connection) -> None:
         idle = self._idle.setdefault(key, [])
         if len(idle) >= self.max_idle_per_host:
             connection.close()
@@ -279,12 +291,17 @@ class UpstreamPool:
         connection.idle_since = time.monotonic()
         idle.append(connection)
 
-    async def _connect(self, key: tuple[str, int]) -> _Connection:
+    async def _connect(self, key: _Key) -> _Connection:
         loop = asyncio.get_running_loop()
+        host, port, tls = key
+        if tls and self.ssl_context is None:
+            raise UpstreamUnreachable(f"https://{host}:{port} needs the cluster's certificates")
         try:
             _, connection = await asyncio.wait_for(
-                loop.create_connection(_Connection, *key), self.connect_timeout_s
-            )
+                loop.create_connection(_Connection, host, port,
+                                       ssl=self.ssl_context if tls else None),
+                self.connect_timeout_s,
+            )  # fmt: skip
         except (OSError, TimeoutError) as exc:
             raise UpstreamUnreachable(
                 f"cannot connect to {key[0]}:{key[1]}: {type(exc).__name__}: {exc}"
@@ -292,7 +309,7 @@ class UpstreamPool:
         return connection
 
     async def _exchange(
-        self, key: tuple[str, int], connection: _Connection, request: bytes
+        self, key: _Key, connection: _Connection, request: bytes
     ) -> UpstreamResponse:
         connection._reset()
         limit = self.first_byte_timeout_s

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kunlun.errors import Location, RequestError
+from kunlun.errors import ClusterUnavailable, Location, RequestError
 from kunlun.state.store import ApiKeyRecord, StateStore
 
 PREFIX = "kl-"
@@ -225,9 +225,11 @@ class KeyRing:
         version = getattr(self._store, "data_version", lambda: None)()
         if not force and version is not None and version == self._version:
             return
-        active = {
-            k.key_hash: ActiveKey.of(k) for k in self._store.list_api_keys() if k.revoked is None
-        }
+        try:
+            records = self._store.list_api_keys()
+        except ClusterUnavailable:
+            return  # a cluster's etcd without quorum: the keys known stay in force, retried later
+        active = {k.key_hash: ActiveKey.of(k) for k in records if k.revoked is None}
         with self._lock:
             self._keys, self._version = active, version
 

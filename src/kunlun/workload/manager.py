@@ -14,7 +14,7 @@ import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kunlun.device.inventory import Inventory
 from kunlun.device.registry import load_plugins
@@ -34,6 +34,19 @@ from kunlun.workload.spec import WorkloadSpec, parse_spec
 ACTIVE = ("PENDING", "PLANNING", "LOADING", "RUNNING")
 
 
+class ClusterHooks(Protocol):
+    """What the manager asks of the cluster node it belongs to."""
+
+    @property
+    def name(self) -> str: ...
+
+    def replica_failed(self, workload_id: str, message: str) -> None: ...
+
+    def record_event(self, event: EventRecord) -> None: ...
+
+    def wake(self) -> None: ...
+
+
 class WorkloadManager:
     def __init__(
         self,
@@ -49,9 +62,20 @@ class WorkloadManager:
         self.inventory = inventory
         self.guard = guard
         """Which models may be served (signed packages, re-hashed at each start)."""
+        self.cluster: ClusterHooks | None = None
+        """In a cluster (:mod:`kunlun.cluster`): the leader places replicas on nodes and sets
+        workload states; this node only records workloads and runs what it is assigned."""
 
     # ---- events ----
     def event(self, workload_id: str, kind: str, message: str) -> None:
+        if self.cluster is not None:  # written in the background: etcd may be slow or away
+            self.cluster.record_event(
+                EventRecord(workload_id, time.time(), kind, f"{self.cluster.name}: {message}")
+            )
+            if kind == "failed":
+                self.cluster.replica_failed(workload_id, message)
+            self.cluster.wake()
+            return
         self.store.add_event(EventRecord(workload_id, time.time(), kind, message))
         if kind == "failed":
             record = self.store.get_workload(workload_id)
@@ -103,6 +127,14 @@ class WorkloadManager:
         reason (as when a worker cannot load it).
         """
         record = self._new_record(spec)
+        if dry_run and self.cluster is not None:
+            raise ConfigError(
+                "a dry run is not available on a cluster node yet: the leader places replicas "
+                "over every node's devices",
+                location=Location("dry_run"),
+                hint="kunlun-cli node list shows each node's devices; kunlun-cli plan MODEL "
+                "--device D plans one device",
+            )
         name, path = locate_model(self.store, spec.model)
         if self.guard is not None:
             self.guard.admit(name, path, rehash=False)
@@ -112,7 +144,7 @@ class WorkloadManager:
             if dry_run:
                 raise
             model = None
-        if model is not None:
+        if model is not None and self.cluster is None:
             placement = self._place(spec, model, None, starting=False)
             if dry_run:
                 record.state, record.target_device = "PLANNING", placement.target_device
@@ -122,7 +154,8 @@ class WorkloadManager:
         self.event(
             record.workload_id, "submitted", f"spec: {spec.model_dump(exclude_defaults=True)}"
         )
-        self.start(record)
+        if self.cluster is None:
+            self.start(record)
         return record
 
     def create(self, spec: WorkloadSpec) -> WorkloadRecord:
@@ -218,7 +251,10 @@ class WorkloadManager:
         self.agent.launch(replica, launch, env, memory_cap_mb=cap_mb)
 
     def resume_all(self) -> None:
-        """After a daemon (re)start: start again every workload that was active."""
+        """After a daemon (re)start: start again every workload that was active (in a cluster,
+        the leader's assignments say what this node runs)."""
+        if self.cluster is not None:
+            return
         for record in self.store.list_workloads():
             if record.state in ACTIVE:
                 self.event(
@@ -311,6 +347,14 @@ class WorkloadManager:
     def stop(self, workload_id: str) -> WorkloadRecord:
         record = self.get(workload_id)
         self.agent.stop_workload(record.workload_id)
-        if record.state in ACTIVE:
+        if self.cluster is not None and record.state in ACTIVE:  # the other nodes stop theirs
+            record.state, record.reason, record.updated = (
+                "STOPPED",
+                "stopped by request",
+                time.time(),
+            )
+            self.store.put_workload(record)
+            self.event(record.workload_id, "state", "STOPPED: stopped by request")
+        elif record.state in ACTIVE:
             self._set(record, "STOPPED", "stopped by request")
         return record

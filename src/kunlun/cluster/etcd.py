@@ -1,0 +1,620 @@
+"""A small etcd v3 client over etcd's JSON gateway (gRPC-gateway, etcd 3.4), on httpx.
+
+Unary calls are ``POST`` of JSON to ``/v3/kv/range``, ``/v3/kv/put``, ``/v3/kv/deleterange``,
+``/v3/kv/txn``, ``/v3/lease/grant``, ``/v3/lease/keepalive`` and ``/v3/lease/revoke``; a watch
+is a ``POST`` to ``/v3/watch`` whose answer is a stream of JSON objects, one a line. Keys and
+values travel base64-encoded, int64 fields as strings, and fields at their default value
+(``0``, ``false``, an empty list, a ``PUT`` event's type) are left out of answers.
+
+**Failover.** A call goes to the endpoint that last answered and moves on to the next one
+when an endpoint cannot be reached, does not answer within ``timeout_s`` (each endpoint
+gets that long), answers 5xx or says it has no leader. Every request carries the gRPC
+metadata ``hasleader`` (header ``Grpc-Metadata-Hasleader``), so a member cut off from the
+quorum says ``etcdserver: no leader`` at once instead of waiting for etcd's own timeout
+(7 s with the test settings). When every endpoint failed the call raises
+:class:`~kunlun.errors.ClusterUnavailable` naming each cause and endpoint; when every one
+refused the TLS handshake it raises :class:`~kunlun.errors.ConfigError` saying whose
+certificate was refused. A write whose endpoint timed out may have been applied there and is
+sent again to the next endpoint: a put or delete is then applied twice (harmlessly), a
+transaction's compare may fail against its own first application. Any other error answer
+(a bad request, a lease that does not exist) raises :class:`~kunlun.errors.KunlunError`.
+
+**Watch.** :meth:`Etcd.watch` runs a daemon thread that streams a prefix's events from a
+revision on, reconnects (to the next endpoint) from the revision after the last one it
+delivered, and reports a compaction as ``on_events([], -compact_revision)``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kunlun.cluster.certs import MemberTLS
+from kunlun.errors import ClusterUnavailable, ConfigError, KunlunError
+
+log = logging.getLogger(__name__)
+
+_HEADERS = {"Grpc-Metadata-Hasleader": "true"}
+#: gRPC codes that mean "try another member": DeadlineExceeded, ResourceExhausted, Unavailable.
+_RETRY_CODES = frozenset({4, 8, 14})
+_NOT_FOUND = 5
+_PAGE = 1000
+#: A watch stream silent for this long is reopened (a member that vanished without a reset).
+WATCH_IDLE_S = 15.0
+_BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.1, 2.0
+_COMPARE_RESULTS = {"==": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
+_COMPARE_FIELDS = {
+    "CREATE": "create_revision",
+    "MOD": "mod_revision",
+    "VERSION": "version",
+    "VALUE": "value",
+}
+
+
+@dataclass(frozen=True)
+class KV:
+    """One key as etcd stores it (a deleted key in a watch event: key and mod_revision)."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    version: int
+    lease: int
+
+    def json(self) -> Any:
+        """The value, decoded as JSON."""
+        return json.loads(self.value)
+
+    @classmethod
+    def of(cls, data: dict[str, Any]) -> KV:
+        """From the gateway's JSON form."""
+        return cls(
+            _unb64(data["key"]).decode(),
+            _unb64(data.get("value", "")),
+            int(data.get("create_revision", 0)),
+            int(data.get("mod_revision", 0)),
+            int(data.get("version", 0)),
+            int(data.get("lease", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class Compare:
+    """A transaction's condition on one key: its create or mod revision, version or value
+    compared (``op``: ``==``, ``!=``, ``<``, ``>``) with an operand. A key that does not
+    exist has revisions and version 0."""
+
+    key: str
+    target: str
+    result: str
+    operand: int | bytes
+
+    @staticmethod
+    def create_revision(key: str, op: str, rev: int) -> Compare:
+        return Compare._make(key, "CREATE", op, rev)
+
+    @staticmethod
+    def mod_revision(key: str, op: str, rev: int) -> Compare:
+        return Compare._make(key, "MOD", op, rev)
+
+    @staticmethod
+    def version(key: str, op: str, n: int) -> Compare:
+        return Compare._make(key, "VERSION", op, n)
+
+    @staticmethod
+    def value(key: str, op: str, value: bytes | str) -> Compare:
+        return Compare._make(key, "VALUE", op, _bytes(value))
+
+    @staticmethod
+    def _make(key: str, target: str, op: str, operand: int | bytes) -> Compare:
+        if op not in _COMPARE_RESULTS:
+            raise ValueError(f"compare operator {op!r} is not one of {list(_COMPARE_RESULTS)}")
+        return Compare(key, target, _COMPARE_RESULTS[op], operand)
+
+    def to_json(self) -> dict[str, Any]:
+        operand = self.operand
+        text = _b64(operand) if isinstance(operand, bytes) else str(operand)
+        return {
+            "key": _b64(self.key),
+            "target": self.target,
+            "result": self.result,
+            _COMPARE_FIELDS[self.target]: text,
+        }
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of a transaction: put, delete or get (one key or a whole prefix)."""
+
+    kind: str
+    key: str
+    data: bytes = b""
+    lease: int = 0
+    prefix: bool = False
+
+    @staticmethod
+    def put(key: str, value: bytes | str, lease: int = 0) -> Op:
+        return Op("put", key, _bytes(value), lease)
+
+    @staticmethod
+    def delete(key: str, prefix: bool = False) -> Op:
+        return Op("delete", key, prefix=prefix)
+
+    @staticmethod
+    def get(key: str, prefix: bool = False) -> Op:
+        return Op("get", key, prefix=prefix)
+
+    def to_json(self) -> dict[str, Any]:
+        if self.kind == "put":
+            put = {"key": _b64(self.key), "value": _b64(self.data), "lease": str(self.lease)}
+            return {"request_put": put}
+        span = _span(self.key, self.prefix)
+        return {"request_delete_range" if self.kind == "delete" else "request_range": span}
+
+
+@dataclass
+class TxnResult:
+    succeeded: bool
+    revision: int
+    responses: list[Any]
+    """One per operation of the branch taken: a get's ``list[KV]``, a put's revision, a
+    delete's number of deleted keys."""
+
+
+@dataclass
+class WatchEvent:
+    type: str
+    """``PUT`` or ``DELETE``."""
+    kv: KV
+    """For a ``DELETE``: the key and its mod_revision (the deletion's); the value is empty."""
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """Why one endpoint did not answer."""
+
+    endpoint: str
+    cause: str
+    tls: bool = False
+
+
+class LeaseNotFound(KunlunError):
+    """A write under a lease that has expired (its owner was paused or cut off too long)."""
+
+    code = "cluster.lease_expired"
+
+
+class Etcd:
+    """A client of one etcd cluster; thread-safe. ``endpoints``: client URLs such as
+    ``https://10.0.0.1:2379`` (``https`` exactly when ``tls`` is given)."""
+
+    def __init__(
+        self, endpoints: list[str], tls: MemberTLS | None = None, timeout_s: float = 3.0
+    ) -> None:
+        if not endpoints:
+            raise ConfigError("no etcd endpoint given")
+        self.endpoints = [_checked_endpoint(e, tls) for e in endpoints]
+        self.timeout_s = timeout_s
+        self._tls = tls
+        verify: ssl.SSLContext | bool = True
+        if tls is not None:
+            try:
+                verify = tls.client_context()
+            except (OSError, ssl.SSLError) as exc:
+                raise ConfigError(
+                    f"cannot load the etcd client certificate {tls.cert} (key {tls.key}, "
+                    f"CA {tls.ca}): {exc}"
+                ) from None
+        self._client = httpx.Client(
+            verify=verify, timeout=timeout_s, trust_env=False, headers=_HEADERS
+        )
+        self._preferred = 0
+        self._lock = threading.Lock()
+        self._watches: set[_Watch] = set()
+
+    # keys
+    def get(self, key: str) -> KV | None:
+        kvs = self._call("/v3/kv/range", {"key": _b64(key)}).get("kvs", [])
+        return KV.of(kvs[0]) if kvs else None
+
+    def range(self, prefix: str) -> list[KV]:
+        """Every key starting with ``prefix``, sorted by key (read in pages, all at the
+        revision of the first)."""
+        kvs: list[KV] = []
+        span, revision = _span(prefix, True), 0
+        while True:
+            body: dict[str, Any] = {**span, "limit": str(_PAGE)}
+            if revision:
+                body["revision"] = str(revision)
+            data = self._call("/v3/kv/range", body)
+            revision = revision or _revision(data)
+            page = [KV.of(kv) for kv in data.get("kvs", [])]
+            kvs += page
+            if not data.get("more") or not page:
+                return kvs
+            span = {**span, "key": _b64(page[-1].key + "\0")}
+
+    def put(self, key: str, value: bytes | str, lease: int = 0) -> int:
+        """Store ``value`` at ``key``; returns the store's revision after the write."""
+        return _revision(
+            self._call("/v3/kv/put", Op.put(key, value, lease).to_json()["request_put"])
+        )
+
+    def delete(self, key: str, prefix: bool = False) -> int:
+        """Delete ``key`` (every key under it with ``prefix``); returns how many were."""
+        return int(self._call("/v3/kv/deleterange", _span(key, prefix)).get("deleted", 0))
+
+    def txn(
+        self, compare: list[Compare], success: list[Op], failure: Sequence[Op] = ()
+    ) -> TxnResult:
+        """If every ``compare`` holds, run ``success``, else ``failure``; atomically."""
+        data = self._call(
+            "/v3/kv/txn",
+            {
+                "compare": [c.to_json() for c in compare],
+                "success": [op.to_json() for op in success],
+                "failure": [op.to_json() for op in failure],
+            },
+        )
+        responses = [_op_result(r) for r in data.get("responses", [])]
+        return TxnResult(bool(data.get("succeeded", False)), _revision(data), responses)
+
+    def revision(self) -> int:
+        """The store's current revision (a count-only read of one absent key)."""
+        return _revision(self._call("/v3/kv/range", {"key": _b64("\0"), "count_only": True}))
+
+    # leases
+    def lease_grant(self, ttl_s: int) -> int:
+        """A new lease of ``ttl_s`` seconds; returns its id."""
+        return int(self._call("/v3/lease/grant", {"TTL": str(ttl_s)})["ID"])
+
+    def lease_keepalive(self, lease_id: int) -> int:
+        """Renew a lease once; returns its TTL, 0 when it is gone (expired or revoked)."""
+        data = self._call("/v3/lease/keepalive", {"ID": str(lease_id)})
+        return max(0, int(data.get("result", data).get("TTL", 0)))
+
+    def lease_revoke(self, lease_id: int) -> None:
+        """Revoke a lease, deleting its keys; a lease that is already gone is fine."""
+        self._call("/v3/lease/revoke", {"ID": str(lease_id)}, ok_codes=frozenset({_NOT_FOUND}))
+
+    # watch
+    def watch(
+        self,
+        prefix: str,
+        start_revision: int,
+        on_events: Callable[[list[WatchEvent], int], None],
+        stop: threading.Event,
+    ) -> threading.Thread:
+        """Stream the events under ``prefix`` from ``start_revision`` (inclusive) in a
+        daemon thread, until ``stop`` is set (the stream is then closed at once).
+
+        ``on_events(events, revision)`` is called for every batch, in revision order, with
+        the store's revision when the batch was sent; an empty batch is a progress report
+        (every event up to ``revision`` was delivered). A broken stream or a dead member is
+        left for the next endpoint, resuming after the last delivered event. When the
+        revisions to resume from were compacted away, ``on_events([], -compact_revision)``
+        says events were lost: re-read what the caller keeps; the watch resumes at
+        ``compact_revision``, the oldest revision left. An exception from ``on_events`` is
+        logged and the batch counts as delivered.
+        """
+        watch = _Watch(self, prefix, start_revision, on_events, stop)
+        thread = threading.Thread(target=watch.run, name=f"etcd-watch {prefix}", daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        """Close the connections and end every watch of this client."""
+        with self._lock:
+            watches = list(self._watches)
+        for watch in watches:
+            watch.shut()
+        self._client.close()
+
+    # plumbing
+    def _call(
+        self, path: str, body: dict[str, Any], ok_codes: frozenset[int] = frozenset()
+    ) -> dict[str, Any]:
+        """POST ``body`` to the first endpoint that answers (from the last that did)."""
+        failures: list[_Failure] = []
+        first = self._preferred
+        for step in range(len(self.endpoints)):
+            index = (first + step) % len(self.endpoints)
+            endpoint = self.endpoints[index]
+            try:
+                response = self._client.post(endpoint + path, json=body)
+                data = response.json()
+            except httpx.TransportError as exc:
+                failures.append(_transport_failure(endpoint, exc, self._tls, self.timeout_s))
+                continue
+            except ValueError:
+                failures.append(_Failure(endpoint, f"HTTP {response.status_code}, not JSON"))
+                continue
+            error = _error(data)
+            if error is None and response.status_code < 400:
+                self._preferred = index
+                return dict(data)
+            code, message = error or (0, f"HTTP {response.status_code}")
+            if code in ok_codes:
+                self._preferred = index
+                return {}
+            if response.status_code >= 500 or code in _RETRY_CODES:
+                failures.append(_Failure(endpoint, _etcd_cause(message)))
+                continue
+            if "lease not found" in message:
+                raise LeaseNotFound(f"etcd at {endpoint}: {message}")
+            raise KunlunError(f"etcd at {endpoint} refused {path}: {message} (gRPC code {code})")
+        raise _unavailable(failures)
+
+    def _register(self, watch: _Watch, active: bool) -> None:
+        with self._lock:
+            if active:
+                self._watches.add(watch)
+            else:
+                self._watches.discard(watch)
+
+
+class _Watch:
+    """One watch's state: where to resume, the open stream's socket (to shut it)."""
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        prefix: str,
+        start_revision: int,
+        on_events: Callable[[list[WatchEvent], int], None],
+        stop: threading.Event,
+    ) -> None:
+        self.etcd, self.prefix, self.on_events, self.stop = etcd, prefix, on_events, stop
+        self.next_revision = start_revision
+        self._socket: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def run(self) -> None:
+        self.etcd._register(self, True)
+        closer = threading.Thread(target=self._shut_on_stop, daemon=True)
+        closer.start()
+        index, delay = self.etcd._preferred, _BACKOFF_MIN_S
+        try:
+            while not self._done():
+                endpoint = self.etcd.endpoints[index % len(self.etcd.endpoints)]
+                try:
+                    self._stream(endpoint)
+                    continue  # ended on purpose (a compaction, an idle stream): same endpoint
+                except _Progressed as exc:  # worked for a while, then broke
+                    log.info("etcd watch on %s broke: %s", endpoint, exc.cause)
+                    delay = _BACKOFF_MIN_S
+                except Exception as exc:  # a refused, broken or unreadable stream
+                    log.info("etcd watch on %s failed: %s", endpoint, exc)
+                    delay = min(2 * delay, _BACKOFF_MAX_S)
+                index += 1
+                self.stop.wait(delay)
+        finally:
+            self.shut()
+            self.etcd._register(self, False)
+
+    def shut(self) -> None:
+        """End the watch: shut its socket down, waking the thread blocked reading it."""
+        with self._lock:
+            self._closed = True
+            if self._socket is not None:
+                # socket.socket's shutdown, not SSLSocket's (which would unwrap TLS)
+                with contextlib.suppress(OSError):
+                    socket.socket.shutdown(self._socket, socket.SHUT_RDWR)
+
+    def _done(self) -> bool:
+        return self._closed or self.stop.is_set()
+
+    def _shut_on_stop(self) -> None:
+        while not self.stop.wait(0.25):
+            if self._closed:
+                return
+        self.shut()
+
+    def _stream(self, endpoint: str) -> None:
+        """Read one stream; returns when it ended on purpose, raises when it broke
+        (:class:`_Progressed` when it delivered something first)."""
+        create = {**_span(self.prefix, True), "start_revision": str(self.next_revision)}
+        timeout = httpx.Timeout(self.etcd.timeout_s, read=WATCH_IDLE_S)
+        body = {"create_request": {**create, "progress_notify": True}}
+        progressed = False
+        client = self.etcd._client
+        with client.stream("POST", endpoint + "/v3/watch", json=body, timeout=timeout) as response:
+            if response.status_code != 200:
+                response.read()
+                raise _Broken(f"HTTP {response.status_code}: {response.text[:200]}")
+            stream = response.extensions.get("network_stream")
+            with self._lock:
+                if self._closed:
+                    return
+                self._socket = stream.get_extra_info("socket") if stream else None
+            try:
+                for line in response.iter_lines():
+                    if self._done():
+                        return
+                    if line.strip() and not self._handle(json.loads(line)):
+                        return
+                    progressed = True
+            except httpx.ReadTimeout:
+                return  # idle for WATCH_IDLE_S: reopen
+            except Exception as exc:
+                if progressed and not self._done():
+                    raise _Progressed(exc) from exc
+                raise
+            finally:
+                with self._lock:
+                    self._socket = None
+        if not self._done():
+            raise _Progressed(_Broken("the stream ended")) if progressed else _Broken("no answer")
+
+    def _handle(self, message: dict[str, Any]) -> bool:
+        """Deliver one message of the stream; False when the stream must be reopened."""
+        error = _error(message)
+        if error is not None:
+            raise _Broken(error[1])
+        result = message.get("result", {})
+        if result.get("canceled"):
+            compacted = int(result.get("compact_revision", 0))
+            if compacted <= 0:
+                raise _Broken(result.get("cancel_reason") or "the watch was canceled")
+            self._deliver([], -compacted)
+            self.next_revision = compacted
+            return False
+        if result.get("created"):
+            return True
+        events = [_event(e) for e in result.get("events", [])]
+        revision = _revision(result)
+        if events:
+            self.next_revision = events[-1].kv.mod_revision + 1
+        else:
+            self.next_revision = max(self.next_revision, revision + 1)
+        self._deliver(events, revision)
+        return True
+
+    def _deliver(self, events: list[WatchEvent], revision: int) -> None:
+        try:
+            self.on_events(events, revision)
+        except Exception:
+            log.exception("etcd watch callback for %s failed", self.prefix)
+
+
+class _Broken(Exception):
+    """A watch stream failed."""
+
+
+class _Progressed(Exception):
+    """A watch stream broke after delivering something (so try the next member at once)."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _checked_endpoint(endpoint: str, tls: MemberTLS | None) -> str:
+    url = endpoint.rstrip("/")
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme not in ("http", "https"):
+        raise ConfigError(f"etcd endpoint {endpoint!r} is not an http:// or https:// URL")
+    if scheme == "http" and tls is not None:
+        raise ConfigError(
+            f"etcd endpoint {endpoint} is plain http:// but cluster certificates are given",
+            hint="use https:// for a cluster whose etcd runs with TLS",
+        )
+    if scheme == "https" and tls is None:
+        raise ConfigError(
+            f"etcd endpoint {endpoint} is https:// but no cluster certificates are given",
+            hint="give the cluster certificates (ca.crt and this node's pair)",
+        )
+    return url
+
+
+def _transport_failure(
+    endpoint: str, exc: httpx.TransportError, tls: MemberTLS | None, timeout_s: float
+) -> _Failure:
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            ca = tls.ca if tls else "the system's CAs"
+            text = f"the member's certificate was refused: not signed by the CA in {ca}"
+            return _Failure(endpoint, f"{text} ({cause.verify_message})", tls=True)
+        if isinstance(cause, ssl.SSLError):
+            reason = cause.reason or str(cause)
+            if tls and ("CERTIFICATE" in reason or "UNKNOWN_CA" in reason):
+                text = f"the member refused this client's certificate {tls.cert}"
+                return _Failure(endpoint, f"{text} ({reason})", tls=True)
+            return _Failure(endpoint, f"the TLS handshake failed ({reason})", tls=True)
+        if isinstance(cause, ConnectionRefusedError):
+            return _Failure(endpoint, "connection refused")
+        cause = cause.__cause__ or cause.__context__
+    if isinstance(exc, httpx.TimeoutException):
+        return _Failure(endpoint, f"no answer within {timeout_s:g} s")
+    return _Failure(endpoint, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+
+def _etcd_cause(message: str) -> str:
+    if "no leader" in message or "timed out" in message:
+        return f"no quorum ({message})"
+    return message
+
+
+def _unavailable(failures: list[_Failure]) -> KunlunError:
+    by_cause: dict[str, list[str]] = {}
+    for failure in failures:
+        by_cause.setdefault(failure.cause, []).append(failure.endpoint)
+    summary = "; ".join(f"{cause} at {', '.join(ends)}" for cause, ends in by_cause.items())
+    if failures and all(f.tls for f in failures):
+        return ConfigError(
+            f"the TLS handshake with the cluster state store (etcd) failed: {summary}",
+            hint="give the cluster's ca.crt and a certificate signed by that CA; "
+            "`kunlun-cli cluster certs` makes them",
+        )
+    return ClusterUnavailable(
+        f"the cluster state store (etcd) is unavailable: {summary}",
+        hint="check that a majority of the etcd members are running and reachable",
+    )
+
+
+def _error(data: Any) -> tuple[int, str] | None:
+    """(gRPC code, message) of an error answer: ``{"error": "...", "code": 14, ...}``, or
+    inside a stream ``{"error": {"grpc_code": 14, "message": "...", ...}}``."""
+    if not isinstance(data, dict) or not data.get("error"):
+        return None
+    error = data["error"]
+    if isinstance(error, dict):
+        return int(error.get("grpc_code", 0)), str(error.get("message", ""))
+    return int(data.get("code", 0)), str(data.get("message") or error)
+
+
+def _op_result(response: dict[str, Any]) -> Any:
+    if "response_range" in response:
+        return [KV.of(kv) for kv in response["response_range"].get("kvs", [])]
+    if "response_put" in response:
+        return _revision(response["response_put"])
+    if "response_delete_range" in response:
+        return int(response["response_delete_range"].get("deleted", 0))
+    return response
+
+
+def _event(data: dict[str, Any]) -> WatchEvent:
+    return WatchEvent(data.get("type", "PUT"), KV.of(data["kv"]))
+
+
+def _revision(data: dict[str, Any]) -> int:
+    return int(data.get("header", {}).get("revision", 0))
+
+
+def _span(key: str, prefix: bool) -> dict[str, str]:
+    """A key, or (``prefix``) the range of every key starting with it."""
+    if not prefix:
+        return {"key": _b64(key)}
+    end = bytearray(key.encode())
+    while end and end[-1] == 0xFF:
+        end.pop()
+    if end:
+        end[-1] += 1
+    else:
+        end = bytearray(b"\0")  # every key
+    return {"key": _b64(key or "\0"), "range_end": _b64(bytes(end))}
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else value
+
+
+def _b64(value: bytes | str) -> str:
+    return base64.b64encode(_bytes(value)).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)

@@ -1,0 +1,222 @@
+"""A node's side of the cluster: start the replicas assigned to it, report them, and route to
+every other node's.
+
+- Each replica index the leader assigned to this node is planned and launched here with the
+  node's own devices (the same placement and plan cache as on one machine, one replica).
+- A local replica no longer assigned here (the leader moved it: drain, or this node was
+  paused past its lease) keeps serving until its new node reports it ready, at most
+  :data:`HANDOVER_S`, then stops: a replica is never gone before its successor serves.
+- Every local replica is reported under ``cluster/replicas/<node>/<replica>`` with the node's
+  lease (device, ready, slots, memory reserved, or why it failed here).
+- Every other node's reported replica is put in this node's :class:`ReplicaSet` with the
+  other node's peer URL, so the gateway routes to it like to its own (``X-Kunlun-Device``
+  then says ``node-b/cpu:0``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from kunlun.cluster.etcd import LeaseNotFound, Op
+from kunlun.cluster.member import ASSIGN, NODES, REPLICAS, WORKLOADS, ClusterView, Membership
+from kunlun.errors import KunlunError
+from kunlun.planner.cache import PlanCache
+from kunlun.planner.model_info import inspect_model, locate_model
+from kunlun.serving.replica import Replica, ReplicaSet
+from kunlun.serving.routing import DeviceSample, DeviceSamples
+from kunlun.state.store import WorkloadRecord
+from kunlun.workload.manager import ACTIVE, WorkloadManager
+from kunlun.workload.placement import place
+from kunlun.workload.spec import parse_spec
+
+HANDOVER_S = 90.0
+SAMPLE_REFRESH_S = 4.0
+"""A replica's report is written again at least this often, with its device's utilization
+(in steps of 10 %), so other nodes' routing has a fresh reading of it."""
+PEER_PATH = "/cluster/replicas/"
+
+
+class LocalReplicas:
+    def __init__(
+        self,
+        member: Membership,
+        view: ClusterView,
+        manager: WorkloadManager,
+        replicas: ReplicaSet,
+        samples: DeviceSamples,
+    ) -> None:
+        self.member, self.view, self.manager, self.replicas = member, view, manager, replicas
+        self.samples = samples
+        """The gateway's device readings: this node's are reported with its replicas, other
+        nodes' are written here (``node-b/cpu:0``), so routing weighs every replica alike."""
+        self.name = member.config.node_name
+        self.failed: dict[str, tuple[str, int, str]] = {}
+        """Replica id -> (workload, index, why) for replicas that could not run here."""
+        self.reservations: dict[str, list[dict[str, Any]]] = {}
+        self._published: dict[str, str] = {}
+        self._published_at: dict[str, float] = {}
+        self._handover: dict[str, float] = {}
+
+    def replica_failed(self, workload_id: str, message: str) -> None:
+        """A local worker gave up (the agent's ``failed`` event): report it so the leader
+        places the replica elsewhere."""
+        for rid, worker in list(self.manager.agent.workers.items()):
+            if worker.replica.workload_id == workload_id:
+                index = int(rid.rsplit("-r", 1)[1])
+                self.failed[rid] = (workload_id, index, message)
+
+    def reconcile(self) -> None:
+        workloads = {wid: WorkloadRecord(**d) for wid, d in self.view.items(WORKLOADS).items()}
+        assigns = self.view.items(ASSIGN)
+        statuses = self.view.items(REPLICAS)
+        want: dict[str, tuple[WorkloadRecord, int]] = {}
+        for wid, assignment in assigns.items():
+            record = workloads.get(wid)
+            if record is None or record.state not in ACTIVE:
+                continue
+            for idx, node in (assignment.get("replicas") or {}).items():
+                if node == self.name:
+                    want[f"{wid}-r{idx}"] = (record, int(idx))
+        for rid in list(self.failed):
+            if rid not in want:
+                del self.failed[rid]
+        workers = self.manager.agent.workers
+        for rid, worker in list(workers.items()):
+            if rid in self.failed:
+                self.manager.agent.stop_replica(rid)
+            elif rid not in want and self._handed_over(rid, worker.replica.workload_id,
+                                                       workloads, assigns, statuses):  # fmt: skip
+                self.manager.event(worker.replica.workload_id, "moved",
+                                   f"replica {rid} stopped on {self.name}: it runs elsewhere now")  # fmt: skip
+                self.manager.agent.stop_replica(rid)
+                self.reservations.pop(rid, None)
+        for rid, (record, idx) in want.items():
+            self._handover.pop(rid, None)
+            if rid not in workers and rid not in self.failed:
+                self._start(record, idx)
+        self._publish()
+        self._remote(statuses)
+
+    def _handed_over(
+        self,
+        rid: str,
+        wid: str,
+        workloads: dict[str, WorkloadRecord],
+        assigns: dict[str, Any],
+        statuses: dict[str, Any],
+    ) -> bool:
+        record = workloads.get(wid)
+        idx = rid.rsplit("-r", 1)[1]
+        node = (assigns.get(wid) or {}).get("replicas", {}).get(idx)
+        if record is None or record.state not in ACTIVE or node is None:
+            return True
+        if (statuses.get(f"{node}/{rid}") or {}).get("ready"):
+            return True
+        since = self._handover.setdefault(rid, time.monotonic())
+        return time.monotonic() - since > HANDOVER_S
+
+    def _start(self, record: WorkloadRecord, idx: int) -> None:
+        """Plan replica ``idx`` on this node's devices and launch it; a failure is reported."""
+        rid, wid = f"{record.workload_id}-r{idx}", record.workload_id
+        manager = self.manager
+        try:
+            spec = parse_spec(record.spec, wid).model_copy(update={"replicas": 1})
+            name, path = locate_model(manager.store, spec.model)
+            if manager.guard is not None:
+                manager.guard.admit(name, path, rehash=True)
+            model = inspect_model(path, name)
+            others = [r for k, v in self.reservations.items() if k != rid for r in v]
+            placement = place(spec, manager.inventory(), model, others, starting=True)
+        except KunlunError as exc:
+            self.failed[rid] = (wid, idx, str(exc))
+            manager.event(wid, "failed-here", f"replica {idx} cannot run on {self.name}: {exc}")
+            return
+        plan = placement.plans[0]
+        entry = PlanCache(manager.agent.home).entry(plan, path, placement.groups[0])
+        manager.agent.note(wid, f"plan_cache: {'hit' if entry.hit else 'miss'} (key {entry.key})")
+        manager.agent.note(wid, "plan: " + plan.summary())
+        manager.event(wid, "starting",
+                      f"replica {idx} on {self.name}/{placement.target_device}")  # fmt: skip
+        self.reservations[rid] = [r.to_dict() for r in placement.reservations]
+        manager._launch(record, spec, idx, plan, path, entry.path)
+
+    def _publish(self) -> None:
+        """Report every local replica (and every failed one) under the node's lease."""
+        lease = self.member.lease
+        if lease == 0:
+            return
+        if self.member.rejoined.is_set():  # a new lease: every key again
+            self.member.rejoined.clear()
+            self._published.clear()
+        current: dict[str, str] = {}
+        now = time.monotonic()
+        for rid, worker in list(self.manager.agent.workers.items()):
+            r = worker.replica
+            sample = self.samples.get(r.device)
+            utilization = None if sample is None or sample.utilization_pct is None else (
+                round(sample.utilization_pct, -1))  # fmt: skip
+            current[rid] = json.dumps({
+                "workload_id": r.workload_id, "index": int(rid.rsplit("-r", 1)[1]),
+                "model": r.model, "device": r.device, "ready": r.ready,
+                "max_num_seqs": r.max_num_seqs, "max_queue": r.max_queue,
+                "priority": r.priority, "reservations": self.reservations.get(rid, []),
+                "utilization_pct": utilization,
+            }, sort_keys=True)  # fmt: skip
+        for rid, (wid, idx, why) in self.failed.items():
+            current[rid] = json.dumps({"workload_id": wid, "index": idx, "failed": why})
+        base = self.member.key(f"{REPLICAS}{self.name}/")
+        for rid, value in current.items():
+            stale = now - self._published_at.get(rid, 0.0) > SAMPLE_REFRESH_S
+            if self._published.get(rid) != value or stale:
+                try:
+                    self.member.etcd.put(base + rid, value, lease=lease)
+                except LeaseNotFound:  # expired while this node was paused: a new one first
+                    self.member.keepalive()
+                    return
+                self._published[rid], self._published_at[rid] = value, now
+        for rid in [rid for rid in self._published if rid not in current]:
+            self.member.etcd.delete(base + rid)
+            del self._published[rid]
+
+    def _remote(self, statuses: dict[str, Any]) -> None:
+        """Other nodes' replicas, as the gateway routes to them."""
+        nodes = self.view.items(NODES)
+        seen = set()
+        now = time.monotonic()
+        for key, status in statuses.items():
+            node, rid = key.split("/", 1)
+            if node == self.name or node not in nodes or "device" not in status:
+                continue
+            remote_id = f"{node}/{rid}"
+            base_url = nodes[node]["peer_url"].rstrip("/") + PEER_PATH + rid
+            seen.add(remote_id)
+            replica = self.replicas.get(remote_id)
+            if replica is None or replica.base_url != base_url:
+                replica = Replica(
+                    replica_id=remote_id,
+                    workload_id=str(status["workload_id"]),
+                    model=str(status["model"]),
+                    device=f"{node}/{status['device']}",
+                    base_url=base_url,
+                    max_queue=int(status.get("max_queue", 64)),
+                    priority=str(status.get("priority", "normal")),
+                    max_num_seqs=int(status.get("max_num_seqs", 8)),
+                    node=node,
+                )
+                replica.ready = bool(status.get("ready"))
+                self.replicas.upsert(replica)
+            else:
+                replica.ready = bool(status.get("ready")) and now >= replica.ejected_until
+            if status.get("utilization_pct") is not None:
+                self.samples[replica.device] = DeviceSample(status["utilization_pct"], None,
+                                                            time.time())  # fmt: skip
+        for replica in self.replicas.all():
+            if replica.node is not None and replica.replica_id not in seen:
+                self.replicas.remove(replica.replica_id)
+
+
+def drain_op(member: Membership, node: str, on: bool) -> Op:
+    key = member.key(f"cluster/drain/{node}")
+    return Op.put(key, json.dumps({"since": time.time()})) if on else Op.delete(key)

