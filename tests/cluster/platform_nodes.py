@@ -92,9 +92,10 @@ class ClusterNodeProc(Daemon):
                 proc.kill()
 
 
-def node_args(endpoints: list[str], certs: Path | None) -> list[str]:
+def node_args(endpoints: list[str], certs: Path | None, shared: Path) -> list[str]:
     tls = ["--cluster-certs", str(certs)] if certs is not None else ["--insecure-cluster"]
-    return ["--cluster-etcd", ",".join(endpoints), "--cluster-lease-ttl", str(LEASE_TTL_S), *tls]
+    return ["--cluster-etcd", ",".join(endpoints), "--cluster-lease-ttl", str(LEASE_TTL_S),
+            "--cluster-files", str(shared), *tls]  # fmt: skip
 
 
 def make_node(root: Path, name: str, endpoints: list[str], certs: Path | None) -> ClusterNodeProc:
@@ -103,8 +104,10 @@ def make_node(root: Path, name: str, endpoints: list[str], certs: Path | None) -
     # the three nodes share this machine's CPU: its utilization says nothing of one node's
     # load, so routing goes by requests in flight alone (then a node's own replica wins ties)
     (home / "scheduler_config.yaml").write_text("min_gpu_utilization_threshold: 1.0\n")
+    shared = root / "shared-files"  # the directory all nodes share (here: one machine)
+    shared.mkdir(exist_ok=True)
     return ClusterNodeProc(home, free_port(), name=name, peer_port=free_port(),
-                           args=node_args(endpoints, certs))  # fmt: skip
+                           args=node_args(endpoints, certs, shared))  # fmt: skip
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 180, every: float = 0.25) -> Any:

@@ -10,12 +10,13 @@ lease and its replica placed elsewhere while streams on the other nodes go on.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,7 @@ class Cluster:
     nodes: list[ClusterNodeProc]
     workload_id: str
     certs: Path
+    shared: Path
 
     def up(self) -> list[ClusterNodeProc]:
         return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
@@ -90,7 +92,7 @@ def cluster(
         submitted = nodes[1].post("/api/v1/workloads", WORKLOAD)
         assert submitted.status_code == 200, submitted.text
         wid = submitted.json()["workload_id"]
-        c = Cluster(etcd3, nodes, wid, etcd_certs)
+        c = Cluster(etcd3, nodes, wid, etcd_certs, root / "shared-files")
         try:
             wait_for("two replicas serving on two nodes", lambda: _spread(c, 2), timeout=300)
         except AssertionError:
@@ -225,6 +227,36 @@ def test_drain_moves_replicas_off_a_node_while_it_serves(cluster: Cluster) -> No
              leader.api("/api/v1/nodes")}[target.name] == "Ready", timeout=10)  # fmt: skip
 
 
+BATCH_LINES = 60
+
+
+def _start_batch(cluster: Cluster, node: ClusterNodeProc) -> tuple[str, Callable[[], Path]]:
+    """A batch of chat requests created on ``node`` (which then runs it); its id and the
+    path of its output journal in the shared directory, once known."""
+    body = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST",
+                               "url": "/v1/chat/completions",
+                               "body": {"model": "smollm2", "max_tokens": 24, "messages": [
+                                   {"role": "user", "content": f"Tell me about number {i}."}]}})
+                   + "\n" for i in range(BATCH_LINES))  # fmt: skip
+    upload = httpx.post(node.url + "/v1/files", headers=node.headers(), timeout=60,
+                        files={"file": ("batch.jsonl", body.encode())},
+                        data={"purpose": "batch"})  # fmt: skip
+    assert upload.status_code == 200, upload.text
+    created = node.post("/v1/batches", {"input_file_id": upload.json()["id"],
+                                        "endpoint": "/v1/chat/completions",
+                                        "completion_window": "24h"})  # fmt: skip
+    assert created.status_code == 200, created.text
+    batch_id = created.json()["id"]
+    store = EtcdStore(Etcd(cluster.etcd.endpoints, cluster.etcd.tls("node-a")))
+
+    def journal() -> Path:
+        record = store.get_batch(batch_id)
+        output = record.output_file_id if record is not None else None
+        return cluster.shared / (output or "not-yet")
+
+    return batch_id, journal
+
+
 def _stream(node: ClusterNodeProc, lines: list[str], started: threading.Event) -> None:
     """A long streamed completion from ``node`` into ``lines`` (status first)."""
     body = {"model": "smollm2", "prompt": "Count slowly:", "max_tokens": 200,
@@ -247,6 +279,11 @@ def test_a_killed_leader_node_is_replaced_and_its_replica_moves(cluster: Cluster
     holder = next(n for n in survivors
                   if any(n.name in where for where in
                          serving_replicas(n, cluster.workload_id).values()))  # fmt: skip
+    batch_id, journal = _start_batch(cluster, victim)
+    wait_for("the batch under way on the node to be killed",
+             lambda: journal().exists() and len(journal().read_bytes().splitlines()) >= 4,
+             timeout=120)  # fmt: skip
+    written = journal()  # the output journal the lost node writes
     lines: list[str] = []
     started = threading.Event()
     stream = threading.Thread(target=_stream, args=(holder, lines, started), daemon=True)
@@ -264,6 +301,18 @@ def test_a_killed_leader_node_is_replaced_and_its_replica_moves(cluster: Cluster
              lambda: _spread(cluster, 2), timeout=300)  # fmt: skip
     lists = [sorted(w["workload_id"] for w in n.api("/api/v1/workloads")) for n in survivors]
     assert lists[0] == lists[1] and cluster.workload_id in lists[0]
+    # the batch the lost node ran: resumed by another, every line answered exactly once
+    done = wait_for("the batch completed elsewhere", lambda: (b := survivors[0].api(
+        f"/v1/batches/{batch_id}"))["status"] in ("completed", "failed", "expired") and b,
+        timeout=300)  # fmt: skip
+    assert done["status"] == "completed", done
+    assert done["output_file_id"] == written.name  # continued, not started again
+    assert done["request_counts"] == {"total": BATCH_LINES, "completed": BATCH_LINES, "failed": 0}
+    out = httpx.get(f"{survivors[1].url}/v1/files/{done['output_file_id']}/content",
+                    headers=survivors[1].headers(), timeout=30)  # fmt: skip
+    answers = [json.loads(line) for line in out.text.splitlines()]
+    assert sorted(a["custom_id"] for a in answers) == sorted(f"r{i}" for i in range(BATCH_LINES))
+    assert {a["response"]["status_code"] for a in answers} == {200}
     assert [n["name"] for n in survivors[0].api("/api/v1/nodes")] == sorted(
         n.name for n in survivors
     )

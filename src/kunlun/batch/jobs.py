@@ -27,7 +27,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kunlun.batch.files import SUPPORTED_URLS, BatchLine, FileStore, NotFound, iter_lines
 from kunlun.batch.journal import Journal
@@ -74,6 +74,14 @@ class _Job:
     """Set on cancel: take no new requests."""
 
 
+class BatchOwners(Protocol):
+    """Which cluster node runs each batch job (:class:`kunlun.cluster.batches.BatchOwners`)."""
+
+    def claim(self, batch_id: str) -> None: ...
+
+    def cancel_elsewhere(self, batch_id: str) -> bool: ...
+
+
 class BatchJobs:
     """Creates, runs, cancels and resumes batch jobs within the daemon's event loop."""
 
@@ -102,12 +110,16 @@ class BatchJobs:
         self._slots = asyncio.Semaphore(max_running_jobs)
         self._jobs: dict[str, _Job] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        self.owners: BatchOwners | None = None
+        """In a cluster (:mod:`kunlun.cluster.batches`): which node runs each job; this node
+        runs only its own (:meth:`resume`, :meth:`release`), not every unfinished one."""
 
     # ---- lifecycle (the daemon's lifespan) ----
     async def start(self) -> None:
-        """Run every job left unfinished by an earlier daemon."""
-        for record in reversed(self.store.list_batches()):  # oldest first: first to a slot
-            if record.status not in TERMINAL:
+        """Run every job left unfinished by an earlier daemon (in a cluster: the leader
+        gives each to a node)."""
+        for record in reversed(self.store.list_batches() if self.owners is None else []):
+            if record.status not in TERMINAL:  # oldest first: first to a slot
                 print(f"batch {record.batch_id}: resuming ({record.status})", flush=True)
                 self._spawn(record)
         self._sweeper = asyncio.create_task(self._sweep_forever(), name="batch-file-sweeper")
@@ -176,9 +188,38 @@ class BatchJobs:
             metadata=metadata,
             output_expires_after_s=output_expires_after_s,
         )
+        if self.owners is not None:  # owned before it exists: no other node takes it
+            self.owners.claim(record.batch_id)
         self.store.put_batch(record)
         self._spawn(record)
         return record
+
+    # ---- in a cluster: the jobs this node owns ----
+    def running(self) -> set[str]:
+        return set(self._jobs)
+
+    def resume(self, batch_id: str) -> None:
+        """Run a job given to this node (its earlier owner was lost): from its journals,
+        each request still answered exactly once."""
+        record = self.store.get_batch(batch_id)
+        if batch_id in self._jobs or record is None or record.status in TERMINAL:
+            return
+        print(f"batch {batch_id}: taken over ({record.status})", flush=True)
+        self._spawn(record)
+
+    def release(self, batch_id: str) -> None:
+        """Stop running a job another node now owns (it resumes it from the journals)."""
+        job = self._jobs.pop(batch_id, None)
+        if job is not None and job.task is not None:
+            job.task.cancel()
+
+    def stop(self, batch_id: str) -> None:
+        """A cancel asked on another node: stop taking requests, end ``cancelled``."""
+        job = self._jobs.get(batch_id)
+        if job is not None and not job.stop.is_set():
+            job.record.status = "cancelling"
+            job.record.cancelling_at = job.record.cancelling_at or int(time.time())
+            job.stop.set()
 
     def get(self, batch_id: str) -> BatchRecord:
         job = self._jobs.get(batch_id)
@@ -223,6 +264,8 @@ class BatchJobs:
         job = self._jobs.get(batch_id)
         if job is not None:
             job.stop.set()
+        elif self.owners is not None and self.owners.cancel_elsewhere(batch_id):
+            pass  # its owner stops it
         else:
             self._spawn(record)
         return record

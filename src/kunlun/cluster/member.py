@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kunlun.cluster.certs import MemberTLS
@@ -44,6 +45,8 @@ class ClusterConfig:
     """Where this node's API listens (for ``node list``)."""
     peer_url: str
     """Where other nodes reach this node's replicas (``--advertise-url``)."""
+    files_dir: Path | None = None
+    """The directory every node shares for Batch API files and journals (``--cluster-files``)."""
     tls: MemberTLS | None = None
     lease_ttl_s: int = DEFAULT_LEASE_TTL_S
     prefix: str = "/kunlun/"

@@ -19,6 +19,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kunlun.cluster.batches import BatchOwners
 from kunlun.cluster.controller import HEARTBEAT, Controller
 from kunlun.cluster.local import LocalReplicas, drain_op
 from kunlun.cluster.member import (
@@ -55,6 +56,8 @@ class ClusterNode:
         self.member = Membership(config, self.etcd, devices)
         self.controller = Controller(self.member, self.view, store, self.record_event)
         self.local = LocalReplicas(self.member, self.view, manager, replicas, samples)
+        self.batches: BatchOwners | None = None
+        """Which node runs each Batch API job (set by the daemon)."""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._events: queue.Queue[EventRecord] = queue.Queue(maxsize=MAX_PENDING_EVENTS)
@@ -134,7 +137,11 @@ class ClusterNode:
                     self.member.campaign()
                 if self.member.leader:
                     self.controller.tick()
+                if self.member.leader and self.batches is not None:
+                    self.member.fenced(self.batches.assign())
                 self.local.reconcile()
+                if self.batches is not None:
+                    self.batches.reconcile()
             except ClusterUnavailable as exc:
                 self.member._unavailable(exc)
             except Exception:  # noqa: BLE001 - the loop must outlive one bad pass

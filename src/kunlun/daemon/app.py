@@ -34,6 +34,7 @@ from starlette.types import ASGIApp
 from kunlun import __version__
 from kunlun.batch.files import FileStore
 from kunlun.batch.jobs import MAX_RUNNING_JOBS, BatchJobs
+from kunlun.cluster.batches import BatchOwners
 from kunlun.cluster.etcd import Etcd
 from kunlun.cluster.member import ClusterConfig
 from kunlun.cluster.node import ClusterNode
@@ -146,7 +147,8 @@ def make_platform(
         scheduler=scheduler, first_byte_timeout_s=first_byte_s, read_timeout_s=read_s
     )
     request_log = RequestLog(home / "logs" / "requests.jsonl", request_log_config)
-    files = FileStore(home / "files", store)
+    files_dir = cluster.files_dir if cluster is not None and cluster.files_dir else home / "files"
+    files = FileStore(files_dir, store)
     if cluster is not None and cluster.tls is not None:
         gateway.upstream_ssl = cluster.tls.client_context()
     send = in_process_sender(RequestLogMiddleware(gateway_app(replicas, gateway), request_log))
@@ -170,6 +172,9 @@ def make_platform(
                                        lambda: platform.inventory().to_list(),
                                        gateway.samples)  # fmt: skip
         manager.cluster = platform.cluster
+        platform.batches.owners = platform.cluster.batches = BatchOwners(
+            platform.cluster.member, platform.cluster.view, platform.batches
+        )
     return platform
 
 
@@ -237,6 +242,8 @@ def create_app(platform: Platform) -> FastAPI:
         if platform.peer is not None:
             platform.peer.start()
         if platform.cluster is not None:
+            if platform.cluster.batches is not None:
+                platform.cluster.batches.loop = asyncio.get_running_loop()
             await asyncio.to_thread(platform.cluster.start)
         await asyncio.to_thread(platform.manager.resume_all)
         await platform.batches.start()

@@ -298,6 +298,14 @@ def serve(
             "to etcd and between nodes.",
         ),
     ] = None,
+    cluster_files: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="KUNLUN_CLUSTER_FILES",
+            help="A directory every node of the cluster mounts (shared storage): Batch API "
+            "files and journals, so another node can resume a lost node's batch.",
+        ),
+    ] = None,
     insecure_cluster: Annotated[
         bool,
         typer.Option(
@@ -370,9 +378,10 @@ def serve(
     if cluster_etcd is not None:
         peer_port = peer_port or port + 1
         cluster = cluster_config(cluster_etcd, node_name, host, port, peer_port, advertise_url,
-                                 cluster_certs, insecure_cluster, cluster_lease_ttl_s)  # fmt: skip
+                                 cluster_certs, insecure_cluster, cluster_lease_ttl_s,
+                                 cluster_files)  # fmt: skip
         peer_sock = bind_socket(host, peer_port)
-    elif node_name or cluster_certs or advertise_url or insecure_cluster:
+    elif node_name or cluster_certs or advertise_url or insecure_cluster or cluster_files:
         raise ConfigError(
             "cluster options need --cluster-etcd", location=Location("--cluster-etcd")
         )
@@ -443,6 +452,7 @@ def cluster_config(
     certs: Path | None,
     insecure: bool,
     lease_ttl_s: int,
+    files: Path | None,
 ) -> Any:
     """The :class:`~kunlun.cluster.member.ClusterConfig` of the cluster flags; TLS unless
     ``--insecure-cluster``, which is refused together with certificates."""
@@ -469,6 +479,13 @@ def cluster_config(
             hint="make them with `kunlun-cli cluster certs --out DIR --name NODE ...` and pass "
             "--cluster-certs DIR; plain HTTP between nodes only with --insecure-cluster",
         )
+    if files is None or not files.is_dir():
+        raise ConfigError(
+            "a cluster node needs the directory all nodes share for Batch API files"
+            + ("" if files is None else f": {files} is not a directory"),
+            location=Location("--cluster-files"),
+            hint="mount the same shared directory (NFS, CephFS, ...) on every node and pass it",
+        )
     if advertise_url is None:
         if host in ("0.0.0.0", "::"):
             raise ConfigError(
@@ -479,7 +496,7 @@ def cluster_config(
         shown = f"[{host}]" if ":" in host else host
         advertise_url = f"{'http' if insecure else 'https'}://{shown}:{peer_port}"
     return ClusterConfig(endpoints, node_name, f"http://{host}:{port}",
-                         advertise_url.rstrip("/"), tls, lease_ttl_s)  # fmt: skip
+                         advertise_url.rstrip("/"), files.resolve(), tls, lease_ttl_s)  # fmt: skip
 
 
 def model_roots(flags: list[Path]) -> tuple[Path, ...]:
