@@ -63,6 +63,10 @@ def test_plain_http_between_members_needs_insecure_cluster(tmp_path: Path) -> No
     assert "--cluster-certs" in out and "--insecure-cluster" in out, out
     out = _refused(node, "--cluster-etcd", "http://127.0.0.1:1", "--cluster-certs", str(tmp_path))
     assert "ca.crt" in out and "missing" in out, out
+    out = _refused(node, "--cluster-etcd", "http://127.0.0.1:1", "--insecure-cluster")
+    assert "--cluster-files" in out, out
+    out = _refused(node, "--node-name", "x", "--insecure-cluster")
+    assert "--cluster-etcd" in out, out
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +88,8 @@ def test_a_node_with_another_cas_certificate_is_refused(
     print(out)
     plain = make_node(tmp_path, "node-a", etcd3.endpoints, etcd_certs)
     https = [e.replace("https://", "http://") for e in etcd3.endpoints]
-    out = _refused(plain, "--cluster-etcd", ",".join(https), "--cluster-certs", str(etcd_certs))
+    out = _refused(plain, "--cluster-etcd", ",".join(https), "--cluster-certs", str(etcd_certs),
+                   "--cluster-files", str(tmp_path))  # fmt: skip
     assert "plain HTTP" in out, out
 
 
