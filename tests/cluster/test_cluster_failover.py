@@ -148,6 +148,10 @@ def test_keys_workloads_and_nodes_are_the_same_from_every_node(cluster: Cluster)
         cluster.nodes[0].url + "/v1/models", headers={"Authorization": f"Bearer {key}"},
         timeout=10).status_code == 200, timeout=10)  # fmt: skip
     assert resp
+    for node in cluster.nodes:  # the CLI against each node: the same, complete list
+        listed = node.cli("workload", "list", "--json", key=node.key)
+        assert listed.returncode == 0, listed.stderr
+        assert [w["workload_id"] for w in json.loads(listed.stdout)] == [cluster.workload_id]
     proc = cluster.nodes[0].cli("node", "list", key=cluster.nodes[0].key)
     assert proc.returncode == 0 and "node-b" in proc.stdout and "*" in proc.stdout, proc.stderr
 

@@ -1,5 +1,6 @@
-"""Durable platform state behind one interface: SQLite on a node (etcd for a cluster, later)."""
+"""Durable platform state behind one interface: SQLite on one node, etcd in a cluster."""
 
+from kunlun.state.etcd import EtcdStore
 from kunlun.state.sqlite import SQLiteStore
 from kunlun.state.store import (
     ApiKeyRecord,
@@ -14,6 +15,7 @@ from kunlun.state.store import (
 __all__ = [
     "ApiKeyRecord",
     "BatchRecord",
+    "EtcdStore",
     "EventRecord",
     "FileRecord",
     "ModelRecord",

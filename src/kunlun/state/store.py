@@ -3,8 +3,8 @@
 Everything the daemon must remember across restarts goes through a :class:`StateStore`:
 workloads, their events, replicas, API keys (hashes only), imported models, and the files
 and jobs of the Batch API. A single node
-uses :class:`~kunlun.state.sqlite.SQLiteStore` under ``KUNLUN_HOME``; a cluster (later) puts
-an etcd implementation behind the same interface.
+uses :class:`~kunlun.state.sqlite.SQLiteStore` under ``KUNLUN_HOME``; a cluster puts
+:class:`~kunlun.state.etcd.EtcdStore` behind the same interface (:mod:`kunlun.cluster`).
 """
 
 from __future__ import annotations
