@@ -12,7 +12,7 @@ import httpx
 import pytest
 from tests.cluster.etcd_cluster import EtcdCluster
 
-from kunlun.cluster import etcd as etcd_module
+from kunlun.cluster import etcd_watch as watch_module
 from kunlun.cluster.certs import MemberTLS
 from kunlun.cluster.etcd import Compare, Etcd, Op, WatchEvent
 from kunlun.errors import ClusterUnavailable, ConfigError
@@ -235,7 +235,7 @@ def test_etcd_client_watch_delivers_in_order_and_reports_compaction(
 def test_etcd_watch_reopens_an_idle_stream_without_losing_or_repeating(
     etcd: Etcd, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(etcd_module, "WATCH_IDLE_S", 0.3)
+    monkeypatch.setattr(watch_module, "WATCH_IDLE_S", 0.3)
     seen: list[str] = []
     stop = threading.Event()
     etcd.watch("/idle/", etcd.revision() + 1, lambda ev, _: seen.extend(e.kv.key for e in ev), stop)

@@ -27,20 +27,21 @@ delivered, and reports a compaction as ``on_events([], -compact_revision)``.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import logging
-import socket
 import ssl
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 from kunlun.cluster.certs import MemberTLS
 from kunlun.errors import ClusterUnavailable, ConfigError, KunlunError
+
+if TYPE_CHECKING:
+    from kunlun.cluster.etcd_watch import Watch
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,6 @@ _HEADERS = {"Grpc-Metadata-Hasleader": "true"}
 _RETRY_CODES = frozenset({4, 8, 14})
 _NOT_FOUND = 5
 _PAGE = 1000
-#: A watch stream silent for this long is reopened (a member that vanished without a reset).
-WATCH_IDLE_S = 15.0
-_BACKOFF_MIN_S, _BACKOFF_MAX_S = 0.1, 2.0
 _COMPARE_RESULTS = {"==": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
 _COMPARE_FIELDS = {
     "CREATE": "create_revision",
@@ -159,7 +157,7 @@ class Op:
         if self.kind == "put":
             put = {"key": _b64(self.key), "value": _b64(self.data), "lease": str(self.lease)}
             return {"request_put": put}
-        span = _span(self.key, self.prefix)
+        span = key_span(self.key, self.prefix)
         return {"request_delete_range" if self.kind == "delete" else "request_range": span}
 
 
@@ -221,7 +219,7 @@ class Etcd:
         )
         self._preferred = 0
         self._lock = threading.Lock()
-        self._watches: set[_Watch] = set()
+        self._watches: set[Watch] = set()
 
     # keys
     def get(self, key: str) -> KV | None:
@@ -232,13 +230,13 @@ class Etcd:
         """Every key starting with ``prefix``, sorted by key (read in pages, all at the
         revision of the first)."""
         kvs: list[KV] = []
-        span, revision = _span(prefix, True), 0
+        span, revision = key_span(prefix, True), 0
         while True:
             body: dict[str, Any] = {**span, "limit": str(_PAGE)}
             if revision:
                 body["revision"] = str(revision)
             data = self._call("/v3/kv/range", body)
-            revision = revision or _revision(data)
+            revision = revision or revision_of(data)
             page = [KV.of(kv) for kv in data.get("kvs", [])]
             kvs += page
             if not data.get("more") or not page:
@@ -247,13 +245,13 @@ class Etcd:
 
     def put(self, key: str, value: bytes | str, lease: int = 0) -> int:
         """Store ``value`` at ``key``; returns the store's revision after the write."""
-        return _revision(
+        return revision_of(
             self._call("/v3/kv/put", Op.put(key, value, lease).to_json()["request_put"])
         )
 
     def delete(self, key: str, prefix: bool = False) -> int:
         """Delete ``key`` (every key under it with ``prefix``); returns how many were."""
-        return int(self._call("/v3/kv/deleterange", _span(key, prefix)).get("deleted", 0))
+        return int(self._call("/v3/kv/deleterange", key_span(key, prefix)).get("deleted", 0))
 
     def txn(
         self, compare: list[Compare], success: list[Op], failure: Sequence[Op] = ()
@@ -268,11 +266,11 @@ class Etcd:
             },
         )
         responses = [_op_result(r) for r in data.get("responses", [])]
-        return TxnResult(bool(data.get("succeeded", False)), _revision(data), responses)
+        return TxnResult(bool(data.get("succeeded", False)), revision_of(data), responses)
 
     def revision(self) -> int:
         """The store's current revision (a count-only read of one absent key)."""
-        return _revision(self._call("/v3/kv/range", {"key": _b64("\0"), "count_only": True}))
+        return revision_of(self._call("/v3/kv/range", {"key": _b64("\0"), "count_only": True}))
 
     # leases
     def lease_grant(self, ttl_s: int) -> int:
@@ -308,7 +306,9 @@ class Etcd:
         ``compact_revision``, the oldest revision left. An exception from ``on_events`` is
         logged and the batch counts as delivered.
         """
-        watch = _Watch(self, prefix, start_revision, on_events, stop)
+        from kunlun.cluster.etcd_watch import Watch
+
+        watch = Watch(self, prefix, start_revision, on_events, stop)
         thread = threading.Thread(target=watch.run, name=f"etcd-watch {prefix}", daemon=True)
         thread.start()
         return thread
@@ -340,7 +340,7 @@ class Etcd:
             except ValueError:
                 failures.append(_Failure(endpoint, f"HTTP {response.status_code}, not JSON"))
                 continue
-            error = _error(data)
+            error = error_of(data)
             if error is None and response.status_code < 400:
                 self._preferred = index
                 return dict(data)
@@ -356,149 +356,12 @@ class Etcd:
             raise KunlunError(f"etcd at {endpoint} refused {path}: {message} (gRPC code {code})")
         raise _unavailable(failures)
 
-    def _register(self, watch: _Watch, active: bool) -> None:
+    def _register(self, watch: Watch, active: bool) -> None:
         with self._lock:
             if active:
                 self._watches.add(watch)
             else:
                 self._watches.discard(watch)
-
-
-class _Watch:
-    """One watch's state: where to resume, the open stream's socket (to shut it)."""
-
-    def __init__(
-        self,
-        etcd: Etcd,
-        prefix: str,
-        start_revision: int,
-        on_events: Callable[[list[WatchEvent], int], None],
-        stop: threading.Event,
-    ) -> None:
-        self.etcd, self.prefix, self.on_events, self.stop = etcd, prefix, on_events, stop
-        self.next_revision = start_revision
-        self._socket: socket.socket | None = None
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def run(self) -> None:
-        self.etcd._register(self, True)
-        closer = threading.Thread(target=self._shut_on_stop, daemon=True)
-        closer.start()
-        index, delay = self.etcd._preferred, _BACKOFF_MIN_S
-        try:
-            while not self._done():
-                endpoint = self.etcd.endpoints[index % len(self.etcd.endpoints)]
-                try:
-                    self._stream(endpoint)
-                    continue  # ended on purpose (a compaction, an idle stream): same endpoint
-                except _Progressed as exc:  # worked for a while, then broke
-                    log.info("etcd watch on %s broke: %s", endpoint, exc.cause)
-                    delay = _BACKOFF_MIN_S
-                except Exception as exc:  # a refused, broken or unreadable stream
-                    log.info("etcd watch on %s failed: %s", endpoint, exc)
-                    delay = min(2 * delay, _BACKOFF_MAX_S)
-                index += 1
-                self.stop.wait(delay)
-        finally:
-            self.shut()
-            self.etcd._register(self, False)
-
-    def shut(self) -> None:
-        """End the watch: shut its socket down, waking the thread blocked reading it."""
-        with self._lock:
-            self._closed = True
-            if self._socket is not None:
-                # socket.socket's shutdown, not SSLSocket's (which would unwrap TLS)
-                with contextlib.suppress(OSError):
-                    socket.socket.shutdown(self._socket, socket.SHUT_RDWR)
-
-    def _done(self) -> bool:
-        return self._closed or self.stop.is_set()
-
-    def _shut_on_stop(self) -> None:
-        while not self.stop.wait(0.25):
-            if self._closed:
-                return
-        self.shut()
-
-    def _stream(self, endpoint: str) -> None:
-        """Read one stream; returns when it ended on purpose, raises when it broke
-        (:class:`_Progressed` when it delivered something first)."""
-        create = {**_span(self.prefix, True), "start_revision": str(self.next_revision)}
-        timeout = httpx.Timeout(self.etcd.timeout_s, read=WATCH_IDLE_S)
-        body = {"create_request": {**create, "progress_notify": True}}
-        progressed = False
-        client = self.etcd._client
-        with client.stream("POST", endpoint + "/v3/watch", json=body, timeout=timeout) as response:
-            if response.status_code != 200:
-                response.read()
-                raise _Broken(f"HTTP {response.status_code}: {response.text[:200]}")
-            stream = response.extensions.get("network_stream")
-            with self._lock:
-                if self._closed:
-                    return
-                self._socket = stream.get_extra_info("socket") if stream else None
-            try:
-                for line in response.iter_lines():
-                    if self._done():
-                        return
-                    if line.strip() and not self._handle(json.loads(line)):
-                        return
-                    progressed = True
-            except httpx.ReadTimeout:
-                return  # idle for WATCH_IDLE_S: reopen
-            except Exception as exc:
-                if progressed and not self._done():
-                    raise _Progressed(exc) from exc
-                raise
-            finally:
-                with self._lock:
-                    self._socket = None
-        if not self._done():
-            raise _Progressed(_Broken("the stream ended")) if progressed else _Broken("no answer")
-
-    def _handle(self, message: dict[str, Any]) -> bool:
-        """Deliver one message of the stream; False when the stream must be reopened."""
-        error = _error(message)
-        if error is not None:
-            raise _Broken(error[1])
-        result = message.get("result", {})
-        if result.get("canceled"):
-            compacted = int(result.get("compact_revision", 0))
-            if compacted <= 0:
-                raise _Broken(result.get("cancel_reason") or "the watch was canceled")
-            self._deliver([], -compacted)
-            self.next_revision = compacted
-            return False
-        if result.get("created"):
-            return True
-        events = [_event(e) for e in result.get("events", [])]
-        revision = _revision(result)
-        if events:
-            self.next_revision = events[-1].kv.mod_revision + 1
-        else:
-            self.next_revision = max(self.next_revision, revision + 1)
-        self._deliver(events, revision)
-        return True
-
-    def _deliver(self, events: list[WatchEvent], revision: int) -> None:
-        try:
-            self.on_events(events, revision)
-        except Exception:
-            log.exception("etcd watch callback for %s failed", self.prefix)
-
-
-class _Broken(Exception):
-    """A watch stream failed."""
-
-
-class _Progressed(Exception):
-    """A watch stream broke after delivering something (so try the next member at once)."""
-
-    def __init__(self, cause: Exception) -> None:
-        super().__init__(str(cause))
-        self.cause = cause
 
 
 def _checked_endpoint(endpoint: str, tls: MemberTLS | None) -> str:
@@ -565,7 +428,7 @@ def _unavailable(failures: list[_Failure]) -> KunlunError:
     )
 
 
-def _error(data: Any) -> tuple[int, str] | None:
+def error_of(data: Any) -> tuple[int, str] | None:
     """(gRPC code, message) of an error answer: ``{"error": "...", "code": 14, ...}``, or
     inside a stream ``{"error": {"grpc_code": 14, "message": "...", ...}}``."""
     if not isinstance(data, dict) or not data.get("error"):
@@ -580,21 +443,21 @@ def _op_result(response: dict[str, Any]) -> Any:
     if "response_range" in response:
         return [KV.of(kv) for kv in response["response_range"].get("kvs", [])]
     if "response_put" in response:
-        return _revision(response["response_put"])
+        return revision_of(response["response_put"])
     if "response_delete_range" in response:
         return int(response["response_delete_range"].get("deleted", 0))
     return response
 
 
-def _event(data: dict[str, Any]) -> WatchEvent:
+def event_of(data: dict[str, Any]) -> WatchEvent:
     return WatchEvent(data.get("type", "PUT"), KV.of(data["kv"]))
 
 
-def _revision(data: dict[str, Any]) -> int:
+def revision_of(data: dict[str, Any]) -> int:
     return int(data.get("header", {}).get("revision", 0))
 
 
-def _span(key: str, prefix: bool) -> dict[str, str]:
+def key_span(key: str, prefix: bool) -> dict[str, str]:
     """A key, or (``prefix``) the range of every key starting with it."""
     if not prefix:
         return {"key": _b64(key)}

@@ -15,7 +15,8 @@ whatever their clocks.
 Fields a record does not know (written by a newer version) are ignored when read.
 
 :meth:`EtcdStore.data_version` costs no request: a watch on the prefix, started with the
-store, counts the changes it sees (this store's writes and every other node's) and keeps
+store, counts the changes to records it sees (this store's writes and every other node's;
+not the cluster's own keys under ``cluster/`` nor events, which change all the time) and keeps
 :attr:`EtcdStore.revision`, the store's revision as of the latest one. Every method raises
 :class:`~kunlun.errors.ClusterUnavailable` when no quorum of etcd answers in time.
 """
@@ -53,6 +54,7 @@ class EtcdStore(StateStore):
         self.revision = etcd.revision()
         """The store's revision as of the latest change under the prefix seen by the watch."""
         self._changes = 0
+        self._busy = (self.prefix + "cluster/", self.prefix + "events/")
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watch = etcd.watch(self.prefix, self.revision + 1, self._on_events, self._stop)
@@ -154,9 +156,10 @@ class EtcdStore(StateStore):
     def _on_events(self, events: list[WatchEvent], revision: int) -> None:
         """A watch batch: changes (or, empty, a progress report) at ``revision``; a
         negative one is a compaction, which may have hidden changes: counted as one."""
+        records = [e for e in events if not e.kv.key.startswith(self._busy)]
         with self._lock:
             self.revision = max(self.revision, abs(revision))
-            if events or revision < 0:
+            if records or revision < 0:
                 self._changes += 1
 
     def _key(self, kind: str, name: str) -> str:
