@@ -148,6 +148,11 @@ def test_keys_workloads_and_nodes_are_the_same_from_every_node(cluster: Cluster)
         cluster.nodes[0].url + "/v1/models", headers={"Authorization": f"Bearer {key}"},
         timeout=10).status_code == 200, timeout=10)  # fmt: skip
     assert resp
+    # on a node's machine, `apikey list` without KUNLUN_ENDPOINT asks its daemon (the keys
+    # are in etcd, not in the home's state.db)
+    local = cluster.nodes[1].cli("apikey", "list", "--json", remote=False, key=cluster.nodes[1].key)
+    assert local.returncode == 0, local.stderr
+    assert {k["name"] for k in json.loads(local.stdout)} == {"ops", "app"}
     for node in cluster.nodes:  # the CLI against each node: the same, complete list
         listed = node.cli("workload", "list", "--json", key=node.key)
         assert listed.returncode == 0, listed.stderr

@@ -8,7 +8,6 @@ the key may do; ``--rpm``, ``--tpm`` and ``--allow-ip`` set its own limits.
 
 from __future__ import annotations
 
-import os
 from datetime import datetime
 from typing import Annotated, Any
 from urllib.parse import quote
@@ -16,7 +15,7 @@ from urllib.parse import quote
 import typer
 from rich.table import Table
 
-from kunlun.cli.client import DaemonClient
+from kunlun.cli.client import state_client
 from kunlun.cli.output import console, err_console, handle_errors, print_json
 from kunlun.paths import kunlun_home
 from kunlun.state.api_keys import (
@@ -34,10 +33,6 @@ app = typer.Typer(help="API keys: create, list, revoke.", no_args_is_help=True)
 
 def _store() -> SQLiteStore:
     return SQLiteStore(kunlun_home() / "state.db")
-
-
-def _remote() -> DaemonClient | None:
-    return DaemonClient() if os.environ.get("KUNLUN_ENDPOINT") else None
 
 
 @app.command()
@@ -80,7 +75,7 @@ def create(
     json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Create a key; it is printed once and never stored in clear."""
-    remote = _remote()
+    remote = state_client()
     if remote:
         body = {"name": name, "priority": priority, "scope": scope, "rpm": rpm, "tpm": tpm,
                 "allow_ips": allow_ip}  # fmt: skip
@@ -109,7 +104,7 @@ def create(
 @handle_errors
 def list_keys(json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Keys with their scope, limits and state (the secrets themselves are never shown)."""
-    remote = _remote()
+    remote = state_client()
     rows: list[dict[str, Any]] = (
         remote.get("/api/v1/apikeys")
         if remote
@@ -151,7 +146,7 @@ def _limit(value: int | None) -> str:
 @handle_errors
 def revoke(key: Annotated[str, typer.Argument(help="Key id, name or the key itself.")]) -> None:
     """Revoke a key by id, name or the key itself (a key is never echoed back)."""
-    remote = _remote()
+    remote = state_client()
     if remote:
         path = "/api/v1/apikeys/"
         out = remote.request("DELETE", path + quote(key, safe=""), shown=path + shown_key(key))

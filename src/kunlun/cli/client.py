@@ -41,6 +41,19 @@ def running_endpoint() -> str | None:
     return f"http://{host}:{info['port']}"
 
 
+def state_client() -> DaemonClient | None:
+    """For commands that change state either way: the daemon when ``KUNLUN_ENDPOINT`` is set
+    or when this home's daemon is a cluster node (its state is in etcd, not ``state.db``);
+    None: work on ``KUNLUN_HOME`` directly."""
+    if os.environ.get("KUNLUN_ENDPOINT"):
+        return DaemonClient()
+    from kunlun.daemon.main import pid_info
+    from kunlun.paths import kunlun_home
+
+    info = pid_info(kunlun_home())
+    return DaemonClient() if info is not None and info.get("cluster") else None
+
+
 class DaemonClient:
     def __init__(self, endpoint: str | None = None, timeout: float = 60.0) -> None:
         self.endpoint = (endpoint or running_endpoint() or DEFAULT_ENDPOINT).rstrip("/")

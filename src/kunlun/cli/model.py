@@ -7,7 +7,6 @@ With ``KUNLUN_ENDPOINT`` set the daemon does the work; otherwise the CLI works o
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,7 +14,7 @@ import typer
 from rich.table import Table
 
 from kunlun import catalog
-from kunlun.cli.client import DaemonClient
+from kunlun.cli.client import state_client
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.paths import kunlun_home
 from kunlun.state.sqlite import SQLiteStore
@@ -23,10 +22,6 @@ from kunlun.state.sqlite import SQLiteStore
 app = typer.Typer(
     help="Models: import GGUF files, quantize, list aliases, signed packages.", no_args_is_help=True
 )
-
-
-def _remote() -> DaemonClient | None:
-    return DaemonClient() if os.environ.get("KUNLUN_ENDPOINT") else None
 
 
 @app.command("import-gguf")
@@ -65,7 +60,7 @@ def import_gguf(
     """Convert a GGUF file once into a cached safetensors directory and register an alias."""
     if not demo and path is None:
         raise typer.BadParameter("give a GGUF PATH or --demo")
-    remote = _remote()
+    remote = state_client()
     if remote is not None:
         body: dict[str, Any] = {"demo": True}
         if path is not None and not demo:
@@ -108,7 +103,7 @@ def quantize(
     name: Annotated[str | None, typer.Option(help="Alias (default: MODEL-SCHEME).")] = None,
 ) -> None:
     """Write MODEL's weights quantized as a new local model and register its alias."""
-    remote = _remote()
+    remote = state_client()
     if remote is not None:
         body = {"model": model, "quantization": quantization, "group_size": group_size,
                 "name": name}  # fmt: skip
@@ -123,7 +118,7 @@ def quantize(
 @handle_errors
 def list_models(json: Annotated[bool, typer.Option("--json")] = False) -> None:
     """Model aliases and where their files are."""
-    remote = _remote()
+    remote = state_client()
     rows = (
         remote.get("/api/v1/models")
         if remote

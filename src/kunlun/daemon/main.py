@@ -431,6 +431,7 @@ def serve(
                 "create_time": psutil.Process().create_time(),
                 "host": host,
                 "port": port,
+                "cluster": None if cluster is None else cluster.node_name,
             }
         )
     )
