@@ -140,7 +140,11 @@ class LocalReplicas:
         manager.event(wid, "starting",
                       f"replica {idx} on {self.name}/{placement.target_device}")  # fmt: skip
         self.reservations[rid] = [r.to_dict() for r in placement.reservations]
-        manager._launch(record, spec, idx, plan, path, entry.path)
+        try:
+            manager._launch(record, spec, idx, plan, path, entry.path)
+        except (KunlunError, OSError) as exc:  # e.g. the plan directory cannot be written
+            self.failed[rid] = (wid, idx, f"cannot launch: {exc}")
+            manager.event(wid, "failed-here", f"replica {idx} cannot start on {self.name}: {exc}")
 
     def _publish(self) -> None:
         """Report every local replica (and every failed one) under the node's lease."""
