@@ -22,7 +22,7 @@ import httpx
 import psutil
 from tests.daemon.conftest import BIN, Daemon, free_port
 
-LEASE_TTL_S = 6
+LEASE_TTL_S = 10
 
 
 @dataclass

@@ -200,12 +200,14 @@ def test_a_paused_leader_is_fenced_and_rejoins_as_a_follower(cluster: Cluster) -
     try:
         new = wait_for("a new leader", lambda: (leader := cluster.leader(others)) is not old
                        and leader, timeout=LEASE_TTL_S * 3)  # fmt: skip
-        time.sleep(LEASE_TTL_S)  # well past the old leader's lease
+        time.sleep(2)  # paused past its lease already: the new leader holds the key
     finally:
         os.kill(old.proc.pid, signal.SIGCONT)
-    status = wait_for("the old leader fenced", lambda: (s := old.api("/api/v1/cluster"))
-                      ["fenced_writes"] >= 1 and s, timeout=30)  # fmt: skip
-    assert status["is_leader"] is False and status["leader"] == new.name, status
+    # its first controller write is refused; its view then catches up with the new leader
+    status = wait_for("the old leader fenced, a follower of the new one", lambda: (
+        s := old.api("/api/v1/cluster"))["fenced_writes"] >= 1 and not s["is_leader"]
+        and s["leader"] == new.name and s, timeout=30)  # fmt: skip
+    assert status["term"] == 0, status
     assert cluster.leader() is new
     metrics = httpx.get(old.url + "/metrics", headers=old.headers(), timeout=10).text
     assert f'kunlun_cluster_fenced_writes_total{{node="{old.name}"}} 1.0' in metrics
@@ -236,7 +238,7 @@ def test_drain_moves_replicas_off_a_node_while_it_serves(cluster: Cluster) -> No
              leader.api("/api/v1/nodes")}[target.name] == "Ready", timeout=10)  # fmt: skip
 
 
-BATCH_LINES = 60
+BATCH_LINES = 40
 
 
 def _start_batch(cluster: Cluster, node: ClusterNodeProc) -> tuple[str, Callable[[], Path]]:
@@ -268,7 +270,7 @@ def _start_batch(cluster: Cluster, node: ClusterNodeProc) -> tuple[str, Callable
 
 def _stream(node: ClusterNodeProc, lines: list[str], started: threading.Event) -> None:
     """A long streamed completion from ``node`` into ``lines`` (status first)."""
-    body = {"model": "smollm2", "prompt": "Count slowly:", "max_tokens": 200,
+    body = {"model": "smollm2", "prompt": "Count slowly:", "max_tokens": 120,
             "ignore_eos": True, "stream": True}  # fmt: skip
     with httpx.stream("POST", node.url + "/v1/completions", json=body, headers=node.headers(),
                       timeout=300) as resp:  # fmt: skip
@@ -304,16 +306,16 @@ def test_a_killed_leader_node_is_replaced_and_its_replica_moves(cluster: Cluster
                    and leader, timeout=LEASE_TTL_S * 3)  # fmt: skip
     without = time.monotonic() - killed
     assert new in survivors and without < LEASE_TTL_S * 3, without
-    stream.join(300)
+    stream.join(600)
     assert lines[0] == "status 200 cpu:0" and lines[-1] == "data: [DONE]", lines[:3] + lines[-3:]
     wait_for("both replicas serving on the two nodes left",
-             lambda: _spread(cluster, 2), timeout=300)  # fmt: skip
+             lambda: _spread(cluster, 2), timeout=600)  # fmt: skip
     lists = [sorted(w["workload_id"] for w in n.api("/api/v1/workloads")) for n in survivors]
     assert lists[0] == lists[1] and cluster.workload_id in lists[0]
     # the batch the lost node ran: resumed by another, every line answered exactly once
     done = wait_for("the batch completed elsewhere", lambda: (b := survivors[0].api(
         f"/v1/batches/{batch_id}"))["status"] in ("completed", "failed", "expired") and b,
-        timeout=300)  # fmt: skip
+        timeout=600)  # fmt: skip
     assert done["status"] == "completed", done
     assert done["output_file_id"] == written.name  # continued, not started again
     assert done["request_counts"] == {"total": BATCH_LINES, "completed": BATCH_LINES, "failed": 0}

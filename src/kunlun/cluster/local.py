@@ -5,7 +5,9 @@ every other node's.
   node's own devices (the same placement and plan cache as on one machine, one replica).
 - A local replica no longer assigned here (the leader moved it: drain, or this node was
   paused past its lease) keeps serving until its new node reports it ready, at most
-  :data:`HANDOVER_S`, then stops: a replica is never gone before its successor serves.
+  :data:`HANDOVER_S`: a replica is never gone before its successor serves. It then leaves
+  routing on every node and stops once the requests it has are answered (at most
+  :data:`DRAIN_S`): a move cuts no stream.
 - Every local replica is reported under ``cluster/replicas/<node>/<replica>`` with the node's
   lease (device, ready, slots, memory reserved, or why it failed here).
 - Every other node's reported replica is put in this node's :class:`ReplicaSet` with the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kunlun.cluster.etcd import LeaseNotFound, Op
@@ -32,6 +35,9 @@ from kunlun.workload.placement import place
 from kunlun.workload.spec import parse_spec
 
 HANDOVER_S = 90.0
+DRAIN_S = 120.0
+"""A replica handed over stops once its requests (this node's and those relayed from other
+nodes) are answered, or after this long."""
 SAMPLE_REFRESH_S = 4.0
 """A replica's report is written again at least this often, with its device's utilization
 (in steps of 10 %), so other nodes' routing has a fresh reading of it."""
@@ -57,6 +63,10 @@ class LocalReplicas:
         self.reservations: dict[str, list[dict[str, Any]]] = {}
         self._published: dict[str, str] = {}
         self._published_at: dict[str, float] = {}
+        self._draining: dict[str, float] = {}
+        """Replicas handed to another node: out of routing since, until their requests end."""
+        self.peer_in_flight: Callable[[str], int] = lambda rid: 0
+        """Requests other nodes are relaying to a local replica (the peer port's count)."""
         self._handover: dict[str, float] = {}
 
     def replica_failed(self, workload_id: str, message: str) -> None:
@@ -86,18 +96,34 @@ class LocalReplicas:
         for rid, worker in list(workers.items()):
             if rid in self.failed:
                 self.manager.agent.stop_replica(rid)
+            elif rid in self._draining:
+                self._finish_drain(rid)
             elif rid not in want and self._handed_over(rid, worker.replica.workload_id,
                                                        workloads, assigns, statuses):  # fmt: skip
-                self.manager.event(worker.replica.workload_id, "moved",
-                                   f"replica {rid} stopped on {self.name}: it runs elsewhere now")  # fmt: skip
-                self.manager.agent.stop_replica(rid)
-                self.reservations.pop(rid, None)
+                # out of routing everywhere first; stopped once its requests are answered
+                worker.stopping, worker.replica.ready = True, False
+                self._draining[rid] = time.monotonic()
         for rid, (record, idx) in want.items():
             self._handover.pop(rid, None)
             if rid not in workers and rid not in self.failed:
                 self._start(record, idx)
         self._publish()
         self._remote(statuses)
+
+    def _finish_drain(self, rid: str) -> None:
+        worker = self.manager.agent.workers.get(rid)
+        if worker is None:
+            self._draining.pop(rid, None)
+            return
+        busy = worker.replica.in_flight + self.peer_in_flight(rid)
+        if busy and time.monotonic() - self._draining[rid] < DRAIN_S:
+            return
+        self._draining.pop(rid, None)
+        left = f" ({busy} request(s) still in flight after {DRAIN_S:g} s)" if busy else ""
+        self.manager.event(worker.replica.workload_id, "moved",
+                           f"replica {rid} stopped on {self.name}: it runs elsewhere now{left}")  # fmt: skip
+        self.manager.agent.stop_replica(rid)
+        self.reservations.pop(rid, None)
 
     def _handed_over(
         self,

@@ -122,9 +122,14 @@ class ClusterNode:
                 pending = None
 
     def _keepalive(self) -> None:
-        while not self._stop.wait(self.config.lease_ttl_s / 3):
-            if self.member.keepalive() and self.member.rejoined.is_set():
+        """Renew every third of the TTL; after a failed renewal, try again within a second
+        (so one slow answer from etcd does not cost the lease)."""
+        every = self.config.lease_ttl_s / 3
+        while not self._stop.wait(every):
+            ok = self.member.keepalive()
+            if ok and self.member.rejoined.is_set():
                 self.wake()
+            every = self.config.lease_ttl_s / 3 if ok else min(1.0, self.config.lease_ttl_s / 6)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -30,6 +30,8 @@ class PeerApp:
     def __init__(self, node: str, replicas: ReplicaSet) -> None:
         self.node, self.replicas = node, replicas
         self.pool: UpstreamPool | None = None
+        self.in_flight: dict[str, int] = {}
+        """Requests being relayed, by replica (read by the node's drain before a stop)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -66,6 +68,7 @@ class PeerApp:
         headers = [(k, v) for k, v in scope["headers"] if k in (b"content-type", b"x-request-id")]
         relay = asyncio.current_task()
         watcher = asyncio.ensure_future(_watch(receive, relay))
+        self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
         try:
             assert self.pool is not None
             try:
@@ -90,6 +93,7 @@ class PeerApp:
                 relay.uncancel()  # the calling node left: the upstream is closed, the worker aborts
         finally:
             watcher.cancel()
+            self.in_flight[rid] -= 1
 
 
 async def _watch(receive: Receive, relay: asyncio.Task[Any] | None) -> None:

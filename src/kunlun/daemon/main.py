@@ -407,8 +407,10 @@ def serve(
         from kunlun.cluster.peer import PeerApp, PeerServer
 
         context = None if cluster.tls is None else cluster.tls.server_context()
-        platform.peer = PeerServer(PeerApp(cluster.node_name, platform.replicas), peer_sock,
-                                   context)  # fmt: skip
+        peer_app = PeerApp(cluster.node_name, platform.replicas)
+        platform.peer = PeerServer(peer_app, peer_sock, context)
+        if platform.cluster is not None:
+            platform.cluster.local.peer_in_flight = lambda rid: peer_app.in_flight.get(rid, 0)
     platform.gateway.max_sequences_per_request = max_sequences_per_request
     if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:
         raise DaemonError(
