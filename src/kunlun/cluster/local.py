@@ -22,8 +22,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kunlun.cluster.etcd import LeaseNotFound, Op
+from kunlun.cluster.etcd import LeaseNotFound
 from kunlun.cluster.member import ASSIGN, NODES, REPLICAS, WORKLOADS, ClusterView, Membership
+from kunlun.cluster.peer import PREFIX as PEER_PREFIX
 from kunlun.errors import KunlunError
 from kunlun.planner.cache import PlanCache
 from kunlun.planner.model_info import inspect_model, locate_model
@@ -41,7 +42,6 @@ nodes) are answered, or after this long."""
 SAMPLE_REFRESH_S = 4.0
 """A replica's report is written again at least this often, with its device's utilization
 (in steps of 10 %), so other nodes' routing has a fresh reading of it."""
-PEER_PATH = "/cluster/replicas/"
 
 
 class LocalReplicas:
@@ -220,7 +220,7 @@ class LocalReplicas:
             if node == self.name or node not in nodes or "device" not in status:
                 continue
             remote_id = f"{node}/{rid}"
-            base_url = nodes[node]["peer_url"].rstrip("/") + PEER_PATH + rid
+            base_url = nodes[node]["peer_url"].rstrip("/") + PEER_PREFIX + rid
             seen.add(remote_id)
             replica = self.replicas.get(remote_id)
             if replica is None or replica.base_url != base_url:
@@ -245,8 +245,3 @@ class LocalReplicas:
         for replica in self.replicas.all():
             if replica.node is not None and replica.replica_id not in seen:
                 self.replicas.remove(replica.replica_id)
-
-
-def drain_op(member: Membership, node: str, on: bool) -> Op:
-    key = member.key(f"cluster/drain/{node}")
-    return Op.put(key, json.dumps({"since": time.time()})) if on else Op.delete(key)

@@ -69,6 +69,60 @@ class ClusterConfig:
                 )
 
 
+def cluster_config(
+    etcd: str,
+    node_name: str | None,
+    host: str,
+    port: int,
+    peer_port: int,
+    advertise_url: str | None,
+    certs: Path | None,
+    insecure: bool,
+    lease_ttl_s: int,
+    files: Path | None,
+) -> ClusterConfig:
+    """The :class:`ClusterConfig` of ``kunlun-platform``'s cluster flags; TLS unless
+    ``--insecure-cluster``, which is refused together with certificates."""
+    if not node_name:
+        raise ConfigError("a cluster node needs a name", location=Location("--node-name"))
+    endpoints = [url.strip().rstrip("/") for url in etcd.split(",") if url.strip()]
+    if not endpoints:
+        raise ConfigError(f"no etcd URL in {etcd!r}", location=Location("--cluster-etcd"))
+    tls = None
+    if certs is not None and insecure:
+        raise ConfigError(
+            "--cluster-certs and --insecure-cluster contradict each other",
+            location=Location("--insecure-cluster"),
+        )
+    if certs is not None:
+        tls = MemberTLS.from_dir(certs, node_name)
+    elif not insecure:
+        raise ConfigError(
+            "a cluster talks TLS: no certificates given",
+            location=Location("--cluster-certs"),
+            hint="make them with `kunlun-cli cluster certs --out DIR --name NODE ...` and pass "
+            "--cluster-certs DIR; plain HTTP between nodes only with --insecure-cluster",
+        )
+    if files is None or not files.is_dir():
+        raise ConfigError(
+            "a cluster node needs the directory all nodes share for Batch API files"
+            + ("" if files is None else f": {files} is not a directory"),
+            location=Location("--cluster-files"),
+            hint="mount the same shared directory (NFS, CephFS, ...) on every node and pass it",
+        )
+    if advertise_url is None:
+        if host in ("0.0.0.0", "::"):
+            raise ConfigError(
+                f"--host {host} says nothing of how other nodes reach this one",
+                location=Location("--advertise-url"),
+                hint="pass --advertise-url https://ADDRESS:PEER_PORT",
+            )
+        shown = f"[{host}]" if ":" in host else host
+        advertise_url = f"{'http' if insecure else 'https'}://{shown}:{peer_port}"
+    return ClusterConfig(endpoints, node_name, f"http://{host}:{port}",
+                         advertise_url.rstrip("/"), files.resolve(), tls, lease_ttl_s)  # fmt: skip
+
+
 class ClusterView:
     """Everything under the prefix that the cluster's parts read, kept current by a watch."""
 

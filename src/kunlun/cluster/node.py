@@ -10,6 +10,7 @@ retries, and the first failure is printed once.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
@@ -21,8 +22,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kunlun.cluster.batches import BatchOwners
 from kunlun.cluster.controller import HEARTBEAT, Controller
-from kunlun.cluster.local import LocalReplicas, drain_op
+from kunlun.cluster.etcd import Op
+from kunlun.cluster.local import LocalReplicas
 from kunlun.cluster.member import (
+    DRAIN,
     LEADER,
     NODES,
     REPLICAS,
@@ -155,12 +158,13 @@ class ClusterNode:
 
     # ---- what the API shows ----
     def leader_name(self) -> str | None:
-        value = self.view.items("cluster/").get("leader")
-        return None if value is None else str(value.get("name"))
+        kv = self.view.kv(LEADER)
+        return None if kv is None else str(json.loads(kv.value).get("name"))
 
     def status(self) -> dict[str, Any]:
         member = self.member
-        beat = self.view.items("cluster/").get(HEARTBEAT.split("/", 1)[1])
+        kv = self.view.kv(HEARTBEAT)
+        beat = None if kv is None else json.loads(kv.value)
         return {
             "node": self.config.node_name,
             "leader": self.leader_name(),
@@ -178,7 +182,7 @@ class ClusterNode:
 
     def nodes(self) -> list[dict[str, Any]]:
         leader = self.leader_name()
-        draining = self.view.items("cluster/drain/")
+        draining = self.view.items(DRAIN)
         replicas: dict[str, list[dict[str, Any]]] = {}
         for key, status in self.view.items(REPLICAS).items():
             node, rid = key.split("/", 1)
@@ -202,14 +206,16 @@ class ClusterNode:
         return out
 
     def drain(self, name: str, on: bool = True) -> dict[str, Any]:
-        known = set(self.view.items(NODES)) | set(self.view.items("cluster/drain/"))
+        known = set(self.view.items(NODES)) | set(self.view.items(DRAIN))
         if name not in known:
             raise ConfigError(
                 f"no node {name!r} in the cluster; nodes: {', '.join(sorted(known)) or 'none'}",
                 location=Location("NODE"),
             )
-        op = drain_op(self.member, name, on)
-        self.etcd.txn([], [op])
+        key = self.member.key(DRAIN + name)
+        self.etcd.txn(
+            [], [Op.put(key, json.dumps({"since": time.time()})) if on else Op.delete(key)]
+        )
         self.wake()
         return {"node": name, "draining": on}
 

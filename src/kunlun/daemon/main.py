@@ -376,8 +376,10 @@ def serve(
     cluster = None
     peer_sock = None
     if cluster_etcd is not None:
+        from kunlun.cluster import member
+
         peer_port = peer_port or port + 1
-        cluster = cluster_config(cluster_etcd, node_name, host, port, peer_port, advertise_url,
+        cluster = member.cluster_config(cluster_etcd, node_name, host, port, peer_port, advertise_url,
                                  cluster_certs, insecure_cluster, cluster_lease_ttl_s,
                                  cluster_files)  # fmt: skip
         peer_sock = bind_socket(host, peer_port)
@@ -443,63 +445,6 @@ def serve(
     finally:
         pid_path.unlink(missing_ok=True)
     raise SystemExit(0)
-
-
-def cluster_config(
-    etcd: str,
-    node_name: str | None,
-    host: str,
-    port: int,
-    peer_port: int,
-    advertise_url: str | None,
-    certs: Path | None,
-    insecure: bool,
-    lease_ttl_s: int,
-    files: Path | None,
-) -> Any:
-    """The :class:`~kunlun.cluster.member.ClusterConfig` of the cluster flags; TLS unless
-    ``--insecure-cluster``, which is refused together with certificates."""
-    from kunlun.cluster.certs import MemberTLS
-    from kunlun.cluster.member import ClusterConfig
-
-    if not node_name:
-        raise ConfigError("a cluster node needs a name", location=Location("--node-name"))
-    endpoints = [url.strip().rstrip("/") for url in etcd.split(",") if url.strip()]
-    if not endpoints:
-        raise ConfigError(f"no etcd URL in {etcd!r}", location=Location("--cluster-etcd"))
-    tls = None
-    if certs is not None and insecure:
-        raise ConfigError(
-            "--cluster-certs and --insecure-cluster contradict each other",
-            location=Location("--insecure-cluster"),
-        )
-    if certs is not None:
-        tls = MemberTLS.from_dir(certs, node_name)
-    elif not insecure:
-        raise ConfigError(
-            "a cluster talks TLS: no certificates given",
-            location=Location("--cluster-certs"),
-            hint="make them with `kunlun-cli cluster certs --out DIR --name NODE ...` and pass "
-            "--cluster-certs DIR; plain HTTP between nodes only with --insecure-cluster",
-        )
-    if files is None or not files.is_dir():
-        raise ConfigError(
-            "a cluster node needs the directory all nodes share for Batch API files"
-            + ("" if files is None else f": {files} is not a directory"),
-            location=Location("--cluster-files"),
-            hint="mount the same shared directory (NFS, CephFS, ...) on every node and pass it",
-        )
-    if advertise_url is None:
-        if host in ("0.0.0.0", "::"):
-            raise ConfigError(
-                f"--host {host} says nothing of how other nodes reach this one",
-                location=Location("--advertise-url"),
-                hint="pass --advertise-url https://ADDRESS:PEER_PORT",
-            )
-        shown = f"[{host}]" if ":" in host else host
-        advertise_url = f"{'http' if insecure else 'https'}://{shown}:{peer_port}"
-    return ClusterConfig(endpoints, node_name, f"http://{host}:{port}",
-                         advertise_url.rstrip("/"), files.resolve(), tls, lease_ttl_s)  # fmt: skip
 
 
 def model_roots(flags: list[Path]) -> tuple[Path, ...]:
