@@ -45,9 +45,9 @@ class BatchOwners:
         return True
 
     # ---- the leader ----
-    def assign(self) -> list[Op]:
-        """Fenced writes giving each unfinished job of a lost node to a live one, and
-        removing the ownership of finished jobs."""
+    def assign(self) -> tuple[list[Op], list[str]]:
+        """The writes (to be fenced) giving each unfinished job of a lost node to a live
+        one and removing the ownership of finished jobs, and what to say once they land."""
         nodes = set(self.view.items(NODES))
         owners = {bid: str(o.get("node")) for bid, o in self.view.items(OWNER).items()}
         load = {node: 0 for node in nodes}
@@ -56,6 +56,7 @@ class BatchOwners:
             if node in load and records.get(bid, {}).get("status") not in TERMINAL:
                 load[node] += 1
         ops: list[Op] = []
+        said: list[str] = []
         for bid, record in records.items():
             finished = record.get("status") in TERMINAL
             if finished:
@@ -68,10 +69,9 @@ class BatchOwners:
             node = min(sorted(nodes), key=lambda n: load[n])
             load[node] += 1
             was = owners.get(bid)
-            print(f"cluster: batch {bid} to {node}" + (f" ({was} is gone)" if was else ""),
-                  flush=True)  # fmt: skip
+            said.append(f"cluster: batch {bid} to {node}" + (f" ({was} is gone)" if was else ""))
             ops.append(Op.put(self.member.key(OWNER + bid), json.dumps({"node": node})))
-        return ops
+        return ops, said
 
     # ---- every node ----
     def reconcile(self) -> None:

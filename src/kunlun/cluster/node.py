@@ -146,7 +146,10 @@ class ClusterNode:
                 if self.member.leader:
                     self.controller.tick()
                 if self.member.leader and self.batches is not None:
-                    self.member.fenced(self.batches.assign())
+                    ops, said = self.batches.assign()
+                    if ops and self.member.fenced(ops):  # said only once it is so
+                        for line in said:
+                            print(line, flush=True)
                 self.local.reconcile()
                 if self.batches is not None:
                     self.batches.reconcile()
