@@ -161,6 +161,14 @@ def new_home(models_home: Path, tmp_path_factory: pytest.TempPathFactory, name: 
     return home
 
 
+def patient_queue(home: Path) -> Path:
+    """Let requests wait up to 600 s for a slot in ``home``'s daemon: validate's 20 concurrent
+    requests queue behind a few slots, which on a loaded CI machine can take longer than the
+    default 60 s; the tests check answers, not speed."""
+    (home / "scheduler_config.yaml").write_text("max_queue_wait_s: 600\n")
+    return home
+
+
 SPEC = """\
 model: smollm2
 batch_size: 8

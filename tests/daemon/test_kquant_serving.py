@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 from gguf import GGMLQuantizationType as QT
-from tests.daemon.conftest import Daemon, assert_validate_passes, free_port, new_home
+from tests.daemon.conftest import Daemon, assert_validate_passes, free_port, new_home, patient_queue
 from tests.engine.gguf_files import write_demo_kquant_gguf
 from tests.validate.conftest import wait_running
 
@@ -29,7 +29,7 @@ def kquant(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     gguf = write_demo_kquant_gguf(
         folder / "smollm2-q4_k.gguf", demo_model_dir(), demo_gguf_path(), fallback=QT.Q8_0
     )
-    daemon = Daemon(new_home(models_home, tmp_path_factory, "kquant-home"), free_port())
+    daemon = Daemon(patient_queue(new_home(models_home, tmp_path_factory, "kquant-home")), free_port())
     imported = daemon.cli("model", "import-gguf", str(gguf), "--name", NAME, remote=False,
                           timeout=900)  # fmt: skip
     assert imported.returncode == 0, imported.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from tests.daemon.conftest import Daemon, assert_validate_passes, free_port, new_home
+from tests.daemon.conftest import Daemon, assert_validate_passes, free_port, new_home, patient_queue
 from tests.validate.conftest import wait_running
 
 SPEC = """\
@@ -27,7 +27,8 @@ WORKLOADS = {"smollm2-w8a8": ("--quantization", "w8a8"), "smollm2-w4a16": ("--qu
 @pytest.fixture(scope="module")
 def quantized(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon running the demo model as w8a8 and as w4a16 on cpu:0."""
-    daemon = Daemon(new_home(models_home, tmp_path_factory, "quant-home"), free_port())
+    home = patient_queue(new_home(models_home, tmp_path_factory, "quant-home"))
+    daemon = Daemon(home, free_port())
     daemon.start(wait_ready=False)
     spec = daemon.home / "spec.yaml"
     spec.write_text(SPEC)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.daemon.conftest import BIN, Daemon, free_port, models_home, new_home
+from tests.daemon.conftest import BIN, Daemon, free_port, models_home, new_home, patient_queue
 
 __all__ = ["BIN", "models_home"]  # models_home is a fixture used here
 
@@ -55,7 +55,7 @@ def perturbed_copy(source: Path, target: Path, scale: float = PERTURBATION) -> P
 @pytest.fixture(scope="module")
 def platform(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon with the three workloads RUNNING (one replica each on cpu:0)."""
-    home = new_home(models_home, tmp_path_factory, "validate-home")
+    home = patient_queue(new_home(models_home, tmp_path_factory, "validate-home"))
     daemon = Daemon(home, free_port())
     daemon.start(wait_ready=False)
     perturbed = perturbed_copy(models_home / "models" / "smollm2", home / "perturbed")

@@ -17,6 +17,7 @@ from kunlun.cli import (
     device,
     keys,
     model,
+    rollout,
     telemetry,
     validate,
     workload,
@@ -38,6 +39,7 @@ app.add_typer(cluster.nodes_app, name="node")
 app.add_typer(cluster.cluster_app, name="cluster")
 app.add_typer(apikey.app, name="apikey")
 app.add_typer(batch.app, name="batch")
+app.add_typer(rollout.app, name="rollout")
 app.command("plan")(plan)
 app.add_typer(telemetry.app, name="telemetry")
 app.command("bench")(bench.bench)

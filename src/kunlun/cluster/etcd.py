@@ -11,7 +11,10 @@ when an endpoint cannot be reached, does not answer within ``timeout_s`` (each e
 gets that long), answers 5xx or says it has no leader. Every request carries the gRPC
 metadata ``hasleader`` (header ``Grpc-Metadata-Hasleader``), so a member cut off from the
 quorum says ``etcdserver: no leader`` at once instead of waiting for etcd's own timeout
-(7 s with the test settings). When every endpoint failed the call raises
+(7 s with the test settings). An election (a member lost, ``leader changed`` or ``no
+leader`` while another member still answers) usually ends within a second or two: while one
+is the only reason a call failed, the call is tried again for up to ``election_wait_s``
+(default 3 s) before it gives up. When every endpoint failed the call raises
 :class:`~kunlun.errors.ClusterUnavailable` naming each cause and endpoint; when every one
 refused the TLS handshake it raises :class:`~kunlun.errors.ConfigError` saying whose
 certificate was refused. A write whose endpoint timed out may have been applied there and is
@@ -31,6 +34,7 @@ import json
 import logging
 import ssl
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,6 +52,9 @@ log = logging.getLogger(__name__)
 _HEADERS = {"Grpc-Metadata-Hasleader": "true"}
 #: gRPC codes that mean "try another member": DeadlineExceeded, ResourceExhausted, Unavailable.
 _RETRY_CODES = frozenset({4, 8, 14})
+#: Answers that mean a leader election is under way (or quorum is gone, which looks the same).
+_ELECTION = ("leader changed", "no leader")
+_ELECTION_POLL_S = 0.2
 _NOT_FOUND = 5
 _PAGE = 1000
 _COMPARE_RESULTS = {"==": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
@@ -185,6 +192,7 @@ class _Failure:
     endpoint: str
     cause: str
     tls: bool = False
+    election: bool = False
 
 
 class LeaseNotFound(KunlunError):
@@ -198,12 +206,17 @@ class Etcd:
     ``https://10.0.0.1:2379`` (``https`` exactly when ``tls`` is given)."""
 
     def __init__(
-        self, endpoints: list[str], tls: MemberTLS | None = None, timeout_s: float = 3.0
+        self,
+        endpoints: list[str],
+        tls: MemberTLS | None = None,
+        timeout_s: float = 3.0,
+        election_wait_s: float = 3.0,
     ) -> None:
         if not endpoints:
             raise ConfigError("no etcd endpoint given")
         self.endpoints = [_checked_endpoint(e, tls) for e in endpoints]
         self.timeout_s = timeout_s
+        self.election_wait_s = election_wait_s
         self._tls = tls
         verify: ssl.SSLContext | bool = True
         if tls is not None:
@@ -325,7 +338,24 @@ class Etcd:
     def _call(
         self, path: str, body: dict[str, Any], ok_codes: frozenset[int] = frozenset()
     ) -> dict[str, Any]:
-        """POST ``body`` to the first endpoint that answers (from the last that did)."""
+        """POST ``body`` to the first endpoint that answers (from the last that did); again
+        while an election is the only reason none did, up to ``election_wait_s``."""
+        deadline = time.monotonic() + self.election_wait_s
+        while True:
+            answer = self._round(path, body, ok_codes)
+            if isinstance(answer, dict):
+                return answer
+            electing = any(f.election for f in answer) and all(
+                f.election or f.cause == "connection refused" for f in answer
+            )
+            if not electing or time.monotonic() + _ELECTION_POLL_S > deadline:
+                raise _unavailable(answer)
+            time.sleep(_ELECTION_POLL_S)
+
+    def _round(
+        self, path: str, body: dict[str, Any], ok_codes: frozenset[int]
+    ) -> dict[str, Any] | list[_Failure]:
+        """One try of every endpoint: the answer, or why each failed."""
         failures: list[_Failure] = []
         first = self._preferred
         for step in range(len(self.endpoints)):
@@ -349,12 +379,13 @@ class Etcd:
                 self._preferred = index
                 return {}
             if response.status_code >= 500 or code in _RETRY_CODES:
-                failures.append(_Failure(endpoint, _etcd_cause(message)))
+                election = any(text in message for text in _ELECTION)
+                failures.append(_Failure(endpoint, _etcd_cause(message), election=election))
                 continue
             if "lease not found" in message:
                 raise LeaseNotFound(f"etcd at {endpoint}: {message}")
             raise KunlunError(f"etcd at {endpoint} refused {path}: {message} (gRPC code {code})")
-        raise _unavailable(failures)
+        return failures
 
     def _register(self, watch: Watch, active: bool) -> None:
         with self._lock:

@@ -9,7 +9,9 @@ every other node's.
   routing on every node and stops once the requests it has are answered (at most
   :data:`DRAIN_S`): a move cuts no stream.
 - Every local replica is reported under ``cluster/replicas/<node>/<replica>`` with the node's
-  lease (device, ready, slots, memory reserved, or why it failed here).
+  lease (device, ready, slots, memory reserved, or why it failed here), and whether its
+  health checks took it out of routing (``ejected``, :mod:`kunlun.node.health`): every
+  node's gateway then leaves it out too.
 - Every other node's reported replica is put in this node's :class:`ReplicaSet` with the
   other node's peer URL, so the gateway routes to it like to its own (``X-Kunlun-Device``
   then says ``node-b/cpu:0``).
@@ -189,7 +191,7 @@ class LocalReplicas:
                 round(sample.utilization_pct, -1))  # fmt: skip
             current[rid] = json.dumps({
                 "workload_id": r.workload_id, "index": int(rid.rsplit("-r", 1)[1]),
-                "model": r.model, "device": r.device, "ready": r.ready,
+                "model": r.model, "device": r.device, "ready": r.ready, "ejected": r.ejected,
                 "max_num_seqs": r.max_num_seqs, "max_queue": r.max_queue,
                 "priority": r.priority, "reservations": self.reservations.get(rid, []),
                 "utilization_pct": utilization,
@@ -239,6 +241,8 @@ class LocalReplicas:
                 self.replicas.upsert(replica)
             else:
                 replica.ready = bool(status.get("ready")) and now >= replica.ejected_until
+            ejected = status.get("ejected")  # its node's health checks took it out of routing
+            replica.ejected = str(ejected) if ejected else None
             if status.get("utilization_pct") is not None:
                 self.samples[replica.device] = DeviceSample(status["utilization_pct"], None,
                                                             time.time())  # fmt: skip

@@ -39,17 +39,21 @@ from kunlun.cluster.etcd import Etcd
 from kunlun.cluster.member import ClusterConfig
 from kunlun.cluster.node import ClusterNode
 from kunlun.cluster.peer import PeerServer
+from kunlun.cluster.rollouts import rollout_hooks
 from kunlun.daemon.admin import admin_router
 from kunlun.daemon.auth import ApiKeyMiddleware
 from kunlun.daemon.batch_api import batch_router, gateway_app, in_process_sender
 from kunlun.daemon.body_check import JsonBodyCheck
 from kunlun.daemon.request_log import RequestLog, RequestLogConfig, RequestLogMiddleware
+from kunlun.daemon.rollout_api import rollout_router
 from kunlun.device.inventory import Inventory, build_inventory
 from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.node.agent import NodeAgent
+from kunlun.node.health import HealthChecker, HealthConfig
 from kunlun.node.liveness import LivenessConfig
 from kunlun.node.sandbox import SandboxPolicy
 from kunlun.offline.integrity import DEFAULT_INTERVAL_S, ModelGuard
+from kunlun.rollout.controller import RolloutController
 from kunlun.serving.gateway import (
     GatewayEndpoints,
     GatewayState,
@@ -93,6 +97,11 @@ class Platform:
     """This node's part in a cluster (``--cluster-etcd``); None on a single node."""
     peer: PeerServer | None = None
     """The peer port other cluster nodes relay requests to."""
+    rollouts: RolloutController | None = None
+    """Canary rollouts (made by :func:`make_platform`)."""
+    health: HealthChecker | None = None
+    """Probes this node's replicas and ejects the failing ones from routing
+    (:mod:`kunlun.node.health`)."""
 
     def inventory(self) -> Inventory:
         return build_inventory(config=self.config)
@@ -111,6 +120,7 @@ def make_platform(
     guard: ModelGuard | None = None,
     integrity_interval_s: float = DEFAULT_INTERVAL_S,
     cluster: ClusterConfig | None = None,
+    health: HealthConfig | None = None,
 ) -> Platform:
     """The daemon's parts. ``scheduler_config`` defaults to ``KUNLUN_HOME/scheduler_config.yaml``
     (absent: the defaults); a bad one raises :class:`~kunlun.errors.ConfigError`.
@@ -120,7 +130,8 @@ def make_platform(
     first-byte and read timeouts on workers' answers; ``guard``: which models may be served
     (default: any; :mod:`kunlun.offline.integrity`), re-checked every
     ``integrity_interval_s``. ``cluster``: join an etcd cluster (the state then lives in
-    etcd, :mod:`kunlun.cluster`)."""
+    etcd, :mod:`kunlun.cluster`). ``health``: how replicas are health-checked (default:
+    :class:`~kunlun.node.health.HealthConfig`'s defaults)."""
     scheduler = SchedulerConfigSource(scheduler_config or home / SCHEDULER_CONFIG)
     scheduler.load()
     store: StateStore
@@ -167,6 +178,8 @@ def make_platform(
         model_roots,
         integrity_interval_s,
     )
+    platform.health = HealthChecker(replicas, health or HealthConfig(), manager.event)
+    platform.rollouts = RolloutController(store, manager, gateway, replicas)
     if isinstance(store, EtcdStore) and cluster is not None:
         platform.cluster = ClusterNode(cluster, store, manager, replicas,
                                        lambda: platform.inventory().to_list(),
@@ -175,6 +188,7 @@ def make_platform(
         platform.batches.owners = platform.cluster.batches = BatchOwners(
             platform.cluster.member, platform.cluster.view, platform.batches
         )
+        platform.rollouts.cluster = rollout_hooks(platform.cluster, gateway.rollout_stats)
     return platform
 
 
@@ -225,6 +239,10 @@ def create_app(platform: Platform) -> FastAPI:
         telemetry.sources.append(platform.manager.guard.families)
     if platform.cluster is not None:
         telemetry.sources.append(platform.cluster.families)
+    if platform.rollouts is not None:
+        telemetry.sources.append(platform.rollouts.families)
+    if platform.health is not None:
+        telemetry.sources.append(platform.health.families)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -239,6 +257,7 @@ def create_app(platform: Platform) -> FastAPI:
                 flush=True,
             )
         supervisor = asyncio.create_task(platform.agent.supervise())
+        health = None if platform.health is None else asyncio.create_task(platform.health.run())
         if platform.peer is not None:
             platform.peer.start()
         if platform.cluster is not None:
@@ -246,14 +265,20 @@ def create_app(platform: Platform) -> FastAPI:
                 platform.cluster.batches.loop = asyncio.get_running_loop()
             await asyncio.to_thread(platform.cluster.start)
         await asyncio.to_thread(platform.manager.resume_all)
+        if platform.rollouts is not None:
+            platform.rollouts.start()
         await platform.batches.start()
         integrity = asyncio.create_task(integrity_loop(platform))
         try:
             yield
         finally:
             integrity.cancel()
+            if platform.rollouts is not None:
+                await asyncio.to_thread(platform.rollouts.stop)
             await platform.batches.close()
             supervisor.cancel()
+            if health is not None:
+                health.cancel()
             if platform.cluster is not None:
                 await asyncio.to_thread(platform.cluster.stop)
             if platform.peer is not None:
@@ -293,6 +318,8 @@ def create_app(platform: Platform) -> FastAPI:
         return JSONResponse({"status": "no replica has loaded and warmed up yet"}, status_code=503)
 
     app.include_router(admin_router(platform), prefix="/api/v1")
+    if platform.rollouts is not None:
+        app.include_router(rollout_router(platform.rollouts), prefix="/api/v1")
     app.include_router(gateway_router(platform.replicas, platform.gateway))
     app.include_router(batch_router(platform.files, platform.batches))
     app.include_router(telemetry.router())  # telemetry: GET /metrics (API key when keys exist)

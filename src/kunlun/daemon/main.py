@@ -40,6 +40,19 @@ MODEL_ROOTS_ENV = "KUNLUN_MODEL_ROOTS"
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, invoke_without_command=True)
 
+# Watching engine workers: the liveness kill (kunlun.node.liveness), the health checks'
+# ejection from routing (kunlun.node.health, docs/health-checks.md).
+AnswerDeadline = Annotated[float, typer.Option(min=0.5, envvar="KUNLUN_WORKER_ANSWER_DEADLINE_S", help=
+    "A ready engine worker that answers no health probe for this long is killed and restarted; its requests get 504.")]  # fmt: skip
+ProgressDeadline = Annotated[float, typer.Option(min=0.5, envvar="KUNLUN_WORKER_PROGRESS_DEADLINE_S", help=
+    "An engine worker with requests in flight whose engine makes no step for this long is killed and restarted; its requests get 504.")]  # fmt: skip
+HealthInterval = Annotated[float, typer.Option(min=0.2, envvar="KUNLUN_HEALTH_CHECK_INTERVAL_S", help=
+    "Seconds between two health probes (a 1-token generation) of each ready replica.")]  # fmt: skip
+HealthTimeout = Annotated[float, typer.Option(min=0.05, envvar="KUNLUN_HEALTH_CHECK_TIMEOUT_S", help=
+    "Seconds a health probe waits; a replica that answers neither it nor /stats, or whose engine makes no step, leaves routing at once.")]  # fmt: skip
+HealthFailures = Annotated[int, typer.Option(min=1, envvar="KUNLUN_HEALTH_CHECK_FAILURES", help=
+    "Health probes answered with an error, in a row, that take a replica out of routing until one passes.")]  # fmt: skip
+
 
 class DaemonError(KunlunError):
     code = "daemon.error"
@@ -214,24 +227,11 @@ def serve(
         str | None,
         typer.Option(hidden=True, envvar="KUNLUN_WORKER_SELF_TEST"),
     ] = None,
-    worker_answer_deadline_s: Annotated[
-        float,
-        typer.Option(
-            min=0.5,
-            envvar="KUNLUN_WORKER_ANSWER_DEADLINE_S",
-            help="A ready engine worker that answers no health probe for this long is killed "
-            "and restarted; its requests get 504.",
-        ),
-    ] = 15.0,
-    worker_progress_deadline_s: Annotated[
-        float,
-        typer.Option(
-            min=0.5,
-            envvar="KUNLUN_WORKER_PROGRESS_DEADLINE_S",
-            help="An engine worker with requests in flight whose engine makes no step for this "
-            "long is killed and restarted; its requests get 504.",
-        ),
-    ] = 120.0,
+    worker_answer_deadline_s: AnswerDeadline = 15.0,
+    worker_progress_deadline_s: ProgressDeadline = 120.0,
+    health_check_interval: HealthInterval = 5.0,
+    health_check_timeout: HealthTimeout = 2.0,
+    health_check_failures: HealthFailures = 2,
     upstream_first_byte_timeout_s: Annotated[
         float,
         typer.Option(
@@ -337,6 +337,7 @@ def serve(
     if ctx.invoked_subcommand is not None:
         return
     from kunlun.daemon.app import create_asgi, make_platform
+    from kunlun.node.health import HealthConfig
     from kunlun.node.liveness import LivenessConfig
 
     home = kunlun_home()
@@ -404,6 +405,7 @@ def serve(
         guard=guard,
         integrity_interval_s=integrity_interval_s,
         cluster=cluster,
+        health=HealthConfig(health_check_interval, health_check_timeout, health_check_failures),
     )
     if cluster is not None and peer_sock is not None:
         from kunlun.cluster.peer import PeerApp, PeerServer

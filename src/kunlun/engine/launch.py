@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kunlun.errors import ConfigError, Location
+from kunlun.serving.faults import FaultSpec
 
 if TYPE_CHECKING:
     from kunlun.device.plugin import DevicePlugin
@@ -123,6 +124,9 @@ class EngineLaunch(BaseModel):
     )
     profiling_interval_ms: float = Field(
         50.0, ge=0, description="With trace_prefix: at most one traced step per interval."
+    )
+    faults: FaultSpec | None = Field(
+        None, description="Faults injected into client requests (testing; kunlun.serving.faults)."
     )
 
     @field_validator("device")

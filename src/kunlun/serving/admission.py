@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kunlun.rollout.split import Version
 from kunlun.serving.protocol import QueueFull, ServiceUnavailable
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.serving.routing import PRIORITIES, Router
@@ -91,6 +92,12 @@ class Ticket:
     """Device type it is restricted to (``X-Kunlun-Pool``), or None for any."""
     tokens: int
     """Estimated tokens it adds to its replica: prompt estimate + ``max_tokens`` x ``n``."""
+    workload: str | None = None
+    """The workload it must go to (its version of the model during a rollout), or None."""
+    avoid: tuple[str, ...] = ()
+    """Replicas it must not go to (it failed on them before its first byte)."""
+    version: Version | None = None
+    """During a rollout of its model: the version it was sent to (and ``workload`` is it)."""
     replica: Replica | None = None
     """The replica it was admitted to (its slot is held until :meth:`Admission.release`)."""
     future: asyncio.Future[Replica] | None = None
@@ -158,7 +165,9 @@ class Admission:
         if backlog is not None and backlog.num_waiting:
             return None
         replicas = self.replicas.serving(ticket.model)
-        replica = self.router.choose(replicas, ticket.pool, ticket.tokens)
+        replica = self.router.choose(
+            replicas, ticket.pool, ticket.tokens, ticket.workload, ticket.avoid
+        )
         if replica is not None:
             self._hold(replica, ticket)
         return replica
@@ -257,11 +266,14 @@ class Admission:
         stopped). Called periodically, so that a replica becoming ready lets the backlog
         move."""
         pools: dict[str, set[str]] = {}
+        workloads: dict[str, set[str]] = {}
         for replica in self.replicas.all():
             pools.setdefault(replica.model, set()).add(replica.device_type)
+            workloads.setdefault(replica.model, set()).add(replica.workload_id)
         for model, backlog in list(self.backlogs.items()):
             if backlog.num_waiting:
-                self._refuse_orphans(model, backlog, pools.get(model, set()), retry_after_s)
+                self._refuse_orphans(model, backlog, pools.get(model, set()),
+                                     workloads.get(model, set()), retry_after_s)  # fmt: skip
                 self.dispatch(model)
 
     def num_waiting(self) -> int:
@@ -273,10 +285,12 @@ class Admission:
     ) -> tuple[Ticket | None, Replica | None]:
         for priority in backlog.order(weights):
             for ticket in backlog.queues[priority]:
-                replica = self.router.choose(replicas, ticket.pool, ticket.tokens)
+                replica = self.router.choose(
+                    replicas, ticket.pool, ticket.tokens, ticket.workload, ticket.avoid
+                )
                 if replica is not None:
                     return ticket, replica
-                if ticket.pool is None:
+                if ticket.pool is None and ticket.workload is None and not ticket.avoid:
                     return None, None  # no free slot anywhere
         return None, None
 
@@ -308,12 +322,19 @@ class Admission:
         ))  # fmt: skip
 
     def _refuse_orphans(
-        self, model: str, backlog: Backlog, pools: set[str], retry_after_s: int
+        self,
+        model: str,
+        backlog: Backlog,
+        pools: set[str],
+        workloads: set[str],
+        retry_after_s: int,
     ) -> None:
         """Refuse (503) the waiters no replica will take: ``pools`` (the device types of the
-        model's replicas, ready or not) is empty, or lacks the pool they asked for."""
+        model's replicas, ready or not) is empty, or lacks the pool they asked for, or
+        ``workloads`` (those replicas' workloads) lacks the version they were sent to."""
         for queue in backlog.queues.values():
-            orphans = [t for t in queue if not pools or (t.pool and t.pool not in pools)]
+            orphans = [t for t in queue if not pools or (t.pool and t.pool not in pools)
+                       or (t.workload and t.workload not in workloads)]  # fmt: skip
             for ticket in orphans:
                 backlog.remove(ticket)
                 what = f"pool {ticket.pool!r} of model {model!r}" if pools else f"model {model!r}"

@@ -36,6 +36,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kunlun import json_text
 from kunlun.errors import KunlunError, Location
+from kunlun.rollout.split import SESSION_HEADER, Split
+from kunlun.rollout.window import BASELINE, RolloutStats
 from kunlun.serving.admission import Admission, Ticket
 from kunlun.serving.key_limits import KEY_TOKENS_SCOPE
 from kunlun.serving.limits import DEFAULT_MAX_SEQUENCES
@@ -71,6 +73,7 @@ _CHAT_BODY = openapi_body(ChatCompletionRequest)
 _COMPLETION_BODY = openapi_body(CompletionRequest)
 _PRIORITY_KEY = PRIORITY_HEADER.lower().encode()
 _POOL_KEY = POOL_HEADER.lower().encode()
+_SESSION_KEY = SESSION_HEADER.lower().encode()
 _PRINTABLE = frozenset(range(0x20, 0x7F))
 """Bytes a client's ``X-Request-Id`` may hold to be passed on (printable ASCII)."""
 _ID_PREFIX = os.urandom(4).hex()
@@ -120,6 +123,10 @@ class GatewayState:
     """Shared keep-alive connections to the workers (made by :meth:`start`)."""
     upstream_ssl: ssl.SSLContext | None = field(default=None, repr=False)
     """In a cluster: TLS for other nodes' peer ports (their replicas' ``https://`` URLs)."""
+    splits: dict[str, Split] = field(default_factory=dict)
+    """Model name -> its rollout's traffic split (set by the rollout controller)."""
+    rollout_stats: RolloutStats = field(default_factory=RolloutStats, repr=False)
+    """Each rollout version's requests, errors and latencies per step (for its gates)."""
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics, repr=False)  # telemetry
     """Request counters and latency histograms (part of the daemon's ``/metrics``)."""
     _ticker: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
@@ -261,12 +268,15 @@ def respond(scope: Scope, body: bytes, replicas: ReplicaSet, state: GatewayState
 class _Headers:
     """The request headers the gateway reads, found in one pass over the ASGI list."""
 
-    __slots__ = ("pool", "priority", "request_id")
+    __slots__ = ("pool", "priority", "request_id", "session")
 
     def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
         self.pool = self.priority = self.request_id = None
+        self.session: bytes | None = None
         for name, value in raw:
-            if name == _PRIORITY_KEY:
+            if name == _SESSION_KEY:
+                self.session = value
+            elif name == _PRIORITY_KEY:
                 self.priority = value.decode("latin-1")
             elif name == _POOL_KEY:
                 self.pool = value.decode("latin-1")
@@ -297,24 +307,38 @@ def _ticket(
             retry_after_s=state.retry_after_s,
         )
     serving = replicas.serving(model)
-    first_ready = next((r for r in serving if r.ready), None)
+    first_ready = next((r for r in serving if r.routable), None)
     if first_ready is None:
         served = replicas.models()
         if model not in served:
             names = ", ".join(served) or "none"
             raise ModelNotFound(f"model {model!r} is not served here; served models: {names}")
+        ejected = [f"{r.replica_id}: {r.ejected}" for r in serving if r.ready and r.ejected]
+        if ejected:
+            raise ServiceUnavailable(
+                f"every ready replica of model {model!r} is out of routing after failed "
+                f"health checks ({'; '.join(ejected)})",
+                retry_after_s=state.retry_after_s,
+            )
         raise ServiceUnavailable(
             f"no replica of model {model!r} is ready yet", retry_after_s=state.retry_after_s
         )
     pool = headers.pool
     if pool is not None:
         pool = pool.strip()
-        if not any(r.ready and r.device_type == pool for r in serving):
+        if not any(r.routable and r.device_type == pool for r in serving):
             _refuse_pool(model, pool, replicas, state)
     priority = resolve_priority(
         headers.priority, scope.get(KEY_PRIORITY_SCOPE), first_ready.priority
     )
-    return Ticket(model, priority, pool, _token_estimate(payload, len(body)))
+    ticket = Ticket(model, priority, pool, _token_estimate(payload, len(body)))
+    split = state.splits.get(model)
+    if split is not None:
+        version = split.choose(headers.session)
+        if not any(r.routable and r.workload_id == version.workload for r in serving):
+            version = split.version(version.role == BASELINE)  # the other one, while it serves
+        ticket.version, ticket.workload = version, version.workload
+    return ticket
 
 
 def _check_sequences(payload: dict[str, Any], limit: int) -> None:

@@ -4,8 +4,9 @@ It is an ASGI response (built by :func:`kunlun.serving.gateway.respond`) that ta
 replica slot, sends the request to the replica's worker over the gateway's upstream pool
 and relays the answer byte for byte, adding ``X-Kunlun-Replica``, ``X-Kunlun-Device`` and
 ``X-Kunlun-Priority``. A worker that dies mid-stream ends the client's stream with one SSE
-error event (code ``worker_died``) and no ``[DONE]``; one that dies before answering gives
-502. A worker the node agent killed for being unresponsive (``Replica.fault``), or one silent
+error event (code ``worker_died``) and no ``[DONE]``; one that dies or cannot be reached before answering has the request sent to another
+replica of its model (and rollout version), at most :data:`MAX_RETRIES` times, and gives
+502 or 503 when none is left; once the first byte went to the client nothing is retried. A worker the node agent killed for being unresponsive (``Replica.fault``), or one silent
 past the upstream pool's first-byte or read timeout, gives 504 (code ``worker_unresponsive``)
 the same ways. A client that disconnects closes the upstream response at once, which makes the worker
 abort the generation; one still waiting in the queue is taken out of it.
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
 _FORWARDED = (b"content-type", b"content-length", b"x-request-id", b"cache-control")
 """Upstream response headers passed to the client."""
 _SSE = sse.MEDIA_TYPE.encode()
+_ERROR_EVENT = b'data: {"error"'
+"""How an SSE error event starts (generated text inside an event is JSON-escaped)."""
+MAX_RETRIES = 2
+"""Other replicas a request is sent to when one fails before answering anything."""
 REMOTE_EJECT_S = 5.0
 """Another node's replica that could not be connected to stays out of routing this long."""
 
@@ -70,6 +75,11 @@ class Relay(Response):
         self._refusal: KunlunError | None = None
         self.arrived = time.perf_counter()  # telemetry: perf_counter readings
         self.dispatched: float | None = None  # telemetry
+        self.first_byte: float | None = None
+        """When the first piece of the answer's body went to the client."""
+        self.stream_error = False
+        """A rollout's request whose streamed answer ended with an error event."""
+        self.retries = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         admission = self.state.admission
@@ -80,16 +90,23 @@ class Relay(Response):
         watcher = asyncio.ensure_future(self._watch(receive, relay))
         try:
             replica = admission.try_admit(self.ticket)
-            if replica is None:
-                try:
-                    replica = await admission.wait(self.ticket)
-                except (QueueFull, ServiceUnavailable) as exc:
-                    self._refusal = exc
-                    await self._send_error(send, exc)
-                    return
-            self.replica = replica
             try:
-                await self._exchange(send, replica)
+                while True:
+                    if replica is None:
+                        try:
+                            replica = await admission.wait(self.ticket)
+                        except (QueueFull, ServiceUnavailable) as exc:
+                            self._refusal = exc
+                            await self._send_error(send, exc)
+                            return
+                    self.replica = replica
+                    if not await self._exchange(send, replica):
+                        return
+                    # failed before its first byte: once more on another replica
+                    admission.release(self.ticket)
+                    self.ticket.avoid += (replica.replica_id,)
+                    self.retries += 1
+                    replica = admission.try_admit(self.ticket)
             finally:
                 admission.release(self.ticket)
         except asyncio.CancelledError:
@@ -107,6 +124,17 @@ class Relay(Response):
     def _count(self) -> None:
         """Telemetry: a few counter increments, no body parsing."""
         r, metrics = self.replica, self.state.metrics
+        version = self.ticket.version
+        if (  # the rollout's gates: what the version answered (not a client that left)
+            version is not None
+            and self.status_code != CLIENT_GONE
+            and (r is not None or self.status_code >= 500)
+        ):
+            now = time.perf_counter()
+            ttft = None if self.first_byte is None else (self.first_byte - self.arrived) * 1e3
+            error = self.status_code >= 500 or self.stream_error
+            self.state.rollout_stats.record(version.rollout_id, version.step, version.role,
+                                            error, ttft, (now - self.arrived) * 1e3)  # fmt: skip
         if r is None:  # refused, or its client left, while waiting in the gateway's queue
             if self._refusal is not None:
                 metrics.refused(self.ticket.model, True, self._refusal)
@@ -122,7 +150,10 @@ class Relay(Response):
         if not self._ended and relay is not None:
             relay.cancel()
 
-    async def _exchange(self, send: Send, replica: Replica) -> None:
+    async def _exchange(self, send: Send, replica: Replica) -> bool:
+        """Send the request to ``replica`` and relay its answer. True when it failed before
+        anything was sent to the client and another replica may take it (the caller tries
+        again there, at most :data:`MAX_RETRIES` times); the client then has no answer yet."""
         pool = self.state.upstream
         if pool is None:
             raise RuntimeError("GatewayState.start() was not called")
@@ -132,24 +163,45 @@ class Relay(Response):
         try:
             upstream = await pool.post(replica.base_url, self.path, headers, self.payload)
         except UpstreamError as exc:
-            await self._send_error(send, self._unreachable(replica, exc))
-            return
+            error = self._unreachable(replica, exc)
+            if isinstance(exc, UpstreamUnreachable | UpstreamBroken) and self._may_retry(replica):
+                return True
+            await self._send_error(send, error)
+            return False
         try:
             await self._relay(upstream, send, replica)
         finally:
             await upstream.close()
+        return False
+
+    def _may_retry(self, failed: Replica) -> bool:
+        """Whether another routable replica of the request's model (and version) is left."""
+        if self.retries >= MAX_RETRIES or self.state.admission is None:
+            return False
+        ticket, avoid = self.ticket, (*self.ticket.avoid, failed.replica_id)
+        return any(r.routable and r.replica_id not in avoid
+                   and (ticket.workload is None or r.workload_id == ticket.workload)
+                   and (ticket.pool is None or r.device_type == ticket.pool)
+                   for r in self.state.admission.replicas.serving(ticket.model))  # fmt: skip
 
     async def _relay(self, upstream: UpstreamResponse, send: Send, replica: Replica) -> None:
         raw = [(k, v) for k, v in upstream.headers if k in _FORWARDED]
         raw += [(b"x-kunlun-replica", replica.replica_id.encode()),
                 (b"x-kunlun-device", replica.device.encode()),
                 (b"x-kunlun-priority", self.ticket.priority.encode())]  # fmt: skip
+        version = self.ticket.version
+        if version is not None:
+            raw.append((b"x-kunlun-version", version.header))
         self.status_code = upstream.status_code  # telemetry
         await send({"type": "http.response.start", "status": upstream.status_code, "headers": raw})
         last, final = b"\n\n", False
         streamed = (upstream.header(b"content-type") or b"").startswith(_SSE)
         try:
             async for chunk in upstream.iter_raw():
+                if self.first_byte is None:
+                    self.first_byte = time.perf_counter()
+                if version is not None and streamed and _ERROR_EVENT in chunk:
+                    self.stream_error = True  # an engine error ended the stream
                 final = upstream.complete  # then the end of the body goes with this write
                 # A stream's answer is whole once its [DONE] is out, though the end of the
                 # chunked body may come in a later read: a client that closes on [DONE] (the
@@ -180,6 +232,8 @@ class Relay(Response):
         if self.replica is not None:
             headers += [(b"x-kunlun-replica", self.replica.replica_id.encode()),
                         (b"x-kunlun-device", self.replica.device.encode())]  # fmt: skip
+        if self.ticket.version is not None:
+            headers.append((b"x-kunlun-version", self.ticket.version.header))
         headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
         self.status_code = status  # telemetry
         await send({"type": "http.response.start", "status": status, "headers": headers})

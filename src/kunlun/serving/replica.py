@@ -43,10 +43,19 @@ class Replica:
     ejected_until: float = 0.0
     """Another node's replica that could not be reached is not routed to before this
     (``time.monotonic()``), whatever its node last reported."""
+    ejected: str | None = None
+    """Why the health checker took this replica out of routing (its probes failed or its
+    engine stalled; :mod:`kunlun.node.health`); None once a probe passes again. Unlike
+    ``fault``, the worker keeps running."""
     fault: str | None = None
     """Why the node agent took this replica out of routing and killed its worker (it was
     unresponsive or stalled); cleared when a new worker is ready. The gateway answers its
     cut-off requests with this reason (504)."""
+
+    @property
+    def routable(self) -> bool:
+        """Ready and not ejected: the gateway may send it requests."""
+        return self.ready and self.ejected is None
 
     @property
     def slots(self) -> int:
@@ -99,7 +108,7 @@ class ReplicaSet:
     def ready(self, model: str) -> list[Replica]:
         """Ready replicas serving ``model``."""
         with self._lock:
-            return [r for r in self._replicas.values() if r.model == model and r.ready]
+            return [r for r in self._replicas.values() if r.model == model and r.routable]
 
     def models(self) -> list[str]:
         """Every model name with at least one replica (ready or starting)."""

@@ -152,10 +152,23 @@ class Router:
     def _configure(self, config: SchedulerConfig) -> None:
         self.samples.configure(config.thermal, config.sample_max_age_s)
 
-    def choose(self, replicas: Sequence[Replica], pool: str | None, tokens: int) -> Replica | None:
-        """The replica to send a request of about ``tokens`` tokens to, among the ready ones
-        of ``replicas`` (one model's); None when none matching ``pool`` has a free slot."""
+    def choose(
+        self,
+        replicas: Sequence[Replica],
+        pool: str | None,
+        tokens: int,
+        workload: str | None = None,
+        avoid: tuple[str, ...] = (),
+    ) -> Replica | None:
+        """The replica to send a request of about ``tokens`` tokens to, among the routable
+        ones of ``replicas`` (one model's); None when none matching ``pool`` has a free slot.
+        ``workload``: only that workload's replicas (one version of a model during a
+        rollout); ``avoid``: replica ids not to take (those a request already failed on)."""
         config = self.source.config
+        if workload is not None or avoid:
+            replicas = [r for r in replicas
+                        if (workload is None or r.workload_id == workload)
+                        and r.replica_id not in avoid]  # fmt: skip
         if config.policy == "round-robin":
             return self._round_robin(replicas, pool)
         return self._load_aware(replicas, pool, tokens, config.min_gpu_utilization_threshold)
@@ -166,7 +179,7 @@ class Router:
         for i in range(n):
             replica = replicas[(start + i) % n]
             if (
-                replica.ready
+                replica.routable
                 and replica.in_flight < replica.slots
                 and (pool is None or replica.device_type == pool)
             ):
@@ -188,7 +201,7 @@ class Router:
         for replica in itertools.chain(replicas[start:], replicas[:start]):
             in_flight = replica.in_flight
             if (
-                not replica.ready
+                not replica.routable
                 or in_flight >= replica.max_num_seqs
                 or in_flight >= replica.max_queue
                 or (pool is not None and replica.device_type != pool)

@@ -29,6 +29,7 @@ from kunlun.engine.outputs import RequestOutput, RequestOutputDelta
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import EngineError, KunlunError, PromptTooLong
 from kunlun.serving import responses, sse
+from kunlun.serving.faults import Faults, FaultSpec
 from kunlun.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -93,9 +94,14 @@ class WorkerApp:
     """Handlers over one engine serving one model name."""
 
     def __init__(
-        self, engine: AsyncLLMEngine, served_name: str, log: Callable[[str], None]
+        self,
+        engine: AsyncLLMEngine,
+        served_name: str,
+        log: Callable[[str], None],
+        faults: FaultSpec | None = None,
     ) -> None:
         self.engine = engine
+        self.faults = Faults(faults)
         self.served_name = served_name
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len: int = engine.engine.max_model_len
@@ -115,6 +121,7 @@ class WorkerApp:
         call = _new_call(request)  # timed from the whole request's arrival
         req = await _off_loop_if_large(raw, parse_request, ChatCompletionRequest, raw)
         self._check_model(req.model)
+        await self.faults.apply(request.headers)
         params = req.to_sampling_params()
         messages = [m.template_dict() for m in req.messages]
         prompt = await _off_loop_if_large(raw, self._chat_prompt, messages)
@@ -136,6 +143,7 @@ class WorkerApp:
         call = _new_call(request)  # timed from the whole request's arrival
         req = await _off_loop_if_large(raw, parse_request, CompletionRequest, raw)
         self._check_model(req.model)
+        await self.faults.apply(request.headers)
         params = req.to_sampling_params()
         prompts = req.prompts()
         for prompt in prompts:  # refuse what cannot fit before tokenizing anything
@@ -372,10 +380,14 @@ class WorkerApp:
 
 
 def create_worker_app(
-    engine: AsyncLLMEngine, served_name: str, log: Callable[[str], None] = print
+    engine: AsyncLLMEngine,
+    served_name: str,
+    log: Callable[[str], None] = print,
+    faults: FaultSpec | None = None,
 ) -> FastAPI:
-    """The worker's FastAPI app over ``engine``, serving it as model ``served_name``."""
-    worker = WorkerApp(engine, served_name, log)
+    """The worker's FastAPI app over ``engine``, serving it as model ``served_name``, with
+    ``faults`` injected into client requests (:mod:`kunlun.serving.faults`)."""
+    worker = WorkerApp(engine, served_name, log, faults)
     app = FastAPI(title="Kunlun engine worker", docs_url=None, redoc_url=None)
     app.state.worker = worker
     app.post("/v1/chat/completions")(worker.chat_completions)

@@ -38,6 +38,7 @@ from kunlun.state.store import (
     EventRecord,
     FileRecord,
     ModelRecord,
+    RolloutRecord,
     StateStore,
     WorkloadRecord,
 )
@@ -139,6 +140,17 @@ class EtcdStore(StateStore):
     def list_batches(self) -> list[BatchRecord]:
         records = self._list(BatchRecord, "batches")
         records.sort(key=lambda kr: (kr[1].created_at, kr[0].create_revision), reverse=True)
+        return [r for _, r in records]
+
+    def put_rollout(self, record: RolloutRecord) -> None:
+        self._put("rollouts", record.rollout_id, record)
+
+    def get_rollout(self, rollout_id: str) -> RolloutRecord | None:
+        return self._get(RolloutRecord, "rollouts", rollout_id)
+
+    def list_rollouts(self) -> list[RolloutRecord]:
+        records = self._list(RolloutRecord, "rollouts")
+        records.sort(key=lambda kr: (kr[1].created, kr[0].create_revision))
         return [r for _, r in records]
 
     # change detection

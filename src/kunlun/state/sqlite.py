@@ -18,6 +18,7 @@ from kunlun.state.store import (
     EventRecord,
     FileRecord,
     ModelRecord,
+    RolloutRecord,
     StateStore,
     WorkloadRecord,
 )
@@ -40,6 +41,8 @@ CREATE TABLE IF NOT EXISTS models (
 CREATE TABLE IF NOT EXISTS files (file_id TEXT PRIMARY KEY, data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS batches (
   batch_id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS rollouts (
+  rollout_id TEXT PRIMARY KEY, created REAL NOT NULL, data TEXT NOT NULL);
 """
 
 
@@ -176,6 +179,20 @@ class SQLiteStore(StateStore):
     def list_batches(self) -> list[BatchRecord]:
         rows = self._exec("SELECT data FROM batches ORDER BY created_at DESC, rowid DESC")
         return [BatchRecord(**json.loads(r[0])) for r in rows]
+
+    def put_rollout(self, record: RolloutRecord) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO rollouts VALUES (?,?,?)",
+            (record.rollout_id, record.created, json.dumps(asdict(record))),
+        )
+
+    def get_rollout(self, rollout_id: str) -> RolloutRecord | None:
+        rows = self._exec("SELECT data FROM rollouts WHERE rollout_id = ?", (rollout_id,))
+        return RolloutRecord(**json.loads(rows[0][0])) if rows else None
+
+    def list_rollouts(self) -> list[RolloutRecord]:
+        rows = self._exec("SELECT data FROM rollouts ORDER BY created, rowid")
+        return [RolloutRecord(**json.loads(r[0])) for r in rows]
 
     def data_version(self) -> int:
         """Changes whenever another connection commits (cheap change detection)."""

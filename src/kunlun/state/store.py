@@ -107,6 +107,48 @@ class BatchRecord:
     """The output and error files expire this many seconds after they are written."""
 
 
+@dataclass
+class RolloutRecord:
+    """A canary rollout of a workload's model (:mod:`kunlun.rollout`)."""
+
+    rollout_id: str
+    workload_id: str
+    """The baseline: the workload being replaced."""
+    canary_workload_id: str
+    """The new version, serving the same model name next to the baseline."""
+    model: str
+    """The model name clients send (both workloads serve it)."""
+    baseline_model: str
+    canary_model: str
+    steps: list[float]
+    """Canary traffic percentages, in order; reaching 100 promotes."""
+    interval_s: float
+    max_error_rate: float
+    """A fraction (0.001 for 0.1 %)."""
+    max_p95_regression: float
+    """A fraction (0.05 for 5 %)."""
+    min_requests: int
+    state: str = "STARTING"
+    """STARTING, PROGRESSING, then PROMOTED, ROLLED_BACK or ABORTED."""
+    step: int = -1
+    """Index into ``steps`` of the weight in force (-1 while the canary starts)."""
+    step_started: float = 0.0
+    """When the current step began (its gate window starts then)."""
+    created: float = 0.0
+    updated: float = 0.0
+    finished: float | None = None
+    retired: float | None = None
+    """When the losing version (the canary rolled back, the baseline replaced) had stopped;
+    None while it drains. A workload with a rollout not yet retired takes no new rollout."""
+    reason: str | None = None
+    gates: list[dict[str, Any]] = field(default_factory=list)
+    """The latest evaluation of each gate (name, verdict, measured values, limit, samples)."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """Each finished step: weight, start and end, and its gates."""
+    canary_spec: dict[str, Any] = field(default_factory=dict)
+    """The canary workload's spec (the baseline's with the new model and overrides)."""
+
+
 class StateStore(ABC):
     """Durable state. Every method is atomic and safe to call from any thread."""
 
@@ -176,6 +218,18 @@ class StateStore(ABC):
     @abstractmethod
     def list_batches(self) -> list[BatchRecord]:
         """Every batch job, newest first."""
+
+    # canary rollouts
+    @abstractmethod
+    def put_rollout(self, record: RolloutRecord) -> None:
+        """Insert or replace a rollout."""
+
+    @abstractmethod
+    def get_rollout(self, rollout_id: str) -> RolloutRecord | None: ...
+
+    @abstractmethod
+    def list_rollouts(self) -> list[RolloutRecord]:
+        """Every rollout, oldest first."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""

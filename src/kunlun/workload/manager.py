@@ -119,14 +119,17 @@ class WorkloadManager:
         ]
         return place(spec, self.inventory(), model, reservations, starting=starting)
 
-    def submit(self, spec: WorkloadSpec, dry_run: bool = False) -> WorkloadRecord:
+    def submit(
+        self, spec: WorkloadSpec, dry_run: bool = False, canary_of: str | None = None
+    ) -> WorkloadRecord:
         """Create and start a workload (or, with ``dry_run``, only say where it would run).
 
         An unknown model or a placement that cannot work is refused here, before anything is
         recorded; a model whose files cannot be read is recorded and ends FAILED with the
-        reason (as when a worker cannot load it).
+        reason (as when a worker cannot load it). ``canary_of``: the workload this one is a
+        rollout's canary of (it serves the same model name next to it).
         """
-        record = self._new_record(spec)
+        record = self._new_record(spec, canary_of)
         if dry_run and self.cluster is not None:
             raise ConfigError(
                 "a dry run is not available on a cluster node yet: the leader places replicas "
@@ -167,10 +170,10 @@ class WorkloadManager:
         )
         return record
 
-    def _new_record(self, spec: WorkloadSpec) -> WorkloadRecord:
+    def _new_record(self, spec: WorkloadSpec, canary_of: str | None = None) -> WorkloadRecord:
         name = spec.served_name
         for other in self.store.list_workloads():
-            if other.state in ACTIVE and other.name == name:
+            if other.state in ACTIVE and other.name == name and other.workload_id != canary_of:
                 raise ConfigError(
                     f"a workload already serves {name!r} ({other.workload_id}, {other.state})",
                     location=Location("name"),
@@ -244,7 +247,7 @@ class WorkloadManager:
         host_kv_mb = plan.kv_cache_memory_mb if plan.torch_device == "cpu" else 0
         cap_mb = memory_cap_mb(plan.weight_memory_mb, host_kv_mb, spec.memory_cap_mb)
         launch = engine_launch(plan, plugin, model_dir, record.name, plan_dir, int(threads),
-                               stream_interval=spec.stream_interval,
+                               stream_interval=spec.stream_interval, faults=spec.faults,
                                **worker_profiling(spec.telemetry, self.agent.log_dir,
                                                   replica.replica_id))  # fmt: skip
         launch.write(plan_dir / LAUNCH_FILE)
@@ -265,10 +268,9 @@ class WorkloadManager:
     # ---- queries and stop ----
     def get(self, workload_id: str) -> WorkloadRecord:
         record = self.store.get_workload(workload_id)
-        if record is None:
-            record = next(
-                (w for w in reversed(self.store.list_workloads()) if w.name == workload_id), None
-            )
+        if record is None:  # a name: its newest active workload, else its newest
+            named = [w for w in reversed(self.store.list_workloads()) if w.name == workload_id]
+            record = next((w for w in named if w.state in ACTIVE), named[0] if named else None)
         if record is None:
             known = ", ".join(w.workload_id for w in self.store.list_workloads()) or "none"
             raise ConfigError(

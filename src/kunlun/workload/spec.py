@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kunlun.errors import ConfigError, Location
+from kunlun.serving.faults import FaultSpec
 from kunlun.telemetry.spec import TelemetrySpec
 
 Priority = Literal["high", "normal", "low"]
@@ -102,6 +103,12 @@ class WorkloadSpec(BaseModel):
     engine: Literal["embedded"] = Field("embedded", description="Inference engine.")
     telemetry: TelemetrySpec | None = Field(
         None, description="Per-step engine profiling (advanced_profiling, profiling_interval_ms)."
+    )
+    faults: FaultSpec | None = Field(
+        None,
+        description="Testing only: faults the workers inject into client requests "
+        "(error_rate, delay_ms, seed; kunlun.serving.faults), e.g. to try rollout gates on a "
+        "real broken version.",
     )
 
     @field_validator("device")

@@ -1,0 +1,13 @@
+"""Canary rollouts: a new version of a workload's model takes a growing share of its traffic
+while gates compare it with the baseline over the same window, and is promoted or rolled
+back on its own (``kunlun-cli rollout``, ``/api/v1/rollouts``; docs/rollouts.md).
+
+- :mod:`~kunlun.rollout.spec`: what a rollout is asked to do, and the parsing of ``10%``,
+  ``5m``, ``0.1%``;
+- :mod:`~kunlun.rollout.window`: per-version request counts and latency histograms of one
+  step (mergeable across cluster nodes);
+- :mod:`~kunlun.rollout.gates`: the gate verdicts (error rate, p95 TTFT, p95 end-to-end);
+- :mod:`~kunlun.rollout.split`: the gateway's traffic split and sticky sessions;
+- :mod:`~kunlun.rollout.controller`: the loop that starts the canary, steps, promotes and
+  rolls back, and keeps the state in the store.
+"""

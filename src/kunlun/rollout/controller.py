@@ -1,0 +1,505 @@
+"""The rollout controller: starts a canary next to its baseline, moves its share of traffic
+step by step while the gates pass, and promotes it or rolls it back on its own.
+
+A rollout goes ``STARTING`` (the canary workload is placed and loads) -> ``PROGRESSING``
+(step by step: the canary gets ``steps[i]`` percent of the model's requests; after
+``interval_s`` a step whose gates all pass moves on, one with an inconclusive gate waits, one
+whose gate fails rolls back at once) -> ``PROMOTED`` (the last step reached 100 %: the
+baseline drains and stops, the canary serves alone) or ``ROLLED_BACK`` (a gate failed, or
+the canary could not start: its share goes to 0, it drains and stops) or ``ABORTED``
+(``rollout abort``). ``rollout promote`` promotes at once, whatever the gates say.
+
+The records live in the state store, so a restarted daemon goes on from the step it was in
+(its gate window starts again: the counts were in memory). Every node applies the splits of
+the records to its gateway (:meth:`apply_splits`); only the leader of a cluster (any node
+alone) advances rollouts, with its writes fenced (:mod:`kunlun.rollout.cluster`), and the
+gates then see every node's counts. Promote and abort are requests the advancing node
+carries out at its next tick (:meth:`request`).
+"""
+
+from __future__ import annotations
+
+import copy
+import secrets
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kunlun.errors import ConfigError, KunlunError, Location
+from kunlun.planner.model_info import locate_model
+from kunlun.rollout.gates import FAIL, PASS, evaluate
+from kunlun.rollout.spec import RolloutSpec
+from kunlun.rollout.split import Split
+from kunlun.rollout.window import BASELINE, CANARY, VersionWindow
+from kunlun.serving.gateway import GatewayState
+from kunlun.serving.replica import ReplicaSet
+from kunlun.state.store import RolloutRecord, StateStore
+from kunlun.workload.manager import ACTIVE, WorkloadManager
+from kunlun.workload.spec import parse_spec
+
+RUNNING_STATES = ("STARTING", "PROGRESSING")
+ENDED_STATES = ("PROMOTED", "ROLLED_BACK", "ABORTED")
+ACTIONS = ("promote", "abort")
+TICK_S = 0.5
+START_TIMEOUT_S = 900.0
+"""A canary not serving this long after its rollout began is rolled back."""
+DRAIN_S = 60.0
+"""Longest wait for a stopping version's requests in flight to finish."""
+WRITE_EVERY_S = 2.0
+"""The gates' latest values are written at most this often (each change of verdict at once)."""
+
+
+@dataclass
+class ClusterHooks:
+    """How a cluster node changes the controller (:mod:`kunlun.rollout.cluster`)."""
+
+    leader: Callable[[], bool]
+    write: Callable[[RolloutRecord], bool]
+    """A fenced write; False when this node no longer leads."""
+    records: Callable[[], list[RolloutRecord]]
+    requests: Callable[[], dict[str, str]]
+    """Promote and abort requests from any node: rollout id -> action."""
+    request: Callable[[str, str], None]
+    done: Callable[[str], None]
+    """Forget a carried-out request."""
+    remote_windows: Callable[[str, int], list[dict[str, VersionWindow]]]
+    """Other nodes' counts of a rollout's step."""
+    publish: Callable[[], None]
+    """Publish this node's counts for the others."""
+
+
+@dataclass
+class _Totals:
+    promotions: dict[str, int] = field(default_factory=dict)
+    rollbacks: dict[tuple[str, str], int] = field(default_factory=dict)
+
+
+class RolloutController:
+    def __init__(
+        self,
+        store: StateStore,
+        manager: WorkloadManager,
+        gateway: GatewayState,
+        replicas: ReplicaSet,
+    ) -> None:
+        self.store, self.manager, self.gateway, self.replicas = store, manager, gateway, replicas
+        self.cluster: ClusterHooks | None = None
+        self.totals = _Totals()
+        self._requests: dict[str, str] = {}
+        self._mine: dict[str, RolloutRecord] = {}
+        """The latest record of each rollout this node wrote."""
+        self._written: dict[str, tuple[float, tuple[str, ...]]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._resumed = False
+
+    # ---- the API ----
+    def create(self, spec: RolloutSpec) -> RolloutRecord:
+        """Start a rollout: the canary workload is submitted (placed by the normal
+        scheduler) and the rollout recorded STARTING. Refused with the reason when the
+        workload is not running, already has a rollout, or the model or overrides are bad."""
+        baseline = self.manager.get(spec.workload)
+        if baseline.state not in ACTIVE:
+            raise ConfigError(
+                f"workload {baseline.workload_id} ({baseline.name}) is {baseline.state}: only a "
+                "serving workload can be rolled out",
+                location=Location("request", field="workload"),
+            )
+        for other in self.records():
+            if other.state in RUNNING_STATES and baseline.workload_id in (
+                other.workload_id,
+                other.canary_workload_id,
+            ):
+                doing = (
+                    "in progress"
+                    if other.state in RUNNING_STATES
+                    else "still stopping "
+                    + (other.canary_workload_id if other.state != "PROMOTED" else other.workload_id)
+                )
+                raise ConfigError(
+                    f"model {baseline.name!r} already has a rollout {doing} "
+                    f"({other.rollout_id}, {other.state})",
+                    location=Location("request", field="workload"),
+                    hint=f"kunlun-cli rollout abort {other.rollout_id} or promote it first",
+                )
+        if "name" in spec.overrides or "model" in spec.overrides:
+            field_name = "name" if "name" in spec.overrides else "model"
+            raise ConfigError(
+                f"overrides.{field_name}: the canary serves the baseline's model name and "
+                "takes its model from --model",
+                location=Location("request", field=f"overrides.{field_name}"),
+            )
+        canary_model, _ = locate_model(self.store, spec.model)
+        data = {**baseline.spec, **spec.overrides, "model": spec.model, "name": baseline.name}
+        canary_spec = parse_spec(data, "overrides")
+        rollout_id = f"ro-{secrets.token_hex(3)}"
+        canary = self.manager.submit(canary_spec, canary_of=baseline.workload_id)
+        now = time.time()
+        record = RolloutRecord(
+            rollout_id=rollout_id,
+            workload_id=baseline.workload_id,
+            canary_workload_id=canary.workload_id,
+            model=baseline.name,
+            baseline_model=str(baseline.spec.get("model")),
+            canary_model=canary_model,
+            steps=list(spec.steps),
+            interval_s=spec.interval_s,
+            max_error_rate=spec.max_error_rate,
+            max_p95_regression=spec.max_p95_regression,
+            min_requests=spec.needed_requests(),
+            created=now,
+            updated=now,
+            canary_spec=canary_spec.model_dump(exclude_defaults=True),
+        )
+        self.store.put_rollout(record)
+        self._events(record, f"rollout {rollout_id} started: canary {canary.workload_id} "
+                     f"({canary_model}) next to {baseline.workload_id}, steps "
+                     f"{_steps(record.steps)}, every {record.interval_s:g} s")  # fmt: skip
+        self._wake.set()
+        return record
+
+    def get(self, rollout_id: str) -> RolloutRecord:
+        records = self.records()
+        found = next((r for r in records if r.rollout_id == rollout_id), None)
+        if found is None:  # a workload id or name: its newest rollout
+            found = next((r for r in reversed(records)
+                          if rollout_id in (r.workload_id, r.canary_workload_id, r.model)), None)  # fmt: skip
+        if found is None:
+            known = ", ".join(r.rollout_id for r in records) or "none"
+            raise ConfigError(
+                f"no rollout {rollout_id!r}; known: {known}", location=Location("ROLLOUT")
+            )
+        return found
+
+    def records(self) -> list[RolloutRecord]:
+        """Every rollout; one this node wrote more recently than the store (or the cluster's
+        watch) shows yet is taken from what it wrote."""
+        found = self.cluster.records() if self.cluster is not None else self.store.list_rollouts()
+        with self._lock:
+            return [_newer(r, self._mine.get(r.rollout_id)) for r in found]
+
+    def status(self, record: RolloutRecord) -> dict[str, Any]:
+        """The record as the API shows it, with the weights and the time to the next step."""
+        weight = self._weight(record)
+        out = asdict(record)
+        out["weights"] = {BASELINE: round(100 - weight, 3), CANARY: round(weight, 3)}
+        out["next_step_in_s"] = None
+        if record.state == "PROGRESSING":
+            left = record.step_started + record.interval_s - time.time()
+            out["next_step_in_s"] = round(max(0.0, left), 1)
+        return out
+
+    def request(self, rollout_id: str, action: str, wait_s: float = 60.0) -> RolloutRecord:
+        """Ask for ``promote`` or ``abort``; waits (up to ``wait_s``) until it is done."""
+        record = self.get(rollout_id)
+        if record.state not in RUNNING_STATES:
+            raise ConfigError(
+                f"rollout {record.rollout_id} already ended ({record.state}"
+                + (f": {record.reason}" if record.reason else "")
+                + ")",
+                location=Location("ROLLOUT"),
+            )
+        if self.cluster is not None:
+            self.cluster.request(record.rollout_id, action)
+        else:
+            with self._lock:
+                self._requests[record.rollout_id] = action
+        self._wake.set()
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            current = self.get(record.rollout_id)
+            if current.state not in RUNNING_STATES:
+                return current
+            time.sleep(0.1)
+        return self.get(record.rollout_id)
+
+    # ---- the loop ----
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kunlun-rollouts", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=DRAIN_S + 10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad pass
+                print("rollout controller: " + traceback.format_exc(), flush=True)
+                self._stop.wait(1.0)
+            self._wake.wait(TICK_S)
+            self._wake.clear()
+
+    def tick(self) -> None:
+        """Apply the splits; on the advancing node, move every running rollout on."""
+        records = self.records()
+        self.apply_splits(records)
+        keep = [(r.rollout_id, r.step) for r in records if r.state == "PROGRESSING"]
+        self.gateway.rollout_stats.forget(keep)
+        if self.cluster is not None:
+            self.cluster.publish()
+            if not self.cluster.leader():
+                return
+        elif not self._resumed:
+            self._resumed = True
+            self._restart_windows(records)
+        requests = self._take_requests()
+        for record in records:
+            if self._stop.is_set():
+                return
+            if record.state in RUNNING_STATES:
+                self._advance(record, requests.get(record.rollout_id))
+            elif record.retired is None:  # ended, but the daemon stopped before the loser did
+                self._retire(record)
+
+    def apply_splits(self, records: list[RolloutRecord]) -> None:
+        """Give the gateway the split of every model with a rollout: the step's weight while
+        it progresses, and after it ends 0 or 100 % until the losing version's replicas are
+        gone (both versions serve the same name: without a split they would share it)."""
+        splits: dict[str, Split] = {}
+        present = {r.workload_id for r in self.replicas.all()}
+        for r in records:
+            weight: float | None = None
+            if r.state == "PROGRESSING":
+                weight = r.steps[r.step]
+            elif r.state == "STARTING":
+                weight = 0.0  # its replicas must not take requests before the first step
+            elif r.state in ("ROLLED_BACK", "ABORTED") and r.canary_workload_id in present:
+                weight = 0.0
+            elif r.state == "PROMOTED" and r.workload_id in present:
+                weight = 100.0
+            if weight is not None:
+                splits[r.model] = Split(r.rollout_id, r.step, weight, r.workload_id,
+                                        r.canary_workload_id)  # fmt: skip
+        current = self.gateway.splits
+        for model in [m for m in current if m not in splits]:
+            del current[model]
+        current.update(splits)
+
+    # ---- one rollout ----
+    def _advance(self, record: RolloutRecord, action: str | None) -> None:
+        if action == "abort":
+            self._roll_back(record, "ABORTED", "aborted by request")
+            return
+        if action == "promote":
+            self._promote(record, "promoted by request")
+            return
+        canary = self.store.get_workload(record.canary_workload_id)
+        baseline = self.store.get_workload(record.workload_id)
+        if canary is None or canary.state not in ACTIVE:
+            state = "gone" if canary is None else canary.state
+            why = "" if canary is None or not canary.reason else f": {canary.reason}"
+            self._roll_back(record, "ROLLED_BACK", f"the canary workload "
+                            f"{record.canary_workload_id} is {state}{why}")  # fmt: skip
+            return
+        if baseline is None or baseline.state not in ACTIVE:
+            self._promote(record, f"the baseline workload {record.workload_id} ended; the "
+                          "canary serves alone")  # fmt: skip
+            return
+        now = time.time()
+        if record.state == "STARTING":
+            if canary.state == "RUNNING":
+                self._step(record, 0, now)
+            elif now - record.created > START_TIMEOUT_S:
+                self._roll_back(record, "ROLLED_BACK", f"the canary was not serving "
+                                f"{START_TIMEOUT_S:g} s after the rollout began")  # fmt: skip
+            return
+        results = evaluate(self._windows(record), record.max_error_rate,
+                           record.max_p95_regression, record.min_requests)  # fmt: skip
+        record.gates = [g.to_dict() for g in results]
+        failed = [g for g in results if g.verdict == FAIL]
+        if failed:
+            why = "; ".join(f"gate {g.gate} failed: {g.detail}" for g in failed)
+            self._roll_back(record, "ROLLED_BACK", why)
+        elif now - record.step_started >= record.interval_s and all(
+            g.verdict == PASS for g in results
+        ):
+            if record.step + 1 >= len(record.steps) or record.steps[record.step + 1] >= 100:
+                self._promote(record, f"every gate passed at {_steps(record.steps[:-1])} %")
+            else:
+                self._step(record, record.step + 1, now)
+        else:
+            self._write_gates(record, now)
+
+    def _windows(self, record: RolloutRecord) -> dict[str, VersionWindow]:
+        windows = self.gateway.rollout_stats.window(record.rollout_id, record.step)
+        if self.cluster is not None:
+            for other in self.cluster.remote_windows(record.rollout_id, record.step):
+                for role, window in other.items():
+                    if role in windows:
+                        windows[role].merge(window)
+        return windows
+
+    def _step(self, record: RolloutRecord, step: int, now: float) -> None:
+        if record.step >= 0:
+            record.history.append(self._finished_step(record, now))
+        record.state, record.step, record.step_started = "PROGRESSING", step, now
+        record.gates = []
+        if self._write(record):
+            self._events(record, f"rollout {record.rollout_id}: step {step + 1} of "
+                         f"{len(record.steps) - 1}, canary at {record.steps[step]:g} % of "
+                         f"{record.model}")  # fmt: skip
+
+    def _promote(self, record: RolloutRecord, why: str) -> None:
+        self._end(record, "PROMOTED", why)
+        if self._write(record):
+            self.totals.promotions[record.model] = self.totals.promotions.get(record.model, 0) + 1
+            self._events(record, f"rollout {record.rollout_id} PROMOTED: {why}; "
+                         f"{record.canary_workload_id} now serves {record.model}")  # fmt: skip
+            self._retire(record)
+
+    def _roll_back(self, record: RolloutRecord, state: str, why: str) -> None:
+        self._end(record, state, why)
+        if self._write(record):
+            kind = "aborted" if state == "ABORTED" else _reason_kind(why)
+            key = (record.model, kind)
+            self.totals.rollbacks[key] = self.totals.rollbacks.get(key, 0) + 1
+            self._events(record, f"rollout {record.rollout_id} {state}: {why}; the canary's "
+                         f"share is 0 and {record.canary_workload_id} stops")  # fmt: skip
+            print(f"rollout {record.rollout_id} {state}: {why}", flush=True)
+            self._retire(record)
+
+    def _end(self, record: RolloutRecord, state: str, why: str) -> None:
+        now = time.time()
+        if record.step >= 0:
+            record.history.append(self._finished_step(record, now))
+        record.state, record.reason, record.finished = state, why, now
+
+    def _retire(self, record: RolloutRecord) -> None:
+        """Stop the losing version once the split sends it nothing and its requests are
+        answered; then the rollout is ``retired``."""
+        if record.state == "PROMOTED":
+            workload_id = record.workload_id
+            why = f"replaced by {record.canary_workload_id} (rollout {record.rollout_id} promoted)"
+        else:
+            workload_id, why = (
+                record.canary_workload_id,
+                f"rollout {record.rollout_id} {record.state}",
+            )
+        self.apply_splits(self.records())
+        deadline = time.monotonic() + DRAIN_S
+        while time.monotonic() < deadline and any(
+            r.in_flight for r in self.replicas.all() if r.workload_id == workload_id
+        ):
+            time.sleep(0.05)
+        loser = self.store.get_workload(workload_id)
+        if loser is not None and loser.state in ACTIVE:
+            self.manager.stop(workload_id)
+            self.manager.event(workload_id, "rollout", f"stopped: {why}")
+        record.retired = time.time()
+        self._write(record)
+
+    def _finished_step(self, record: RolloutRecord, now: float) -> dict[str, Any]:
+        return {"step": record.step, "weight": record.steps[record.step],
+                "started": record.step_started, "ended": now, "gates": record.gates}  # fmt: skip
+
+    def _write(self, record: RolloutRecord) -> bool:
+        record.updated = time.time()
+        if self.cluster is not None:
+            written = self.cluster.write(record)
+        else:
+            self.store.put_rollout(record)
+            written = True
+        if written:
+            with self._lock:
+                self._mine[record.rollout_id] = copy.deepcopy(record)
+            verdicts = tuple(str(g["verdict"]) for g in record.gates)
+            self._written[record.rollout_id] = (time.monotonic(), verdicts)
+            self.apply_splits(self.records())
+        return written
+
+    def _write_gates(self, record: RolloutRecord, now: float) -> None:
+        last, verdicts = self._written.get(record.rollout_id, (0.0, ()))
+        changed = verdicts != tuple(str(g["verdict"]) for g in record.gates)
+        if changed or time.monotonic() - last >= WRITE_EVERY_S:
+            self._write(record)
+
+    def _restart_windows(self, records: list[RolloutRecord]) -> None:
+        """After a restart of a lone daemon: the counts of the step in force were lost with
+        the process, so its window (and interval) starts again."""
+        for record in records:
+            if record.state == "PROGRESSING":
+                record.step_started = time.time()
+                if self._write(record):
+                    self._events(record, f"rollout {record.rollout_id}: the daemon restarted; "
+                                 f"the gates of step {record.step + 1} count again from now")  # fmt: skip
+
+    def _take_requests(self) -> dict[str, str]:
+        if self.cluster is not None:
+            requests = self.cluster.requests()
+            for rollout_id in requests:
+                self.cluster.done(rollout_id)
+            return requests
+        with self._lock:
+            requests, self._requests = self._requests, {}
+        return requests
+
+    def _events(self, record: RolloutRecord, message: str) -> None:
+        for workload_id in (record.workload_id, record.canary_workload_id):
+            try:
+                self.manager.event(workload_id, "rollout", message)
+            except KunlunError as exc:
+                print(f"rollout event not written ({exc}): {message}", flush=True)
+
+    @staticmethod
+    def _weight(record: RolloutRecord) -> float:
+        if record.state == "PROGRESSING":
+            return record.steps[record.step]
+        return 100.0 if record.state == "PROMOTED" else 0.0
+
+    # ---- /metrics ----
+    def families(self) -> Iterator[Metric]:
+        weight = GaugeMetricFamily("kunlun_rollout_canary_weight_percent",
+                                   "The canary's share of its model's requests.",
+                                   labels=["rollout", "model"])  # fmt: skip
+        state = GaugeMetricFamily("kunlun_rollout_state", "1 for each rollout's state.",
+                                  labels=["rollout", "model", "state"])  # fmt: skip
+        gate = GaugeMetricFamily("kunlun_rollout_gate_passing",
+                                 "1 pass, 0 inconclusive, -1 fail: each running gate's verdict.",
+                                 labels=["rollout", "model", "gate"])  # fmt: skip
+        for record in self.records():
+            if record.state in RUNNING_STATES:
+                weight.add_metric([record.rollout_id, record.model], self._weight(record))
+                for g in record.gates:
+                    value = {"pass": 1.0, "fail": -1.0}.get(str(g["verdict"]), 0.0)
+                    gate.add_metric([record.rollout_id, record.model, str(g["gate"])], value)
+            state.add_metric([record.rollout_id, record.model, record.state], 1.0)
+        promotions = CounterMetricFamily("kunlun_rollout_promotions",
+                                         "Rollouts promoted by this node.", labels=["model"])  # fmt: skip
+        for model, count in self.totals.promotions.items():
+            promotions.add_metric([model], float(count))
+        rollbacks = CounterMetricFamily("kunlun_rollout_rollbacks",
+                                        "Rollouts rolled back by this node, by cause "
+                                        "(error_rate, p95_ttft, p95_e2e, start, aborted).",
+                                        labels=["model", "reason"])  # fmt: skip
+        for (model, reason), count in self.totals.rollbacks.items():
+            rollbacks.add_metric([model, reason], float(count))
+        yield from (weight, state, gate, promotions, rollbacks)
+
+
+def _newer(found: RolloutRecord, mine: RolloutRecord | None) -> RolloutRecord:
+    if mine is not None and mine.updated > found.updated:
+        return copy.deepcopy(mine)
+    return found
+
+
+def _reason_kind(why: str) -> str:
+    for gate in ("error_rate", "p95_ttft", "p95_e2e"):
+        if f"gate {gate} failed" in why:
+            return gate
+    return "start"
+
+
+def _steps(steps: list[float]) -> str:
+    return ",".join(f"{s:g}" for s in steps)

@@ -1,0 +1,113 @@
+"""A canary rollout across a real cluster (two platform nodes on a one-member etcd, plain
+HTTP between them): every node splits its traffic by the rollout, the leader judges the
+gates with both nodes' counts, and when the leader node is killed mid-rollout the other
+node takes the lead and carries the rollout to its end from the step it was in."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from tests.cluster.etcd_cluster import EtcdCluster
+from tests.cluster.platform_nodes import ClusterNodeProc, dump, make_node, wait_for
+from tests.cluster.test_cluster_failover import _demo_home
+from tests.rollout.rollout_load import ONE_THREAD
+
+from kunlun.cluster.etcd import Etcd
+from kunlun.state.etcd import EtcdStore
+from kunlun.state.sqlite import SQLiteStore
+
+WORKLOAD = {"model": "smollm2", "name": "chat", "replicas": 2, "batch_size": 4,
+            "max_model_len": 512, "kv_cache_memory_mb": 32}  # fmt: skip
+
+
+@pytest.fixture
+def two_nodes(
+    etcd1: EtcdCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[ClusterNodeProc]]:
+    root = tmp_path_factory.mktemp("rollout-nodes")
+    model = SQLiteStore(_demo_home(root) / "state.db").get_model("smollm2")
+    assert model is not None
+    store = EtcdStore(Etcd(etcd1.endpoints), "/kunlun/")
+    store.put_model(model)
+    store.close()
+    nodes = [make_node(root, name, etcd1.endpoints, None) for name in ("node-a", "node-b")]
+    for node in nodes:  # the nodes' workers share this machine's cores
+        (node.home / "device-plugin-config.yaml").write_text(ONE_THREAD)
+    try:
+        for node in nodes:
+            node.launch()
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop_all()
+
+
+def _load(node: ClusterNodeProc, stop: threading.Event, failures: list[str]) -> None:
+    with httpx.Client(base_url=node.url, timeout=120) as client:
+        while not stop.is_set():
+            body = {"model": "chat", "max_tokens": 4,
+                    "messages": [{"role": "user", "content": "Count to three."}]}  # fmt: skip
+            try:
+                answer = client.post("/v1/chat/completions", json=body)
+                if answer.status_code != 200:
+                    failures.append(f"{answer.status_code} {answer.text[:200]}")
+            except httpx.HTTPError as exc:
+                failures.append(repr(exc))
+
+
+def test_a_rollout_goes_on_when_the_leader_node_is_lost(two_nodes: list[ClusterNodeProc]) -> None:
+    a, b = two_nodes
+    submitted = a.post("/api/v1/workloads", WORKLOAD)
+    assert submitted.status_code == 200, submitted.text
+    wid = submitted.json()["workload_id"]
+    try:
+        wait_for("the baseline running", lambda: a.api(f"/api/v1/workloads/{wid}")["state"]
+                 == "RUNNING", timeout=300)  # fmt: skip
+    except AssertionError:
+        raise AssertionError(dump(two_nodes)) from None
+    leader_name = a.api("/api/v1/cluster")["leader"]
+    leader = a if leader_name == a.name else b
+    survivor = b if leader is a else a
+    made = survivor.post("/api/v1/rollouts", {
+        "workload": "chat", "model": "smollm2", "steps": "30,60", "interval_s": "4s",
+        "min_requests": 6, "max_error_rate": "10%"})  # fmt: skip
+    assert made.status_code == 200, made.text
+    rollout_id = made.json()["rollout_id"]
+    stop, failures = threading.Event(), []  # type: ignore[var-annotated]
+    threads = [threading.Thread(target=_load, args=(node, stop, failures), daemon=True)
+               for node in (survivor, survivor, leader)]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    try:
+        step = wait_for("the rollout progressing", lambda: (lambda r: r if r["state"] ==
+                        "PROGRESSING" else None)(survivor.api(f"/api/v1/rollouts/{rollout_id}")),
+                        timeout=300)  # fmt: skip
+        assert step["step"] == 0
+        # both nodes split their traffic: versions are named in the answers of each
+        for node in (a, b):
+            answer = httpx.post(node.url + "/v1/chat/completions", timeout=60, json={
+                "model": "chat", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+            assert answer.headers.get("x-kunlun-version", "").startswith(("canary:", "baseline:"))
+        leader.kill_node()
+        killed_at = time.monotonic()
+        wait_for("the survivor leads", lambda: survivor.api("/api/v1/cluster")["leader"]
+                 == survivor.name, timeout=60)  # fmt: skip
+        ended = wait_for("the rollout ended", lambda: (lambda r: r if r["state"] in (
+            "PROMOTED", "ROLLED_BACK", "ABORTED") else None)(
+            survivor.api(f"/api/v1/rollouts/{rollout_id}")), timeout=600)  # fmt: skip
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=120)
+    print(
+        f"rollout {ended['state']} {time.monotonic() - killed_at:.1f} s after the leader "
+        f"was killed; {len(failures)} failed requests"
+    )
+    assert ended["state"] == "PROMOTED", (ended, dump([survivor]))
+    assert [h["weight"] for h in ended["history"]] == [30, 60]
+    listed = {w["workload_id"]: w["state"] for w in survivor.api("/api/v1/workloads")}
+    assert listed[wid] == "STOPPED" and listed[ended["canary_workload_id"]] == "RUNNING"

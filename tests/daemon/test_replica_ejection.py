@@ -1,0 +1,190 @@
+"""A stopped (SIGSTOP) replica leaves routing within two health-probe intervals while the
+other replica answers every request; continued (SIGCONT), it is back in routing within two
+more. Through the real daemon, its two engine workers and the ``openai`` SDK."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from tests.daemon.conftest import (
+    BIN,
+    SPEC,
+    Daemon,
+    free_port,
+    new_home,
+    stream_lines,
+    submit_demo,
+    wait_ready,
+)
+
+INTERVAL_S = 2.0
+"""The health-check interval the daemon runs with here (timeout 1 s)."""
+SLACK_S = 1.5
+"""For a loaded machine: the event loop, the probe's own answer, the event's write."""
+QUESTION = [{"role": "user", "content": "Say hi."}]
+
+
+def workload(daemon: Daemon, job: str) -> dict[str, Any]:
+    response = daemon.get(f"/api/v1/workloads/{job}")
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def wait_for_event(daemon: Daemon, job: str, kind: str, after: float, timeout: float) -> dict:
+    """The first ``kind`` event of ``job`` stamped after ``after`` (wall clock), polled every
+    0.1 s for up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        events = workload(daemon, job)["events"]
+        found = [e for e in events if e["kind"] == kind and e["ts"] >= after]
+        if found:
+            return dict(found[0])
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {kind!r} event within {timeout} s: {events}")
+        time.sleep(0.1)
+
+
+def ejected_metric(daemon: Daemon, replica_id: str) -> float:
+    text = daemon.get("/metrics").text
+    pattern = rf'^kunlun_replica_ejected\{{[^}}]*replica="{re.escape(replica_id)}"[^}}]*\}} (\S+)$'
+    found = re.search(pattern, text, re.MULTILINE)
+    assert found, text
+    return float(found.group(1))
+
+
+def both_ready(daemon: Daemon, job: str, timeout: float = 600) -> list[dict[str, Any]]:
+    """The workload's two replicas, once both are ready (generous: two workers load side by
+    side on a loaded 2-core machine)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        replicas = workload(daemon, job)["replicas"]
+        if len(replicas) == 2 and all(r["ready"] for r in replicas):
+            return list(replicas)
+        if time.monotonic() > deadline:
+            pytest.fail(f"two replicas not ready within {timeout} s: {replicas}\n{daemon.log()}")
+        time.sleep(0.5)
+
+
+def served_by(client: openai.OpenAI) -> str:
+    raw = client.chat.completions.with_raw_response.create(
+        model="smollm2", messages=QUESTION, max_tokens=2, temperature=0
+    )
+    assert raw.parse().choices
+    return str(raw.headers["x-kunlun-replica"])
+
+
+def test_a_stopped_replica_is_ejected_and_restored_while_the_other_serves(
+    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    home = new_home(models_home, tmp_path_factory, "ejection-home")
+    (home / "scheduler_config.yaml").write_text("policy: round-robin\n")
+    daemon = Daemon(home, free_port())
+    daemon.start("--health-check-interval", str(INTERVAL_S), "--health-check-timeout", "1",
+                 "--worker-answer-deadline-s", "120",  # the liveness kill stays out of it
+                 wait_ready=False)  # fmt: skip
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0,
+                           timeout=120)  # fmt: skip
+    stopped: int | None = None
+    try:
+        job = submit_demo(daemon, "replicas: 2\n")
+        wait_ready(daemon)
+        target, other = both_ready(daemon, job)
+        assert {served_by(client) for _ in range(4)} == {target["replica_id"], other["replica_id"]}
+
+        kinds = [e["kind"] for e in workload(daemon, job)["events"]]
+        assert "ejected" not in kinds, kinds  # healthy replicas stay in routing
+
+        stopped_at = time.time()
+        os.kill(target["pid"], signal.SIGSTOP)
+        stopped = target["pid"]
+        ejected = wait_for_event(daemon, job, "ejected", stopped_at, timeout=60)
+        took = ejected["ts"] - stopped_at
+        print(f"ejected {took:.2f} s after SIGSTOP: {ejected['message']}")
+        assert (
+            f"replica {target['replica_id']} out of routing: answers no request"
+            in (ejected["message"])
+        )
+        assert took <= 2 * INTERVAL_S + SLACK_S, ejected
+        assert [served_by(client) for _ in range(3)] == [other["replica_id"]] * 3
+        assert ejected_metric(daemon, target["replica_id"]) == 1.0
+
+        continued_at = time.time()
+        os.kill(target["pid"], signal.SIGCONT)
+        stopped = None
+        restored = wait_for_event(daemon, job, "restored", continued_at, timeout=60)
+        took = restored["ts"] - continued_at
+        print(f"restored {took:.2f} s after SIGCONT: {restored['message']}")
+        assert restored["message"] == (
+            f"replica {target['replica_id']} back in routing: its health probe passed"
+        )
+        assert took <= 2 * INTERVAL_S + SLACK_S, restored
+        assert ejected_metric(daemon, target["replica_id"]) == 0.0
+        assert target["replica_id"] in {served_by(client) for _ in range(4)}
+        metrics = daemon.get("/metrics").text
+        assert 'kunlun_health_ejections_total{model="smollm2",reason="silent"} 1.0' in metrics
+        assert 'kunlun_health_probes_total{model="smollm2",result="silent"}' in metrics
+        assert workload(daemon, job)["replicas"][0]["pid"] == target["pid"]  # never killed
+    finally:
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGCONT)
+        daemon.stop()
+
+
+def test_a_replica_busy_with_a_full_batch_stays_in_routing(
+    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Two streams fill the replica's two sequence slots: the probes wait behind them past
+    their timeout, and the engine's moving step counter keeps the replica in. (A stall takes
+    two probes without a step: 6 s here; one decode step measured up to 4.3 s on a loaded
+    2-core machine.)"""
+    daemon = Daemon(new_home(models_home, tmp_path_factory, "busy-home"), free_port())
+    daemon.start("--health-check-interval", "3", "--health-check-timeout", "0.5",
+                 wait_ready=False)  # fmt: skip
+    try:
+        spec = daemon.home / "spec.yaml"
+        spec.write_text(SPEC.replace("batch_size: 8", "batch_size: 2"))
+        submitted = daemon.cli("workload", "submit", "--file", str(spec), "--json")
+        assert submitted.returncode == 0, submitted.stderr
+        job = json.loads(submitted.stdout)["workload_id"]
+        wait_ready(daemon)
+        streams = [([], threading.Event()) for _ in range(2)]
+        threads = [threading.Thread(target=stream_lines, args=(daemon.url, lines, started, 80))
+                   for lines, started in streams]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(600)
+        assert all(lines[0] == "status 200" and lines[-1] == "data: [DONE]"
+                   for lines, _ in streams), [lines[-1:] for lines, _ in streams]  # fmt: skip
+        metrics = daemon.get("/metrics").text
+        busy = re.search(
+            r'kunlun_health_probes_total\{model="smollm2",result="busy"\} (\S+)', metrics
+        )
+        assert busy and float(busy.group(1)) >= 1, metrics  # probes did wait behind the batch
+        print(f"{busy.group(1)} busy probe(s) while the batch was full")
+        kinds = [e["kind"] for e in workload(daemon, job)["events"]]
+        assert "ejected" not in kinds, workload(daemon, job)["events"]
+    finally:
+        daemon.stop()
+
+
+def test_the_health_check_flags_are_validated(tmp_path: Path) -> None:
+    daemon = Daemon(tmp_path, free_port())
+    for flag, value in (("--health-check-interval", "0.1"), ("--health-check-failures", "0")):
+        proc = subprocess.run([str(BIN / "kunlun-platform"), "--port", str(daemon.port), flag,
+                               value], capture_output=True, text=True, env=daemon.env(),
+                              timeout=60)  # fmt: skip
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert flag in proc.stderr
