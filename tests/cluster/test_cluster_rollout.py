@@ -48,7 +48,7 @@ def two_nodes(
 
 def _load(node: ClusterNodeProc, stop: threading.Event, failures: list[str]) -> None:
     with httpx.Client(base_url=node.url, timeout=120) as client:
-        while not stop.is_set():
+        while not stop.is_set() and node.proc is not None and node.proc.poll() is None:
             body = {"model": "chat", "max_tokens": 4,
                     "messages": [{"role": "user", "content": "Count to three."}]}  # fmt: skip
             try:
@@ -74,11 +74,16 @@ def test_a_rollout_goes_on_when_the_leader_node_is_lost(two_nodes: list[ClusterN
     survivor = b if leader is a else a
     made = survivor.post("/api/v1/rollouts", {
         "workload": "chat", "model": "smollm2", "steps": "30,60", "interval_s": "4s",
-        "min_requests": 6, "max_error_rate": "10%"})  # fmt: skip
+        "min_requests": 6, "max_error_rate": "10%",
+        # the lost node's replicas load again on the survivor meanwhile: the versions'
+        # latencies then say more about that than about them; this test is about the errors
+        # and the rollout going on
+        "max_p95_regression": "1000%"})  # fmt: skip
     assert made.status_code == 200, made.text
     rollout_id = made.json()["rollout_id"]
-    stop, failures = threading.Event(), []  # type: ignore[var-annotated]
-    threads = [threading.Thread(target=_load, args=(node, stop, failures), daemon=True)
+    stop = threading.Event()
+    failures: dict[str, list[str]] = {survivor.name: [], leader.name: []}
+    threads = [threading.Thread(target=_load, args=(node, stop, failures[node.name]), daemon=True)
                for node in (survivor, survivor, leader)]  # fmt: skip
     for thread in threads:
         thread.start()
@@ -97,17 +102,19 @@ def test_a_rollout_goes_on_when_the_leader_node_is_lost(two_nodes: list[ClusterN
         wait_for("the survivor leads", lambda: survivor.api("/api/v1/cluster")["leader"]
                  == survivor.name, timeout=60)  # fmt: skip
         ended = wait_for("the rollout ended", lambda: (lambda r: r if r["state"] in (
-            "PROMOTED", "ROLLED_BACK", "ABORTED") else None)(
+            "PROMOTED", "ROLLED_BACK", "ABORTED") and r["retired"] else None)(
             survivor.api(f"/api/v1/rollouts/{rollout_id}")), timeout=600)  # fmt: skip
     finally:
         stop.set()
         for thread in threads:
             thread.join(timeout=120)
-    print(
-        f"rollout {ended['state']} {time.monotonic() - killed_at:.1f} s after the leader "
-        f"was killed; {len(failures)} failed requests"
-    )
+    lost = failures[survivor.name]
+    print(f"rollout {ended['state']} {time.monotonic() - killed_at:.1f} s after the leader "
+          f"was killed; {len(lost)} request(s) to the surviving node failed: {lost[:3]}")  # fmt: skip
     assert ended["state"] == "PROMOTED", (ended, dump([survivor]))
     assert [h["weight"] for h in ended["history"]] == [30, 60]
     listed = {w["workload_id"]: w["state"] for w in survivor.api("/api/v1/workloads")}
     assert listed[wid] == "STOPPED" and listed[ended["canary_workload_id"]] == "RUNNING"
+    # requests the dead node's replicas took are tried again on the survivor's (before any
+    # byte of their answer went out): the survivor's clients see no failure
+    assert len(lost) <= 2, lost

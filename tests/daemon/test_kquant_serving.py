@@ -29,7 +29,9 @@ def kquant(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     gguf = write_demo_kquant_gguf(
         folder / "smollm2-q4_k.gguf", demo_model_dir(), demo_gguf_path(), fallback=QT.Q8_0
     )
-    daemon = Daemon(patient_queue(new_home(models_home, tmp_path_factory, "kquant-home")), free_port())
+    daemon = Daemon(
+        patient_queue(new_home(models_home, tmp_path_factory, "kquant-home")), free_port()
+    )
     imported = daemon.cli("model", "import-gguf", str(gguf), "--name", NAME, remote=False,
                           timeout=900)  # fmt: skip
     assert imported.returncode == 0, imported.stderr

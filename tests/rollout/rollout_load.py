@@ -22,10 +22,10 @@ workers with every core each would thrash, and their latencies say nothing of th
 
 
 class Load:
-    """``concurrency`` threads sending short chat completions for ``model`` to ``url`` until
+    """``concurrency`` threads sending short completions for ``model`` to ``url`` until
     stopped; counts answers per (status, X-Kunlun-Version role)."""
 
-    def __init__(self, url: str, model: str, concurrency: int = 3, max_tokens: int = 4) -> None:
+    def __init__(self, url: str, model: str, concurrency: int = 3, max_tokens: int = 2) -> None:
         self.url, self.model = url, model
         self.concurrency, self.max_tokens = concurrency, max_tokens
         self.answers: Counter[tuple[int, str]] = Counter()
@@ -56,10 +56,11 @@ class Load:
             n = 0
             while not self._stop.is_set():
                 n += 1
+                # a new short prompt each time: a version's prefix cache gives it no head start
                 body = {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0,
-                        "messages": [{"role": "user", "content": f"Count to {n % 7 + 2}."}]}  # fmt: skip
+                        "prompt": f"{index}-{n}: one, two,"}  # fmt: skip
                 try:
-                    answer = client.post("/v1/chat/completions", json=body)
+                    answer = client.post("/v1/completions", json=body)
                 except httpx.HTTPError as exc:
                     with self._lock:
                         self.failures.append(repr(exc))

@@ -44,8 +44,9 @@ def test_a_good_canary_promotes_through_every_step(platform: Daemon) -> None:
 def test_twenty_good_canaries_in_a_row_promote(platform: Daemon) -> None:
     outcomes = []
     for _ in range(20):
-        started = create(platform.url, workload="chat", model="smollm2", steps="50", **FAST)
-        with Load(platform.url, "chat", concurrency=2):
+        started = create(platform.url, workload="chat", model="smollm2", steps="50",
+                         **{**FAST, "min_requests": 30})  # fmt: skip
+        with Load(platform.url, "chat", concurrency=4):
             ended = wait_for(platform.url, started["rollout_id"])
         outcomes.append((ended["state"], ended["reason"]))
     assert [state for state, _ in outcomes] == ["PROMOTED"] * 20, outcomes

@@ -49,9 +49,9 @@ ProgressDeadline = Annotated[float, typer.Option(min=0.5, envvar="KUNLUN_WORKER_
 HealthInterval = Annotated[float, typer.Option(min=0.2, envvar="KUNLUN_HEALTH_CHECK_INTERVAL_S", help=
     "Seconds between two health probes (a 1-token generation) of each ready replica.")]  # fmt: skip
 HealthTimeout = Annotated[float, typer.Option(min=0.05, envvar="KUNLUN_HEALTH_CHECK_TIMEOUT_S", help=
-    "Seconds a health probe waits; a replica that answers neither it nor /stats, or whose engine makes no step, leaves routing at once.")]  # fmt: skip
+    "Seconds a health probe waits; a replica that answers neither it nor /stats leaves routing at once.")]  # fmt: skip
 HealthFailures = Annotated[int, typer.Option(min=1, envvar="KUNLUN_HEALTH_CHECK_FAILURES", help=
-    "Health probes answered with an error, in a row, that take a replica out of routing until one passes.")]  # fmt: skip
+    "Failed health probes in a row (an error answer, or an engine with requests and no step) that take a replica out of routing until one passes.")]  # fmt: skip
 
 
 class DaemonError(KunlunError):

@@ -50,13 +50,11 @@ import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kunlun.node.liveness import probe as read_stats
+from kunlun.serving.faults import PROBE_HEADER
 from kunlun.serving.replica import Replica, ReplicaSet
 
 log = logging.getLogger(__name__)
 
-PROBE_HEADER = "X-Kunlun-Health-Probe"
-"""Sent (value ``1``) with every health probe, so that a worker can tell probes from client
-requests (injected faults skip them, :mod:`kunlun.serving.faults`)."""
 PROBE_BODY = {"prompt": "ping", "max_tokens": 1, "temperature": 0}
 Result = Literal["pass", "busy", "error", "silent", "stalled"]
 RESULTS: tuple[Result, ...] = get_args(Result)

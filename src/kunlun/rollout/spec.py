@@ -27,13 +27,13 @@ def parse_percent(value: Any, field: str) -> float:
     return number
 
 
-def parse_rate(value: Any, field: str) -> float:
-    """``0.1%`` -> 0.001; a bare number is a fraction (``0.001``)."""
+def parse_rate(value: Any, field: str, most: float = 1.0) -> float:
+    """``0.1%`` -> 0.001; a bare number is a fraction (``0.001``); at most ``most``."""
     text = str(value).strip()
     number = _number(text, field, strip="%")
     fraction = number / 100.0 if text.endswith("%") else number
-    if not 0 <= fraction <= 1:
-        raise ValueError(f"{field} must be between 0% and 100%, got {value!r}")
+    if not 0 <= fraction <= most:
+        raise ValueError(f"{field} must be between 0% and {most:.0%}, got {value!r}")
     return fraction
 
 
@@ -125,10 +125,15 @@ class RolloutSpec(BaseModel):
     def _interval(cls, value: Any) -> float:
         return parse_duration(value, "interval")
 
-    @field_validator("max_error_rate", "max_p95_regression", mode="before")
+    @field_validator("max_error_rate", mode="before")
     @classmethod
-    def _rate(cls, value: Any, info: Any) -> float:
-        return parse_rate(value, info.field_name)
+    def _rate(cls, value: Any) -> float:
+        return parse_rate(value, "max_error_rate")
+
+    @field_validator("max_p95_regression", mode="before")
+    @classmethod
+    def _regression(cls, value: Any) -> float:
+        return parse_rate(value, "max_p95_regression", most=10.0)  # up to 11 times slower
 
     @model_validator(mode="after")
     def _ordered(self) -> RolloutSpec:

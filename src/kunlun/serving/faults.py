@@ -24,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kunlun.errors import KunlunError
 
-PROBE_HEADER = "x-kunlun-health-probe"
-"""Sent by the health checker (:mod:`kunlun.node.health`) with its probes (lower case, as
-ASGI headers arrive)."""
+PROBE_HEADER = "X-Kunlun-Health-Probe"
+"""Sent (value ``1``) with every health probe of :mod:`kunlun.node.health`, so a worker can
+tell probes from client requests: injected faults leave probes alone."""
 
 
 class FaultSpec(BaseModel):
