@@ -112,7 +112,7 @@ def test_a_rollout_goes_on_when_the_leader_node_is_lost(two_nodes: list[ClusterN
     print(f"rollout {ended['state']} {time.monotonic() - killed_at:.1f} s after the leader "
           f"was killed; {len(lost)} request(s) to the surviving node failed: {lost[:3]}")  # fmt: skip
     assert ended["state"] == "PROMOTED", (ended, dump([survivor]))
-    assert [h["weight"] for h in ended["history"]] == [30, 60]
+    assert list(dict.fromkeys(h["weight"] for h in ended["history"])) == [30, 60]
     listed = {w["workload_id"]: w["state"] for w in survivor.api("/api/v1/workloads")}
     assert listed[wid] == "STOPPED" and listed[ended["canary_workload_id"]] == "RUNNING"
     # requests the dead node's replicas took are tried again on the survivor's (before any

@@ -27,13 +27,15 @@ def test_a_good_canary_promotes_through_every_step(platform: Daemon) -> None:
     with Load(platform.url, "chat") as load:
         ended = wait_for(platform.url, started["rollout_id"])
     assert ended["state"] == "PROMOTED", ended
-    assert [h["weight"] for h in ended["history"]] == [20, 50]
-    for step in ended["history"]:
-        assert {g["gate"]: g["verdict"] for g in step["gates"]} == {
+    # each step's last window passed every gate (a step may have been measured twice)
+    last = {h["weight"]: h for h in ended["history"]}
+    assert list(last) == [20, 50], ended["history"]
+    for window in last.values():
+        assert {g["gate"]: g["verdict"] for g in window["gates"]} == {
             "error_rate": "pass", "p95_ttft": "pass", "p95_e2e": "pass"}  # fmt: skip
     assert load.count("canary", 200) > 0 and load.count("baseline", 200) > 0
-    assert not load.failures and sum(load.answers.values()) == load.count("canary", 200) + \
-        load.count("baseline", 200), load.answers  # fmt: skip
+    # every request answered (those after the end, once the baseline stopped, name no version)
+    assert not load.failures and {code for code, _ in load.answers} == {200}, load.answers
     workloads = states(platform)
     assert workloads[ended["workload_id"]] == "STOPPED"
     assert workloads[ended["canary_workload_id"]] == "RUNNING"

@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kunlun.errors import ConfigError, KunlunError, Location
 from kunlun.planner.model_info import locate_model
-from kunlun.rollout.gates import FAIL, PASS, evaluate
+from kunlun.rollout.gates import FAIL, PASS, GateResult, evaluate
 from kunlun.rollout.spec import RolloutSpec
 from kunlun.rollout.split import Split
 from kunlun.rollout.window import BASELINE, CANARY, VersionWindow
@@ -245,7 +245,7 @@ class RolloutController:
         """Apply the splits; on the advancing node, move every running rollout on."""
         records = self.records()
         self.apply_splits(records)
-        keep = [(r.rollout_id, r.step) for r in records if r.state == "PROGRESSING"]
+        keep = [(r.rollout_id, r.window) for r in records if r.state == "PROGRESSING"]
         self.gateway.rollout_stats.forget(keep)
         if self.cluster is not None:
             self.cluster.publish()
@@ -280,7 +280,7 @@ class RolloutController:
             elif r.state == "PROMOTED" and r.workload_id in present:
                 weight = 100.0
             if weight is not None:
-                splits[r.model] = Split(r.rollout_id, r.step, weight, r.workload_id,
+                splits[r.model] = Split(r.rollout_id, r.window, weight, r.workload_id,
                                         r.canary_workload_id)  # fmt: skip
         current = self.gateway.splits
         for model in [m for m in current if m not in splits]:
@@ -318,13 +318,24 @@ class RolloutController:
         results = evaluate(self._windows(record), record.max_error_rate,
                            record.max_p95_regression, record.min_requests)  # fmt: skip
         record.gates = [g.to_dict() for g in results]
-        failed = [g for g in results if g.verdict == FAIL]
-        if failed:
-            why = "; ".join(f"gate {g.gate} failed: {g.detail}" for g in failed)
-            self._roll_back(record, "ROLLED_BACK", why)
-        elif now - record.step_started >= record.interval_s and all(
-            g.verdict == PASS for g in results
-        ):
+        errors = [g for g in results if g.verdict == FAIL and g.gate == "error_rate"]
+        slower = [g for g in results if g.verdict == FAIL and g.gate != "error_rate"]
+        if errors:  # errors are unambiguous: at once
+            self._roll_back(record, "ROLLED_BACK", _failed(errors + slower))
+        elif now - record.step_started < record.interval_s:
+            self._write_gates(record, now)
+        elif slower and record.suspect is not None:  # a second window, slower again
+            self._roll_back(record, "ROLLED_BACK", f"{_failed(slower)} (and in the window "
+                            f"before: {record.suspect})")  # fmt: skip
+        elif slower:
+            # latency moves with whatever else the machine does for seconds at a time:
+            # a regression counts once a fresh window shows it again
+            record.suspect = _failed(slower)
+            self._new_window(record, now)
+            if self._write(record):
+                self._events(record, f"rollout {record.rollout_id}: step {record.step + 1} "
+                             f"measured again over a fresh window: {record.suspect}")  # fmt: skip
+        elif all(g.verdict == PASS for g in results):
             if record.step + 1 >= len(record.steps) or record.steps[record.step + 1] >= 100:
                 self._promote(record, f"every gate passed at {_steps(record.steps[:-1])} %")
             else:
@@ -333,23 +344,27 @@ class RolloutController:
             self._write_gates(record, now)
 
     def _windows(self, record: RolloutRecord) -> dict[str, VersionWindow]:
-        windows = self.gateway.rollout_stats.window(record.rollout_id, record.step)
+        windows = self.gateway.rollout_stats.window(record.rollout_id, record.window)
         if self.cluster is not None:
-            for other in self.cluster.remote_windows(record.rollout_id, record.step):
+            for other in self.cluster.remote_windows(record.rollout_id, record.window):
                 for role, window in other.items():
                     if role in windows:
                         windows[role].merge(window)
         return windows
 
     def _step(self, record: RolloutRecord, step: int, now: float) -> None:
-        if record.step >= 0:
-            record.history.append(self._finished_step(record, now))
-        record.state, record.step, record.step_started = "PROGRESSING", step, now
-        record.gates = []
+        self._new_window(record, now)  # the window of the step before ends
+        record.state, record.step, record.suspect = "PROGRESSING", step, None
         if self._write(record):
             self._events(record, f"rollout {record.rollout_id}: step {step + 1} of "
                          f"{len(record.steps) - 1}, canary at {record.steps[step]:g} % of "
                          f"{record.model}")  # fmt: skip
+
+    def _new_window(self, record: RolloutRecord, now: float) -> None:
+        if record.gates:
+            record.history.append(self._finished_step(record, now))
+        record.window += 1
+        record.step_started, record.gates = now, []
 
     def _promote(self, record: RolloutRecord, why: str) -> None:
         self._end(record, "PROMOTED", why)
@@ -401,7 +416,7 @@ class RolloutController:
         self._write(record)
 
     def _finished_step(self, record: RolloutRecord, now: float) -> dict[str, Any]:
-        return {"step": record.step, "weight": record.steps[record.step],
+        return {"step": record.step, "window": record.window, "weight": record.steps[record.step],
                 "started": record.step_started, "ended": now, "gates": record.gates}  # fmt: skip
 
     def _write(self, record: RolloutRecord) -> bool:
@@ -430,6 +445,7 @@ class RolloutController:
         the process, so its window (and interval) starts again."""
         for record in records:
             if record.state == "PROGRESSING":
+                record.window += 1
                 record.step_started = time.time()
                 if self._write(record):
                     self._events(record, f"rollout {record.rollout_id}: the daemon restarted; "
@@ -486,6 +502,10 @@ class RolloutController:
         for (model, reason), count in self.totals.rollbacks.items():
             rollbacks.add_metric([model, reason], float(count))
         yield from (weight, state, gate, promotions, rollbacks)
+
+
+def _failed(gates: list[GateResult]) -> str:
+    return "; ".join(f"gate {g.gate} failed: {g.detail}" for g in gates)
 
 
 def _newer(found: RolloutRecord, mine: RolloutRecord | None) -> RolloutRecord:

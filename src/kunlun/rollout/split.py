@@ -26,7 +26,8 @@ class Split:
     """One model's split while its rollout runs (replaced whole when the step changes)."""
 
     rollout_id: str
-    step: int
+    window: int
+    """The rollout's gate window in force (its requests are counted under it)."""
     weight: float
     """The canary's share, in percent."""
     baseline: str
@@ -40,7 +41,7 @@ class Split:
 
     def version(self, canary: bool) -> Version:
         role, workload = (CANARY, self.canary) if canary else (BASELINE, self.baseline)
-        return Version(self.rollout_id, self.step, role, workload)
+        return Version(self.rollout_id, self.window, role, workload)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +49,7 @@ class Version:
     """Where one request goes during a rollout, and what its answer says."""
 
     rollout_id: str
-    step: int
+    window: int
     role: str
     workload: str
 

@@ -5,7 +5,8 @@ A :class:`LatencyHistogram` has logarithmic buckets 1 % wide (from 0.1 ms up), k
 so its quantiles are within 1 % of the true ones and two of them add up exactly: every
 cluster node counts its own requests and the leader merges them (:meth:`merge`) before the
 gates decide. :class:`RolloutStats` holds one :class:`VersionWindow` per rollout, step and
-role (``baseline``, ``canary``); a request is counted in the step it was admitted in.
+role (``baseline``, ``canary``) and gate window; a request is counted in the window it was
+admitted in.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class VersionWindow:
 
 
 class RolloutStats:
-    """Every rollout's windows on this node: ``(rollout, step) -> {role: window}``.
+    """Every rollout's counts on this node: ``(rollout, window) -> {role: counts}``.
     Written by the gateway (event loop), read by the rollout controller (another thread)."""
 
     def __init__(self) -> None:

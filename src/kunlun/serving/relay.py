@@ -133,7 +133,7 @@ class Relay(Response):
             now = time.perf_counter()
             ttft = None if self.first_byte is None else (self.first_byte - self.arrived) * 1e3
             error = self.status_code >= 500 or self.stream_error
-            self.state.rollout_stats.record(version.rollout_id, version.step, version.role,
+            self.state.rollout_stats.record(version.rollout_id, version.window, version.role,
                                             error, ttft, (now - self.arrived) * 1e3)  # fmt: skip
         if r is None:  # refused, or its client left, while waiting in the gateway's queue
             if self._refusal is not None:

@@ -133,7 +133,14 @@ class RolloutRecord:
     step: int = -1
     """Index into ``steps`` of the weight in force (-1 while the canary starts)."""
     step_started: float = 0.0
-    """When the current step began (its gate window starts then)."""
+    """When the current gate window began (at the step's start, or when it was measured
+    again)."""
+    window: int = 0
+    """The gate window in force, counted over the whole rollout: a new one at each step and
+    each time a step is measured again; the gateway counts each request under one."""
+    suspect: str | None = None
+    """A latency regression seen at the end of the previous window of this step (the step
+    is measured again over a fresh window; a second one rolls back)."""
     created: float = 0.0
     updated: float = 0.0
     finished: float | None = None
