@@ -134,10 +134,12 @@ def parse_sse(raw: bytes) -> tuple[list[str], list[str]]:
         if len(data) > 1:
             problems.append(f"{len(data)} data lines in one event (missing blank line?)")
         events.append("\n".join(line[5:].removeprefix(" ") for line in data))
+    # the stream's ending first: a report shows only the first few, and the framing problems
+    # of a broken stream can be many (one per event)
     if "[DONE]" not in events:
-        problems.append("no 'data: [DONE]' event")
+        problems.insert(0, "no 'data: [DONE]' event")
     elif events[-1] != "[DONE]":
-        problems.append(f"{len(events) - 1 - events.index('[DONE]')} event(s) after [DONE]")
+        problems.insert(0, f"{len(events) - 1 - events.index('[DONE]')} event(s) after [DONE]")
     return events, problems
 
 
