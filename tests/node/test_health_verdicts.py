@@ -28,6 +28,14 @@ def stats(num_steps: int, unfinished: int) -> dict[str, int]:
     return {"num_steps": num_steps, "num_unfinished_requests": unfinished}
 
 
+@pytest.fixture(autouse=True)
+def _no_stall_floor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These verdicts use probe times of seconds; the 60 s floor of a stall is tested alone."""
+    import kunlun.node.health
+
+    monkeypatch.setattr(kunlun.node.health, "STALL_MIN_S", 0.0)
+
+
 def test_a_pass_clears_the_failures() -> None:
     health = ReplicaHealth(CONFIG)
     assert health.failed("500: boom", stats(3, 0), now=0.0) == Verdict("error")
