@@ -168,6 +168,25 @@ def test_config_is_validated_and_the_timeout_kept_under_the_interval() -> None:
     assert HealthConfig(interval_s=5.0, timeout_s=0.5).stats_timeout_s == 0.5
 
 
+def test_a_replica_whose_engine_stepped_since_the_last_check_is_serving() -> None:
+    health = ReplicaHealth(CONFIG)
+    assert health.serving(stats(10, 1), now=0.0) is None  # nothing to compare with: probe
+    assert health.passed(stats(10, 1), now=0.5) == Verdict("pass")
+    assert health.serving(stats(14, 2), now=5.0) == Verdict("serving")  # no probe needed
+    assert health.serving(stats(14, 0), now=10.0) is None  # no step since: it gets a probe
+    assert health.passed(stats(14, 0), now=10.5) == Verdict("pass")
+    assert health.serving({"num_steps": 20}, now=15.0) is None  # no counters: probe
+
+
+def test_serving_never_restores_an_ejected_replica() -> None:
+    health = ReplicaHealth(CONFIG)
+    health.failed("500: boom", stats(1, 3), now=0.0)
+    assert health.failed("500: boom", stats(2, 3), now=5.0).eject is not None
+    assert health.serving(stats(9, 3), now=10.0) is None  # in-flight requests still step
+    assert health.ejected is not None
+    assert health.passed(stats(9, 0), now=10.5) == Verdict("pass", restore=True)
+
+
 # ---- the checker over a mock transport ----
 
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -233,6 +252,27 @@ def test_the_checker_sends_the_probe_and_ejects_and_restores_with_events() -> No
     assert 'kunlun_replica_ejected{device="cpu:0",model="m",replica="w1-r0"} 0.0' in text
     assert 'kunlun_health_ejections_total{model="m",reason="error"} 1.0' in text
     assert 'kunlun_health_probes_total{model="m",result="pass"} 2.0' in text
+
+
+def test_the_checker_sends_no_probe_to_a_replica_that_is_serving() -> None:
+    reads = []
+    probes = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/stats":  # real traffic: the engine steps between reads
+            reads.append(request)
+            return httpx.Response(200, json=stats(len(reads), 1))
+        probes.append(request)
+        return completion()
+
+    replicas = ReplicaSet()
+    replicas.upsert(replica())
+    checker, events = checked(handler, replicas, rounds=4)
+    assert len(probes) == 1  # the first check has no earlier steps to compare with
+    assert checker.num_probes == {("m", "pass"): 1, ("m", "serving"): 3}
+    assert not events
+    text = exposition(checker.families())
+    assert 'kunlun_health_probes_total{model="m",result="serving"} 3.0' in text
 
 
 def test_the_checker_ejects_a_silent_replica_at_once_and_skips_others() -> None:

@@ -9,6 +9,8 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 from tests.serving.conftest import MODEL, GatewayServer, WorkerProcess
 
+from kunlun.serving.faults import PROBE_HEADER
+
 
 def scrape(worker: WorkerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     response = httpx.get(f"{worker.base_url}/metrics", timeout=10)
@@ -59,6 +61,13 @@ def test_worker_and_gateway_count_what_was_served(
         timeout=30,
     )
     assert bad.status_code == 400
+    probe = httpx.post(  # a health check's probe is not traffic: counted apart
+        f"{worker.base_url}/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+        headers={PROBE_HEADER: "1"},
+        timeout=30,
+    )
+    assert probe.status_code == 200
     after = scrape(worker)
 
     def delta(name: str, **label: str) -> float:
@@ -67,6 +76,7 @@ def test_worker_and_gateway_count_what_was_served(
 
     assert delta("kunlun_worker_requests_total", status="200") == 3
     assert delta("kunlun_worker_requests_total", status="400") == 1
+    assert delta("kunlun_worker_health_probes_total", status="200") == 1
     assert delta("kunlun_time_to_first_token_seconds_count") == 3  # one per call
     assert delta("kunlun_time_per_output_token_seconds_count") == 4  # per engine request
     assert delta("kunlun_engine_queue_time_seconds_count") == 4

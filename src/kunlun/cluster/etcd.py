@@ -14,7 +14,8 @@ quorum says ``etcdserver: no leader`` at once instead of waiting for etcd's own 
 (7 s with the test settings). An election (a member lost, ``leader changed`` or ``no
 leader`` while another member still answers) usually ends within a second or two: while one
 is the only reason a call failed, the call is tried again for up to ``election_wait_s``
-(default 3 s) before it gives up. When every endpoint failed the call raises
+(default 3 s) before it gives up. An election still unfinished after that is taken for a lost
+quorum: later calls try each endpoint once and say so at once, until one succeeds again. When every endpoint failed the call raises
 :class:`~kunlun.errors.ClusterUnavailable` naming each cause and endpoint; when every one
 refused the TLS handshake it raises :class:`~kunlun.errors.ConfigError` saying whose
 certificate was refused. A write whose endpoint timed out may have been applied there and is
@@ -217,6 +218,8 @@ class Etcd:
         self.endpoints = [_checked_endpoint(e, tls) for e in endpoints]
         self.timeout_s = timeout_s
         self.election_wait_s = election_wait_s
+        # Set when a wait for an election ran out (quorum lost); cleared by the next answer.
+        self._no_quorum = False
         self._tls = tls
         verify: ssl.SSLContext | bool = True
         if tls is not None:
@@ -344,11 +347,15 @@ class Etcd:
         while True:
             answer = self._round(path, body, ok_codes)
             if isinstance(answer, dict):
+                self._no_quorum = False
                 return answer
             electing = any(f.election for f in answer) and all(
                 f.election or f.cause == "connection refused" for f in answer
             )
-            if not electing or time.monotonic() + _ELECTION_POLL_S > deadline:
+            if not electing or self._no_quorum:
+                raise _unavailable(answer)
+            if time.monotonic() + _ELECTION_POLL_S > deadline:
+                self._no_quorum = True
                 raise _unavailable(answer)
             time.sleep(_ELECTION_POLL_S)
 

@@ -1,12 +1,17 @@
 """Health checks that measure progress: a replica that fails them leaves routing until it
 passes again.
 
-Every ``interval_s`` the :class:`HealthChecker` sends each ready local replica a tiny
-generation straight to its worker (``POST /v1/completions``, prompt ``"ping"``,
-``max_tokens: 1``, header :data:`PROBE_HEADER`), waiting at most ``timeout_s``, then reads the
-engine's counters (``GET /stats``). A :class:`ReplicaHealth` per replica turns each probe
-into a :class:`Verdict` (its ``result``):
+Every ``interval_s`` the :class:`HealthChecker` first reads each ready local replica's engine
+counters (``GET /stats``). A replica in routing whose engine made steps since the previous
+check is serving: that is its pass (**serving**), and it gets no synthetic request, which
+would share its batches with real ones (a batch's make-up can flip a greedy near-tie) and
+add load where there is most. Any other replica gets a tiny generation straight to its
+worker (``POST /v1/completions``, prompt ``"ping"``, ``max_tokens: 1``, header
+:data:`PROBE_HEADER`), waiting at most ``timeout_s``, then ``/stats`` again. A
+:class:`ReplicaHealth` per replica turns each check into a :class:`Verdict` (its ``result``):
 
+- **serving**: see above; no probe sent. Never restores an ejected replica (its in-flight
+  requests may still be stepping): only a probe that passes does.
 - **pass**: the probe was answered 200 with a choice. It clears the failures and lets an
   ejected replica back into routing.
 - **error**: the probe was answered with an error (any other status, or a body that is not a
@@ -59,7 +64,7 @@ PROBE_BODY = {"prompt": "ping", "max_tokens": 1, "temperature": 0}
 STALL_MIN_S = 60.0
 """An engine with requests unfinished counts as stalled only after this long without a step:
 on a loaded 2-core CI machine single steps took over 10 s, and ejecting them gave 503s."""
-Result = Literal["pass", "busy", "error", "silent", "stalled"]
+Result = Literal["serving", "pass", "busy", "error", "silent", "stalled"]
 RESULTS: tuple[Result, ...] = get_args(Result)
 """Every :attr:`Verdict.result`, in the order of the module docstring."""
 
@@ -91,7 +96,7 @@ class HealthConfig:
 
     @property
     def stats_timeout_s(self) -> float:
-        """How long the ``/stats`` read after a probe waits: 1 s, at most the probe's."""
+        """How long a ``/stats`` read waits: 1 s, at most the probe's."""
         return min(1.0, self.probe_timeout_s)
 
 
@@ -122,6 +127,18 @@ class ReplicaHealth:
         """Whether the previous probe's ``/stats`` had requests unfinished."""
         self.steps_since = 0.0
         """When ``num_steps`` last moved, or work was first seen."""
+
+    def serving(self, stats: dict[str, Any] | None, now: float) -> Verdict | None:
+        """``stats`` read before probing: a ``serving`` pass when the replica is in routing and
+        its engine made steps since the previous check; None (nothing recorded) when it needs
+        a probe."""
+        counters = _counters(stats)
+        if self.ejected is not None or counters is None or self.num_steps is None:
+            return None
+        if counters[0] == self.num_steps:
+            return None
+        self._record(counters, now)
+        return self._good("serving")
 
     def passed(self, stats: dict[str, Any] | None, now: float) -> Verdict:
         """The probe got its token; ``stats``: ``/stats`` read after it (None: no answer)."""
@@ -274,11 +291,20 @@ class HealthChecker:
     async def _probe(self, r: Replica, tracked: _Tracked, client: httpx.AsyncClient) -> None:
         """Probe ``r`` once and act on the verdict (unless it was forgotten meanwhile)."""
         try:
+            health = tracked.health
+            before = await self._stats(client, tracked.base_url)
+            verdict = health.serving(before, time.monotonic())
+            if verdict is not None:
+                if self._tracked.get(r.replica_id) is tracked:
+                    self._apply(r, verdict)
+                return
             answer = await self._generate(client, tracked.base_url, r.model)
-            stats = await self._stats(client, tracked.base_url)
+            stats = None  # unread when neither /stats just now nor the probe was answered
+            if before is not None or answer.answered:
+                stats = await self._stats(client, tracked.base_url)
             if self._tracked.get(r.replica_id) is not tracked:
                 return
-            health, now = tracked.health, time.monotonic()
+            now = time.monotonic()
             if answer.generated:
                 verdict = health.passed(stats, now)
             elif answer.answered:
@@ -364,8 +390,9 @@ class HealthChecker:
         yield ejections
         probes = CounterMetricFamily(
             "kunlun_health_probes",
-            "Health probes of this node's replicas, by result: pass, busy (no answer in time, "
-            "the engine progressing), error, silent, stalled.",
+            "Health checks of this node's replicas, by result: serving (the engine stepped "
+            "since the previous check; no probe sent), pass, busy (no answer in time, the "
+            "engine progressing), error, silent, stalled.",
             labels=["model", "result"],
         )
         for (model, result), count in sorted(self.num_probes.items()):

@@ -29,7 +29,7 @@ from kunlun.engine.outputs import RequestOutput, RequestOutputDelta
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import EngineError, KunlunError, PromptTooLong
 from kunlun.serving import responses, sse
-from kunlun.serving.faults import Faults, FaultSpec
+from kunlun.serving.faults import PROBE_HEADER, Faults, FaultSpec
 from kunlun.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -64,6 +64,7 @@ class _Call:
     num_prompt: dict[int, int] = dataclasses.field(default_factory=dict)
     num_cached: dict[int, int] = dataclasses.field(default_factory=dict)
     finals: list[RequestOutput] = dataclasses.field(default_factory=list)  # telemetry
+    probe: bool = False  # a health check's probe: logged and counted as such
 
     def observe(self, prompt_index: int, delta: RequestOutputDelta) -> None:
         if delta.final is not None:  # telemetry: engine timings of the finished request
@@ -87,6 +88,7 @@ class _Call:
             f"Request {self.request_id}: status={self.status} "
             f"prompt_tokens={sum(self.num_prompt.values())} "
             f"completion_tokens={self.num_completion} ttft_ms={ttft} e2e_ms={e2e:.1f}"
+            + (" health_probe" if self.probe else "")
         )
 
 
@@ -453,7 +455,10 @@ async def _off_loop_if_large(raw: bytes, function: Callable[..., _T], *args: Any
 
 
 def _new_call(request: Request) -> _Call:
-    return _Call(request.headers.get("x-request-id") or uuid.uuid4().hex)
+    return _Call(
+        request.headers.get("x-request-id") or uuid.uuid4().hex,
+        probe=bool(request.headers.get(PROBE_HEADER)),
+    )
 
 
 def _json(call: _Call, body: dict[str, Any]) -> Response:

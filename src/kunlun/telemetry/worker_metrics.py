@@ -15,6 +15,9 @@ Definitions (all times from the worker's clock):
 - engine queue time: per engine request, from its arrival in the engine to its first
   admission into a batch (waiting for a free sequence slot or KV blocks).
 
+A health check's probe (:mod:`kunlun.node.health`) is not traffic: it counts only in
+``kunlun_worker_health_probes_total{status}``, never in the request, token or latency series.
+
 Engine state (KV-cache blocks, running and waiting sequences, preemptions, prefix-cache hits)
 is read from :meth:`AsyncLLMEngine.stats` when scraped, so it costs nothing per request.
 """
@@ -60,6 +63,8 @@ class CallRecord(Protocol):
     """Prompt tokens per prompt of the call."""
     finals: list[RequestOutput]
     """The complete output of every engine request of the call that finished."""
+    probe: bool
+    """Whether the call was a health check's probe."""
 
 
 class WorkerTelemetry:
@@ -72,6 +77,12 @@ class WorkerTelemetry:
         self.calls = Counter(
             "kunlun_worker_requests",
             "API calls answered by the engine worker, by HTTP status.",
+            ["status"],
+            registry=r,
+        )
+        self.probes = Counter(
+            "kunlun_worker_health_probes",
+            "Health-check probes answered by the engine worker, by HTTP status.",
             ["status"],
             registry=r,
         )
@@ -106,6 +117,9 @@ class WorkerTelemetry:
 
     def observe(self, call: CallRecord) -> None:
         """Count one finished call (see the module docstring for the definitions)."""
+        if call.probe:
+            self.probes.labels(str(call.status)).inc()
+            return
         self.calls.labels(str(call.status)).inc()
         if call.first_token is not None:
             self.ttft.observe(call.first_token - call.started)
