@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import psutil
-from tests.daemon.conftest import BIN, Daemon, free_port
+from tests.daemon.conftest import BIN, ONE_THREAD, Daemon, free_port
 
 LEASE_TTL_S = 10
 
@@ -103,6 +103,7 @@ def make_node(root: Path, name: str, endpoints: list[str], certs: Path | None) -
     # the three nodes share this machine's CPU: its utilization says nothing of one node's
     # load, so routing goes by requests in flight alone (then a node's own replica wins ties)
     (home / "scheduler_config.yaml").write_text("min_gpu_utilization_threshold: 1.0\n")
+    (home / "device-plugin-config.yaml").write_text(ONE_THREAD)  # the nodes share the cores
     shared = root / "shared-files"  # the directory all nodes share (here: one machine)
     shared.mkdir(exist_ok=True)
     return ClusterNodeProc(home, free_port(), name=name, peer_port=free_port(),

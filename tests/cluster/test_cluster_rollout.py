@@ -14,7 +14,6 @@ import pytest
 from tests.cluster.etcd_cluster import EtcdCluster
 from tests.cluster.platform_nodes import ClusterNodeProc, dump, make_node, wait_for
 from tests.cluster.test_cluster_failover import _demo_home
-from tests.rollout.rollout_load import ONE_THREAD
 
 from kunlun.cluster.etcd import Etcd
 from kunlun.state.etcd import EtcdStore
@@ -35,8 +34,6 @@ def two_nodes(
     store.put_model(model)
     store.close()
     nodes = [make_node(root, name, etcd1.endpoints, None) for name in ("node-a", "node-b")]
-    for node in nodes:  # the nodes' workers share this machine's cores
-        (node.home / "device-plugin-config.yaml").write_text(ONE_THREAD)
     try:
         for node in nodes:
             node.launch()

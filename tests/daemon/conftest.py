@@ -153,11 +153,24 @@ def models_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return home
 
 
+ONE_THREAD = """\
+devices:
+  - device_type: cpu
+    device_id: 0
+    custom_attributes: {num_threads: 1}
+"""
+"""A declaration giving each CPU worker one thread. The suite runs two test files at once on
+two cores, often with several workers each: workers with every core each would thrash
+and their latencies say nothing."""
+
+
 def new_home(models_home: Path, tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
-    """A fresh KUNLUN_HOME whose model catalog already holds the demo model."""
+    """A fresh KUNLUN_HOME whose model catalog already holds the demo model, declaring one
+    thread per CPU worker (:data:`ONE_THREAD`; a test may write its own declaration)."""
     home = tmp_path_factory.mktemp(name)
     shutil.copy(models_home / "state.db", home / "state.db")
     (home / "models").symlink_to(models_home / "models")
+    (home / "device-plugin-config.yaml").write_text(ONE_THREAD)
     return home
 
 

@@ -86,7 +86,7 @@ def test_plan_cache_hit_reuses_conversion_and_a_changed_declaration_misses(
         config = home / "device-plugin-config.yaml"
         config.write_text(
             "devices:\n  - device_type: cpu\n    device_id: 0\n"
-            "    custom_attributes: {num_threads: 1}\n"
+            "    custom_attributes: {num_threads: 2}\n"
         )
         daemon.start("--config", str(config), wait_ready=False)
         wait_ready(daemon)  # the daemon resumes the workload under the new declaration
@@ -94,6 +94,6 @@ def test_plan_cache_hit_reuses_conversion_and_a_changed_declaration_misses(
         after_restart = text[text.rindex("plan_cache:") :]  # this start's lines
         assert after_restart.startswith("plan_cache: miss") and "conversion: cast" in after_restart
         plan = daemon.describe(second)["placement"]["plan"]
-        assert plan["engine_options"] == {"num_threads": 1}
+        assert plan["engine_options"] == {"num_threads": 2}
     finally:
         daemon.stop()

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from tests.daemon.conftest import Daemon, free_port, models_home, new_home, patient_queue
-from tests.rollout.rollout_load import ONE_THREAD
 
 __all__ = ["models_home"]  # a fixture used here
 
@@ -25,7 +24,6 @@ kv_cache_memory_mb: 32
 def platform(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon whose workload ``chat`` (the demo model) is RUNNING."""
     home = patient_queue(new_home(models_home, tmp_path_factory, "rollout-home"))
-    (home / "device-plugin-config.yaml").write_text(ONE_THREAD)
     daemon = Daemon(home, free_port())
     daemon.start(wait_ready=False)
     try:

@@ -9,16 +9,10 @@ from collections import Counter
 from typing import Any
 
 import httpx
+from tests.daemon.conftest import ONE_THREAD
 
 ENDED = ("PROMOTED", "ROLLED_BACK", "ABORTED")
-ONE_THREAD = """\
-devices:
-  - device_type: cpu
-    device_id: 0
-    custom_attributes: {num_threads: 1}
-"""
-"""Each worker on one thread: the baseline and the canary share the machine's cores (two
-workers with every core each would thrash, and their latencies say nothing of them)."""
+__all__ = ["ONE_THREAD"]  # the benchmark declares one thread per worker too
 
 
 class Load:
