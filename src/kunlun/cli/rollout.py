@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-import yaml
 from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.errors import ConfigError, Location
+from kunlun.workload.spec import read_spec_fields
 
 app = typer.Typer(help="Canary rollouts: create, status, list, promote, abort.",
                   no_args_is_help=True)  # fmt: skip
@@ -59,7 +59,7 @@ def create(
         if value is not None:
             body[key] = value
     if file is not None:
-        body["overrides"] = _overrides(file)
+        body["overrides"] = read_spec_fields(file)
     status = DaemonClient().post("/api/v1/rollouts", json=body)
     if json:
         print_json(status)
@@ -127,20 +127,6 @@ def _act(rollout: str, action: str, json: bool) -> None:
         print_json(found)
         return
     _show(found)
-
-
-def _overrides(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read it: {exc.strerror}", location=Location(str(path))) from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = None if mark is None else mark.line + 1
-        raise ConfigError(f"not valid YAML: {exc}", location=Location(str(path), line)) from None
-    if not isinstance(data, dict):
-        raise ConfigError("must be a mapping of workload spec fields", location=Location(str(path)))
-    return data
 
 
 def _show(r: dict[str, Any]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -148,7 +148,9 @@ def parse_spec(data: object, source: str = "request") -> WorkloadSpec:
         ) from None
 
 
-def load_spec_file(path: str | Path) -> WorkloadSpec:
+def read_spec_fields(path: str | Path) -> dict[str, Any]:
+    """The mapping of workload spec fields in the YAML file ``path``, not yet checked (a
+    whole spec, or overrides of one); a :class:`ConfigError` naming the file (and line)."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -162,4 +164,13 @@ def load_spec_file(path: str | Path) -> WorkloadSpec:
             f"not valid YAML: {getattr(exc, 'problem', exc)}",
             location=Location(str(path), mark.line + 1 if mark else None),
         ) from None
-    return parse_spec(data, str(path))
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"must be a mapping of workload spec fields, not {type(data).__name__}",
+            location=Location(str(path)),
+        )
+    return data
+
+
+def load_spec_file(path: str | Path) -> WorkloadSpec:
+    return parse_spec(read_spec_fields(path), str(path))
