@@ -189,7 +189,15 @@ def test_unimplemented_and_unknown_fields_are_400_through_the_sdk(daemon: Daemon
     tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
     cases: list[tuple[dict[str, Any], str]] = [
         ({"tools": [tool]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
         ({"logit_bias": {"50": -100}}, "logit_bias"),
         ({"extra_body": {"temprature": 0.5}}, "temprature"),
     ]

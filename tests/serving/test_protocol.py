@@ -51,7 +51,7 @@ def test_chat_maps_to_sampling_params() -> None:
     [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
         ({"tool_choice": "required"}, "tool_choice", "tool calling"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "structured output"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
         ({"logit_bias": {"50256": -100}}, "logit_bias", "logit bias"),
         ({"functions": [{"name": "f"}]}, "functions", "function calling"),
         ({"temprature": 0.5}, "temprature", "unknown field 'temprature'"),
@@ -71,6 +71,42 @@ def test_unimplemented_and_unknown_fields_are_refused_by_name(
     status, body, _ = error_status_and_body(caught.value)
     assert (status, body["error"]["param"]) == (400, param)
     assert text in body["error"]["message"] and param in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "text"),
+    [
+        ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex",
+         "use one of response_format, guided_regex"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema",
+         "needs json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format.json_schema.schema", "the schema is missing"),
+        ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ],
+)  # fmt: skip
+def test_conflicting_or_incomplete_constraints_are_refused_by_name(
+    fields: dict[str, object], param: str, text: str
+) -> None:
+    with pytest.raises(RequestError) as caught:
+        chat(**fields).to_sampling_params()
+    status, body, _ = error_status_and_body(caught.value)
+    assert (status, body["error"]["param"]) == (400, param)
+    assert text in body["error"]["message"]
+
+
+def test_constraints_become_the_engine_guide() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    guide = chat(response_format=fmt).to_sampling_params().guide
+    assert guide is not None and (guide.kind, json.loads(guide.source)) == ("json", schema)
+    guide = chat(response_format={"type": "json_object"}).to_sampling_params().guide
+    assert guide is not None and json.loads(guide.source) == {"type": "object"}
+    assert chat(response_format={"type": "text"}).to_sampling_params().guide is None
+    guide = completion(guided_choice=["a", "b"]).to_sampling_params().guide
+    assert guide is not None and (guide.kind, guide.field) == ("choice", "guided_choice")
+    guide = completion(guided_regex="[0-9]+").to_sampling_params().guide
+    assert guide is not None and (guide.kind, guide.source) == ("regex", "[0-9]+")
 
 
 def test_completion_only_fields_are_refused_by_name() -> None:

@@ -27,6 +27,7 @@ import torch
 from kunlun.engine.block_manager import BlockManager
 from kunlun.engine.detokenizer import Detokenizer
 from kunlun.engine.engine_config import EngineConfig
+from kunlun.engine.guided import GuidedDecoding
 from kunlun.engine.model_runner import ModelRunner, StepOutput, StepSeq
 from kunlun.engine.outputs import CompletionOutput, EngineStats, RequestOutput, RequestOutputDelta
 from kunlun.engine.preflight import preflight
@@ -118,7 +119,8 @@ class LLMEngine:
         )
         generator = torch.Generator(device=self.runner.device)
         generator.manual_seed(config.seed)
-        self.sampler = Sampler(generator)
+        self.guided = GuidedDecoding(self.tokenizer, self.runner.config.vocab_size)
+        self.sampler = Sampler(generator, self.guided)
         self._requests: dict[str, Request] = {}
         self._num_steps = 0
         self._num_generated = 0
@@ -173,6 +175,9 @@ class LLMEngine:
         arrival = time.monotonic()
         seqs = [Sequence(request_id, token_ids, params, index=i, arrival_time=arrival)
                 for i in range(params.n)]  # fmt: skip
+        if params.guide is not None:  # a bad schema, regex or grammar is refused here
+            for seq in seqs:
+                seq.matcher = self.guided.matcher(params.guide)
         eos = set(self.tokenizer.eos_token_ids)
         detokenizers = [
             Detokenizer(self.tokenizer, params, token_ids, eos_token_ids=eos, max_tokens=max_tokens)
@@ -369,6 +374,8 @@ class LLMEngine:
                 seq.logprobs.append(logprobs)
                 seq.cumulative_logprob += logprobs[token_id]
             reason = request.detokenizers[seq.index].update(token_id)
+            if reason is None and seq.matcher is not None and seq.matcher.is_stopped():
+                reason = "stop"  # the guide's grammar is complete: nothing more may follow
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             deltas.append(self._delta(request, seq, [token_id], logprobs))

@@ -7,6 +7,10 @@ greedy (argmax of the penalized logits). Sampling uses the exponential race
 (``argmax(p / q)`` with ``q ~ Exp(1)``), drawing ``q`` from the sequence's own generator
 when the request has a seed, so a seeded row does not depend on the rest of the batch.
 
+A guided row (a request with a :class:`~kunlun.engine.guided.Guide`) has every token its
+grammar does not allow set to -inf after the penalties, and its matcher consumes the chosen
+token; rows and batches without a guide skip both.
+
 Logprobs are ``log_softmax`` of the raw model logits, before penalties and temperature
 (vLLM's default): they describe the model, not the sampling rule.
 """
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kunlun.engine.guided import GuidedDecoding
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.engine.sequence import Sequence, TopLogprobs
 
@@ -34,8 +39,11 @@ class SamplerOutput:
 class Sampler:
     """Stateless apart from the shared generator used by requests without a seed."""
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self, generator: torch.Generator | None = None, guided: GuidedDecoding | None = None
+    ) -> None:
         self.generator = generator
+        self.guided = guided
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """Sample one token per row of ``logits`` ([len(seqs), vocab], float32)."""
@@ -43,11 +51,17 @@ class Sampler:
         scores = logits
         if any(p.needs_penalties for p in params):
             scores = apply_penalties(logits.clone(), seqs)
+        guided = [(s.matcher, i) for i, s in enumerate(seqs) if s.matcher is not None]
+        if guided and self.guided is not None:
+            scores = scores.clone() if scores is logits else scores
+            self.guided.mask(scores, guided)
         greedy = [p.temperature == 0 for p in params]
         if all(greedy):
             token_ids = scores.argmax(dim=-1).tolist()
         else:
             token_ids = self._sample(scores, seqs, greedy)
+        for matcher, i in guided:
+            matcher.consume_token(token_ids[i])
         logprobs: list[TopLogprobs | None] = [None] * len(seqs)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         if rows:

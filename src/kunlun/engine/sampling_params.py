@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kunlun.engine.guided import Guide
 from kunlun.errors import RequestError
 
 _MAX_TOP_LOGPROBS = 20
@@ -62,6 +63,9 @@ class SamplingParams:
     class. Any integer."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the returned text."""
+    guide: Guide | None = None
+    """What the output must match (a JSON schema, regex, grammar or choice): enforced by a
+    token mask in the sampler (:mod:`kunlun.engine.guided`). None: free text."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

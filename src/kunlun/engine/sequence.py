@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from typing import Any
 
 import torch
 
@@ -65,6 +66,8 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         """When the scheduler first admitted it (``time.monotonic``): its queue time ends."""
         self.finish_reason: str | None = None
+        self.matcher: Any = None
+        """The guided-decoding matcher of a request with a guide (:mod:`kunlun.engine.guided`)."""
         self.logprobs: list[TopLogprobs] = []
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[TopLogprobs | None] = [None]

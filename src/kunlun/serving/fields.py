@@ -24,7 +24,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "function_call": "function calling",
     "tool_calls": "tool calling",
     "tool_call_id": "tool calling",
-    "response_format": "structured output: JSON mode and JSON schema",
     "logit_bias": "logit bias",
     "best_of": "best-of sampling",
     "suffix": "text insertion after the completion",
@@ -54,7 +53,6 @@ IGNORED_FIELDS: dict[str, str] = {
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},),
     "best_of": (1,),
     "modalities": (["text"],),
 }

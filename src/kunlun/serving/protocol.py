@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 
+from kunlun.engine.guided import Guide
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import KunlunError, Location, PermissionDenied, PromptTooLong, RequestError
 from kunlun.serving.fields import StrictModel, extra_field_message
@@ -177,6 +178,27 @@ class StreamOptions(StrictModel):
     """Accepted, ignored (:data:`IGNORED_FIELDS`)."""
 
 
+class JsonSchemaFormat(StrictModel):
+    """``response_format.json_schema``: the schema the answer must validate against."""
+
+    name: str
+    schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
+    description: str | None = None
+    strict: bool | None = None
+    """Accepted; the schema is always enforced (by the token mask), strict or not."""
+
+
+class ResponseFormat(StrictModel):
+    """``response_format``: free text, any JSON object, or JSON that matches a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+_GUIDES = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
+"""The request fields that constrain the output; a request may use one."""
+
+
 class _CommonRequest(StrictModel):
     """Fields shared by chat and text completions (OpenAI ranges, plus vLLM-style extras)."""
 
@@ -204,6 +226,38 @@ class _CommonRequest(StrictModel):
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
     ignore_eos: bool = False
+    # structured output: OpenAI's response_format, and vLLM's guided_* spellings
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
+
+    def guide(self) -> Guide | None:
+        """The constraint on the output, from the one field that sets one (400 for two)."""
+        given = [name for name in _GUIDES if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            given.remove("response_format")
+        if len(given) > 1:
+            raise param_error(
+                given[1], f"use one of {', '.join(given)}: each constrains the output"
+            )
+        if not given:
+            return None
+        name = given[0]
+        if name == "response_format":
+            return _response_format_guide(self.response_format)  # type: ignore[arg-type]
+        if name == "guided_json":
+            schema = self.guided_json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as exc:
+                    raise param_error(name, f"guided_json is not valid JSON: {exc}") from None
+            return Guide.json_schema(schema, name)
+        if name == "guided_choice":
+            return Guide.choice(self.guided_choice, name)
+        return Guide("regex" if name == "guided_regex" else "grammar", getattr(self, name), name)
 
     @property
     def include_usage(self) -> bool:
@@ -229,7 +283,21 @@ class _CommonRequest(StrictModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            guide=self.guide(),
         )
+
+
+def _response_format_guide(fmt: ResponseFormat) -> Guide:
+    if fmt.type == "json_object":
+        if fmt.json_schema is not None:
+            raise param_error("response_format.json_schema", "is for type json_schema only")
+        return Guide("json", json.dumps({"type": "object"}), "response_format")
+    if fmt.json_schema is None:
+        raise param_error("response_format.json_schema", "type json_schema needs json_schema")
+    schema = fmt.json_schema.schema_
+    if schema is None:
+        raise param_error("response_format.json_schema.schema", "the schema is missing")
+    return Guide.json_schema(schema, "response_format.json_schema.schema")
 
 
 class ContentPart(StrictModel):
