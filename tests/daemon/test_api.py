@@ -35,6 +35,20 @@ def test_chat_answers_paris(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == ["smollm2"]
 
 
+def test_structured_output_through_the_sandboxed_worker(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+              "properties": {"city": {"type": "string", "maxLength": 20},
+                             "country": {"type": "string", "maxLength": 20}}}  # fmt: skip
+    resp = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=64, temperature=0,
+        response_format={"type": "json_schema",
+                         "json_schema": {"name": "place", "schema": schema}},  # type: ignore[typeddict-item]
+    )  # fmt: skip
+    assert resp.choices[0].finish_reason == "stop"
+    answer = json.loads(resp.choices[0].message.content or "")
+    assert set(answer) == {"city", "country"} and all(isinstance(v, str) for v in answer.values())
+
+
 @pytest.mark.parametrize("include_usage", [False, True])
 def test_streaming_chat(client: openai.OpenAI, include_usage: bool) -> None:
     stream = client.chat.completions.create(

@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+import numpy as np
 import torch
 
 from kunlun.errors import Location, RequestError
@@ -134,11 +135,11 @@ class GuidedDecoding:
         self._executor.unsafe_compute_mask_ptr(
             [(m, k) for k, (m, _) in enumerate(matchers)], bits.data_ptr(), words * 4, rows
         )
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bits[:, :, None] >> shifts) & 1).reshape(rows, words * 32)[:, :vocab]
-        index = torch.tensor([row for _, row in matchers], dtype=torch.long)
-        allowed = allowed.to(scores.device, non_blocking=True).bool()
-        scores[index] = scores[index].masked_fill(~allowed, float("-inf"))
+        # bit j of word w allows token 32w + j (little-endian words, as on every host served)
+        allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
+        refused = torch.from_numpy(allowed[:, :vocab] == 0).to(scores.device, non_blocking=True)
+        index = torch.tensor([row for _, row in matchers], dtype=torch.long, device=scores.device)
+        scores[index] = scores[index].masked_fill(refused, float("-inf"))
 
 
 def _refused(field: str, problem: str) -> RequestError:
