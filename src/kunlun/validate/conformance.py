@@ -8,6 +8,7 @@ generated without it, seeds against each other.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kunlun.validate.check import Check, Context, check
@@ -249,6 +250,62 @@ def seed(ctx: Context) -> Cell:
     if len(set(texts.values())) < 2:
         return failed("seed ignored", f"seeds 11, 12, 13 all gave {again!r}")
     return passed("same seed, same text")
+
+
+PLACE = [{"role": "user", "content": "Describe the capital of France as JSON."}]
+PLACE_SCHEMA: dict[str, Any] = {
+    "type": "object", "additionalProperties": False,
+    "required": ["city", "country", "population"],
+    "properties": {"city": {"type": "string", "maxLength": 24},
+                   "country": {"type": "string", "maxLength": 24},
+                   "population": {"type": "integer", "minimum": 0, "maximum": 100_000_000}},
+}  # fmt: skip
+SCHEMA_TOKENS = 96
+
+
+def _place_problem(value: Any) -> str | None:
+    """Why ``value`` does not validate against :data:`PLACE_SCHEMA`, or None."""
+    if not isinstance(value, dict):
+        return f"not an object: {_short(value)}"
+    keys = set(value)
+    if keys != {"city", "country", "population"}:
+        return f"keys {sorted(keys)}, the schema wants exactly city, country, population"
+    for key in ("city", "country"):
+        if not isinstance(value[key], str) or len(value[key]) > 24:
+            return f"{key} is not a string of at most 24 characters: {_short(value[key])}"
+    population = value["population"]
+    if not isinstance(population, int) or isinstance(population, bool):
+        return f"population is not an integer: {_short(population)}"
+    if not 0 <= population <= 100_000_000:
+        return f"population {population} is outside [0, 100000000]"
+    return None
+
+
+@check(CHECKS, "api.json_schema", "structured output (json_schema)")
+def json_schema(ctx: Context) -> Cell:
+    """``response_format`` with a JSON schema (greedy): the answer finishes with ``stop`` and
+    is JSON that validates against the schema."""
+    fmt = {"type": "json_schema",
+           "json_schema": {"name": "place", "schema": PLACE_SCHEMA, "strict": True}}  # fmt: skip
+    answer = ctx.client.chat("json_schema", PLACE, max_tokens=SCHEMA_TOKENS,
+                             response_format=fmt, **GREEDY)  # fmt: skip
+    reason = answer.choice.get("finish_reason")
+    if reason != "stop":
+        return failed(f"finish {reason}", f"no complete answer in {SCHEMA_TOKENS} tokens: "
+                      f"{_short(answer.text)}")  # fmt: skip
+    try:
+        value = json.loads(answer.text)
+    except ValueError as exc:
+        return failed("not JSON", f"{exc}: {_short(answer.text)}")
+    problem = _place_problem(value)
+    if problem:
+        return failed("schema violated", problem)
+    return passed(f"valid {value['city']!r}", f"{answer.text}")
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _error_shape(resp: Any, status: int) -> str | None:
