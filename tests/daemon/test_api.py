@@ -35,6 +35,28 @@ def test_chat_answers_paris(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == ["smollm2"]
 
 
+def test_model_cards_health_and_routing_errors_in_openai_shape(
+    daemon: Daemon, client: openai.OpenAI
+) -> None:
+    (card,) = client.models.list().data
+    assert (card.id, card.object, card.owned_by) == ("smollm2", "model", "kunlun")
+    assert card.created > 1_700_000_000 and card.model_extra["max_model_len"] == 1024  # type: ignore[index]
+    assert client.models.retrieve("smollm2").model_dump() == card.model_dump()
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("no-such-model")
+    body = caught.value.body
+    assert isinstance(body, dict) and body["code"] == "model_not_found" and body["param"] == "model"
+    assert httpx.get(daemon.url + "/health", timeout=30).json() == {"status": "ok"}
+    for method, path, status, code in (("GET", "/v1/nothing-here", 404, "not_found"),
+                                       ("DELETE", "/v1/models", 405, "method_not_allowed")):  # fmt: skip
+        resp = httpx.request(method, daemon.url + path, timeout=30)
+        assert resp.status_code == status, resp.text
+        error = resp.json()["error"]
+        assert error["code"] == code and path in error["message"]
+        assert set(error) == {"message", "type", "param", "code"}
+    assert "GET" in httpx.delete(daemon.url + "/v1/models", timeout=30).headers["allow"]
+
+
 def test_structured_output_through_the_sandboxed_worker(client: openai.OpenAI) -> None:
     schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
               "properties": {"city": {"type": "string", "maxLength": 20},

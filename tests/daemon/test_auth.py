@@ -13,7 +13,7 @@ import openai
 import pytest
 from tests.daemon.conftest import BIN, Daemon, free_port, new_home
 
-OPEN = {"/healthz", "/readyz"}
+OPEN = {"/healthz", "/readyz", "/health"}
 
 
 @pytest.fixture(scope="module")

@@ -194,7 +194,8 @@ class LocalReplicas:
                 "model": r.model, "device": r.device, "ready": r.ready, "ejected": r.ejected,
                 "max_num_seqs": r.max_num_seqs, "max_queue": r.max_queue,
                 "priority": r.priority, "reservations": self.reservations.get(rid, []),
-                "utilization_pct": utilization,
+                "utilization_pct": utilization, "max_model_len": r.max_model_len,
+                "created": r.created,
             }, sort_keys=True)  # fmt: skip
         for rid, (wid, idx, why) in self.failed.items():
             current[rid] = json.dumps({"workload_id": wid, "index": idx, "failed": why})
@@ -235,6 +236,8 @@ class LocalReplicas:
                     max_queue=int(status.get("max_queue", 64)),
                     priority=str(status.get("priority", "normal")),
                     max_num_seqs=int(status.get("max_num_seqs", 8)),
+                    max_model_len=status.get("max_model_len"),
+                    created=int(status.get("created") or 0),
                     node=node,
                 )
                 replica.ready = bool(status.get("ready"))

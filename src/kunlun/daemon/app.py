@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp
 
 from kunlun import __version__
@@ -61,6 +62,7 @@ from kunlun.serving.gateway import (
     gateway_router,
 )
 from kunlun.serving.key_limits import KeyLimiter
+from kunlun.serving.protocol import http_error
 from kunlun.serving.replica import ReplicaSet
 from kunlun.serving.routing import DeviceSample
 from kunlun.serving.scheduler_config import FILE_NAME as SCHEDULER_CONFIG
@@ -296,6 +298,14 @@ def create_app(platform: Platform) -> FastAPI:
     @app.exception_handler(KunlunError)
     async def kunlun_error(request: Request, exc: KunlunError) -> Response:
         return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error_shape(request: Request, exc: StarletteHTTPException) -> Response:
+        error = http_error(exc.status_code, request.method, request.url.path, str(exc.detail))
+        response = error_response(error)
+        for name, value in (exc.headers or {}).items():  # e.g. Allow on a 405
+            response.headers[name] = value
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> Response:

@@ -30,7 +30,7 @@ from kunlun.serving.protocol import AuthenticationError, error_status_and_body
 from kunlun.serving.routing import KEY_PRIORITY_SCOPE
 from kunlun.state.api_keys import KeyRing, masked
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})
 """Routes that need no key."""
 ADMIN_PREFIX = "/api/v1/"
 """Every route under it needs an ``admin`` key: it changes the platform (workloads, models,

@@ -182,9 +182,24 @@ def gateway_router(replicas: ReplicaSet, state: GatewayState) -> APIRouter:
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kunlun"}
-                for m in replicas.models()]  # fmt: skip
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": replicas.model_cards()}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        for card in replicas.model_cards():
+            if card["id"] == model_id:
+                return card
+        raise ModelNotFound(f"model {model_id!r} is not served here",
+                            location=Location("request", field="model"))  # fmt: skip
+
+    @router.get("/health")
+    async def health() -> Response:
+        """200 once a replica is ready (and the gateway is not draining), else 503."""
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if replicas.any_ready():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "no replica is ready yet"}, status_code=503)
 
     @router.post("/v1/chat/completions", openapi_extra={"requestBody": _CHAT_BODY})
     async def chat_completions(request: Request) -> Response:

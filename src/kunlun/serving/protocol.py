@@ -45,6 +45,32 @@ class ModelNotFound(RequestError):
     http_status = 404
 
 
+class RouteNotFound(RequestError):
+    """No route answers this path."""
+
+    code = "serving.not_found"
+    http_status = 404
+
+
+class MethodNotAllowed(RequestError):
+    """The path exists, but not for this HTTP method."""
+
+    code = "serving.method_not_allowed"
+    http_status = 405
+
+
+def http_error(status: int, method: str, path: str, detail: str) -> KunlunError:
+    """The error that answers a routing failure (``status`` 404, 405 or another) of
+    ``method path`` in OpenAI's shape."""
+    if status == 404:
+        return RouteNotFound(f"{method} {path}: no such route (see GET /docs for the API)")
+    if status == 405:
+        return MethodNotAllowed(f"{method} {path}: method not allowed on this route")
+    error = RequestError(f"{method} {path}: {detail}")
+    error.http_status = status
+    return error
+
+
 class BodyTooLarge(RequestError):
     """The request body is larger than the gateway accepts."""
 
@@ -111,6 +137,7 @@ _TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
@@ -119,6 +146,8 @@ _TYPES = {
 _CODES: dict[type[KunlunError], str] = {
     PromptTooLong: "context_length_exceeded",
     ModelNotFound: "model_not_found",
+    RouteNotFound: "not_found",
+    MethodNotAllowed: "method_not_allowed",
     AuthenticationError: "invalid_api_key",
     QueueFull: "rate_limit_exceeded",
     RateLimited: "rate_limit_exceeded",

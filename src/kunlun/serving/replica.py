@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 
 @dataclass
@@ -31,6 +32,10 @@ class Replica:
     max_num_seqs: int = 8
     """Sequences the engine decodes together (the workload's ``batch_size``): the gateway
     sends at most this many requests at once and holds the rest in its own queue."""
+    max_model_len: int | None = None
+    """The context window its engine was planned with (None: not known, another engine)."""
+    created: int = 0
+    """When its workload was created (Unix seconds): ``created`` of ``GET /v1/models``."""
     ready: bool = False
     in_flight: int = 0
     """Maintained by the gateway: requests sent and not yet finished."""
@@ -114,6 +119,21 @@ class ReplicaSet:
         """Every model name with at least one replica (ready or starting)."""
         with self._lock:
             return sorted({r.model for r in self._replicas.values()})
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """``GET /v1/models``'s entries: per model, OpenAI's fields plus ``max_model_len``
+        (the smallest of its replicas', null when none says) and ``created`` (its oldest
+        workload's creation)."""
+        with self._lock:
+            replicas = list(self._replicas.values())
+        cards = []
+        for model in sorted({r.model for r in replicas}):
+            mine = [r for r in replicas if r.model == model]
+            lengths = [r.max_model_len for r in mine if r.max_model_len]
+            created = [r.created for r in mine if r.created]
+            cards.append({"id": model, "object": "model", "created": min(created, default=0),
+                          "owned_by": "kunlun", "max_model_len": min(lengths, default=None)})  # fmt: skip
+        return cards
 
     def any_ready(self) -> bool:
         with self._lock:

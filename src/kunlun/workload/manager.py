@@ -240,6 +240,8 @@ class WorkloadManager:
             max_queue=spec.max_queue,
             priority=spec.priority,
             max_num_seqs=plan.max_num_seqs,
+            max_model_len=plan.max_model_len,
+            created=int(record.created),
         )
         plugin = load_plugins().plugins.get(plan.device_type)
         runtime_env = plugin.runtime_env if plugin is not None else ()
