@@ -68,13 +68,19 @@ class Daemon:
             timeout=timeout,
         )
 
-    def start(self, *args: str, wait_ready: bool = True, timeout: float = 300) -> None:
+    def start(
+        self,
+        *args: str,
+        wait_ready: bool = True,
+        timeout: float = 300,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [str(BIN / "kunlun-platform"), "--port", str(self.port), *args],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=self.env(),
+            env=self.env(**(extra_env or {})),
         )
         deadline = time.monotonic() + timeout
         path = "/readyz" if wait_ready else "/healthz"

@@ -1,4 +1,5 @@
-"""API keys on a real daemon: every route but /healthz and /readyz needs one; bind rules."""
+"""API keys on a real daemon: every route but /healthz, /readyz and /health needs one; bind
+rules; a fixed key from the environment."""
 
 from __future__ import annotations
 
@@ -183,3 +184,28 @@ def test_port_in_use_names_the_port_and_holder(keyed: tuple[Daemon, str], tmp_pa
     assert "kunlun-platform" in proc.stderr or "python" in proc.stderr
     again = run_platform(daemon.home, "--port", str(free_port()))
     assert again.returncode == 2 and "a daemon already runs" in again.stderr
+
+
+def test_a_fixed_key_from_the_environment_is_an_admin_key_not_stored(tmp_path: Path) -> None:
+    (tmp_path / "home").mkdir()
+    daemon = Daemon(tmp_path / "home", free_port())
+    secret = "ci-fixed-key-0123"
+    daemon.start(wait_ready=False, extra_env={"KUNLUN_API_KEY": secret})
+    try:
+        assert daemon.get("/v1/models").status_code == 401
+        wrong = daemon.get("/v1/models", headers={"Authorization": "Bearer ci-fixed-key-0124"})
+        assert wrong.status_code == 401
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key=secret, max_retries=0)
+        assert client.models.list().data == []
+        admin = daemon.get("/api/v1/workloads", headers={"Authorization": f"Bearer {secret}"})
+        assert admin.status_code == 200 and admin.json() == []
+        assert daemon.get("/health").status_code == 503  # open: no replica is ready
+    finally:
+        daemon.stop()
+    assert secret not in (daemon.home / "state.db").read_bytes().decode("latin-1")
+    short = subprocess.run(
+        [str(BIN / "kunlun-platform"), "--port", str(free_port())],
+        env=daemon.env(KUNLUN_API_KEY="short"), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert short.returncode == 2, short.stdout + short.stderr
+    assert "KUNLUN_API_KEY" in short.stderr and "too short" in short.stderr

@@ -149,6 +149,15 @@ def serve(
     allow_insecure: Annotated[
         bool, typer.Option("--allow-insecure", help="Allow a non-loopback bind with no API key.")
     ] = False,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KUNLUN_API_KEY",
+            show_envvar=True,
+            help="A fixed admin API key for this run, not stored (containers, CI); stored keys "
+            "(kunlun-cli apikey) work beside it.",
+        ),
+    ] = None,
     config: Annotated[
         Path | None,
         typer.Option(
@@ -416,6 +425,8 @@ def serve(
         if platform.cluster is not None:
             platform.cluster.local.peer_in_flight = lambda rid: peer_app.in_flight.get(rid, 0)
     platform.gateway.max_sequences_per_request = max_sequences_per_request
+    if api_key is not None:
+        platform.keyring.add_fixed(api_key, "--api-key / KUNLUN_API_KEY")
     if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:
         raise DaemonError(
             f"refusing to listen on {host} with no API key configured",

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kunlun.errors import ClusterUnavailable, Location, RequestError
+from kunlun.errors import ClusterUnavailable, ConfigError, Location, RequestError
 from kunlun.state.store import ApiKeyRecord, StateStore
 
 PREFIX = "kl-"
@@ -205,6 +205,10 @@ class ActiveKey:
                    record.tpm, networks)  # fmt: skip
 
 
+FIXED_KEY_MIN_CHARS = 8
+"""The shortest key :meth:`KeyRing.add_fixed` accepts."""
+
+
 class KeyRing:
     """The active keys by hash, refreshed when the store changes."""
 
@@ -212,9 +216,25 @@ class KeyRing:
         self._store = store
         self._lock = threading.Lock()
         self._keys: dict[str, ActiveKey] = {}
+        self._fixed: dict[str, ActiveKey] = {}
         self._version: object = object()
         self._checked = 0.0
         self.refresh(force=True)
+
+    def add_fixed(self, secret: str, source: str) -> None:
+        """Accept ``secret`` as an ``admin`` key with no limits besides the stored ones, for
+        this run only (not stored; ``source`` names where it came from, e.g. the environment
+        variable). For containers and CI that set one key from outside."""
+        if len(secret) < FIXED_KEY_MIN_CHARS or secret != secret.strip():
+            raise ConfigError(
+                f"the API key given by {source} is too short or has surrounding spaces "
+                f"({len(secret)} characters; at least {FIXED_KEY_MIN_CHARS} are needed)",
+                location=Location(source),
+            )
+        key = ActiveKey("fixed", source, "admin", None, None, None, None)
+        with self._lock:
+            self._fixed = {hash_key(secret): key}
+            self._keys = {**self._keys, **self._fixed}
 
     def refresh(self, force: bool = False) -> None:
         """Re-read the keys if the store changed (checked at most every 0.25 s)."""
@@ -231,7 +251,7 @@ class KeyRing:
             return  # a cluster's etcd without quorum: the keys known stay in force, retried later
         active = {k.key_hash: ActiveKey.of(k) for k in records if k.revoked is None}
         with self._lock:
-            self._keys, self._version = active, version
+            self._keys, self._version = {**active, **self._fixed}, version
 
     @property
     def enabled(self) -> bool:
