@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-FIRST = ("tests/validate/test_validate.py", "tests/engine/test_llm_engine.py")
+FIRST = (
+    "tests/rollout/test_twenty_canaries.py",
+    "tests/validate/test_validate.py",
+    "tests/engine/test_llm_engine.py",
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
