@@ -47,6 +47,9 @@ IGNORED_FIELDS: dict[str, str] = {
     "parallel_tool_calls": "meaningful only with tools, which are refused",
     "prompt_cache_key": "prefix caching is automatic",
     "stream_options.include_obfuscation": "no obfuscation padding is added to chunks",
+    "response_format.json_schema.strict": "the schema is always enforced, strict or not",
+    "response_format.json_schema.description": "the schema constrains the answer; its "
+    "description is not shown to the model",
 }
 """Fields accepted and deliberately ignored (they do not change the answer), and why."""
 

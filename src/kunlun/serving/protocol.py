@@ -213,8 +213,9 @@ class JsonSchemaFormat(StrictModel):
     name: str
     schema_: Annotated[dict[str, Any] | None, Field(alias="schema")] = None
     description: str | None = None
+    """Accepted, ignored (:data:`IGNORED_FIELDS`)."""
     strict: bool | None = None
-    """Accepted; the schema is always enforced (by the token mask), strict or not."""
+    """Accepted, ignored: the schema is always enforced (:data:`IGNORED_FIELDS`)."""
 
 
 class ResponseFormat(StrictModel):
