@@ -57,6 +57,33 @@ def test_model_cards_health_and_routing_errors_in_openai_shape(
     assert "GET" in httpx.delete(daemon.url + "/v1/models", timeout=30).headers["allow"]
 
 
+def test_tokenize_and_detokenize_through_the_gateway(daemon: Daemon) -> None:
+    from kunlun.engine.tokenizer import Tokenizer
+
+    local = Tokenizer(daemon.home / "models" / "smollm2")
+    post = lambda path, body: httpx.post(daemon.url + path, json=body, timeout=60)  # noqa: E731
+    text = "Hello world, how are you?"
+    made = post("/tokenize", {"model": "smollm2", "prompt": text})
+    assert made.status_code == 200, made.text
+    assert made.json() == {"count": len(local.encode(text)), "max_model_len": 1024,
+                           "tokens": local.encode(text)}  # fmt: skip
+    chat = post("/tokenize", {"model": "smollm2", "messages": [{"role": "user", "content": text}]})
+    rendered = local.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True)  # fmt: skip
+    assert chat.json()["tokens"] == local.encode(rendered, add_special_tokens=False)
+    back = post("/detokenize", {"model": "smollm2", "tokens": made.json()["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+    for path, body, status, param in (
+        ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+        ("/tokenize", {"model": "smollm2"}, 400, "prompt"),
+        ("/tokenize", {"model": "smollm2", "prompt": "x", "promt": 1}, 400, "promt"),
+        ("/detokenize", {"model": "smollm2", "tokens": [1, 10**9]}, 400, "tokens.1"),
+    ):  # fmt: skip
+        refused = post(path, body)
+        assert refused.status_code == status, refused.text
+        assert refused.json()["error"]["param"] == param, refused.text
+
+
 def test_structured_output_through_the_sandboxed_worker(client: openai.OpenAI) -> None:
     schema = {"type": "object", "additionalProperties": False, "required": ["city", "country"],
               "properties": {"city": {"type": "string", "maxLength": 20},

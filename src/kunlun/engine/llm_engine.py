@@ -119,7 +119,9 @@ class LLMEngine:
         )
         generator = torch.Generator(device=self.runner.device)
         generator.manual_seed(config.seed)
-        self.guided = GuidedDecoding(self.tokenizer, self.runner.config.vocab_size)
+        self.vocab_size: int = self.runner.config.vocab_size
+        """Width of the model's logits: every token id is below it."""
+        self.guided = GuidedDecoding(self.tokenizer, self.vocab_size)
         self.sampler = Sampler(generator, self.guided)
         self._requests: dict[str, Request] = {}
         self._num_steps = 0
@@ -263,7 +265,7 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         elif isinstance(prompt, list | tuple):
             token_ids = list(prompt)
-            vocab_size = self.runner.config.vocab_size
+            vocab_size = self.vocab_size
             for i, t in enumerate(token_ids):
                 if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
                     raise RequestError(

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import os
 import signal
@@ -35,7 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kunlun import json_text
-from kunlun.errors import KunlunError, Location
+from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.rollout.split import SESSION_HEADER, Split
 from kunlun.rollout.window import BASELINE, RolloutStats
 from kunlun.serving.admission import Admission, Ticket
@@ -47,6 +48,7 @@ from kunlun.serving.protocol import (
     CompletionRequest,
     ModelNotFound,
     ServiceUnavailable,
+    WorkerDied,
     error_status_and_body,
     openapi_body,
     param_error,
@@ -64,9 +66,7 @@ from kunlun.serving.routing import (
     resolve_priority,
 )
 from kunlun.serving.scheduler_config import SchedulerConfigSource
-from kunlun.serving.upstream import (
-    UpstreamPool,
-)
+from kunlun.serving.upstream import UpstreamError, UpstreamPool
 from kunlun.telemetry.gateway_metrics import GatewayMetrics  # telemetry
 
 _CHAT_BODY = openapi_body(ChatCompletionRequest)
@@ -191,6 +191,54 @@ def gateway_router(replicas: ReplicaSet, state: GatewayState) -> APIRouter:
                 return card
         raise ModelNotFound(f"model {model_id!r} is not served here",
                             location=Location("request", field="model"))  # fmt: skip
+
+    async def to_a_worker(request: Request, path: str) -> Response:
+        """Forward ``POST path`` to a routable replica of the body's ``model`` (the least
+        busy) and answer what it answers: for work only the model's worker can do."""
+        body = await request.body()
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            raise RequestError("the request body is not JSON") from None
+        model = payload.get("model") if isinstance(payload, dict) else None
+        if not isinstance(model, str):
+            raise RequestError(
+                "the request names no model", location=Location("request", field="model")
+            )
+        chosen = min(replicas.ready(model), key=lambda r: r.in_flight, default=None)
+        if chosen is None:
+            if model in replicas.models():
+                raise ServiceUnavailable(f"model {model!r} has no ready replica yet",
+                                         retry_after_s=state.retry_after_s)  # fmt: skip
+            raise ModelNotFound(f"model {model!r} is not served here; served: "
+                                f"{', '.join(replicas.models()) or 'none'}",
+                                location=Location("request", field="model"))  # fmt: skip
+        if state.upstream is None:
+            raise ServiceUnavailable(
+                "the gateway is not started", retry_after_s=state.retry_after_s
+            )
+        try:
+            answer = await state.upstream.post(chosen.base_url, path,
+                                               [(b"content-type", b"application/json")], body)  # fmt: skip
+            try:
+                content = b"".join([piece async for piece in answer.iter_raw()])
+            finally:
+                await answer.close()
+        except UpstreamError as exc:
+            raise WorkerDied(f"replica {chosen.replica_id} on {chosen.device} did not answer "
+                             f"{path}: {exc}", hint="retry the request") from None  # fmt: skip
+        return Response(content, status_code=answer.status_code, media_type="application/json")
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """vLLM's ``/tokenize``: ``{model, prompt | messages}`` -> ``{count, max_model_len,
+        tokens}``, encoded by the model's own worker."""
+        return await to_a_worker(request, "/tokenize")
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        """vLLM's ``/detokenize``: ``{model, tokens}`` -> ``{prompt}``."""
+        return await to_a_worker(request, "/detokenize")
 
     @router.get("/health")
     async def health() -> Response:

@@ -375,6 +375,31 @@ class ChatCompletionRequest(_CommonRequest):
         return self._sampling(max_tokens, logprobs, None)
 
 
+class TokenizeRequest(StrictModel):
+    """``POST /tokenize`` (vLLM's shape): a ``prompt``, or chat ``messages`` through the
+    model's chat template."""
+
+    model: str
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    """For a ``prompt``: what the tokenizer adds (a BOS, for many models)."""
+    add_generation_prompt: bool = True
+    """For ``messages``: end with the assistant's turn opening, as a chat request does."""
+
+    def checked(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise param_error("prompt", "give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    """``POST /detokenize``: token ids back to text."""
+
+    model: str
+    tokens: TokenIds
+
+
 Prompt = str | TokenIds
 _R = TypeVar("_R", bound=BaseModel)
 

@@ -33,9 +33,12 @@ from kunlun.serving.faults import PROBE_HEADER, Faults, FaultSpec
 from kunlun.serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelNotFound,
     Prompt,
+    TokenizeRequest,
     error_status_and_body,
+    param_error,
     parse_request,
 )
 from kunlun.telemetry.worker_metrics import WorkerTelemetry  # telemetry
@@ -171,6 +174,37 @@ class WorkerApp:
             response_id, req.model, outputs, self.tokens, params.logprobs, echo_texts
         )
         return self._finish(call, _json(call, body))
+
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        """``POST /tokenize``: the token ids a prompt (or chat) would be given, as the
+        completions and chat routes encode it."""
+        raw = await request.body()
+        req = (await _off_loop_if_large(raw, parse_request, TokenizeRequest, raw)).checked()
+        self._check_model(req.model)
+        if req.messages is not None:
+            messages = [m.template_dict() for m in req.messages]
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt
+            )
+            tokens = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            self.check_prompt(req.prompt or "")
+            tokens = self.tokenizer.encode(
+                req.prompt or "", add_special_tokens=req.add_special_tokens
+            )
+        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        """``POST /detokenize``: the text of token ids (special tokens kept)."""
+        req = parse_request(DetokenizeRequest, await request.body())
+        self._check_model(req.model)
+        vocab = self.engine.engine.vocab_size
+        bad = next((i for i, t in enumerate(req.tokens) if t >= vocab), None)
+        if bad is not None:
+            raise param_error(
+                f"tokens.{bad}", f"token {req.tokens[bad]} is not an id of this model (< {vocab})"
+            )
+        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
 
     async def models(self) -> dict[str, Any]:
         model = {"id": self.served_name, "object": "model", "created": self.created,
@@ -395,6 +429,8 @@ def create_worker_app(
     app.post("/v1/chat/completions")(worker.chat_completions)
     app.post("/v1/completions")(worker.completions)
     app.get("/v1/models")(worker.models)
+    app.post("/tokenize")(worker.tokenize)
+    app.post("/detokenize")(worker.detokenize)
     app.get("/health")(worker.health)
     app.get("/stats")(worker.stats)
     app.get("/metrics")(worker.telemetry.metrics)  # telemetry
