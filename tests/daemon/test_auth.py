@@ -209,3 +209,45 @@ def test_a_fixed_key_from_the_environment_is_an_admin_key_not_stored(tmp_path: P
     )  # fmt: skip
     assert short.returncode == 2, short.stdout + short.stderr
     assert "KUNLUN_API_KEY" in short.stderr and "too short" in short.stderr
+
+
+def test_cors_only_for_the_allowed_origins(tmp_path: Path) -> None:
+    (tmp_path / "home").mkdir()
+    daemon = Daemon(tmp_path / "home", free_port())
+    secret, app = "cors-test-key-42", "https://app.example.com"
+    daemon.start("--allowed-origins", f"{app},http://localhost:3000", wait_ready=False,
+                 extra_env={"KUNLUN_API_KEY": secret})  # fmt: skip
+    try:
+        preflight = httpx.options(daemon.url + "/v1/chat/completions", timeout=30, headers={
+            "Origin": app, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})  # fmt: skip
+        assert preflight.status_code == 200, preflight.text  # answered without a key
+        assert preflight.headers["access-control-allow-origin"] == app
+        assert "POST" in preflight.headers["access-control-allow-methods"]
+        assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+        listed = daemon.get(
+            "/v1/models", headers={"Origin": app, "Authorization": f"Bearer {secret}"}
+        )
+        assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == app
+        assert "x-request-id" in listed.headers["access-control-expose-headers"].lower()
+        refused = daemon.get("/v1/models", headers={"Origin": app})
+        assert refused.status_code == 401  # CORS lets the browser read the answer, not skip keys
+        other = daemon.get("/v1/models", headers={"Origin": "https://evil.example",
+                                                  "Authorization": f"Bearer {secret}"})  # fmt: skip
+        assert "access-control-allow-origin" not in other.headers
+    finally:
+        daemon.stop()
+    bad = subprocess.run(
+        [str(BIN / "kunlun-platform"), "--port", str(free_port()), "--allowed-origins",
+         "app.example.com/path"],
+        env=daemon.env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "--allowed-origins" in bad.stderr, bad.stdout + bad.stderr
+    assert "'app.example.com/path' is not an origin" in bad.stderr
+
+
+def test_no_cors_headers_without_allowed_origins(keyed: tuple[Daemon, str]) -> None:
+    daemon, key = keyed
+    answer = daemon.get("/v1/models", headers={"Origin": "https://app.example.com",
+                                               "Authorization": f"Bearer {key}"})  # fmt: skip
+    assert answer.status_code == 200 and "access-control-allow-origin" not in answer.headers

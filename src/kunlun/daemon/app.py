@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp
 
 from kunlun import __version__
@@ -48,7 +49,7 @@ from kunlun.daemon.body_check import JsonBodyCheck
 from kunlun.daemon.request_log import RequestLog, RequestLogConfig, RequestLogMiddleware
 from kunlun.daemon.rollout_api import rollout_router
 from kunlun.device.inventory import Inventory, build_inventory
-from kunlun.errors import KunlunError, Location, RequestError
+from kunlun.errors import ConfigError, KunlunError, Location, RequestError
 from kunlun.node.agent import NodeAgent
 from kunlun.node.health import HealthChecker, HealthConfig
 from kunlun.node.liveness import LivenessConfig
@@ -101,6 +102,8 @@ class Platform:
     """The peer port other cluster nodes relay requests to."""
     rollouts: RolloutController | None = None
     """Canary rollouts (made by :func:`make_platform`)."""
+    allowed_origins: tuple[str, ...] = ()
+    """Browser origins allowed to call the API (CORS); none: no CORS headers at all."""
     health: HealthChecker | None = None
     """Probes this node's replicas and ejects the failing ones from routing
     (:mod:`kunlun.node.health`)."""
@@ -344,6 +347,7 @@ def create_asgi(platform: Platform) -> ASGIApp:
         platform.gateway,
         platform.keyring,
         platform.request_log,
+        platform.allowed_origins,
     )
 
 
@@ -353,6 +357,7 @@ def daemon_entry(
     gateway: GatewayState,
     keyring: KeyRing,
     request_log: RequestLog,
+    allowed_origins: tuple[str, ...] = (),
 ) -> ASGIApp:
     """The daemon's ASGI entry around ``app``: the request log (outermost, so 401s are
     logged too), then the API-key check (:mod:`kunlun.daemon.auth`: scopes and per-key
@@ -362,7 +367,38 @@ def daemon_entry(
 
     They wrap the FastAPI app from outside, plain ASGI, so an inference request meets no
     framework layer at all: measured with ``benchmarks/gateway.py``, FastAPI's own entry
-    and middleware cost about 0.2 ms of the time to first token per request."""
+    and middleware cost about 0.2 ms of the time to first token per request.
+
+    With ``allowed_origins`` (``--allowed-origins``), CORS sits between the log and the key
+    check: a browser's preflight (``OPTIONS``, which carries no key) is answered there, and
+    answers to those origins carry the CORS headers. Without, there is no CORS at all."""
     endpoints = GatewayEndpoints(JsonBodyCheck(app), replicas, gateway)
     limiter = KeyLimiter(lambda: gateway.scheduler.config.api_keys, gateway.metrics.registry)
-    return RequestLogMiddleware(ApiKeyMiddleware(endpoints, keyring, limiter), request_log)
+    inner: ASGIApp = ApiKeyMiddleware(endpoints, keyring, limiter)
+    if allowed_origins:
+        inner = CORSMiddleware(
+            inner,
+            allow_origins=list(allowed_origins),
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "X-API-Key", "X-Request-Id",
+                           "X-Kunlun-Priority", "X-Kunlun-Pool", "X-Kunlun-Session"],
+            expose_headers=["X-Request-Id", "X-Kunlun-Device", "X-Kunlun-Version",
+                            "Retry-After"],
+        )  # fmt: skip
+    return RequestLogMiddleware(inner, request_log)
+
+
+def check_origins(value: str | None) -> tuple[str, ...]:
+    """``--allowed-origins``: comma-separated ``scheme://host[:port]`` origins, or ``*``; a
+    :class:`ConfigError` naming the bad one."""
+    origins = tuple(o.strip() for o in (value or "").split(",") if o.strip())
+    for origin in origins:
+        if origin == "*":
+            continue
+        scheme, sep, rest = origin.partition("://")
+        if scheme not in ("http", "https") or not sep or not rest or "/" in rest:
+            raise ConfigError(
+                f"{origin!r} is not an origin (scheme://host[:port], no path) or *",
+                location=Location("--allowed-origins"),
+            )
+    return origins

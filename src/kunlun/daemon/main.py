@@ -149,6 +149,14 @@ def serve(
     allow_insecure: Annotated[
         bool, typer.Option("--allow-insecure", help="Allow a non-loopback bind with no API key.")
     ] = False,
+    allowed_origins: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KUNLUN_ALLOWED_ORIGINS",
+            help="Browser origins allowed to call the API (CORS), comma-separated, e.g. "
+            "https://app.example.com; '*' for any. Without it: no CORS headers.",
+        ),
+    ] = None,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -345,7 +353,7 @@ def serve(
     """Run the Kunlun Platform daemon in the foreground."""
     if ctx.invoked_subcommand is not None:
         return
-    from kunlun.daemon.app import create_asgi, make_platform
+    from kunlun.daemon.app import check_origins, create_asgi, make_platform
     from kunlun.node.health import HealthConfig
     from kunlun.node.liveness import LivenessConfig
 
@@ -427,6 +435,7 @@ def serve(
     platform.gateway.max_sequences_per_request = max_sequences_per_request
     if api_key is not None:
         platform.keyring.add_fixed(api_key, "--api-key / KUNLUN_API_KEY")
+    platform.allowed_origins = check_origins(allowed_origins)
     if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:
         raise DaemonError(
             f"refusing to listen on {host} with no API key configured",
