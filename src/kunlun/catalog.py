@@ -192,3 +192,59 @@ def resolve(store: StateStore, model: str) -> ModelRecord:
         f"unknown model {model!r}: not an alias and not a local directory; known aliases: {known}",
         hint="import one with `kunlun-cli model import-gguf PATH` or `--demo`",
     )
+
+
+def hf_cache_dir() -> Path:
+    """Where the Hugging Face hub keeps downloaded repositories (``HF_HUB_CACHE``, else
+    ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``); only read, never written."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or "~/.cache/huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def from_hf_cache(repo_id: str) -> Path | None:
+    """The snapshot directory of ``repo_id`` (``org/name``) already in the local Hugging Face
+    cache (the revision ``refs/main`` names, else the only snapshot), or None. Nothing is
+    downloaded."""
+    repo = hf_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    ref = repo / "refs" / "main"
+    if ref.is_file():
+        snapshot = snapshots / ref.read_text().strip()
+        if (snapshot / "config.json").is_file():
+            return snapshot
+    found = sorted(p for p in snapshots.glob("*") if (p / "config.json").is_file())
+    return found[0] if len(found) == 1 else None
+
+
+def model_source(store: StateStore, source: str) -> tuple[str, str]:
+    """What ``kunlun-platform --model SOURCE`` serves: (the workload spec's ``model``, the
+    default served name). SOURCE is an alias already known, a local model directory, a GGUF
+    file (imported once, as its stem), or a Hugging Face repo id already in the local cache;
+    anything else is an :class:`UnknownModel` saying where it looked."""
+    if store.get_model(source) is not None:
+        return source, source
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        alias = check_alias(re.sub(r"[^A-Za-z0-9._-]", "-", path.stem)[:64])
+        if store.get_model(alias) is None:
+            import_gguf(store, path, alias)
+        return alias, alias
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelFileMissing(
+                "no config.json in the model directory", location=Location(str(path))
+            )
+        return str(path.resolve()), path.resolve().name
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", source):
+        snapshot = from_hf_cache(source)
+        if snapshot is not None:
+            return str(snapshot), source.rsplit("/", 1)[1]
+    raise UnknownModel(
+        f"--model {source!r} is not a known alias, a model directory, a GGUF file, nor a "
+        f"Hugging Face repo id in the local cache ({hf_cache_dir()})",
+        location=Location("--model"),
+        hint="nothing is downloaded: copy the model here, or import it with "
+        "`kunlun-cli model import-gguf PATH`",
+    )

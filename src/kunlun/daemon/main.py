@@ -175,6 +175,47 @@ def serve(
     demo: Annotated[
         bool, typer.Option("--demo", help="Import the demo model and serve it as 'smollm2'.")
     ] = False,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            help="Serve this model from the start: an alias, a model directory, a GGUF file, or "
+            "a Hugging Face repo id already in the local cache (nothing is downloaded).",
+        ),
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="With --model: the name clients use (vLLM's flag).")
+    ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="With --model: auto, float32, bfloat16, float16 (or fp32, bf16, fp16)."),
+    ] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option(min=1, help="With --model: the context window.")
+    ] = None,
+    max_num_seqs: Annotated[
+        int | None,
+        typer.Option(min=1, help="With --model: sequences decoded together (batch_size)."),
+    ] = None,
+    tensor_parallel_size: Annotated[
+        int | None, typer.Option(min=1, help="With --model: devices one replica spans.")
+    ] = None,
+    quantization: Annotated[
+        str | None,
+        typer.Option(
+            "--quantization",
+            "--quantize",
+            help="With --model: none, w8a8, w8a16 or w4a16 (quantized while loading).",
+        ),
+    ] = None,
+    gpu_memory_utilization: Annotated[
+        float | None,
+        typer.Option(hidden=True, help="vLLM's flag: refused, with what to use instead."),
+    ] = None,
+    chat_template: Annotated[
+        str | None,
+        typer.Option(hidden=True, help="vLLM's flag: refused, with what to use instead."),
+    ] = None,
     scheduler_config: Annotated[
         Path | None,
         typer.Option(
@@ -386,6 +427,13 @@ def serve(
             location=Location("KUNLUN_WORKER_SELF_TEST"),
             hint=f"the only one is {SELF_TEST_FORBIDDEN_SYSCALL!r}",
         )
+    _refuse_unhonoured(gpu_memory_utilization, chat_template)
+    given = {"--served-model-name": served_model_name, "--dtype": dtype,
+             "--max-model-len": max_model_len, "--max-num-seqs": max_num_seqs,
+             "--tensor-parallel-size": tensor_parallel_size, "--quantization": quantization}  # fmt: skip
+    if model is None and any(v is not None for v in given.values()):
+        flags = ", ".join(k for k, v in given.items() if v is not None)
+        raise ConfigError(f"{flags} only apply with --model", location=Location("--model"))
     sandbox = SandboxPolicy(home, enabled=worker_sandbox, self_test=worker_self_test)
     roots = model_roots(model_root or [])
     from kunlun.offline.integrity import daemon_guard
@@ -445,6 +493,11 @@ def serve(
     sock = bind_socket(host, port)
     if demo:
         _ensure_demo(platform)
+    if model is not None:
+        _serve_at_start(platform, model, {
+            "name": served_model_name, "dtype": dtype, "max_model_len": max_model_len,
+            "batch_size": max_num_seqs, "tensor_parallel_size": tensor_parallel_size,
+            "quantization": quantization})  # fmt: skip
     server = DrainingServer(
         uvicorn.Config(create_asgi(platform), log_level="warning", timeout_graceful_shutdown=30),
         platform,
@@ -483,6 +536,64 @@ def model_roots(flags: list[Path]) -> tuple[Path, ...]:
             )
         roots.append(path.expanduser().resolve())
     return tuple(roots)
+
+
+DTYPES = {
+    "auto": None,
+    "float32": "fp32",
+    "float": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp32": "fp32",
+    "bf16": "bf16",
+    "fp16": "fp16",
+}
+"""``--dtype`` values: vLLM's spellings and Kunlun's, to the workload spec's (None: the
+planner chooses)."""
+
+
+def _refuse_unhonoured(gpu_memory_utilization: float | None, chat_template: str | None) -> None:
+    """vLLM flags with no Kunlun equivalent yet are refused, never dropped."""
+    if gpu_memory_utilization is not None:
+        raise ConfigError(
+            "--gpu-memory-utilization is vLLM's; Kunlun does not honour it",
+            location=Location("--gpu-memory-utilization"),
+            hint="the planner sizes weights and KV per device; set kv_cache_memory_mb in a "
+            "workload spec (kunlun-cli workload submit --file) to bound the KV cache",
+        )
+    if chat_template is not None:
+        raise ConfigError(
+            "--chat-template is vLLM's; Kunlun does not honour it yet",
+            location=Location("--chat-template"),
+            hint="put the template in the model directory as chat_template.jinja",
+        )
+
+
+def _serve_at_start(platform: Any, source: str, fields: dict[str, Any]) -> None:
+    """``--model``: resolve ``source`` (:func:`kunlun.catalog.model_source`) and submit a
+    workload for it, unless one of that name is already active."""
+    from kunlun import catalog
+    from kunlun.workload.spec import parse_spec
+
+    spec_model, default_name = catalog.model_source(platform.store, source)
+    if fields.get("dtype") is not None:
+        if fields["dtype"] not in DTYPES:
+            raise ConfigError(
+                f"--dtype {fields['dtype']!r} is not one of {', '.join(DTYPES)}",
+                location=Location("--dtype"),
+            )
+        fields["dtype"] = DTYPES[fields["dtype"]]
+    data = {"model": spec_model, **{k: v for k, v in fields.items() if v is not None}}
+    data.setdefault("name", default_name)
+    spec = parse_spec(data, "--model and its options")
+    active = [w for w in platform.store.list_workloads()
+              if w.name == spec.name and w.state not in ("STOPPED", "FAILED")]  # fmt: skip
+    if active:
+        console.print(f"serving {spec.name!r}: workload {active[0].workload_id} is already active")
+        return
+    platform.manager.create(spec)  # created PENDING; the app's start-up starts it
+    console.print(f"serving {source} as {spec.name!r}")
 
 
 def _ensure_demo(platform: Any) -> None:

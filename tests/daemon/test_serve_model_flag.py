@@ -1,0 +1,105 @@
+"""``kunlun-platform --model SOURCE`` with vLLM's flags: one step from a model to a served
+endpoint. SOURCE from the local Hugging Face cache (a real cache layout over the demo model),
+a GGUF file, and the flags the platform refuses, each by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import openai
+import pytest
+from tests.daemon.conftest import BIN, Daemon, free_port, new_home, wait_ready
+
+REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def hf_cache(root: Path, model_dir: Path) -> Path:
+    """A Hugging Face hub cache holding ``REPO`` at one revision (a snapshot of links)."""
+    repo = root / "hub" / ("models--" + REPO.replace("/", "--"))
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for item in model_dir.iterdir():
+        (snapshot / item.name).symlink_to(item.resolve())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    return root
+
+
+def test_a_repo_id_in_the_hf_cache_is_served_under_the_name_given(
+    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    home = new_home(models_home, tmp_path_factory, "serve-flag-home")
+    cache = hf_cache(tmp_path_factory.mktemp("hf"), models_home / "models" / "smollm2")
+    daemon = Daemon(home, free_port())
+    daemon.start("--model", REPO, "--served-model-name", "tiny-chat", "--dtype", "float32",
+                 "--max-model-len", "512", "--max-num-seqs", "4", wait_ready=False,
+                 extra_env={"HF_HOME": str(cache)})  # fmt: skip
+    try:
+        wait_ready(daemon)
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
+        (card,) = client.models.list().data
+        assert card.id == "tiny-chat" and card.model_extra["max_model_len"] == 512  # type: ignore[index]
+        reply = client.chat.completions.create(
+            model="tiny-chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+        )
+        assert reply.choices[0].message.content
+        (row,) = json.loads(daemon.cli("workload", "list", "--json").stdout)
+        spec = daemon.describe(row["workload_id"])["spec"]
+        assert (spec["dtype"], spec["batch_size"], spec["max_model_len"]) == ("fp32", 4, 512)
+        assert spec["model"].endswith("snapshots/0123abcd")
+    finally:
+        daemon.stop()
+
+
+def run_platform(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "kunlun-platform"), "--port", str(free_port()), *args],
+        env=Daemon(home, 0).env(**env), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--model", "nobody/nothing"], ["--model 'nobody/nothing'", "local cache", "downloaded"]),
+        (["--model", "smollm2", "--dtype", "fp64"], ["--dtype 'fp64'", "bfloat16"]),
+        (["--max-model-len", "512"], ["--max-model-len only apply with --model"]),
+        (["--model", "smollm2", "--gpu-memory-utilization", "0.9"],
+         ["--gpu-memory-utilization is vLLM's", "kv_cache_memory_mb"]),
+        (["--model", "smollm2", "--chat-template", "t.jinja"], ["--chat-template"]),
+        (["--model", "smollm2", "--quantization", "fp4"], ["quantization", "fp4"]),
+    ],
+)  # fmt: skip
+def test_what_cannot_be_served_is_refused_by_name(
+    models_home: Path, tmp_path_factory: pytest.TempPathFactory, args: list[str], words: list[str]
+) -> None:
+    home = new_home(models_home, tmp_path_factory, "serve-refused")
+    proc = run_platform(home, *args, HF_HOME=str(tmp_path_factory.mktemp("empty-hf")))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    for word in words:
+        assert word in proc.stderr, proc.stderr
+
+
+def test_a_gguf_file_is_imported_once_under_its_stem(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kunlun import catalog
+    from kunlun.engine.gguf import demo_gguf_path
+    from kunlun.state.sqlite import SQLiteStore
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("KUNLUN_HOME", str(home))  # the import is written under it
+    gguf = tmp_path / "my-model.gguf"
+    gguf.symlink_to(demo_gguf_path())
+    store = SQLiteStore(home / "state.db")
+    try:
+        assert catalog.model_source(store, str(gguf)) == ("my-model", "my-model")
+        record = store.get_model("my-model")
+        assert record is not None and record.source == f"gguf:{demo_gguf_path().resolve()}"
+        assert Path(record.path).is_relative_to(home / "models")
+        assert catalog.model_source(store, "my-model") == ("my-model", "my-model")  # known now
+    finally:
+        store.close()
