@@ -31,6 +31,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "audio": "audio output",
     "modalities": "output modalities other than text",
     "reasoning_effort": "reasoning models",
+    "verbosity": "answer length control of reasoning models",
     "web_search_options": "web search",
     "refusal": "refusal messages",
 }
