@@ -188,7 +188,10 @@ def test_unimplemented_and_unknown_fields_are_400_through_the_sdk(daemon: Daemon
     question = [{"role": "user", "content": "What is 2+2?"}]
     tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
     cases: list[tuple[dict[str, Any], str]] = [
-        ({"tools": [tool]}, "tools"),
+        (
+            {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "sub"}}},
+            "tool_choice.function.name",
+        ),
         (
             {
                 "response_format": {

@@ -116,5 +116,5 @@ def test_the_walk_knows_which_are_refused() -> None:
         {"role": "user", "content": "hi"}], f: v}, f) for f, v in CHAT_FIELDS.items()}  # fmt: skip
     refused = sorted(f for f, how in chat.items() if how == "refused")
     assert refused == ["audio", "function_call", "functions", "logit_bias", "modalities",
-                       "prediction", "reasoning_effort", "tool_choice", "tools", "verbosity"]  # fmt: skip
+                       "prediction", "reasoning_effort", "verbosity"]  # fmt: skip
     assert chat["response_format"] == "implemented" and chat["metadata"] == "ignored"

@@ -3,10 +3,10 @@ and deliberately ignores.
 
 Nothing a client sends is dropped silently. Every request model derives from
 :class:`StrictModel`, which forbids fields it does not declare: a field this server does not
-implement yet (:data:`UNSUPPORTED_FIELDS`) is a 400 naming it and what it is for, so an agent
-framework learns at once that it gets no tool call or JSON mode; any other undeclared field
+implement (:data:`UNSUPPORTED_FIELDS`) is a 400 naming it and what it is for, so a client
+learns at once that it does not get what it asked; any other undeclared field
 is unknown (a typo) and a 400 naming it too. An unsupported field whose value asks for
-nothing (``null``, ``[]``, ``{}``, ``tool_choice: "none"``...) is accepted as if absent. The
+nothing (``null``, ``[]``, ``{}``, ``function_call: "none"``...) is accepted as if absent. The
 fields accepted and ignored on purpose are declared on the models and listed here with the
 reason (:data:`IGNORED_FIELDS`); the README's section "The OpenAI API" shows both lists.
 """
@@ -18,12 +18,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 UNSUPPORTED_FIELDS: dict[str, str] = {
-    "tools": "tool calling",
-    "tool_choice": "tool calling",
-    "functions": "function calling",
-    "function_call": "function calling",
-    "tool_calls": "tool calling",
-    "tool_call_id": "tool calling",
+    "functions": "the deprecated form of tools (send tools and tool_choice)",
+    "function_call": "the deprecated form of tool_choice (send tools and tool_choice)",
     "logit_bias": "logit bias",
     "best_of": "best-of sampling",
     "suffix": "text insertion after the completion",
@@ -45,7 +41,8 @@ IGNORED_FIELDS: dict[str, str] = {
     "metadata": "tags for stored completions; nothing is stored",
     "store": "asks the provider to store the completion; nothing is stored",
     "service_tier": "there is one processing tier",
-    "parallel_tool_calls": "meaningful only with tools, which are refused",
+    "tools.function.strict": "arguments are held to the schema by grammar under tool_choice "
+    "required or a named function, strict or not; under auto they are parsed, not held",
     "prompt_cache_key": "prefix caching is automatic",
     "stream_options.include_obfuscation": "no obfuscation padding is added to chunks",
     "response_format.json_schema.strict": "the schema is always enforced, strict or not",
@@ -55,7 +52,6 @@ IGNORED_FIELDS: dict[str, str] = {
 """Fields accepted and deliberately ignored (they do not change the answer), and why."""
 
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "tool_choice": ("none", "auto"),
     "function_call": ("none", "auto"),
     "best_of": (1,),
     "modalities": (["text"],),

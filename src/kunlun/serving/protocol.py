@@ -34,6 +34,7 @@ from kunlun.engine.guided import Guide
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import KunlunError, Location, PermissionDenied, PromptTooLong, RequestError
 from kunlun.serving.fields import StrictModel, extra_field_message
+from kunlun.serving.tools import MessageToolCall, ToolChoice, ToolDef, ToolUse
 
 # ---- serving errors ----
 
@@ -249,7 +250,6 @@ class _CommonRequest(StrictModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
     # extras (vLLM names)
     top_k: Annotated[int, Field(ge=1)] | None = None
@@ -263,11 +263,16 @@ class _CommonRequest(StrictModel):
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
 
-    def guide(self) -> Guide | None:
-        """The constraint on the output, from the one field that sets one (400 for two)."""
+    def guide_fields(self) -> list[str]:
+        """The request's fields that constrain the output."""
         given = [name for name in _GUIDES if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.type == "text":
             given.remove("response_format")
+        return given
+
+    def guide(self) -> Guide | None:
+        """The constraint on the output, from the one field that sets one (400 for two)."""
+        given = self.guide_fields()
         if len(given) > 1:
             raise param_error(
                 given[1], f"use one of {', '.join(given)}: each constrains the output"
@@ -343,6 +348,10 @@ class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant message's calls, sent back with their results."""
+    tool_call_id: str | None = None
+    """A tool message's call."""
 
     def template_dict(self) -> dict[str, Any]:
         """The message as the chat template sees it (text parts joined)."""
@@ -356,6 +365,10 @@ class ChatMessage(StrictModel):
         message: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -366,6 +379,15 @@ class ChatCompletionRequest(_CommonRequest):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_use(self, chat_template: str | None) -> ToolUse:
+        """What this request's tools change (:mod:`kunlun.serving.tools`); 400s first."""
+        guides = self.guide_fields()
+        return ToolUse.of(self.tools, self.tool_choice, self.parallel_tool_calls,
+                          guides[0] if guides else None, chat_template)  # fmt: skip
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

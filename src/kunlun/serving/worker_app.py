@@ -41,6 +41,8 @@ from kunlun.serving.protocol import (
     param_error,
     parse_request,
 )
+from kunlun.serving.tool_formats import ToolStream
+from kunlun.serving.tools import ToolUse
 from kunlun.telemetry.worker_metrics import WorkerTelemetry  # telemetry
 
 _T = TypeVar("_T")
@@ -127,13 +129,20 @@ class WorkerApp:
         req = await _off_loop_if_large(raw, parse_request, ChatCompletionRequest, raw)
         self._check_model(req.model)
         await self.faults.apply(request.headers)
+        tools = req.tool_use(self.tokenizer.chat_template)
         params = req.to_sampling_params()
-        messages = [m.template_dict() for m in req.messages]
-        prompt = await _off_loop_if_large(raw, self._chat_prompt, messages)
+        if tools.guide is not None:  # tool_choice required or named: the call's grammar
+            params = dataclasses.replace(params, guide=tools.guide)
+        messages = tools.messages([m.template_dict() for m in req.messages])
+        prompt = await _off_loop_if_large(
+            raw, self._chat_prompt, messages, tools.template_variables()
+        )
         submitted = await self._submit([prompt], params)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            events = self._chat_events(call, req, response_id, submitted.streams, params.logprobs)
+            events = self._chat_events(
+                call, req, response_id, submitted.streams, params.logprobs, tools
+            )
             return self._sse(call, submitted, events)
         outputs = await self._collect(request, call, submitted)
         if outputs is None:
@@ -141,6 +150,10 @@ class WorkerApp:
         body = responses.chat_completion(
             response_id, req.model, outputs[0], self.tokens, params.logprobs
         )
+        for choice, output in zip(body["choices"], outputs[0].outputs, strict=True):
+            choice["message"], choice["finish_reason"] = tools.answer(
+                output.text, output.finish_reason
+            )
         return self._finish(call, _json(call, body))
 
     async def completions(self, request: Request) -> Response:
@@ -254,9 +267,13 @@ class WorkerApp:
             hint="shorten the prompt",
         )
 
-    def _chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The token ids of ``messages`` through the chat template."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    def _chat_prompt(
+        self, messages: list[dict[str, Any]], variables: dict[str, Any] | None = None
+    ) -> list[int]:
+        """The token ids of ``messages`` through the chat template (given ``variables``)."""
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **(variables or {})
+        )
         self.check_prompt(text)
         prompt = self.tokenizer.encode(text, add_special_tokens=False)
         self.check_prompt(prompt)
@@ -336,24 +353,30 @@ class WorkerApp:
         response_id: str,
         streams: list[AsyncIterator[RequestOutputDelta]],
         top_k: int | None,
+        tools: ToolUse,
     ) -> AsyncIterator[bytes]:
         created, with_usage = int(time.time()), req.include_usage
         started: set[int] = set()
+        calls = _ToolCallDeltas(tools)
         async for _, delta in self._deltas(call, streams):
             wants_logprobs = top_k is not None and bool(delta.logprobs)
-            if not (delta.text or delta.finish_reason or wants_logprobs):
-                continue  # text held back (partial character or stop string)
-            message = {"content": delta.text}
+            text, tool_calls, finish_reason = calls.read(delta)
+            if not (text or tool_calls or finish_reason or wants_logprobs):
+                continue  # text held back (partial character, stop string, call)
+            message: dict[str, Any] = {"content": text}
             if delta.index not in started:
                 started.add(delta.index)
-                message = {"role": "assistant", "content": delta.text}
+                message = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["content"] = text or None
+                message["tool_calls"] = tool_calls
             logprobs = None
             if wants_logprobs:
                 logprobs = responses.chat_logprobs(
                     self.tokens, delta.token_ids, delta.logprobs or [], top_k or 0
                 )
             choice = {"index": delta.index, "delta": message, "logprobs": logprobs,
-                      "finish_reason": delta.finish_reason}  # fmt: skip
+                      "finish_reason": finish_reason}  # fmt: skip
             yield sse.event(responses.chunk(
                 response_id, "chat.completion.chunk", created, req.model, [choice], None, with_usage
             ))  # fmt: skip
@@ -413,6 +436,35 @@ class WorkerApp:
                 yield index, delta
         finally:
             self.num_active -= 1
+
+
+class _ToolCallDeltas:
+    """Reads each streamed choice for tool calls: text that may start a call is held back,
+    each call is sent whole as one ``tool_calls`` delta once written."""
+
+    def __init__(self, tools: ToolUse) -> None:
+        self.tools = tools
+        self.streams: dict[int, ToolStream | None] = {}
+        self.sent: dict[int, int] = {}
+
+    def read(self, delta: RequestOutputDelta) -> tuple[str, list[dict[str, Any]], str | None]:
+        """``(content, tool-call deltas, finish reason)`` of one engine delta."""
+        index = delta.index
+        if index not in self.streams:
+            self.streams[index] = self.tools.stream()
+        stream = self.streams[index]
+        if stream is None:
+            return delta.text, [], delta.finish_reason
+        text, calls = stream.feed(delta.text)
+        if delta.finish_reason is not None:
+            rest, more = stream.finish()
+            text, calls = text + rest, calls + more
+        first = self.sent.get(index, 0)
+        self.sent[index] = first + len(calls)
+        finish = delta.finish_reason
+        if finish == "stop" and self.sent[index]:
+            finish = "tool_calls"
+        return text, [c.openai(first + k) for k, c in enumerate(calls)], finish
 
 
 def create_worker_app(
