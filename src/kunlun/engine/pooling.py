@@ -134,6 +134,7 @@ class Pooler:
                     continue
                 break
             if picked:
+                self.engine._num_steps += 1  # a step like any other: health checks see progress
                 self._run(picked)
         finally:
             for _, _, seq in picked:

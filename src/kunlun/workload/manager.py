@@ -242,6 +242,7 @@ class WorkloadManager:
             max_num_seqs=plan.max_num_seqs,
             max_model_len=plan.max_model_len,
             created=int(record.created),
+            task=spec.task,
         )
         plugin = load_plugins().plugins.get(plan.device_type)
         runtime_env = plugin.runtime_env if plugin is not None else ()
