@@ -200,3 +200,19 @@ def test_task_and_pooling_round_trip_through_spec_and_cli(served: tuple[Daemon, 
     refused = daemon.cli("workload", "submit", "--model", str(tiny), "--task", "classify",
                          "--dry-run")  # fmt: skip
     assert refused.returncode != 0 and "task" in refused.stdout + refused.stderr
+
+
+@pytest.mark.parametrize(("model", "figure"), [("tiny-embed", "dim 64"),
+                                               ("tiny-gen", "400 (generation model)")])  # fmt: skip
+def test_validate_row_api_embeddings_passes(
+    served: tuple[Daemon, Path], tmp_path: Path, model: str, figure: str
+) -> None:
+    daemon, _ = served
+    proc = daemon.cli("validate", "--endpoint", daemon.url, "--model", model,
+                      "--only", "api.embeddings", "--out", str(tmp_path))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cell = json.loads((tmp_path / "validation.json").read_text())["cells"][model]
+    assert cell["api.embeddings"]["status"] == "PASS", cell
+    assert cell["api.embeddings"]["figure"] == figure
+    cards = {c["id"]: c for c in daemon.get("/v1/models").json()["data"]}
+    assert cards["tiny-embed"]["task"] == "embed" and cards["tiny-gen"]["task"] == "generate"
