@@ -64,3 +64,25 @@ def test_an_input_longer_than_the_step_budget_runs_alone(llama: Path) -> None:
     vectors = asyncio.run(run())
     assert F.cosine_similarity(vectors[0], reference(llama, long, "mean"), dim=0) > 0.999
     assert F.cosine_similarity(vectors[1], reference(llama, [1, 2], "mean"), dim=0) > 0.999
+
+
+def test_two_ranks_pool_like_one_and_still_generate(llama: Path) -> None:
+    """Under tensor parallelism every rank runs the pooling step without the LM head (its
+    gather included): the vectors match, and a generation after it still runs."""
+    from kunlun.engine.engine_config import EngineConfig
+    from kunlun.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(llama, tensor_parallel_size=2, distributed_backend="gloo",
+                                    num_threads=1, max_model_len=128))  # fmt: skip
+
+    async def run() -> tuple[list[torch.Tensor], int]:
+        async with AsyncLLMEngine(engine) as served:
+            vectors = await served.embed(INPUTS, "mean")
+            stream = served.add_request([1, 400, 401], SamplingParams(max_tokens=3))
+            tokens = [t async for delta in stream for t in delta.token_ids]
+            return vectors, len(tokens)
+
+    vectors, generated = asyncio.run(run())
+    assert generated == 3
+    for ids, vector in zip(INPUTS, vectors, strict=True):
+        assert F.cosine_similarity(vector, reference(llama, ids, "mean"), dim=0) > 0.999
