@@ -267,7 +267,7 @@ def gateway_router(replicas: ReplicaSet, state: GatewayState) -> APIRouter:
 
 
 class GatewayEndpoints:
-    """ASGI middleware that serves ``POST /v1/chat/completions`` and ``/v1/completions``
+    """ASGI middleware that serves ``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings``
     itself and passes everything else on.
 
     The inference routes are the gateway's hot path: answered here, ahead of the app's

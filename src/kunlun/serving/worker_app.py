@@ -217,7 +217,7 @@ class WorkerApp:
 
     async def models(self) -> dict[str, Any]:
         model = {"id": self.served_name, "object": "model", "created": self.created,
-                 "owned_by": "kunlun"}  # fmt: skip
+                 "owned_by": "kunlun", "task": self.embeddings.task}  # fmt: skip
         return {"object": "list", "data": [model]}
 
     async def stats(self) -> dict[str, Any]:
