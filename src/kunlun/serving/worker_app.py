@@ -1,7 +1,8 @@
 """The engine worker's HTTP app: the OpenAI API over one :class:`AsyncLLMEngine`.
 
 Routes: ``POST /v1/chat/completions`` and ``/v1/completions`` (JSON, or SSE with
-``stream``), ``GET /v1/models``, ``GET /health``, ``GET /stats`` (engine statistics) and
+``stream``), ``POST /v1/embeddings`` (:mod:`kunlun.serving.embeddings`; each route refuses a
+model served for the other task), ``GET /v1/models``, ``GET /health``, ``GET /stats`` (engine statistics) and
 ``GET /metrics`` (Prometheus; :mod:`kunlun.telemetry.worker_metrics`).
 Bad input answers 400 in the OpenAI error shape before anything is queued; a text prompt
 that cannot fit the context is refused before it is tokenized (:meth:`WorkerApp.check_prompt`),
