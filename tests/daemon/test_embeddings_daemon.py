@@ -37,6 +37,8 @@ def served(
     tiny = build_tiny_model(
         "LlamaForCausalLM", False, home / "tiny", tokenizer_dir=models_home / "models" / "smollm2"
     )
+    config = json.loads((tiny / "config.json").read_text())  # Matryoshka sizes it "declares"
+    (tiny / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [16, 32]}))
     daemon = Daemon(home, free_port())
     daemon.start("--model", str(tiny), "--served-model-name", "tiny-embed", "--task", "embed",
                  "--dtype", "float32", "--max-model-len", str(MAX_LEN), wait_ready=False)  # fmt: skip
@@ -143,11 +145,16 @@ def test_every_input_form_and_base64_equal_float(served: tuple[Daemon, Path]) ->
     same = sdk.embeddings.create(model="tiny-embed", input=TEXTS[0], dimensions=64,
                                  encoding_format="float")  # fmt: skip
     assert np.allclose(same.data[0].embedding, floats[0], atol=1e-6)
+    cut = sdk.embeddings.create(model="tiny-embed", input=TEXTS[0], dimensions=16,
+                                encoding_format="float").data[0].embedding  # fmt: skip
+    expected = np.array(floats[0][:16]) / np.linalg.norm(floats[0][:16])
+    assert len(cut) == 16 and np.allclose(cut, expected, atol=1e-6)
 
 
 REFUSALS = [
     ({"model": "tiny-embed", "input": "x", "encoding_format": "int8"}, "encoding_format", "float"),
-    ({"model": "tiny-embed", "input": "x", "dimensions": 16}, "dimensions", "64"),
+    ({"model": "tiny-embed", "input": "x", "dimensions": 20}, "dimensions", "16, 32, 64"),
+    ({"model": "tiny-embed", "input": "x", "dimensions": 65}, "dimensions", "16, 32, 64"),
     ({"model": "tiny-embed", "input": "x", "dimensions": 0}, "dimensions", "dimensions"),
     ({"model": "tiny-embed", "input": ""}, "input", "empty"),
     ({"model": "tiny-embed", "input": []}, "input", "empty"),
