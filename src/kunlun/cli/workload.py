@@ -46,6 +46,10 @@ def submit(
         typer.Option(help="Tokens per streamed event after the first (default 1: each token)."),
     ] = None,
     name: Annotated[str | None, typer.Option(help="Model name clients use.")] = None,
+    task: Annotated[
+        str | None, typer.Option(help="generate (default) or embed (/v1/embeddings).")
+    ] = None,
+    pooling: Annotated[str | None, typer.Option(help="With --task embed: mean or last.")] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Only show where it would run.")
     ] = False,
@@ -66,6 +70,8 @@ def submit(
         "replicas": replicas,
         "stream_interval": stream_interval,
         "name": name,
+        "task": task,
+        "pooling": pooling,
     }
     data.update({k: v for k, v in flags.items() if v is not None})
     if preferred_device_types:

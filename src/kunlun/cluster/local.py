@@ -195,7 +195,7 @@ class LocalReplicas:
                 "max_num_seqs": r.max_num_seqs, "max_queue": r.max_queue,
                 "priority": r.priority, "reservations": self.reservations.get(rid, []),
                 "utilization_pct": utilization, "max_model_len": r.max_model_len,
-                "created": r.created,
+                "created": r.created, "task": r.task,
             }, sort_keys=True)  # fmt: skip
         for rid, (wid, idx, why) in self.failed.items():
             current[rid] = json.dumps({"workload_id": wid, "index": idx, "failed": why})
@@ -238,6 +238,7 @@ class LocalReplicas:
                     max_num_seqs=int(status.get("max_num_seqs", 8)),
                     max_model_len=status.get("max_model_len"),
                     created=int(status.get("created") or 0),
+                    task=str(status.get("task", "generate")),
                     node=node,
                 )
                 replica.ready = bool(status.get("ready"))

@@ -208,6 +208,12 @@ def serve(
             help="With --model: none, w8a8, w8a16 or w4a16 (quantized while loading).",
         ),
     ] = None,
+    task: Annotated[
+        str | None, typer.Option(help="With --model: generate (default) or embed.")
+    ] = None,
+    pooling: Annotated[
+        str | None, typer.Option(help="With --model --task embed: mean (default) or last.")
+    ] = None,
     gpu_memory_utilization: Annotated[
         float | None,
         typer.Option(hidden=True, help="vLLM's flag: refused, with what to use instead."),
@@ -430,7 +436,8 @@ def serve(
     _refuse_unhonoured(gpu_memory_utilization, chat_template)
     given = {"--served-model-name": served_model_name, "--dtype": dtype,
              "--max-model-len": max_model_len, "--max-num-seqs": max_num_seqs,
-             "--tensor-parallel-size": tensor_parallel_size, "--quantization": quantization}  # fmt: skip
+             "--tensor-parallel-size": tensor_parallel_size, "--quantization": quantization,
+             "--task": task, "--pooling": pooling}  # fmt: skip
     if model is None and any(v is not None for v in given.values()):
         flags = ", ".join(k for k, v in given.items() if v is not None)
         raise ConfigError(f"{flags} only apply with --model", location=Location("--model"))
@@ -497,7 +504,7 @@ def serve(
         _serve_at_start(platform, model, {
             "name": served_model_name, "dtype": dtype, "max_model_len": max_model_len,
             "batch_size": max_num_seqs, "tensor_parallel_size": tensor_parallel_size,
-            "quantization": quantization})  # fmt: skip
+            "quantization": quantization, "task": task, "pooling": pooling})  # fmt: skip
     server = DrainingServer(
         uvicorn.Config(create_asgi(platform), log_level="warning", timeout_graceful_shutdown=30),
         platform,

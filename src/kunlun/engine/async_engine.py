@@ -34,8 +34,12 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import torch
+
+from kunlun.engine.launch import Pooling
 from kunlun.engine.llm_engine import LLMEngine, Prompt, Request
 from kunlun.engine.outputs import EngineStats, RequestOutputDelta
+from kunlun.engine.pooling import Pooler, PoolingJob
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import EngineError, RequestError
 
@@ -71,6 +75,8 @@ class AsyncLLMEngine:
         self._new: list[Request] = []
         self._aborts: list[tuple[str, concurrent.futures.Future[None] | None]] = []
         self._streams: dict[str, _Stream] = {}
+        self._new_pooling: list[PoolingJob] = []
+        self._pooler: Pooler | None = None  # built with the engine, on its thread
         self._stats: EngineStats | None = None if self._factory else self.engine.stats()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -139,6 +145,17 @@ class AsyncLLMEngine:
         self.start()
         self._wake.set()
         return self._iterate(request.request_id, stream)
+
+    async def embed(self, inputs: list[list[int]], method: Pooling) -> list[torch.Tensor]:
+        """The unit-norm float32 vectors of ``inputs`` (token ids, checked with
+        :func:`kunlun.engine.pooling.check_input`), run by the engine thread's pooling path;
+        raises :class:`EngineError` when the model fails on them."""
+        job = PoolingJob(inputs, method)
+        with self._lock:
+            self._new_pooling.append(job)
+        self.start()
+        self._wake.set()
+        return await asyncio.wrap_future(job.done)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; returns once its blocks are free (a no-op for unknown ids)."""
@@ -210,13 +227,15 @@ class AsyncLLMEngine:
                     return
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, []
+                pooling, self._new_pooling = self._new_pooling, []
             try:
+                self._pool(pooling)
                 self._step(new, aborts)
             except Exception as exc:  # a bug outside the model step: fail all, keep serving
                 logger.exception("engine loop failed")
                 self._recover(EngineError(f"engine loop failed: {type(exc).__name__}: {exc}"))
                 _resolve(aborts)
-            if not self.engine.has_unfinished():
+            if not self.engine.has_unfinished() and not self._pooling_pending():
                 self._wake.wait()
 
     def _build(self) -> bool:
@@ -251,6 +270,18 @@ class AsyncLLMEngine:
             self._stats = self.engine.stats()
         self._deliver(deltas)
 
+    def _pool(self, jobs: list[PoolingJob]) -> None:
+        """One pooling step over the waiting embeddings inputs (:mod:`kunlun.engine.pooling`)."""
+        if self._pooler is None:
+            self._pooler = Pooler(self.engine)
+        self._pooler.add(jobs)
+        if self._pooler.pending:
+            self._pooler.step()
+            self._stats = self.engine.stats()
+
+    def _pooling_pending(self) -> bool:
+        return self._pooler is not None and self._pooler.pending
+
     def _deliver(self, items: list[RequestOutputDelta]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutputDelta]]] = {}
         with self._lock:
@@ -270,6 +301,11 @@ class AsyncLLMEngine:
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
             streams, self._streams = self._streams, {}
+            jobs, self._new_pooling = self._new_pooling, []
+        for job in jobs:
+            job.done.set_exception(error)
+        if self._pooler is not None:
+            self._pooler.fail_all(error)
         for stream in streams.values():
             with contextlib.suppress(RuntimeError):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)

@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 """Weight and KV dtypes the engine runs, by the names plans and workload specs use."""
+Task = Literal["generate", "embed"]
+"""What a served model answers: generated text (chat, completions) or embeddings."""
+Pooling = Literal["mean", "last"]
+"""How an embedding model's per-token hidden states become one vector (kunlun.engine.pooling)."""
 
 
 class EngineLaunch(BaseModel):
@@ -89,6 +93,14 @@ class EngineLaunch(BaseModel):
     seed: int | None = Field(None, description="Seed of requests that bring none.")
 
     # ---- the worker process ----
+    task: Task = Field(
+        "generate",
+        description="generate: chat and completions; embed: /v1/embeddings only "
+        "(kunlun.serving.embeddings).",
+    )
+    pooling: Pooling = Field(
+        "mean", description="With task embed: mean of the tokens' hidden states, or the last's."
+    )
     stream_interval: int = Field(
         1,
         ge=1,

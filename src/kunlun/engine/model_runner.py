@@ -59,6 +59,9 @@ class StepOutput:
     """float32 [len(seqs), vocab]: logits at each sequence's last new position."""
     prompt_logits: list[torch.Tensor | None]
     """Per sequence: float32 [num_new, vocab] when asked for, else ``None``."""
+    hidden: list[torch.Tensor] | None = None
+    """A pooling step's (:meth:`ModelRunner.hidden_states`): per sequence, the final-norm
+    hidden states [num_new, hidden] of its new tokens, in the model's dtype (no logits)."""
 
 
 class ModelRunner:
@@ -211,12 +214,34 @@ class ModelRunner:
         return self.run(batch)
 
     @torch.inference_mode()
+    def hidden_states(self, seqs: list[StepSeq]) -> list[torch.Tensor]:
+        """Run one pooling step (:mod:`kunlun.engine.pooling`): the final-norm hidden states
+        of each sequence's new tokens, with no LM head; validated as :meth:`execute`."""
+        if not seqs:
+            raise EngineError("hidden_states() needs at least one sequence")
+        for index, seq in enumerate(seqs):
+            self._validate(index, seq)
+        batch = StepBatch.of(seqs, self.block_size, pool=True)
+        if self.step_hook is not None:
+            self.step_hook(batch)
+        hidden = self.run(batch).hidden
+        assert hidden is not None
+        return hidden
+
+    @torch.inference_mode()
     def run(self, batch: StepBatch) -> StepOutput:
         """The forward pass of a validated step; every rank of a tensor-parallel group runs
         it on the same ``batch`` (rank 0's logits are the ones sampled)."""
         step = _StepBuilder(self, batch)
         self._end_phase("prepare")
         hidden = self.model(step.input_ids, step.positions, step.context)
+        if batch.pool:  # every rank skips the LM head (and its gather) alike
+            rows = [hidden] * len(batch.order)
+            for position, index in enumerate(batch.order):
+                start, count = step.spans[position]
+                rows[index] = hidden[start : start + count]
+            self._end_phase("forward")
+            return StepOutput(logits=hidden.new_empty(0), prompt_logits=[], hidden=rows)
         logits = self.model.compute_logits(hidden.index_select(0, step.last_index)).float()
         order = batch.order
         if order != sorted(order):  # undo the decode-first order
@@ -294,9 +319,11 @@ class StepBatch:
     """For each row, the index of its sequence in the caller's list."""
     num_decode: int
     """Rows with one new token; they lead."""
+    pool: bool = False
+    """A pooling step: the forward pass returns hidden states, not logits."""
 
     @classmethod
-    def of(cls, seqs: list[StepSeq], block_size: int) -> StepBatch:
+    def of(cls, seqs: list[StepSeq], block_size: int, pool: bool = False) -> StepBatch:
         decode = [i for i, seq in enumerate(seqs) if seq.num_new == 1]
         order = decode + [i for i, seq in enumerate(seqs) if seq.num_new != 1]
         rows = []
@@ -306,7 +333,7 @@ class StepBatch:
             rows.append(StepRow(seq.token_ids[seq.num_computed : end], seq.num_computed,
                                 seq.block_table[: -(-end // block_size)],
                                 seq.want_prompt_logits))  # fmt: skip
-        return cls(rows, order, len(decode))
+        return cls(rows, order, len(decode), pool)
 
 
 class _StepBuilder:

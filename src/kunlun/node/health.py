@@ -6,7 +6,8 @@ counters (``GET /stats``). A replica in routing whose engine made steps since th
 check is serving: that is its pass (**serving**), and it gets no synthetic request, which
 would share its batches with real ones (a batch's make-up can flip a greedy near-tie) and
 add load where there is most. Any other replica gets a tiny generation straight to its
-worker (``POST /v1/completions``, prompt ``"ping"``, ``max_tokens: 1``, header
+worker (``POST /v1/completions``, prompt ``"ping"``, ``max_tokens: 1``; for a model served
+for embeddings ``POST /v1/embeddings`` of ``"ping"``; header
 :data:`PROBE_HEADER`), waiting at most ``timeout_s``, then ``/stats`` again. A
 :class:`ReplicaHealth` per replica turns each check into a :class:`Verdict` (its ``result``):
 
@@ -61,6 +62,8 @@ from kunlun.serving.replica import Replica, ReplicaSet
 log = logging.getLogger(__name__)
 
 PROBE_BODY = {"prompt": "ping", "max_tokens": 1, "temperature": 0}
+EMBED_PROBE_BODY = {"input": "ping"}
+"""The probe of a replica serving its model for embeddings (``POST /v1/embeddings``)."""
 STALL_MIN_S = 60.0
 """An engine with requests unfinished counts as stalled only after this long without a step:
 on a loaded 2-core CI machine single steps took over 10 s, and ejecting them gave 503s."""
@@ -298,7 +301,7 @@ class HealthChecker:
                 if self._tracked.get(r.replica_id) is tracked:
                     self._apply(r, verdict)
                 return
-            answer = await self._generate(client, tracked.base_url, r.model)
+            answer = await self._generate(client, tracked.base_url, r.model, r.task)
             stats = None  # unread when neither /stats just now nor the probe was answered
             if before is not None or answer.answered:
                 stats = await self._stats(client, tracked.base_url)
@@ -317,13 +320,17 @@ class HealthChecker:
         finally:
             tracked.task = None
 
-    async def _generate(self, client: httpx.AsyncClient, base_url: str, model: str) -> _Answer:
+    async def _generate(
+        self, client: httpx.AsyncClient, base_url: str, model: str, task: str = "generate"
+    ) -> _Answer:
         timeout = self.config.probe_timeout_s
+        path, body = ("/v1/embeddings", EMBED_PROBE_BODY) if task == "embed" else (
+            "/v1/completions", PROBE_BODY)  # fmt: skip
         try:
             async with asyncio.timeout(timeout):  # the whole answer, not each read
                 response = await client.post(
-                    base_url + "/v1/completions",
-                    json={"model": model, **PROBE_BODY},
+                    base_url + path,
+                    json={"model": model, **body},
                     headers={PROBE_HEADER: "1"},
                     timeout=timeout,
                 )
@@ -333,7 +340,7 @@ class HealthChecker:
             return _Answer(False, False, f"429: {_message(response)}")
         if response.status_code == 200:
             with contextlib.suppress(ValueError, AttributeError):
-                choices = response.json().get("choices")
+                choices = response.json().get("data" if task == "embed" else "choices")
                 if isinstance(choices, list) and choices:
                     return _Answer(True, True)
             return _Answer(False, True, f"200 without a completion: {response.text[:200]!r}")

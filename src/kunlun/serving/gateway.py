@@ -1,7 +1,7 @@
 """The OpenAI-compatible gateway: admits each request, picks a replica and proxies to it.
 
 :func:`mount_gateway` adds to an app ``GET /v1/models``, ``POST /v1/chat/completions`` and
-``POST /v1/completions`` over a :class:`ReplicaSet` (the two inference routes answered by
+``POST /v1/completions`` and ``POST /v1/embeddings`` over a :class:`ReplicaSet` (the inference routes answered by
 the :class:`GatewayEndpoints` middleware, ahead of the app's routing). For each request it
 reads the ``model`` (and, for the load estimate, ``max_tokens`` and ``n``), the
 ``X-Kunlun-Priority`` and ``X-Kunlun-Pool`` headers, and either refuses it in the OpenAI
@@ -40,6 +40,7 @@ from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.rollout.split import SESSION_HEADER, Split
 from kunlun.rollout.window import BASELINE, RolloutStats
 from kunlun.serving.admission import Admission, Ticket
+from kunlun.serving.embedding_request import EmbeddingRequest
 from kunlun.serving.key_limits import KEY_TOKENS_SCOPE
 from kunlun.serving.limits import DEFAULT_MAX_SEQUENCES
 from kunlun.serving.protocol import (
@@ -71,6 +72,7 @@ from kunlun.telemetry.gateway_metrics import GatewayMetrics  # telemetry
 
 _CHAT_BODY = openapi_body(ChatCompletionRequest)
 _COMPLETION_BODY = openapi_body(CompletionRequest)
+_EMBEDDING_BODY = openapi_body(EmbeddingRequest)
 _PRIORITY_KEY = PRIORITY_HEADER.lower().encode()
 _POOL_KEY = POOL_HEADER.lower().encode()
 _SESSION_KEY = SESSION_HEADER.lower().encode()
@@ -78,7 +80,7 @@ _PRINTABLE = frozenset(range(0x20, 0x7F))
 """Bytes a client's ``X-Request-Id`` may hold to be passed on (printable ASCII)."""
 _ID_PREFIX = os.urandom(4).hex()
 _ID_COUNTER = itertools.count(1)
-ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions"})
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 """The inference routes: relayed to a replica."""
 MAX_BODY_BYTES = 32 << 20
 """The largest request body the inference routes accept (larger: 413)."""
@@ -257,11 +259,15 @@ def gateway_router(replicas: ReplicaSet, state: GatewayState) -> APIRouter:
     async def completions(request: Request) -> Response:
         return respond(request.scope, await request.body(), replicas, state)
 
+    @router.post("/v1/embeddings", openapi_extra={"requestBody": _EMBEDDING_BODY})
+    async def embeddings(request: Request) -> Response:
+        return respond(request.scope, await request.body(), replicas, state)
+
     return router
 
 
 class GatewayEndpoints:
-    """ASGI middleware that serves ``POST /v1/chat/completions`` and ``/v1/completions``
+    """ASGI middleware that serves ``POST /v1/chat/completions``, ``/v1/completions`` and ``/v1/embeddings``
     itself and passes everything else on.
 
     The inference routes are the gateway's hot path: answered here, ahead of the app's
@@ -394,7 +400,8 @@ def _ticket(
     priority = resolve_priority(
         headers.priority, scope.get(KEY_PRIORITY_SCOPE), first_ready.priority
     )
-    ticket = Ticket(model, priority, pool, _token_estimate(payload, len(body)))
+    estimate = _token_estimate(payload, len(body), scope["path"] != "/v1/embeddings")
+    ticket = Ticket(model, priority, pool, estimate)
     split = state.splits.get(model)
     if split is not None:
         version = split.choose(headers.session)
@@ -429,8 +436,11 @@ def _refuse_pool(model: str, pool: str, replicas: ReplicaSet, state: GatewayStat
     )
 
 
-def _token_estimate(payload: dict[str, Any], body_bytes: int) -> int:
-    """Prompt tokens (about four body bytes each) plus ``max_tokens`` for each of ``n``."""
+def _token_estimate(payload: dict[str, Any], body_bytes: int, generates: bool = True) -> int:
+    """Prompt tokens (about four body bytes each) plus ``max_tokens`` for each of ``n`` (none
+    for an embeddings request: it generates nothing)."""
+    if not generates:
+        return body_bytes // 4
     max_tokens = payload.get("max_tokens") or payload.get("max_completion_tokens")
     n = payload.get("n")
     if not isinstance(max_tokens, int) or max_tokens < 1:

@@ -10,7 +10,7 @@ that exhausted it waits for the next slot, not for a whole minute. A refusal is 
 ``Retry-After``: the seconds until the bucket holds enough again (rounded up, at least 1).
 
 - **Requests** are counted when they arrive, on every route the key is used on.
-- **Tokens** are counted on the inference routes (``/v1/chat/completions``,
+- **Tokens** are counted on the inference routes (``/v1/chat/completions``, ``/v1/embeddings``,
   ``/v1/completions``). A request is admitted while its key's bucket is not empty; it is
   charged at once the gateway's estimate (body bytes / 4 for the prompt, plus ``max_tokens``
   (256 when unset) times ``n``), and at its end the charge is corrected to the usage the

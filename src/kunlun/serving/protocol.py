@@ -452,6 +452,7 @@ class CompletionRequest(_CommonRequest):
 
 _FORMS = {
     "prompt": "a string, a list of strings, a list of token ids or a list of such lists",
+    "input": "a string, a list of strings, a list of token ids or a list of such lists",
     "stop": "a string or a list of strings",
     "content": "a string or a list of content parts",
 }

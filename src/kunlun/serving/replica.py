@@ -35,6 +35,8 @@ class Replica:
     max_model_len: int | None = None
     """The context window its engine was planned with (None: not known, another engine)."""
     created: int = 0
+    task: str = "generate"
+    """What its model is served for: ``generate`` or ``embed`` (``/v1/embeddings`` only)."""
     """When its workload was created (Unix seconds): ``created`` of ``GET /v1/models``."""
     ready: bool = False
     in_flight: int = 0
@@ -132,7 +134,8 @@ class ReplicaSet:
             lengths = [r.max_model_len for r in mine if r.max_model_len]
             created = [r.created for r in mine if r.created]
             cards.append({"id": model, "object": "model", "created": min(created, default=0),
-                          "owned_by": "kunlun", "max_model_len": min(lengths, default=None)})  # fmt: skip
+                          "owned_by": "kunlun", "max_model_len": min(lengths, default=None),
+                          "task": mine[0].task})  # fmt: skip
         return cards
 
     def any_ready(self) -> bool:

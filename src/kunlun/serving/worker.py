@@ -239,7 +239,8 @@ async def serve(launch: EngineLaunch, group: Any = None) -> None:
     profiler = start_profiler(engine, launch)
     sock = bind_socket(launch.host, launch.port)
     port = sock.getsockname()[1]
-    app = create_worker_app(engine, launch.served_name, say, launch.faults)
+    app = create_worker_app(engine, launch.served_name, say, launch.faults,
+                            task=launch.task, pooling=launch.pooling)  # fmt: skip
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             timeout_keep_alive=30)  # fmt: skip
     server = uvicorn.Server(config)

@@ -1,7 +1,8 @@
 """The engine worker's HTTP app: the OpenAI API over one :class:`AsyncLLMEngine`.
 
 Routes: ``POST /v1/chat/completions`` and ``/v1/completions`` (JSON, or SSE with
-``stream``), ``GET /v1/models``, ``GET /health``, ``GET /stats`` (engine statistics) and
+``stream``), ``POST /v1/embeddings`` (:mod:`kunlun.serving.embeddings`; each route refuses a
+model served for the other task), ``GET /v1/models``, ``GET /health``, ``GET /stats`` (engine statistics) and
 ``GET /metrics`` (Prometheus; :mod:`kunlun.telemetry.worker_metrics`).
 Bad input answers 400 in the OpenAI error shape before anything is queued; a text prompt
 that cannot fit the context is refused before it is tokenized (:meth:`WorkerApp.check_prompt`),
@@ -19,12 +20,13 @@ import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kunlun.engine.async_engine import AsyncLLMEngine
+from kunlun.engine.launch import Pooling, Task
 from kunlun.engine.outputs import RequestOutput, RequestOutputDelta
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import EngineError, KunlunError, PromptTooLong
@@ -44,6 +46,9 @@ from kunlun.serving.protocol import (
 from kunlun.serving.tool_formats import ToolStream
 from kunlun.serving.tools import ToolUse
 from kunlun.telemetry.worker_metrics import WorkerTelemetry  # telemetry
+
+if TYPE_CHECKING:
+    from kunlun.serving.embeddings import Embeddings
 
 _T = TypeVar("_T")
 _CLIENT_GONE = 499
@@ -121,6 +126,9 @@ class WorkerApp:
         self.num_active = 0
         self.created = int(time.time())
         self.telemetry = WorkerTelemetry(engine)  # telemetry: served as GET /metrics
+        self.embeddings: Embeddings
+        """``POST /v1/embeddings``, and the task check of chat and completions (set by
+        :func:`create_worker_app`)."""
 
     # ---- routes ----
     async def chat_completions(self, request: Request) -> Response:
@@ -128,6 +136,7 @@ class WorkerApp:
         call = _new_call(request)  # timed from the whole request's arrival
         req = await _off_loop_if_large(raw, parse_request, ChatCompletionRequest, raw)
         self._check_model(req.model)
+        self.embeddings.refuse_generation()
         await self.faults.apply(request.headers)
         tools = req.tool_use(self.tokenizer.chat_template)
         params = req.to_sampling_params()
@@ -161,6 +170,7 @@ class WorkerApp:
         call = _new_call(request)  # timed from the whole request's arrival
         req = await _off_loop_if_large(raw, parse_request, CompletionRequest, raw)
         self._check_model(req.model)
+        self.embeddings.refuse_generation()
         await self.faults.apply(request.headers)
         params = req.to_sampling_params()
         prompts = req.prompts()
@@ -221,7 +231,7 @@ class WorkerApp:
 
     async def models(self) -> dict[str, Any]:
         model = {"id": self.served_name, "object": "model", "created": self.created,
-                 "owned_by": "kunlun"}  # fmt: skip
+                 "owned_by": "kunlun", "task": self.embeddings.task}  # fmt: skip
         return {"object": "list", "data": [model]}
 
     async def stats(self) -> dict[str, Any]:
@@ -472,14 +482,21 @@ def create_worker_app(
     served_name: str,
     log: Callable[[str], None] = print,
     faults: FaultSpec | None = None,
+    task: Task = "generate",
+    pooling: Pooling = "mean",
 ) -> FastAPI:
-    """The worker's FastAPI app over ``engine``, serving it as model ``served_name``, with
+    """The worker's FastAPI app over ``engine``, serving it as model ``served_name`` for
+    ``task`` (embeddings pooled by ``pooling``: :mod:`kunlun.serving.embeddings`), with
     ``faults`` injected into client requests (:mod:`kunlun.serving.faults`)."""
+    from kunlun.serving.embeddings import Embeddings  # it builds on this module
+
     worker = WorkerApp(engine, served_name, log, faults)
+    worker.embeddings = Embeddings(worker, task, pooling)
     app = FastAPI(title="Kunlun engine worker", docs_url=None, redoc_url=None)
     app.state.worker = worker
     app.post("/v1/chat/completions")(worker.chat_completions)
     app.post("/v1/completions")(worker.completions)
+    app.post("/v1/embeddings")(worker.embeddings)
     app.get("/v1/models")(worker.models)
     app.post("/tokenize")(worker.tokenize)
     app.post("/detokenize")(worker.detokenize)

@@ -8,7 +8,9 @@ generated without it, seeds against each other.
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 from typing import Any
 
 from kunlun.validate.check import Check, Context, check
@@ -301,6 +303,80 @@ def json_schema(ctx: Context) -> Cell:
     if problem:
         return failed("schema violated", problem)
     return passed(f"valid {value['city']!r}", f"{answer.text}")
+
+
+EMBED_INPUTS = ["The quick brown fox jumps over the lazy dog.", "Paris is in France."]
+
+
+@check(CHECKS, "api.embeddings", "POST /v1/embeddings")
+def embeddings(ctx: Context) -> Cell:
+    """A model served for embeddings (its ``/v1/models`` card says ``task: embed``): vectors
+    of the stated dimension and unit norm, the same input twice the same vector, base64 the
+    float form's bytes. Any other model: ``/v1/embeddings`` is refused with a 400 naming
+    ``model`` that says what it is served for."""
+    model = ctx.column.model
+    cards = json_of(ctx.client.request("GET", "/v1/models")).get("data") or []
+    card = next((c for c in cards if isinstance(c, dict) and c.get("id") == model), {})
+    body = {"model": model, "input": [*EMBED_INPUTS, EMBED_INPUTS[0]], "encoding_format": "float"}
+    resp = ctx.client.request("POST", "/v1/embeddings", body)
+    if card.get("task") != "embed":
+        problem = _error_shape(resp, 400)
+        if problem:
+            return failed("not refused", f"a model served for generation: {problem}")
+        error = json_of(resp)["error"]
+        if error.get("param") != "model" or "generation" not in error["message"]:
+            return failed("refusal unclear", f"param {error.get('param')!r}: {error['message']}")
+        return passed("400 (generation model)", error["message"])
+    problem = _vectors_problem(resp)
+    if problem:
+        return failed("bad vectors", problem)
+    floats = json_of(resp)["data"]
+    coded = ctx.client.request("POST", "/v1/embeddings", {**body, "encoding_format": "base64"})
+    problem = _base64_problem(coded, [d["embedding"] for d in floats])
+    if problem:
+        return failed("base64 differs", problem)
+    return passed(f"dim {len(floats[0]['embedding'])}")
+
+
+def _vectors_problem(resp: Any) -> str | None:
+    """Why a float answer to :data:`EMBED_INPUTS` plus the first again is wrong, or None."""
+    if resp.status_code != 200:
+        return f"HTTP {resp.status_code}: {resp.text[:160]}"
+    data = json_of(resp).get("data")
+    if not isinstance(data, list) or len(data) != 3:
+        return f"expected 3 embeddings, got {_short(data)}"
+    vectors = [d.get("embedding") if isinstance(d, dict) else None for d in data]
+    if [d.get("index") for d in data] != [0, 1, 2] or not all(
+        isinstance(v, list) and v and all(isinstance(x, float | int) for x in v) for v in vectors
+    ):
+        return f"indices or vectors malformed: {_short(data)}"
+    sizes = {len(v) for v in vectors}  # type: ignore[arg-type]
+    if len(sizes) != 1:
+        return f"vectors of different sizes {sorted(sizes)}"
+    norms = [sum(x * x for x in v) ** 0.5 for v in vectors]  # type: ignore[union-attr]
+    if any(abs(n - 1) > 1e-3 for n in norms):
+        return f"not unit norm: {[round(n, 5) for n in norms]}"
+    first, again = vectors[0], vectors[2]
+    if max(abs(a - b) for a, b in zip(first, again, strict=True)) > 1e-5:  # type: ignore[arg-type]
+        return "the same input twice gave different vectors"
+    return None
+
+
+def _base64_problem(resp: Any, floats: list[list[float]]) -> str | None:
+    """Why the base64 answer is not the float answer's little-endian float32 bytes, or None."""
+    if resp.status_code != 200:
+        return f"HTTP {resp.status_code}: {resp.text[:160]}"
+    try:
+        coded = [base64.b64decode(d["embedding"]) for d in json_of(resp)["data"]]
+        decoded = [list(struct.unpack(f"<{len(b) // 4}f", b)) for b in coded]
+    except (KeyError, TypeError, ValueError, struct.error) as exc:
+        return f"not base64 float32: {exc}"
+    if [len(v) for v in decoded] != [len(v) for v in floats]:
+        return "sizes differ from the float answer"
+    worst = max(
+        abs(a - b) for u, v in zip(decoded, floats, strict=True) for a, b in zip(u, v, strict=True)
+    )
+    return None if worst <= 1e-6 else f"largest difference {worst:.3g}"
 
 
 def _short(value: Any) -> str:

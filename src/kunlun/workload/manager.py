@@ -242,6 +242,7 @@ class WorkloadManager:
             max_num_seqs=plan.max_num_seqs,
             max_model_len=plan.max_model_len,
             created=int(record.created),
+            task=spec.task,
         )
         plugin = load_plugins().plugins.get(plan.device_type)
         runtime_env = plugin.runtime_env if plugin is not None else ()
@@ -250,6 +251,7 @@ class WorkloadManager:
         cap_mb = memory_cap_mb(plan.weight_memory_mb, host_kv_mb, spec.memory_cap_mb)
         launch = engine_launch(plan, plugin, model_dir, record.name, plan_dir, int(threads),
                                stream_interval=spec.stream_interval, faults=spec.faults,
+                               task=spec.task, pooling=spec.embed_pooling,
                                **worker_profiling(spec.telemetry, self.agent.log_dir,
                                                   replica.replica_id))  # fmt: skip
         launch.write(plan_dir / LAUNCH_FILE)

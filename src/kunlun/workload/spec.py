@@ -7,8 +7,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
+from kunlun.engine.launch import Pooling, Task
 from kunlun.errors import ConfigError, Location
 from kunlun.serving.faults import FaultSpec
 from kunlun.telemetry.spec import TelemetrySpec
@@ -73,6 +81,16 @@ class WorkloadSpec(BaseModel):
         "running streams less, larger prefills faster); default: sized per plan "
         "(kunlun.planner.batching).",
     )
+    task: Task = Field(
+        "generate",
+        description="generate (default): chat and completions; embed: the model is served "
+        "for /v1/embeddings only (docs/embeddings.md).",
+    )
+    pooling: Pooling | None = Field(
+        None,
+        description="With task embed: mean (default) of the input tokens' final hidden "
+        "states, or the last token's.",
+    )
     stream_interval: int = Field(
         1,
         ge=1,
@@ -110,6 +128,18 @@ class WorkloadSpec(BaseModel):
         "(error_rate, delay_ms, seed; kunlun.serving.faults), e.g. to try rollout gates on a "
         "real broken version.",
     )
+
+    @field_validator("pooling")
+    @classmethod
+    def _pooling_embeds(cls, value: Pooling | None, info: ValidationInfo) -> Pooling | None:
+        if value is not None and info.data.get("task") != "embed":
+            raise ValueError("pooling applies only with task: embed")
+        return value
+
+    @property
+    def embed_pooling(self) -> Pooling:
+        """The pooling an embedding model runs (mean unless the spec says)."""
+        return self.pooling or "mean"
 
     @field_validator("device")
     @classmethod

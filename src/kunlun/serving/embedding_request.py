@@ -1,0 +1,32 @@
+"""The body of ``POST /v1/embeddings`` (OpenAI's shape), apart from its handler
+(:mod:`kunlun.serving.embeddings`) so that the gateway can describe it without loading the
+engine."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from kunlun.serving.protocol import StrictModel, TokenIds
+
+
+class EmbeddingRequest(StrictModel):
+    """``POST /v1/embeddings``."""
+
+    model: str
+    input: str | list[str] | TokenIds | list[TokenIds]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    """Accepted, ignored (:data:`IGNORED_FIELDS`)."""
+
+    @property
+    def single(self) -> bool:
+        """One input (a string or one token list): errors name it ``input``, not ``input.0``."""
+        value = self.input
+        return isinstance(value, str) or bool(value) and isinstance(value[0], int)
+
+    def inputs(self) -> list[str | list[int]]:
+        """The inputs, in order."""
+        return [self.input] if self.single else list(self.input)  # type: ignore[list-item,arg-type]
