@@ -70,6 +70,7 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._new: list[Request] = []
         self._aborts: list[tuple[str, concurrent.futures.Future[None] | None]] = []
+        self._flushes: list[concurrent.futures.Future[int]] = []
         self._streams: dict[str, _Stream] = {}
         self._stats: EngineStats | None = None if self._factory else self.engine.stats()
         self._stopping = False
@@ -149,6 +150,16 @@ class AsyncLLMEngine:
         self._wake.set()
         await asyncio.wrap_future(done)
 
+    async def flush_prefix_cache(self) -> int:
+        """Forget the prefix cache between two steps, unless requests are unfinished then;
+        returns how many were (0: flushed). See :meth:`LLMEngine.flush_prefix_cache`."""
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._lock:
+            self._flushes.append(done)
+        self.start()
+        self._wake.set()
+        return await asyncio.wrap_future(done)
+
     def fail_all(self, error: BaseException) -> None:
         """End every open stream with ``error`` (safe from any thread): the engine cannot
         go on, e.g. a rank of its tensor-parallel group died."""
@@ -210,6 +221,11 @@ class AsyncLLMEngine:
                     return
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, []
+                flushes, self._flushes = self._flushes, []
+            for done in flushes:  # before new requests: they would hold it off
+                if not done.done():
+                    done.set_result(self.engine.flush_prefix_cache())
+                    self._stats = self.engine.stats()
             try:
                 self._step(new, aborts)
             except Exception as exc:  # a bug outside the model step: fail all, keep serving
