@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -224,3 +225,12 @@ def test_max_new_tokens_zero_runs_the_prompt_only(daemon: Daemon) -> None:
     for o in outs:
         assert o["meta_info"]["output_token_logprobs"] == []
         assert len(o["meta_info"]["input_token_logprobs"]) == o["meta_info"]["prompt_tokens"] - 3
+
+
+def test_validate_generate_row_passes(daemon: Daemon, tmp_path: Path) -> None:
+    proc = daemon.cli("validate", "--endpoint", daemon.url, "--model", "smollm2", "--only",
+                      "api.generate", "--out", str(tmp_path), timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cells = json.loads((tmp_path / "validation.json").read_text())["cells"]["smollm2"]
+    assert cells["api.generate"]["status"] == "PASS", cells["api.generate"]
+    assert cells["api.generate"]["figure"].startswith("8 tokens")
