@@ -28,7 +28,8 @@ def generate(ctx: Context) -> Cell:
             "sampling_params": {"temperature": 0, "max_new_tokens": GENERATE_TOKENS}}  # fmt: skip
     resp = ctx.client.request("POST", "/generate", body)
     data = json_of(resp)
-    error = data.get("error") if isinstance(data.get("error"), dict) else {}
+    error = data.get("error")
+    error = error if isinstance(error, dict) else {}
     if resp.status_code in (404, 405) and error.get("code") != "model_not_found":
         return skipped("the endpoint has no /generate (SGLang's native API)")
     if resp.status_code != 200:
