@@ -234,3 +234,15 @@ def test_validate_generate_row_passes(daemon: Daemon, tmp_path: Path) -> None:
     cells = json.loads((tmp_path / "validation.json").read_text())["cells"]["smollm2"]
     assert cells["api.generate"]["status"] == "PASS", cells["api.generate"]
     assert cells["api.generate"]["figure"].startswith("8 tokens")
+
+
+def test_the_body_runtime_endpoint_sends_is_accepted(daemon: Daemon) -> None:
+    """SGLang's RuntimeEndpoint.generate sends every sampling field at its default."""
+    params = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
+              "max_new_tokens": 6, "min_new_tokens": 0, "n": 1, "stop": [],
+              "stop_token_ids": [], "stop_regex": [], "temperature": 0, "top_p": 1.0,
+              "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+              "ignore_eos": False, "regex": None, "json_schema": None}  # fmt: skip
+    out = generate(daemon, {"text": PROMPT, "sampling_params": params})
+    want = completion(daemon, prompt=PROMPT, max_tokens=6, temperature=0)
+    assert out["text"] == want["choices"][0]["text"]

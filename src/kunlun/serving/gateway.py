@@ -13,7 +13,8 @@ error shape (400: a body nested too deep or holding text UTF-8 cannot hold
 :class:`~kunlun.serving.relay.Relay`, which admits it to a replica with a free slot or holds
 it in the gateway's fair queue (:mod:`~kunlun.serving.admission`, replica choice by
 :mod:`~kunlun.serving.routing`; a full class queue is 429 with ``Retry-After``) and relays
-the worker's answer. Each request holds one unit of its replica's ``in_flight`` while its
+the worker's answer (SGLang's ``/generate`` too: :mod:`~kunlun.serving.sglang_gateway`).
+Each request holds one unit of its replica's ``in_flight`` while its
 exchange with the worker runs, released whatever the ending.
 """
 

@@ -24,8 +24,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from kunlun.errors import RequestError
-from kunlun.serving.protocol import ModelNotFound, ServiceUnavailable, WorkerDied, param_error
+from kunlun.errors import KunlunError, RequestError
+from kunlun.serving.protocol import (
+    ModelNotFound,
+    ServiceUnavailable,
+    WorkerDied,
+    error_status_and_body,
+    param_error,
+)
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.serving.sglang_api import FLUSHED
 from kunlun.serving.sglang_protocol import DEFAULT_MAX_NEW_TOKENS
@@ -113,7 +119,10 @@ def add_sglang_routes(
         return model, chosen
 
     async def info(request: Request, path: str) -> Response:
-        model, chosen = ready(request)
+        try:
+            model, chosen = ready(request)
+        except KunlunError as exc:
+            return _error(exc)
         replica = min(chosen, key=lambda r: r.in_flight)
         status, body = await ask(replica, path)
         if status != 200:
@@ -137,17 +146,26 @@ def add_sglang_routes(
     @router.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request) -> Response:
         """Flush the prefix cache of every ready replica of the model."""
-        model, chosen = ready(request)
+        try:
+            model, chosen = ready(request)
+        except KunlunError as exc:
+            return _error(exc)
         refused = []
         for replica in chosen:
             status, body = await ask(replica, "/flush_cache")
             if status != 200:
                 refused.append(f"{replica.replica_id}: {_message(body)}")
         if refused:
-            raise RequestError(f"cache of model {model!r} not flushed on "
+            return _error(RequestError(f"cache of model {model!r} not flushed on "
                                f"{len(refused)} of {len(chosen)} replicas ({'; '.join(refused)})",
-                               hint="retry when the replicas are idle")  # fmt: skip
+                               hint="retry when the replicas are idle"))  # fmt: skip
         return PlainTextResponse(FLUSHED)
+
+
+def _error(exc: KunlunError) -> Response:
+    """``exc`` in the OpenAI error shape (these routes answer their own refusals)."""
+    status, body, headers = error_status_and_body(exc)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _message(body: bytes) -> str:
