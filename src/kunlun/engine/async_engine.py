@@ -223,9 +223,10 @@ class AsyncLLMEngine:
                 aborts, self._aborts = self._aborts, []
                 flushes, self._flushes = self._flushes, []
             for done in flushes:  # before new requests: they would hold it off
+                busy = self.engine.flush_prefix_cache()
+                self._stats = self.engine.stats()  # before the caller reads it
                 if not done.done():
-                    done.set_result(self.engine.flush_prefix_cache())
-                    self._stats = self.engine.stats()
+                    done.set_result(busy)
             try:
                 self._step(new, aborts)
             except Exception as exc:  # a bug outside the model step: fail all, keep serving
