@@ -200,6 +200,8 @@ def add_sglang_routes(app: FastAPI, worker: WorkerApp) -> None:
     """Register SGLang's native routes on the worker's app."""
     routes = SGLangRoutes(worker)
     app.post("/generate")(routes.generate)
-    app.api_route("/get_model_info", methods=["GET", "POST"])(routes.get_model_info)
-    app.api_route("/get_server_info", methods=["GET", "POST"])(routes.get_server_info)
-    app.api_route("/flush_cache", methods=["GET", "POST"])(routes.flush_cache)
+    for path, handler in (("/get_model_info", routes.get_model_info),
+                          ("/get_server_info", routes.get_server_info),
+                          ("/flush_cache", routes.flush_cache)):  # fmt: skip
+        app.get(path)(handler)
+        app.post(path, include_in_schema=False)(handler)

@@ -143,7 +143,7 @@ def add_sglang_routes(
         """What the model's engine runs with, plus the served models."""
         return await info(request, "/get_server_info")
 
-    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    @router.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:
         """Flush the prefix cache of every ready replica of the model."""
         try:
@@ -160,6 +160,8 @@ def add_sglang_routes(
                                f"{len(refused)} of {len(chosen)} replicas ({'; '.join(refused)})",
                                hint="retry when the replicas are idle"))  # fmt: skip
         return PlainTextResponse(FLUSHED)
+
+    router.get("/flush_cache", include_in_schema=False)(flush_cache)  # SGLang answers GET too
 
 
 def _error(exc: KunlunError) -> Response:
