@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -246,3 +247,42 @@ def test_the_body_runtime_endpoint_sends_is_accepted(daemon: Daemon) -> None:
     out = generate(daemon, {"text": PROMPT, "sampling_params": params})
     want = completion(daemon, prompt=PROMPT, max_tokens=6, temperature=0)
     assert out["text"] == want["choices"][0]["text"]
+
+
+def stream_events(daemon: Daemon, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with httpx.stream("POST", daemon.url + "/generate", json={**body, "stream": True},
+                      timeout=300) as resp:  # fmt: skip
+        assert resp.status_code == 200
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_a_streamed_batch_tags_events_with_their_index(daemon: Daemon) -> None:
+    body = {"text": [PROMPT, "Once upon a time"], "sampling_params": greedy(6),
+            "return_logprob": True}  # fmt: skip
+    whole = generate(daemon, body)
+    events = stream_events(daemon, body)
+    for index, answer in enumerate(whole):
+        mine = [e for e in events if e["index"] == index]
+        assert mine[-1]["text"] == answer["text"]
+        assert mine[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+        last_logprobs = mine[-1]["meta_info"]["output_token_logprobs"]
+        assert [t[1] for t in last_logprobs] == [
+            t[1] for t in answer["meta_info"]["output_token_logprobs"]
+        ]
+
+
+def test_flush_is_refused_while_a_request_runs(daemon: Daemon) -> None:
+    body = {"text": "Tell me a long story.", "stream": True,
+            "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}  # fmt: skip
+    with httpx.stream("POST", daemon.url + "/generate", json=body, timeout=300) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line).startswith("data: ")
+        refused = httpx.post(daemon.url + "/flush_cache", timeout=60)
+        assert refused.status_code == 400
+        assert "running or waiting" in refused.json()["error"]["message"]
+    deadline = time.monotonic() + 60  # the client left: its request is aborted soon
+    while (flushed := httpx.post(daemon.url + "/flush_cache", timeout=60)).status_code != 200:
+        assert time.monotonic() < deadline, flushed.text
+        time.sleep(0.2)
