@@ -46,7 +46,7 @@ class SGLangRoutes:
         self.worker = worker
 
     async def generate(self, request: Request) -> Response:
-        from kunlun.serving.worker_app import _json, _new_call, _off_loop_if_large
+        from kunlun.serving.worker_app import _CLIENT_GONE, _json, _new_call, _off_loop_if_large
 
         worker = self.worker
         raw = await request.body()
@@ -77,7 +77,7 @@ class SGLangRoutes:
             return worker._sse(call, submitted, self._events(call, req, rids, submitted.streams))
         outputs = await worker._collect(request, call, submitted)
         if outputs is None:
-            return worker._finish(call, Response(status_code=499))
+            return worker._finish(call, Response(status_code=_CLIENT_GONE))
         latency = time.perf_counter() - call.started
         items = [
             generate_item(req, worker.tokens, _rid(rids[i], req, o), final, o, latency)
