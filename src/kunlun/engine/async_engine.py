@@ -74,6 +74,7 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._new: list[Request] = []
         self._aborts: list[tuple[str, concurrent.futures.Future[None] | None]] = []
+        self._flushes: list[concurrent.futures.Future[int]] = []
         self._streams: dict[str, _Stream] = {}
         self._new_pooling: list[PoolingJob] = []
         self._pooler: Pooler | None = None  # built with the engine, on its thread
@@ -166,6 +167,16 @@ class AsyncLLMEngine:
         self._wake.set()
         await asyncio.wrap_future(done)
 
+    async def flush_prefix_cache(self) -> int:
+        """Forget the prefix cache between two steps, unless requests are unfinished then;
+        returns how many were (0: flushed). See :meth:`LLMEngine.flush_prefix_cache`."""
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._lock:
+            self._flushes.append(done)
+        self.start()
+        self._wake.set()
+        return await asyncio.wrap_future(done)
+
     def fail_all(self, error: BaseException) -> None:
         """End every open stream with ``error`` (safe from any thread): the engine cannot
         go on, e.g. a rank of its tensor-parallel group died."""
@@ -228,6 +239,12 @@ class AsyncLLMEngine:
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, []
                 pooling, self._new_pooling = self._new_pooling, []
+                flushes, self._flushes = self._flushes, []
+            for done in flushes:  # before new requests: they would hold it off
+                busy = self.engine.flush_prefix_cache()
+                self._stats = self.engine.stats()  # before the caller reads it
+                if not done.done():
+                    done.set_result(busy)
             try:
                 self._pool(pooling)
                 self._step(new, aborts)

@@ -216,6 +216,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
+    def flush_prefix_cache(self) -> int:
+        """Forget every cached prefix, but only while no request is unfinished (a running
+        one may be reading shared blocks); returns the unfinished requests that prevented
+        it (0: flushed). Call between steps."""
+        if self._requests:
+            return len(self._requests)
+        self.block_manager.reset_prefix_cache()
+        return 0
+
     # ---- the step loop ----
     def set_profiler(self, profiler: StepProfiler | None) -> None:
         """Trace sampled steps with ``profiler`` (None: stop). Call between steps."""

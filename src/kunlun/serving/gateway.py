@@ -13,7 +13,8 @@ error shape (400: a body nested too deep or holding text UTF-8 cannot hold
 :class:`~kunlun.serving.relay.Relay`, which admits it to a replica with a free slot or holds
 it in the gateway's fair queue (:mod:`~kunlun.serving.admission`, replica choice by
 :mod:`~kunlun.serving.routing`; a full class queue is 429 with ``Retry-After``) and relays
-the worker's answer. Each request holds one unit of its replica's ``in_flight`` while its
+the worker's answer (SGLang's ``/generate`` too: :mod:`~kunlun.serving.sglang_gateway`).
+Each request holds one unit of its replica's ``in_flight`` while its
 exchange with the worker runs, released whatever the ending.
 """
 
@@ -67,6 +68,7 @@ from kunlun.serving.routing import (
     resolve_priority,
 )
 from kunlun.serving.scheduler_config import SchedulerConfigSource
+from kunlun.serving.sglang_gateway import GENERATE_PATH, add_sglang_routes, admission_view
 from kunlun.serving.upstream import UpstreamError, UpstreamPool
 from kunlun.telemetry.gateway_metrics import GatewayMetrics  # telemetry
 
@@ -80,7 +82,7 @@ _PRINTABLE = frozenset(range(0x20, 0x7F))
 """Bytes a client's ``X-Request-Id`` may hold to be passed on (printable ASCII)."""
 _ID_PREFIX = os.urandom(4).hex()
 _ID_COUNTER = itertools.count(1)
-ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", GENERATE_PATH})
 """The inference routes: relayed to a replica."""
 MAX_BODY_BYTES = 32 << 20
 """The largest request body the inference routes accept (larger: 413)."""
@@ -242,6 +244,8 @@ def gateway_router(replicas: ReplicaSet, state: GatewayState) -> APIRouter:
         """vLLM's ``/detokenize``: ``{model, tokens}`` -> ``{prompt}``."""
         return await to_a_worker(request, "/detokenize")
 
+    add_sglang_routes(router, replicas, state, respond)  # SGLang's native API
+
     @router.get("/health")
     async def health() -> Response:
         """200 once a replica is ready (and the gateway is not draining), else 503."""
@@ -363,6 +367,8 @@ def _ticket(
 ) -> Ticket:
     """What admission needs to know of a request, or the error that refuses it at once."""
     payload = json_text.loads(body)  # bounded nesting, UTF-8 text (else 400)
+    if scope["path"] == GENERATE_PATH:  # SGLang's body, seen as an OpenAI one
+        payload = admission_view(payload, replicas, state.max_sequences_per_request)
     model = payload.get("model") if isinstance(payload, dict) else None
     if not isinstance(model, str):
         raise param_error("model", "the request has no model name (field 'model')")

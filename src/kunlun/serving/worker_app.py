@@ -2,8 +2,10 @@
 
 Routes: ``POST /v1/chat/completions`` and ``/v1/completions`` (JSON, or SSE with
 ``stream``), ``POST /v1/embeddings`` (:mod:`kunlun.serving.embeddings`; each route refuses a
-model served for the other task), ``GET /v1/models``, ``GET /health``, ``GET /stats`` (engine statistics) and
-``GET /metrics`` (Prometheus; :mod:`kunlun.telemetry.worker_metrics`).
+model served for the other task), ``GET /v1/models``, ``GET /health``, ``GET /stats`` (engine
+statistics) and ``GET /metrics`` (Prometheus; :mod:`kunlun.telemetry.worker_metrics`), and
+SGLang's native ``/generate``, ``/get_model_info``, ``/get_server_info``, ``/flush_cache``
+(:mod:`kunlun.serving.sglang_api`).
 Bad input answers 400 in the OpenAI error shape before anything is queued; a text prompt
 that cannot fit the context is refused before it is tokenized (:meth:`WorkerApp.check_prompt`),
 and for a large body, parsing, rendering the chat template and tokenizing run in a thread, so
@@ -43,6 +45,7 @@ from kunlun.serving.protocol import (
     param_error,
     parse_request,
 )
+from kunlun.serving.sglang_api import add_sglang_routes
 from kunlun.serving.tool_formats import ToolStream
 from kunlun.serving.tools import ToolUse
 from kunlun.telemetry.worker_metrics import WorkerTelemetry  # telemetry
@@ -500,6 +503,7 @@ def create_worker_app(
     app.get("/v1/models")(worker.models)
     app.post("/tokenize")(worker.tokenize)
     app.post("/detokenize")(worker.detokenize)
+    add_sglang_routes(app, worker)  # SGLang's native API
     app.get("/health")(worker.health)
     app.get("/stats")(worker.stats)
     app.get("/metrics")(worker.telemetry.metrics)  # telemetry

@@ -1,0 +1,177 @@
+"""SGLang's native API at the daemon: ``/generate`` relayed, the info and flush routes
+answered from the replicas.
+
+``POST /generate`` goes through the same admission, routing, streaming relay and telemetry as
+the OpenAI routes (:func:`~kunlun.serving.gateway.respond`); :func:`admission_view` gives the
+gateway what it reads of an OpenAI body (``model``, prompts x ``n``, ``max_tokens``) from an
+SGLang body, which is forwarded unchanged. SGLang serves one model, so a body without
+``model`` (Kunlun's extension) goes to the only served model, and is a 400 naming ``model``
+when several are served.
+
+``GET /get_model_info`` and ``GET /get_server_info`` are answered by a ready replica of the
+model (chosen with the query parameter ``?model=``, or the only one served);
+``/get_server_info`` adds ``served_models`` and ``num_replicas``. ``/flush_cache`` flushes
+every ready replica of the model: ``Cache flushed.`` once all did, else a 400 naming the
+replicas that refused (each refuses while it runs requests).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from kunlun.errors import KunlunError, RequestError
+from kunlun.serving.protocol import (
+    ModelNotFound,
+    ServiceUnavailable,
+    WorkerDied,
+    error_status_and_body,
+    param_error,
+)
+from kunlun.serving.replica import Replica, ReplicaSet
+from kunlun.serving.sglang_api import FLUSHED
+from kunlun.serving.sglang_protocol import DEFAULT_MAX_NEW_TOKENS
+from kunlun.serving.upstream import UpstreamError
+
+GENERATE_PATH = "/generate"
+
+
+def only_model(given: Any, replicas: ReplicaSet) -> str:
+    """The model a request means: ``given``, or the only served one (else a 400)."""
+    if isinstance(given, str):
+        return given
+    if given is not None:
+        raise param_error("model", "model must be a string")
+    served = replicas.models()
+    if len(served) == 1:
+        return served[0]
+    raise param_error("model", f"the platform serves {len(served)} models "
+                      f"({', '.join(served) or 'none'}): name one in 'model'")  # fmt: skip
+
+
+def admission_view(payload: Any, replicas: ReplicaSet, limit: int) -> dict[str, Any]:
+    """An SGLang ``/generate`` body as the gateway's admission reads an OpenAI one: its
+    model, and ``max_tokens`` standing for every sequence's tokens; a body asking for more
+    than ``limit`` sequences (prompts x ``sampling_params.n``) is a 400 here."""
+    if not isinstance(payload, dict):
+        raise RequestError("the request body is not a JSON object")
+    model = only_model(payload.get("model"), replicas)
+    params = payload.get("sampling_params")
+    params = params if isinstance(params, dict) else {}
+    n = params.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+    text, ids = payload.get("text"), payload.get("input_ids")
+    num_prompts = 1
+    if isinstance(text, list):
+        num_prompts = len(text)
+    elif isinstance(ids, list) and ids and isinstance(ids[0], list):
+        num_prompts = len(ids)
+    if num_prompts * n > limit:
+        raise param_error(
+            "sampling_params.n" if n > 1 else "text" if text is not None else "input_ids",
+            f"the request asks for {num_prompts * n} sequences ({num_prompts} prompt(s) x "
+            f"n={n}); at most {limit} are run per request (--max-sequences-per-request)",
+        )
+    max_new = params.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    view: dict[str, Any] = {"model": model}
+    if isinstance(max_new, int) and not isinstance(max_new, bool):
+        view["max_tokens"] = max(max_new, 1) * n * num_prompts
+    return view
+
+
+def add_sglang_routes(
+    router: APIRouter, replicas: ReplicaSet, state: Any, respond: Callable[..., Response]
+) -> None:
+    """SGLang's native routes on the daemon's router; ``respond`` relays an inference body."""
+
+    @router.post(GENERATE_PATH)
+    async def generate(request: Request) -> Response:
+        """SGLang's ``/generate`` (answered by the gateway middleware where it runs)."""
+        return respond(request.scope, await request.body(), replicas, state)
+
+    async def ask(replica: Replica, path: str) -> tuple[int, bytes]:
+        if state.upstream is None:
+            raise ServiceUnavailable("the gateway is not started",
+                                     retry_after_s=state.retry_after_s)  # fmt: skip
+        try:
+            answer = await state.upstream.post(replica.base_url, path, [], b"")
+            try:
+                return answer.status_code, b"".join([p async for p in answer.iter_raw()])
+            finally:
+                await answer.close()
+        except UpstreamError as exc:
+            raise WorkerDied(f"replica {replica.replica_id} on {replica.device} did not answer "
+                             f"{path}: {exc}", hint="retry the request") from None  # fmt: skip
+
+    def ready(request: Request) -> tuple[str, list[Replica]]:
+        model = only_model(request.query_params.get("model"), replicas)
+        chosen = replicas.ready(model)
+        if not chosen:
+            if model in replicas.models():
+                raise ServiceUnavailable(f"model {model!r} has no ready replica yet",
+                                         retry_after_s=state.retry_after_s)  # fmt: skip
+            raise ModelNotFound(f"model {model!r} is not served here; served: "
+                                f"{', '.join(replicas.models()) or 'none'}")  # fmt: skip
+        return model, chosen
+
+    async def info(request: Request, path: str) -> Response:
+        try:
+            model, chosen = ready(request)
+        except KunlunError as exc:
+            return _error(exc)
+        replica = min(chosen, key=lambda r: r.in_flight)
+        status, body = await ask(replica, path)
+        if status != 200:
+            return Response(body, status_code=status, media_type="application/json")
+        answer = json.loads(body)
+        if path == "/get_server_info":
+            answer["served_models"] = replicas.models()
+            answer["num_replicas"] = len(chosen)
+        return JSONResponse(answer)
+
+    @router.get("/get_model_info")
+    async def get_model_info(request: Request) -> Response:
+        """SGLang's model info of the model (``?model=``, or the only one served)."""
+        return await info(request, "/get_model_info")
+
+    @router.get("/get_server_info")
+    async def get_server_info(request: Request) -> Response:
+        """What the model's engine runs with, plus the served models."""
+        return await info(request, "/get_server_info")
+
+    @router.post("/flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        """Flush the prefix cache of every ready replica of the model."""
+        try:
+            model, chosen = ready(request)
+        except KunlunError as exc:
+            return _error(exc)
+        refused = []
+        for replica in chosen:
+            status, body = await ask(replica, "/flush_cache")
+            if status != 200:
+                refused.append(f"{replica.replica_id}: {_message(body)}")
+        if refused:
+            return _error(RequestError(f"cache of model {model!r} not flushed on "
+                               f"{len(refused)} of {len(chosen)} replicas ({'; '.join(refused)})",
+                               hint="retry when the replicas are idle"))  # fmt: skip
+        return PlainTextResponse(FLUSHED)
+
+    router.get("/flush_cache", include_in_schema=False)(flush_cache)  # SGLang answers GET too
+
+
+def _error(exc: KunlunError) -> Response:
+    """``exc`` in the OpenAI error shape (these routes answer their own refusals)."""
+    status, body, headers = error_status_and_body(exc)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _message(body: bytes) -> str:
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", "replace")[:200]
