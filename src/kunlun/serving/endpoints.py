@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -109,7 +110,9 @@ def check_schema(
     if not isinstance(schema, dict | bool):
         raise _bad(sources, field, f"must be a JSON Schema (an object), got {_kind(schema)}")
     try:
-        _validator_class(schema).check_schema(schema)
+        with warnings.catch_warnings():  # re's FutureWarnings about a pattern: not for users
+            warnings.simplefilter("ignore")
+            _validator_class(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise _bad(sources, _path(field, exc.absolute_path), exc.message) from None
     for where, ref in _refs(schema, ()):
@@ -251,7 +254,14 @@ def openapi_document(record: EndpointRecord, base_url: str) -> dict[str, Any]:
             "model": {"type": "string"},
             "id": {"type": ["string", "null"]},
             "finish_reason": {"type": "string"},
-            "usage": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "usage": {
+                "type": "object",
+                "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+                "properties": {
+                    k: {"type": "integer"}
+                    for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+                },
+            },  # fmt: skip
         },
     }
 
