@@ -166,12 +166,12 @@ def test_bad_files_names_and_models_are_refused_clearly(served: tuple[Daemon, Pa
         assert proc.returncode != 0
         assert all(w in proc.stderr for w in words), proc.stderr
     proc = create(d, files, "broken", output_schema="regex.json")  # the engine's compiler
-    assert proc.returncode != 0 and "output_schema" in proc.stderr
+    assert proc.returncode == 2 and "output_schema" in proc.stderr
     assert "guided decoding" in proc.stderr and "look-around" in proc.stderr
     proc = d.cli("endpoint", "create", "broken", "--model", "no-such-model",
                  "--input-schema", str(files / "in.json"), "--output-schema",
                  str(files / "out.json"), "--prompt", str(files / "review.jinja"))  # fmt: skip
-    assert proc.returncode != 0 and "'no-such-model' is not a model" in proc.stderr
+    assert proc.returncode == 2 and "'no-such-model' is not a model" in proc.stderr
     assert "smollm2" in proc.stderr  # the known ones are listed
     proc = create(d, files, "no/slash")
     assert proc.returncode != 0 and "name" in proc.stderr
@@ -184,7 +184,7 @@ def test_bad_files_names_and_models_are_refused_clearly(served: tuple[Daemon, Pa
     # a taken name: 409 unless --replace
     assert create(d, files, "taken").returncode == 0
     again = create(d, files, "taken")
-    assert again.returncode != 0 and "409" in again.stderr and "--replace" in again.stderr
+    assert again.returncode == 2 and "409" in again.stderr and "--replace" in again.stderr
     assert create(d, files, "taken", "--replace").returncode == 0
 
 
@@ -232,7 +232,7 @@ def test_unknown_and_deleted_endpoints_are_404s(served: tuple[Daemon, Path]) -> 
     assert gone.returncode == 0, gone.stderr
     assert call(d, "short-lived", BODY).status_code == 404
     again = d.cli("endpoint", "delete", "short-lived")
-    assert again.returncode != 0 and "404" in again.stderr
+    assert again.returncode == 2 and "404" in again.stderr
     assert "short-lived" not in d.cli("endpoint", "list").stdout
 
 
@@ -244,3 +244,26 @@ def test_endpoints_survive_a_restart_of_the_daemon(served: tuple[Daemon, Path]) 
     d.start()  # the same home: its workload is resumed
     assert d.get("/api/v1/endpoints/kept").json() == before
     assert_answers(d, "kept")
+
+
+def test_endpoint_calls_take_inference_keys_and_making_them_admin_keys(
+    served: tuple[Daemon, Path],
+) -> None:
+    """Last in the module: once keys exist every call needs one."""
+    d, files = served
+    assert create(d, files, "keyed", "--replace").returncode == 0
+    made = httpx.post(f"{d.url}/api/v1/apikeys", json={"name": "ops", "scope": "admin"},
+                      timeout=30)  # fmt: skip
+    admin = made.json()["key"]
+    inference = httpx.post(f"{d.url}/api/v1/apikeys", json={"name": "app"}, timeout=30,
+                           headers={"Authorization": f"Bearer {admin}"}).json()["key"]  # fmt: skip
+    assert call(d, "keyed", BODY).status_code == 401
+    as_app = {"Authorization": f"Bearer {inference}"}
+    resp = httpx.post(f"{d.url}/v1/endpoints/keyed", json=BODY, headers=as_app, timeout=300)
+    assert resp.status_code == 200, resp.text
+    jsonschema.validate(resp.json()["output"], OUTPUT)
+    assert httpx.get(f"{d.url}/v1/endpoints", headers=as_app, timeout=30).status_code == 200
+    refused = httpx.delete(f"{d.url}/api/v1/endpoints/keyed", headers=as_app, timeout=30)
+    assert refused.status_code == 403 and "admin" in refused.json()["error"]["message"]
+    listed = d.cli("endpoint", "list", "--json", key=admin)
+    assert listed.returncode == 0 and "keyed" in listed.stdout

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
 from kunlun.cli.output import console, handle_errors, print_json
-from kunlun.errors import ConfigError, Location
+from kunlun.errors import ConfigError, Location, RequestError
 from kunlun.serving.endpoints import check_definition
 
 app = typer.Typer(help="Request-as-a-Service endpoints: create, list, show, delete.",
@@ -55,7 +55,10 @@ def create(
         "prompt": _read_text(prompt, "prompt"),
         "description": description,
     }
-    check_definition(body, sources)
+    try:
+        check_definition(body, sources)
+    except RequestError as exc:  # a bad file or option: the CLI's bad-input exit status
+        raise ConfigError(exc.message, location=exc.location, hint=exc.hint) from None
     params = {"replace": "true"} if replace else None
     made = DaemonClient().post("/api/v1/endpoints", json=body, params=params)
     if json:

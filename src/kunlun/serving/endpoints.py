@@ -52,6 +52,7 @@ class EndpointNotFound(RequestError):
 
     code = "endpoint_not_found"
     http_status = 404
+    exit_code = 2
 
 
 class EndpointExists(RequestError):
@@ -59,6 +60,7 @@ class EndpointExists(RequestError):
 
     code = "endpoint_exists"
     http_status = 409
+    exit_code = 2
 
 
 class OutputInvalid(KunlunError):
