@@ -32,6 +32,7 @@ from starlette.types import Message
 from kunlun import json_text
 from kunlun.errors import Location, RequestError
 from kunlun.serving.endpoints import (
+    NAME_RE,
     EndpointExists,
     EndpointNotFound,
     call_params,
@@ -88,7 +89,7 @@ def endpoints_admin_router(platform: Platform) -> APIRouter:
 
     @router.delete("/endpoints/{name}")
     def delete(name: str) -> dict[str, Any]:
-        if not store.delete_endpoint(name):
+        if not NAME_RE.fullmatch(name) or not store.delete_endpoint(name):
             raise _not_found(name)
         return {"name": name, "deleted": True}
 
@@ -155,7 +156,7 @@ async def _chat(
 
 
 def _lookup(platform: Platform, name: str) -> EndpointRecord:
-    record = platform.store.get_endpoint(name)
+    record = platform.store.get_endpoint(name) if NAME_RE.fullmatch(name) else None
     if record is None:
         raise _not_found(name)
     return record

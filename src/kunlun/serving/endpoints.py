@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import warnings
 from collections.abc import Iterable, Mapping
@@ -111,6 +112,8 @@ def check_schema(
     itself; else a :class:`RequestError` naming ``field`` and the path inside it."""
     if not isinstance(schema, dict | bool):
         raise _bad(sources, field, f"must be a JSON Schema (an object), got {_kind(schema)}")
+    if isinstance(schema, dict) and not isinstance(schema.get("$schema", ""), str):
+        raise _bad(sources, f"{field}.$schema", "must be the URI of a JSON Schema draft")
     try:
         with warnings.catch_warnings():  # re's FutureWarnings about a pattern: not for users
             warnings.simplefilter("ignore")
@@ -121,6 +124,8 @@ def check_schema(
         if not ref.startswith("#"):
             raise _bad(sources, _path(field, where), f"$ref {ref!r} points outside the schema; "
                        "only local references (#/...) are followed")  # fmt: skip
+        if ref.startswith("#/") and not _resolves(schema, ref[2:].split("/")):
+            raise _bad(sources, _path(field, where), f"$ref {ref!r} points at nothing")
     return schema
 
 
@@ -135,8 +140,12 @@ def check_guided(schema: dict[str, Any] | bool, field: str = "output_schema") ->
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema))
         problem = llguidance.LLMatcher.validate_grammar(grammar)
-    except (ValueError, TypeError, RuntimeError) as exc:
-        problem = str(exc)
+    except Exception as exc:  # noqa: BLE001 - whatever the compiler raises is the answer
+        problem = str(exc) or type(exc).__name__
+    except BaseException as exc:  # a Rust panic (pyo3's PanicException) is no Exception
+        if type(exc).__name__ != "PanicException":
+            raise
+        problem = f"the grammar compiler failed on it ({exc})"
     if problem:
         raise _bad(None, field, f"cannot be used for guided decoding: {problem}")
     return True
@@ -198,6 +207,8 @@ def call_params(query: Iterable[tuple[str, str]]) -> dict[str, Any]:
                                location=Location("request", field=key))  # fmt: skip
         try:
             params[key] = kind(raw)
+            if not math.isfinite(params[key]):
+                raise ValueError(raw)
         except ValueError:
             raise RequestError(f"{key} must be {'an integer' if kind is int else 'a number'}, "
                                f"got {raw!r:.40}", location=Location("request", field=key)) from None  # fmt: skip
@@ -338,6 +349,19 @@ def _refs(node: Any, where: tuple[Any, ...]) -> Iterable[tuple[tuple[Any, ...], 
     elif isinstance(node, list):
         for index, value in enumerate(node):
             yield from _refs(value, (*where, index))
+
+
+def _resolves(node: Any, parts: list[str]) -> bool:
+    """Whether the JSON pointer ``parts`` (RFC 6901, unescaped here) names a value in ``node``."""
+    for raw in parts:
+        part = raw.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return True
 
 
 def _rebase(node: Any, root: str) -> Any:
