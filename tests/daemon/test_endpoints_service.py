@@ -267,3 +267,13 @@ def test_endpoint_calls_take_inference_keys_and_making_them_admin_keys(
     assert refused.status_code == 403 and "admin" in refused.json()["error"]["message"]
     listed = d.cli("endpoint", "list", "--json", key=admin)
     assert listed.returncode == 0 and "keyed" in listed.stdout
+    # a key's tokens per minute are charged with the call's usage, as for a chat request
+    thin = httpx.post(f"{d.url}/api/v1/apikeys", json={"name": "thin", "tpm": 10}, timeout=30,
+                      headers={"Authorization": f"Bearer {admin}"}).json()["key"]  # fmt: skip
+    as_thin = {"Authorization": f"Bearer {thin}"}
+    first = httpx.post(f"{d.url}/v1/endpoints/keyed", json=BODY, headers=as_thin, timeout=300)
+    assert first.status_code == 200 and first.json()["usage"]["total_tokens"] > 10
+    second = httpx.post(f"{d.url}/v1/endpoints/keyed", json=BODY, headers=as_thin, timeout=300)
+    assert second.status_code == 429, second.text
+    assert int(second.headers["retry-after"]) >= 1
+    assert "10 tokens per minute" in second.json()["error"]["message"]
