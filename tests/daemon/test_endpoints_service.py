@@ -127,6 +127,14 @@ def test_a_body_that_fails_the_input_schema_is_a_400_naming_its_path(
     resp = httpx.post(f"{d.url}/v1/endpoints/review-bad", content=b"{not json",
                       headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
     assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
+    # a template that refuses a body it accepted: a 400 about the input, the reason given
+    (files / "raise.jinja").write_text(
+        '{% if input.review == "boom" %}{{ raise_exception("no booms here") }}{% endif %}x'
+    )
+    assert create(d, files, "review-raise", "--replace", prompt="raise.jinja").returncode == 0
+    resp = call(d, "review-raise", {**BODY, "review": "boom"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "input"
+    assert "no booms here" in resp.json()["error"]["message"]
     resp = call(d, "review-bad", BODY, top_k=3)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "top_k"
     resp = call(d, "review-bad", BODY, max_tokens="many")
