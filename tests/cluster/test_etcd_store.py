@@ -21,6 +21,7 @@ from kunlun.state.sqlite import SQLiteStore
 from kunlun.state.store import (
     ApiKeyRecord,
     BatchRecord,
+    EndpointRecord,
     EventRecord,
     FileRecord,
     ModelRecord,
@@ -114,6 +115,31 @@ def test_etcd_store_keeps_what_sqlite_keeps_in_the_same_order(
         assert each.revoke_api_key("kb", 6.0) is False
         assert each.revoke_api_key("nope", 6.0) is False
     assert everything(store) == everything(sqlite)
+    sqlite.close()
+
+
+def test_etcd_store_keeps_endpoints_as_sqlite_does(store: EtcdStore, tmp_path: Path) -> None:
+    """Request-as-a-Service endpoints round-trip through etcd: schemas (nested, booleans),
+    the template text, listed by name, replaced in place, deleted once."""
+    sqlite = SQLiteStore(tmp_path / "state.db")
+    schema = {"type": "object", "required": ["a"], "properties": {"a": {"type": "array",
+              "items": {"$ref": "#/$defs/x"}}}, "$defs": {"x": {"enum": [1, "ü", None]}}}  # fmt: skip
+    for each in (sqlite, store):
+        for name in ("zeta", "alpha-1", "Mid_2"):
+            each.put_endpoint(EndpointRecord(name, "smollm2", schema, True, "{{ input.a }}\n",
+                                             f"about {name}", 1.5, 1.5))  # fmt: skip
+        each.put_endpoint(EndpointRecord("zeta", "other", False, schema, "x", "", 1.5, 9.0))
+        assert each.get_endpoint("nope") is None
+    assert store.list_endpoints() == sqlite.list_endpoints()
+    assert [e.name for e in store.list_endpoints()] == ["Mid_2", "alpha-1", "zeta"]
+    assert store.get_endpoint("alpha-1") == EndpointRecord(
+        "alpha-1", "smollm2", schema, True, "{{ input.a }}\n", "about alpha-1", 1.5, 1.5
+    )
+    assert store.get_endpoint("zeta") == sqlite.get_endpoint("zeta")
+    for each in (sqlite, store):
+        assert each.delete_endpoint("zeta") is True
+        assert each.delete_endpoint("zeta") is False
+    assert store.list_endpoints() == sqlite.list_endpoints()
     sqlite.close()
 
 

@@ -15,6 +15,7 @@ from kunlun.cli import (
     bench,
     cluster,
     device,
+    endpoint,
     keys,
     model,
     rollout,
@@ -40,6 +41,7 @@ app.add_typer(cluster.cluster_app, name="cluster")
 app.add_typer(apikey.app, name="apikey")
 app.add_typer(batch.app, name="batch")
 app.add_typer(rollout.app, name="rollout")
+app.add_typer(endpoint.app, name="endpoint")
 app.command("plan")(plan)
 app.add_typer(telemetry.app, name="telemetry")
 app.command("bench")(bench.bench)

@@ -2,9 +2,10 @@
 
 Routes:
 - ``/healthz`` (liveness) and ``/readyz`` (200 once a replica has loaded and warmed up);
-- ``/api/v1/...``: devices, workloads, models and API keys (what ``kunlun-cli`` calls);
+- ``/api/v1/...``: devices, workloads, models, API keys and endpoints (what ``kunlun-cli`` calls);
 - ``/v1/...``: the OpenAI-compatible gateway (:mod:`kunlun.serving.gateway`) and the Batch
-  API (:mod:`kunlun.daemon.batch_api`); each finished ``/v1`` request is logged to
+  API (:mod:`kunlun.daemon.batch_api`) and Request-as-a-Service endpoints
+  (:mod:`kunlun.daemon.endpoints_api`); each finished ``/v1`` request is logged to
   ``KUNLUN_HOME/logs/requests.jsonl`` (:mod:`kunlun.daemon.request_log`).
 - ``/metrics``: Prometheus exposition of devices, replicas and requests
   (:mod:`kunlun.telemetry.exposition`).
@@ -46,6 +47,7 @@ from kunlun.daemon.admin import admin_router
 from kunlun.daemon.auth import ApiKeyMiddleware
 from kunlun.daemon.batch_api import batch_router, gateway_app, in_process_sender
 from kunlun.daemon.body_check import JsonBodyCheck
+from kunlun.daemon.endpoints_api import endpoints_admin_router, endpoints_router
 from kunlun.daemon.request_log import RequestLog, RequestLogConfig, RequestLogMiddleware
 from kunlun.daemon.rollout_api import rollout_router
 from kunlun.device.inventory import Inventory, build_inventory
@@ -331,10 +333,12 @@ def create_app(platform: Platform) -> FastAPI:
         return JSONResponse({"status": "no replica has loaded and warmed up yet"}, status_code=503)
 
     app.include_router(admin_router(platform), prefix="/api/v1")
+    app.include_router(endpoints_admin_router(platform), prefix="/api/v1")
     if platform.rollouts is not None:
         app.include_router(rollout_router(platform.rollouts), prefix="/api/v1")
     app.include_router(gateway_router(platform.replicas, platform.gateway))
     app.include_router(batch_router(platform.files, platform.batches))
+    app.include_router(endpoints_router(platform))  # Request-as-a-Service endpoints
     app.include_router(telemetry.router())  # telemetry: GET /metrics (API key when keys exist)
     return app
 

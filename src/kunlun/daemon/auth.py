@@ -24,6 +24,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kunlun.errors import KunlunError, PermissionDenied
+from kunlun.serving.endpoints import PREFIX as ENDPOINT_CALLS
 from kunlun.serving.gateway import ENDPOINTS
 from kunlun.serving.key_limits import KEY_TOKENS_SCOPE, KeyLimiter, TokenCharge
 from kunlun.serving.protocol import AuthenticationError, error_status_and_body
@@ -101,7 +102,9 @@ class ApiKeyMiddleware:
             return
         if key.priority is not None:
             scope[KEY_PRIORITY_SCOPE] = key.priority  # the request's class unless its header says
-        if policy.tpm is not None and scope["path"] in ENDPOINTS:
+        if policy.tpm is not None and (
+            scope["path"] in ENDPOINTS or scope["path"].startswith(ENDPOINT_CALLS)
+        ):  # an endpoint call is a chat completion (kunlun.daemon.endpoints_api)
             charge = scope[KEY_TOKENS_SCOPE] = TokenCharge(self.limiter, key, policy.tpm)
         if charge is None:
             await self.app(scope, receive, send)

@@ -6,25 +6,22 @@ Reads ``tokenizer.json`` (the ``tokenizers`` serialization), ``tokenizer_config.
 post-processor inside ``tokenizer.json`` alone: like transformers 5, the
 ``add_bos_token``/``add_eos_token`` flags of ``tokenizer_config.json`` are ignored when a
 ``tokenizer.json`` exists. Chat templates render in a
-sandboxed jinja2 environment configured like transformers' (``trim_blocks``,
-``lstrip_blocks``, ``raise_exception``, a ``tojson`` that does not escape HTML).
+sandboxed jinja2 environment configured like transformers' (:mod:`kunlun.jinja_sandbox`).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
 
 from kunlun.errors import Location, ModelError, ModelFileMissing
+from kunlun.jinja_sandbox import sandbox_environment
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 _LONG_TEXT_CHARS = 4096
@@ -198,33 +195,7 @@ def _clean_up(text: str) -> str:
     return text
 
 
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
 @lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
     """Compile a chat template in a sandbox set up like transformers'."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return sandbox_environment().from_string(source)

@@ -5,6 +5,7 @@ from kunlun.state.sqlite import SQLiteStore
 from kunlun.state.store import (
     ApiKeyRecord,
     BatchRecord,
+    EndpointRecord,
     EventRecord,
     FileRecord,
     ModelRecord,
@@ -15,6 +16,7 @@ from kunlun.state.store import (
 __all__ = [
     "ApiKeyRecord",
     "BatchRecord",
+    "EndpointRecord",
     "EtcdStore",
     "EventRecord",
     "FileRecord",

@@ -4,11 +4,12 @@ Each record is one key under the prefix (default ``/kunlun/``), its value the JS
 ``dataclasses.asdict(record)``:
 
     workloads/<workload_id>   apikeys/<key_id>   models/<alias>
-    files/<file_id>           batches/<batch_id>
+    files/<file_id>           batches/<batch_id>          rollouts/<rollout_id>
+    endpoints/<name>
     events/<workload_id>/<time_ns:020d>-<8 hex>
 
 Lists are sorted as :class:`~kunlun.state.sqlite.SQLiteStore` sorts them: workloads and API
-keys by ``created``, models by alias, files in the order they were first written, batches
+keys by ``created``, models and endpoints by name, files in the order they were first written, batches
 newest first (by ``created_at``, then by when first written) and events in the order they
 were written. "When first written" is etcd's ``create_revision``: one order for every node,
 whatever their clocks.
@@ -35,6 +36,7 @@ from kunlun.cluster.etcd import KV, Compare, Etcd, Op, WatchEvent
 from kunlun.state.store import (
     ApiKeyRecord,
     BatchRecord,
+    EndpointRecord,
     EventRecord,
     FileRecord,
     ModelRecord,
@@ -152,6 +154,20 @@ class EtcdStore(StateStore):
         records = self._list(RolloutRecord, "rollouts")
         records.sort(key=lambda kr: (kr[1].created, kr[0].create_revision))
         return [r for _, r in records]
+
+    # Request-as-a-Service endpoints
+    def put_endpoint(self, record: EndpointRecord) -> None:
+        self._put("endpoints", record.name, record)
+
+    def get_endpoint(self, name: str) -> EndpointRecord | None:
+        return self._get(EndpointRecord, "endpoints", name)
+
+    def list_endpoints(self) -> list[EndpointRecord]:
+        return sorted((r for _, r in self._list(EndpointRecord, "endpoints")),
+                      key=lambda r: r.name)  # fmt: skip
+
+    def delete_endpoint(self, name: str) -> bool:
+        return self.etcd.delete(self._key("endpoints", name)) > 0
 
     # change detection
     def data_version(self) -> int:

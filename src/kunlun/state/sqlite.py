@@ -15,6 +15,7 @@ from kunlun.paths import FILE_MODE
 from kunlun.state.store import (
     ApiKeyRecord,
     BatchRecord,
+    EndpointRecord,
     EventRecord,
     FileRecord,
     ModelRecord,
@@ -43,6 +44,7 @@ CREATE TABLE IF NOT EXISTS batches (
   batch_id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS rollouts (
   rollout_id TEXT PRIMARY KEY, created REAL NOT NULL, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS endpoints (name TEXT PRIMARY KEY, data TEXT NOT NULL);
 """
 
 
@@ -193,6 +195,24 @@ class SQLiteStore(StateStore):
     def list_rollouts(self) -> list[RolloutRecord]:
         rows = self._exec("SELECT data FROM rollouts ORDER BY created, rowid")
         return [RolloutRecord(**json.loads(r[0])) for r in rows]
+
+    def put_endpoint(self, record: EndpointRecord) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO endpoints VALUES (?,?)",
+            (record.name, json.dumps(asdict(record))),
+        )
+
+    def get_endpoint(self, name: str) -> EndpointRecord | None:
+        rows = self._exec("SELECT data FROM endpoints WHERE name = ?", (name,))
+        return EndpointRecord(**json.loads(rows[0][0])) if rows else None
+
+    def list_endpoints(self) -> list[EndpointRecord]:
+        rows = self._exec("SELECT data FROM endpoints ORDER BY name")
+        return [EndpointRecord(**json.loads(r[0])) for r in rows]
+
+    def delete_endpoint(self, name: str) -> bool:
+        with self._lock, self._db:
+            return self._db.execute("DELETE FROM endpoints WHERE name = ?", (name,)).rowcount > 0
 
     def data_version(self) -> int:
         """Changes whenever another connection commits (cheap change detection)."""

@@ -2,7 +2,7 @@
 
 Everything the daemon must remember across restarts goes through a :class:`StateStore`:
 workloads, their events, replicas, API keys (hashes only), imported models, and the files
-and jobs of the Batch API. A single node
+and jobs of the Batch API, canary rollouts and Request-as-a-Service endpoints. A single node
 uses :class:`~kunlun.state.sqlite.SQLiteStore` under ``KUNLUN_HOME``; a cluster puts
 :class:`~kunlun.state.etcd.EtcdStore` behind the same interface (:mod:`kunlun.cluster`).
 """
@@ -156,6 +156,24 @@ class RolloutRecord:
     """The canary workload's spec (the baseline's with the new model and overrides)."""
 
 
+@dataclass
+class EndpointRecord:
+    """A Request-as-a-Service endpoint (:mod:`kunlun.serving.endpoints`): ``POST
+    /v1/endpoints/<name>`` validates its body against ``input_schema``, renders ``prompt``
+    and answers the model's output held to ``output_schema``."""
+
+    name: str
+    model: str
+    input_schema: dict[str, Any] | bool
+    output_schema: dict[str, Any] | bool
+    prompt: str
+    """A jinja2 template (sandboxed); ``input`` is the validated body."""
+    description: str = ""
+    created: float = 0.0
+    updated: float = 0.0
+    """When it was last replaced (``created`` when never)."""
+
+
 class StateStore(ABC):
     """Durable state. Every method is atomic and safe to call from any thread."""
 
@@ -237,6 +255,22 @@ class StateStore(ABC):
     @abstractmethod
     def list_rollouts(self) -> list[RolloutRecord]:
         """Every rollout, oldest first."""
+
+    # Request-as-a-Service endpoints
+    @abstractmethod
+    def put_endpoint(self, record: EndpointRecord) -> None:
+        """Insert or replace an endpoint."""
+
+    @abstractmethod
+    def get_endpoint(self, name: str) -> EndpointRecord | None: ...
+
+    @abstractmethod
+    def list_endpoints(self) -> list[EndpointRecord]:
+        """Every endpoint, by name."""
+
+    @abstractmethod
+    def delete_endpoint(self, name: str) -> bool:
+        """Remove an endpoint; False when there is none."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""
