@@ -164,8 +164,15 @@ def test_keys_workloads_and_nodes_are_the_same_from_every_node(cluster: Cluster)
 def test_etcd_member_loss_and_quorum(cluster: Cluster) -> None:
     a, b, c = cluster.nodes
     cluster.etcd.kill(0)
-    # one member down: still serving and accepting workloads
-    second = b.post("/api/v1/workloads", {**WORKLOAD, "replicas": 1, "name": "second"})
+
+    # one member down: still serving and accepting workloads, once the two left have elected
+    # a raft leader (the killed member may have been it; on a loaded machine this can take
+    # longer than the client's 3 s wait, and the write is then a 503 naming the election)
+    def placed() -> httpx.Response | None:
+        answer = b.post("/api/v1/workloads", {**WORKLOAD, "replicas": 1, "name": "second"})
+        return None if answer.status_code == 503 else answer
+
+    second = wait_for("a write after one etcd member is lost", placed, timeout=30, every=1)
     assert second.status_code == 200, second.text
     wid = second.json()["workload_id"]
     wait_for("the second workload placed", lambda: a.api(f"/api/v1/workloads/{wid}")["state"]

@@ -13,7 +13,8 @@ metadata ``hasleader`` (header ``Grpc-Metadata-Hasleader``), so a member cut off
 quorum says ``etcdserver: no leader`` at once instead of waiting for etcd's own timeout
 (7 s with the test settings). An election (a member lost, ``leader changed`` or ``no
 leader`` while another member still answers) usually ends within a second or two: while one
-is the only reason a call failed, the call is tried again for up to ``election_wait_s``
+is the only reason a call failed (the others refused the connection, or held the request
+past ``timeout_s`` waiting for the election themselves), the call is tried again for up to ``election_wait_s``
 (default 3 s) before it gives up. An election still unfinished after that is taken for a lost
 quorum: later calls try each endpoint once and say so at once, until one succeeds again. When every endpoint failed the call raises
 :class:`~kunlun.errors.ClusterUnavailable` naming each cause and endpoint; when every one
@@ -194,6 +195,8 @@ class _Failure:
     cause: str
     tls: bool = False
     election: bool = False
+    #: No answer in time: a member waiting on an election may hold a request that long.
+    timed_out: bool = False
 
 
 class LeaseNotFound(KunlunError):
@@ -350,7 +353,7 @@ class Etcd:
                 self._no_quorum = False
                 return answer
             electing = any(f.election for f in answer) and all(
-                f.election or f.cause == "connection refused" for f in answer
+                f.election or f.timed_out or f.cause == "connection refused" for f in answer
             )
             if not electing or self._no_quorum:
                 raise _unavailable(answer)
@@ -439,7 +442,7 @@ def _transport_failure(
             return _Failure(endpoint, "connection refused")
         cause = cause.__cause__ or cause.__context__
     if isinstance(exc, httpx.TimeoutException):
-        return _Failure(endpoint, f"no answer within {timeout_s:g} s")
+        return _Failure(endpoint, f"no answer within {timeout_s:g} s", timed_out=True)
     return _Failure(endpoint, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
 
 
