@@ -10,6 +10,7 @@ One FastAPI app serves every fault under its own path prefix: the endpoint
 - ``garbage``: every generated character turned into ``!``;
 - ``drop_history``: chat requests keep only their last message;
 - ``truncate``: every prompt and message cut to its last 1,000 characters;
+- ``drop_tools``: ``tools`` and ``tool_choice`` taken out of every request;
 - ``healthy``: forwarded untouched (the control).
 """
 
@@ -23,7 +24,16 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-FAULTS = ("bad_sse", "wrong_usage", "flaky_500", "garbage", "drop_history", "truncate", "healthy")
+FAULTS = (
+    "bad_sse",
+    "wrong_usage",
+    "flaky_500",
+    "garbage",
+    "drop_history",
+    "truncate",
+    "drop_tools",
+    "healthy",
+)
 MAX_IN_FLIGHT = 4
 KEEP_CHARS = 1000
 
@@ -74,6 +84,9 @@ def _break_request(fault: str, body: dict[str, Any]) -> None:
     messages = body.get("messages")
     if fault == "drop_history" and isinstance(messages, list):
         body["messages"] = messages[-1:]
+    if fault == "drop_tools":
+        body.pop("tools", None)
+        body.pop("tool_choice", None)
     if fault == "truncate":
         for message in messages or []:
             if isinstance(message.get("content"), str):

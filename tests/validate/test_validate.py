@@ -147,6 +147,7 @@ FAULT_ROWS = {
     "garbage": {"functional.short_text": "capital of", "quality.garbage": "a run of"},
     "drop_history": {"functional.multi_turn": "prompt_tokens did not grow"},
     "truncate": {"functional.long_text": "truncated?"},
+    "drop_tools": {"api.tools": "expected tool_calls"},
 }
 """For each broken endpoint: the rows that must fail, and words their figure or detail must
 hold."""

@@ -46,7 +46,7 @@ def test_a_target_that_is_down_fails_every_row_at_once(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stderr
     run_ = json.loads((tmp_path / "validation.json").read_text())
     cells = run_["cells"]["m"]
-    assert len(cells) == 17 and {c["status"] for c in cells.values()} == {"FAIL"}
+    assert len(cells) == 18 and {c["status"] for c in cells.values()} == {"FAIL"}
     assert all(
         c["figure"] == "unreachable" and "ConnectError" in c["detail"] for c in cells.values()
     )

@@ -20,7 +20,14 @@ import httpx
 from kunlun import __version__
 from kunlun.errors import ConfigError, Location
 from kunlun.validate import baseline as baseline_gate
-from kunlun.validate import conformance, functional, native_api, numerics, performance
+from kunlun.validate import (
+    conformance,
+    functional,
+    native_api,
+    numerics,
+    performance,
+    tool_calling,
+)
 from kunlun.validate.check import Check, Context, Settings
 from kunlun.validate.client import CheckFailed, TargetClient
 from kunlun.validate.matrix import Cell, Column, Matrix, Row, failed, passed, skipped
@@ -36,6 +43,7 @@ def all_checks(settings: Settings) -> list[Check]:
     return [
         *functional.CHECKS,
         *conformance.CHECKS,
+        *tool_calling.CHECKS,
         *native_api.CHECKS,
         *performance.checks(settings.perf_requests),
         *numerics.CHECKS,

@@ -268,16 +268,16 @@ SCHEMA_TOKENS = 96
 def _place_problem(value: Any) -> str | None:
     """Why ``value`` does not validate against :data:`PLACE_SCHEMA`, or None."""
     if not isinstance(value, dict):
-        return f"not an object: {_short(value)}"
+        return f"not an object: {short(value)}"
     keys = set(value)
     if keys != {"city", "country", "population"}:
         return f"keys {sorted(keys)}, the schema wants exactly city, country, population"
     for key in ("city", "country"):
         if not isinstance(value[key], str) or len(value[key]) > 24:
-            return f"{key} is not a string of at most 24 characters: {_short(value[key])}"
+            return f"{key} is not a string of at most 24 characters: {short(value[key])}"
     population = value["population"]
     if not isinstance(population, int) or isinstance(population, bool):
-        return f"population is not an integer: {_short(population)}"
+        return f"population is not an integer: {short(population)}"
     if not 0 <= population <= 100_000_000:
         return f"population {population} is outside [0, 100000000]"
     return None
@@ -294,11 +294,11 @@ def json_schema(ctx: Context) -> Cell:
     reason = answer.choice.get("finish_reason")
     if reason != "stop":
         return failed(f"finish {reason}", f"no complete answer in {SCHEMA_TOKENS} tokens: "
-                      f"{_short(answer.text)}")  # fmt: skip
+                      f"{short(answer.text)}")  # fmt: skip
     try:
         value = json.loads(answer.text)
     except ValueError as exc:
-        return failed("not JSON", f"{exc}: {_short(answer.text)}")
+        return failed("not JSON", f"{exc}: {short(answer.text)}")
     problem = _place_problem(value)
     if problem:
         return failed("schema violated", problem)
@@ -344,12 +344,12 @@ def _vectors_problem(resp: Any) -> str | None:
         return f"HTTP {resp.status_code}: {resp.text[:160]}"
     data = json_of(resp).get("data")
     if not isinstance(data, list) or len(data) != 3:
-        return f"expected 3 embeddings, got {_short(data)}"
+        return f"expected 3 embeddings, got {short(data)}"
     vectors = [d.get("embedding") if isinstance(d, dict) else None for d in data]
     if [d.get("index") for d in data] != [0, 1, 2] or not all(
         isinstance(v, list) and v and all(isinstance(x, float | int) for x in v) for v in vectors
     ):
-        return f"indices or vectors malformed: {_short(data)}"
+        return f"indices or vectors malformed: {short(data)}"
     sizes = {len(v) for v in vectors}  # type: ignore[arg-type]
     if len(sizes) != 1:
         return f"vectors of different sizes {sorted(sizes)}"
@@ -379,7 +379,8 @@ def _base64_problem(resp: Any, floats: list[list[float]]) -> str | None:
     return None if worst <= 1e-6 else f"largest difference {worst:.3g}"
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
+    """``value`` for a message: a string as it is, anything else as its repr; cut at 120."""
     text = value if isinstance(value, str) else repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
 
