@@ -82,7 +82,8 @@ class MessageToolCall(StrictModel):
 
 
 def _refused(param: str, message: str) -> RequestError:
-    return RequestError(message, location=Location("request", field=param))
+    """A 400 whose ``param`` is ``param`` and whose message starts with it."""
+    return RequestError(f"{param}: {message}", location=Location("request", field=param))
 
 
 # ---- one request's use of tools ----
@@ -114,7 +115,7 @@ class ToolUse:
         fmt = format_for_template(template if in_template else None)
         if not tools:
             if choice is not None and choice not in ("none", "auto"):
-                raise _refused("tool_choice", "tool_choice needs tools")
+                raise _refused("tool_choice", "needs tools, and none were sent")
             return ToolUse(fmt, None, None, in_template)
         names = [t.function.name for t in tools]
         for index, name in enumerate(names):
@@ -123,7 +124,7 @@ class ToolUse:
         if choice == "none":
             return ToolUse(None, None, None, in_template)
         if other_guide is not None:
-            raise _refused(other_guide, f"{other_guide} cannot be combined with tools "
+            raise _refused(other_guide, "cannot be combined with tools "
                            "(each holds the answer to its own form); send one of them, or "
                            "tool_choice 'none'")  # fmt: skip
         allowed = tools

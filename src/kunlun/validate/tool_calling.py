@@ -3,8 +3,8 @@ call and its result back in the conversation.
 
 One row, ``api.tools``. ``tool_choice: "required"`` with one function (greedy): the answer
 finishes with ``tool_calls`` and holds exactly calls of that function, each with an id and
-arguments that are a JSON object valid against the function's parameters. Then the call and
-a tool result go back as the next turns: the server must accept them (template rendering of
+arguments that are a JSON object valid against the function's parameters. Then the calls and
+their results go back as the next turns: the server must accept them (template rendering of
 past calls and ``role: tool`` messages) and answer in text. A server that serves the model
 but cannot enforce ``required`` fails here: a small model asked nicely does not call tools
 reliably, which is why the row holds servers to the enforced form.
@@ -41,7 +41,7 @@ WEATHER = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
-TOOL_TOKENS = 64
+TOOL_TOKENS = 192
 REPLY_TOKENS = 16
 
 
@@ -58,19 +58,18 @@ def tools(ctx: Context) -> Cell:
     problem = _calls_problem(message.get("tool_calls"))
     if problem:
         return failed("bad tool_calls", problem)
-    call = message["tool_calls"][0]
-    result = {"temperature": 18, "unit": "celsius", "sky": "clear"}
-    turns = [*ASK, {"role": "assistant", "content": message.get("content"),
-                    "tool_calls": message["tool_calls"]},
-             {"role": "tool", "tool_call_id": call["id"], "content": json.dumps(result)}]  # fmt: skip
+    calls = message["tool_calls"]
+    result = json.dumps({"temperature": 18, "unit": "celsius", "sky": "clear"})
+    turns = [*ASK, {"role": "assistant", "content": message.get("content"), "tool_calls": calls},
+             *({"role": "tool", "tool_call_id": c["id"], "content": result} for c in calls)]  # fmt: skip
     reply = ctx.client.chat("tools", turns, tools=[WEATHER], max_tokens=REPLY_TOKENS,
                             temperature=0)  # fmt: skip
     text = choice_text(reply.choice)
     if not text.strip():
         return failed("no reply", f"the turn after the tool result is empty: {short(reply.body)}")
     ctx.client.record("tools", text)
-    arguments = call["function"]["arguments"]
-    return passed(f"{len(message['tool_calls'])} call(s)", f"get_weather({arguments}) -> {text}")
+    arguments = calls[0]["function"]["arguments"]
+    return passed(f"{len(calls)} call(s)", f"get_weather({arguments}) -> {text}")
 
 
 def _calls_problem(calls: Any) -> str | None:
