@@ -206,6 +206,8 @@ class StreamOptions(StrictModel):
     """Send a last chunk with ``choices: []`` and the request's usage."""
     include_obfuscation: bool | None = None
     """Accepted, ignored (:data:`IGNORED_FIELDS`)."""
+    continuous_usage_stats: bool = False
+    """vLLM's: with ``include_usage``, every chunk also carries the usage so far."""
 
 
 class JsonSchemaFormat(StrictModel):
@@ -297,6 +299,12 @@ class _CommonRequest(StrictModel):
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk carries the usage so far (vLLM's ``continuous_usage_stats``)."""
+        options = self.stream_options
+        return self.include_usage and options is not None and options.continuous_usage_stats
 
     def _sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
                   ) -> SamplingParams:  # fmt: skip

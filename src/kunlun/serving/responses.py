@@ -213,7 +213,8 @@ def chunk(
     with_usage: bool = False,
 ) -> dict[str, Any]:
     """One streamed chunk (``chat.completion.chunk`` or ``text_completion``); with
-    ``with_usage`` it carries a ``usage`` field (null except on the last chunk)."""
+    ``with_usage`` it carries a ``usage`` field (null except on the last chunk, unless the
+    request asked for the usage so far in every chunk)."""
     body: dict[str, Any] = {
         "id": response_id,
         "object": obj,

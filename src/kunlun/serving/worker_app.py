@@ -390,9 +390,9 @@ class WorkerApp:
                 )
             choice = {"index": delta.index, "delta": message, "logprobs": logprobs,
                       "finish_reason": finish_reason}  # fmt: skip
-            yield sse.event(responses.chunk(
-                response_id, "chat.completion.chunk", created, req.model, [choice], None, with_usage
-            ))  # fmt: skip
+            running = call.usage() if req.continuous_usage else None
+            yield sse.event(responses.chunk(response_id, "chat.completion.chunk", created,
+                                            req.model, [choice], running, with_usage))  # fmt: skip
         if with_usage:
             body = responses.chunk(response_id, "chat.completion.chunk", created, req.model, [],
                                    call.usage(), True)  # fmt: skip
@@ -428,8 +428,9 @@ class WorkerApp:
                 )  # fmt: skip
             choice = {"index": index, "text": text, "logprobs": logprobs,
                       "finish_reason": delta.finish_reason}  # fmt: skip
+            running = call.usage() if req.continuous_usage else None
             yield sse.event(responses.chunk(
-                response_id, "text_completion", created, req.model, [choice], None, with_usage
+                response_id, "text_completion", created, req.model, [choice], running, with_usage
             ))  # fmt: skip
         if with_usage:
             yield sse.event(responses.chunk(

@@ -1,0 +1,227 @@
+"""litellm, unchanged, against a real daemon with API keys: chat (plain, streamed through
+``acompletion``, held to a pydantic model, tool calls under ``required`` and a named
+function), ``text_completion`` on ``/v1/completions``, embeddings, and OpenAI-shaped errors
+mapped to litellm's exceptions.
+
+One daemon serves the demo model as ``smollm2`` and a tiny random Llama for embeddings as
+``tiny-embed``. litellm is imported offline (``LITELLM_LOCAL_MODEL_COST_MAP``: otherwise its
+import fetches a price list from GitHub) under an audit hook that records every connection and
+name lookup beyond loopback: the module fails if litellm reaches for the network."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import jsonschema
+import numpy as np
+import pytest
+from pydantic import BaseModel, Field
+from tests.daemon.conftest import SPEC, Daemon, free_port, new_home, settled_request_log
+from tests.serving.test_tool_calling import ASK, TOOLS, check_call
+
+MODEL, EMBED = "smollm2", "tiny-embed"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+@dataclass
+class Served:
+    daemon: Daemon
+    key: str
+    """An inference-scope API key."""
+
+    def args(self) -> dict[str, Any]:
+        """What every litellm call gets: the daemon's ``/v1``, the key, no retries."""
+        return {"api_base": self.daemon.url + "/v1", "api_key": self.key, "max_retries": 0}
+
+
+def create_key(daemon: Daemon, name: str, scope: str) -> str:
+    created = daemon.cli("apikey", "create", name, "--scope", scope, "--json", remote=False)
+    assert created.returncode == 0, created.stderr
+    return str(json.loads(created.stdout)["key"])
+
+
+def wait_workloads_ready(daemon: Daemon, admin: str, count: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = daemon.get("/api/v1/workloads", headers={"Authorization": f"Bearer {admin}"}).json()
+        if len(rows) == count and all(r["ready_replicas"] >= 1 for r in rows):
+            return
+        if time.monotonic() > deadline or any(r["state"] == "FAILED" for r in rows):
+            pytest.fail(f"workloads not ready: {rows}\n{daemon.log()}")
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def served(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    from kunlun.engine.tiny import build_tiny_model
+
+    home = new_home(models_home, tmp_path_factory, "litellm-home")
+    tiny = build_tiny_model(
+        "LlamaForCausalLM", False, home / "tiny", tokenizer_dir=models_home / "models" / MODEL
+    )
+    daemon = Daemon(home, free_port())
+    admin, key = create_key(daemon, "ops", "admin"), create_key(daemon, "app", "inference")
+    daemon.start("--model", str(tiny), "--served-model-name", EMBED, "--task", "embed",
+                 "--dtype", "float32", "--max-model-len", "64", wait_ready=False)  # fmt: skip
+    try:
+        (home / "spec.yaml").write_text(SPEC)
+        proc = daemon.cli("workload", "submit", "--file", str(home / "spec.yaml"), key=admin)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        wait_workloads_ready(daemon, admin, 2)
+        yield Served(daemon, key)
+    finally:
+        daemon.stop()
+
+
+class NetworkWatch:
+    """Records each connection and name lookup this process makes beyond loopback while
+    armed (``sys.addaudithook``: the hook stays for the process; disarmed, it does nothing)."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.seen: list[str] = []
+        sys.addaudithook(self._hook)
+
+    def _hook(self, event: str, args: tuple[Any, ...]) -> None:
+        if not self.armed:
+            return
+        if event == "socket.getaddrinfo" and str(args[0]) not in LOOPBACK:
+            self.seen.append(f"lookup {args[0]}")
+        elif (
+            event == "socket.connect"
+            and isinstance(args[1], tuple)  # an IP address, not a Unix socket's path
+            and str(args[1][0]) not in LOOPBACK
+        ):
+            self.seen.append(f"connect {args[1]}")
+
+
+@pytest.fixture(scope="module")
+def litellm(served: Served) -> Iterator[ModuleType]:
+    """litellm imported offline, with no callbacks, the network watched until the module
+    ends."""
+    watch = NetworkWatch()
+    watch.armed = True
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # the price list bundled, not fetched
+        env.setenv("LITELLM_OFFLINE_MODE", "true")  # nor any other catalog litellm fetches
+        import litellm
+
+    litellm.suppress_debug_info = True
+    for name in ("callbacks", "success_callback", "failure_callback", "input_callback"):
+        assert getattr(litellm, name) == [], name  # nothing is sent to a logging service
+    yield litellm
+    watch.armed = False
+    assert watch.seen == [], watch.seen
+
+
+def last_logged(served: Served, count: int) -> list[tuple[str, str, int]]:
+    """``(path, model, status)`` of the daemon's last ``count`` logged requests."""
+    entries = settled_request_log(served.daemon.home)[-count:]
+    return [(e["path"], e["model"], e["status"]) for e in entries]
+
+
+def test_chat_completion(litellm: ModuleType, served: Served) -> None:
+    reply = litellm.completion(model=f"openai/{MODEL}", messages=QUESTION, max_tokens=32,
+                               temperature=0, **served.args())  # fmt: skip
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    usage = reply.usage
+    assert usage.prompt_tokens > 0 and usage.completion_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert last_logged(served, 1) == [("/v1/chat/completions", MODEL, 200)]
+
+
+def test_a_stream_through_acompletion_joins_to_the_whole_answer(
+    litellm: ModuleType, served: Served
+) -> None:
+    fields = {"model": f"openai/{MODEL}", "messages": QUESTION, "max_tokens": 24,
+              "temperature": 0, **served.args()}  # fmt: skip
+
+    async def streamed() -> list[Any]:
+        stream = await litellm.acompletion(
+            stream=True, stream_options={"include_usage": True}, **fields
+        )
+        return [chunk async for chunk in stream]
+
+    chunks = asyncio.run(streamed())
+    whole = litellm.completion(**fields)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content and "Paris" in text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason in ("stop", "length")
+    usage = [c.usage for c in chunks if getattr(c, "usage", None)]
+    assert usage and usage[-1].completion_tokens == whole.usage.completion_tokens
+
+
+def test_response_format_from_a_pydantic_model(litellm: ModuleType, served: Served) -> None:
+    class Place(BaseModel):
+        city: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+
+    reply = litellm.completion(model=f"openai/{MODEL}", messages=QUESTION, max_tokens=64,
+                               temperature=0, response_format=Place, **served.args())  # fmt: skip
+    assert reply.choices[0].finish_reason == "stop"
+    content = reply.choices[0].message.content
+    jsonschema.validate(json.loads(content), Place.model_json_schema())
+    assert Place.model_validate_json(content).city
+
+
+@pytest.mark.parametrize(
+    ("choice", "names"),
+    [("required", {"get_weather", "get_time"}),
+     ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})],
+)  # fmt: skip
+def test_tool_calls_valid_against_the_schema(
+    litellm: ModuleType, served: Served, choice: Any, names: set[str]
+) -> None:
+    reply = litellm.completion(model=f"openai/{MODEL}", messages=ASK, tools=TOOLS,
+                               tool_choice=choice, parallel_tool_calls=False, max_tokens=120,
+                               temperature=0, **served.args())  # fmt: skip
+    answer = reply.choices[0]
+    assert answer.finish_reason == "tool_calls", answer
+    assert len(answer.message.tool_calls) == 1
+    check_call(answer.message.tool_calls[0], names)
+
+
+def test_text_completion_goes_to_v1_completions(litellm: ModuleType, served: Served) -> None:
+    reply = litellm.text_completion(model=f"openai/{MODEL}", prompt="The capital of France is",
+                                    max_tokens=6, temperature=0, **served.args())  # fmt: skip
+    assert reply.object == "text_completion"
+    assert reply.choices[0].text.strip() and reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.completion_tokens > 0
+    assert last_logged(served, 1) == [("/v1/completions", MODEL, 200)]
+
+
+def test_embeddings_equal_the_api_vectors(litellm: ModuleType, served: Served) -> None:
+    texts = ["The cat sat on the mat.", "hi"]
+    reply = litellm.embedding(model=f"openai/{EMBED}", input=texts, **served.args())
+    direct = httpx.post(served.daemon.url + "/v1/embeddings", timeout=60,
+                        headers={"Authorization": f"Bearer {served.key}"},
+                        json={"model": EMBED, "input": texts, "encoding_format": "float"})  # fmt: skip
+    assert direct.status_code == 200, direct.text
+    expected = np.array([d["embedding"] for d in direct.json()["data"]])
+    got = np.array([d["embedding"] for d in sorted(reply.data, key=lambda d: d["index"])])
+    assert got.shape == expected.shape == (2, 64)
+    assert np.allclose(got, expected, rtol=0, atol=1e-6)  # base64 float32 vs JSON floats
+    assert reply.usage.prompt_tokens == direct.json()["usage"]["prompt_tokens"]
+
+
+def test_errors_map_to_litellm_exceptions(litellm: ModuleType, served: Served) -> None:
+    fields = {"model": f"openai/{MODEL}", "messages": QUESTION, "max_tokens": 4}
+    with pytest.raises(litellm.BadRequestError) as refused:
+        litellm.completion(extra_body={"temprature": 0.5}, **fields, **served.args())
+    assert "temprature" in str(refused.value)
+    with pytest.raises(litellm.AuthenticationError):
+        litellm.completion(**fields, **{**served.args(), "api_key": "sk-wrong"})
+    with pytest.raises(litellm.NotFoundError):
+        litellm.completion(**{**fields, "model": "openai/no-such-model"}, **served.args())
