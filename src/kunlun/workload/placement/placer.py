@@ -10,7 +10,7 @@ entry point; :func:`demand_of` turns a workload spec into the planner's :class:`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any
@@ -108,6 +108,7 @@ class Placer:
         self.ledger = ledger or Ledger()
         self.starting = starting
         self.by_id = {c.device_id: c for c in capacities}
+        self.utilizations = {c.utilization for c in capacities}
         classes: dict[tuple[Any, ...], list[DeviceCapacity]] = {}
         for c in capacities:
             classes.setdefault(c.signature, []).append(c)
@@ -154,7 +155,13 @@ class Placer:
     def place(self, demand: Demand) -> Placement:
         """Place every replica of ``demand`` (reserving memory), or raise ConfigError listing
         every rejected alternative."""
-        _same_utilization(self.by_id.values(), demand)
+        wanted = usable_fraction(demand.memory_utilization)
+        if self.utilizations - {wanted}:
+            raise ValueError(
+                f"the capacities were measured at memory utilization {sorted(self.utilizations)}"
+                f"; the demand plans with {wanted}: build them with capacity_of(profile, "
+                f"{demand.memory_utilization})"
+            )
         groups: list[list[DeviceCapacity]] = []
         plans: list[ExecutionPlan] = []
         reservations: list[Reservation] = []
@@ -229,17 +236,6 @@ class Placer:
             best.pool.update(i, old, self.ledger.headroom(cap))
             out.append(r)
         return out
-
-
-def _same_utilization(caps: Iterable[DeviceCapacity], demand: Demand) -> None:
-    wanted = usable_fraction(demand.memory_utilization)
-    for cap in caps:
-        if cap.utilization != wanted:
-            raise ValueError(
-                f"{cap.device_id} was measured at memory utilization {cap.utilization}; "
-                f"the demand plans with {wanted}: build the capacities with capacity_of(p, "
-                f"{demand.memory_utilization})"
-            )
 
 
 # ---- entry points ----
