@@ -1,6 +1,7 @@
 """``kunlun-platform --model SOURCE`` with vLLM's flags: one step from a model to a served
 endpoint. SOURCE from the local Hugging Face cache (a real cache layout over the demo model),
-a GGUF file, and the flags the platform refuses, each by name."""
+a GGUF file, and bad values of the flags, each refused by name (``--chat-template`` and
+``--gpu-memory-utilization`` served: ``test_vllm_flags.py``)."""
 
 from __future__ import annotations
 
@@ -66,9 +67,13 @@ def run_platform(home: Path, *args: str, **env: str) -> subprocess.CompletedProc
         (["--model", "nobody/nothing"], ["--model 'nobody/nothing'", "local cache", "downloaded"]),
         (["--model", "smollm2", "--dtype", "fp64"], ["--dtype 'fp64'", "bfloat16"]),
         (["--max-model-len", "512"], ["--max-model-len only apply with --model"]),
-        (["--model", "smollm2", "--gpu-memory-utilization", "0.9"],
-         ["--gpu-memory-utilization is vLLM's", "kv_cache_memory_mb"]),
-        (["--model", "smollm2", "--chat-template", "t.jinja"], ["--chat-template"]),
+        (["--model", "smollm2", "--gpu-memory-utilization", "1.5"],
+         ["memory_utilization", "less than or equal to 1"]),
+        (["--model", "smollm2", "--chat-template", "nowhere/t.jinja"],
+         ["--chat-template: no such file 'nowhere/t.jinja'"]),
+        (["--model", "smollm2", "--chat-template", "{% for m in messages %}"],
+         ["chat_template: line 1", "endfor"]),
+        (["--chat-template", "{{ x }}"], ["--chat-template only apply with --model"]),
         (["--model", "smollm2", "--quantization", "fp4"], ["quantization", "fp4"]),
     ],
 )  # fmt: skip

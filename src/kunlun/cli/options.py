@@ -33,3 +33,12 @@ StepTokens = Annotated[
     ),
 ]  # fmt: skip
 """``max_num_batched_tokens``, overriding the plan's sizing."""
+MemoryUtilization = Annotated[
+    float | None,
+    typer.Option(
+        "--gpu-memory-utilization", "--memory-utilization",
+        help="Fraction of each device's memory (0 < F <= 1) the replica's weights and KV "
+        "cache may use (default 0.9; on a CPU it also lifts the default 1 GiB KV cap).",
+    ),
+]  # fmt: skip
+"""A spec's ``memory_utilization`` (vLLM's ``--gpu-memory-utilization``)."""

@@ -14,11 +14,12 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from kunlun.cli.options import BatchSize, Quantization, StepTokens, TpSize
+from kunlun.cli.options import BatchSize, MemoryUtilization, Quantization, StepTokens, TpSize
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.device.inventory import build_inventory
 from kunlun.errors import ConfigError, Location
 from kunlun.paths import kunlun_home
+from kunlun.planner.capacity import MEMORY_UTILIZATION
 from kunlun.planner.model_info import inspect_model, locate_model
 from kunlun.planner.plan import ExecutionPlan
 from kunlun.state.sqlite import SQLiteStore
@@ -39,6 +40,7 @@ def plan(
     max_model_len: Annotated[int | None, typer.Option(help="Context limit.")] = None,
     batch_size: BatchSize = None,
     max_num_batched_tokens: StepTokens = None,
+    gpu_memory_utilization: MemoryUtilization = None,
     priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
     scorer: Annotated[
         str | None, typer.Option(help="performance, roofline, binpack or spread.")
@@ -50,7 +52,8 @@ def plan(
     fields = {"model": model, "device": device, "dtype": dtype, "quantization": quantization,
               "max_model_len": max_model_len, "batch_size": batch_size, "priority": priority,
               "max_num_batched_tokens": max_num_batched_tokens,
-              "scorer": scorer, "tensor_parallel_size": tp_size}  # fmt: skip
+              "scorer": scorer, "tensor_parallel_size": tp_size,
+              "memory_utilization": gpu_memory_utilization}  # fmt: skip
     spec = parse_spec({k: v for k, v in fields.items() if v is not None}, "command line")
     state = kunlun_home() / "state.db"
     name, path = locate_model(SQLiteStore(state) if state.exists() else None, model)
@@ -116,7 +119,8 @@ def plan_lines(p: ExecutionPlan) -> str:
         f"tokens/s: decode estimate {tokens(p.estimated_tokens_per_s)}, declared compute "
         f"{tokens(p.compute_tokens_per_s)}",
         f"memory: {memory['device_memory_mb']:.0f} MiB from {memory['source']}, "
-        f"{memory['usable_mb']} usable; host memory {memory['host_memory_mb'] or '-'} MiB "
+        f"{memory['usable_mb']} usable (utilization {memory.get('utilization', MEMORY_UTILIZATION):g}); "
+        f"host memory {memory['host_memory_mb'] or '-'} MiB "
         "(not used for KV)",
         f"engine options: {p.engine_options or '-'}  env: {p.env or '-'}  "
         f"fallback ops: {', '.join(p.fallback_ops) or 'none'}",

@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
-from kunlun.cli.options import BatchSize, Quantization, StepTokens, TpSize
+from kunlun.cli.options import BatchSize, MemoryUtilization, Quantization, StepTokens, TpSize
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.planner.plan import ExecutionPlan
 from kunlun.workload.spec import load_spec_file, parse_spec
@@ -36,6 +36,7 @@ def submit(
     ] = None,
     batch_size: BatchSize = None,
     max_num_batched_tokens: StepTokens = None,
+    gpu_memory_utilization: MemoryUtilization = None,
     priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
     preferred_device_types: Annotated[
         str | None, typer.Option(help="Comma-separated, in order.")
@@ -66,6 +67,7 @@ def submit(
         "scorer": scorer,
         "batch_size": batch_size,
         "max_num_batched_tokens": max_num_batched_tokens,
+        "memory_utilization": gpu_memory_utilization,
         "priority": priority,
         "replicas": replicas,
         "stream_interval": stream_interval,

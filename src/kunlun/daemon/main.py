@@ -216,11 +216,17 @@ def serve(
     ] = None,
     gpu_memory_utilization: Annotated[
         float | None,
-        typer.Option(hidden=True, help="vLLM's flag: refused, with what to use instead."),
+        typer.Option(
+            help="With --model: fraction of each device's memory (0 < F <= 1) for "
+            "weights and KV cache (default 0.9; on a CPU it lifts the 1 GiB KV cap)."
+        ),
     ] = None,
     chat_template: Annotated[
         str | None,
-        typer.Option(hidden=True, help="vLLM's flag: refused, with what to use instead."),
+        typer.Option(
+            help="With --model: a chat template file, or the template text, used "
+            "instead of the model's own."
+        ),
     ] = None,
     scheduler_config: Annotated[
         Path | None,
@@ -433,11 +439,11 @@ def serve(
             location=Location("KUNLUN_WORKER_SELF_TEST"),
             hint=f"the only one is {SELF_TEST_FORBIDDEN_SYSCALL!r}",
         )
-    _refuse_unhonoured(gpu_memory_utilization, chat_template)
     given = {"--served-model-name": served_model_name, "--dtype": dtype,
              "--max-model-len": max_model_len, "--max-num-seqs": max_num_seqs,
              "--tensor-parallel-size": tensor_parallel_size, "--quantization": quantization,
-             "--task": task, "--pooling": pooling}  # fmt: skip
+             "--task": task, "--pooling": pooling, "--chat-template": chat_template,
+             "--gpu-memory-utilization": gpu_memory_utilization}  # fmt: skip
     if model is None and any(v is not None for v in given.values()):
         flags = ", ".join(k for k, v in given.items() if v is not None)
         raise ConfigError(f"{flags} only apply with --model", location=Location("--model"))
@@ -504,7 +510,8 @@ def serve(
         _serve_at_start(platform, model, {
             "name": served_model_name, "dtype": dtype, "max_model_len": max_model_len,
             "batch_size": max_num_seqs, "tensor_parallel_size": tensor_parallel_size,
-            "quantization": quantization, "task": task, "pooling": pooling})  # fmt: skip
+            "quantization": quantization, "task": task, "pooling": pooling,
+            "memory_utilization": gpu_memory_utilization, "chat_template": chat_template})  # fmt: skip
     server = DrainingServer(
         uvicorn.Config(create_asgi(platform), log_level="warning", timeout_graceful_shutdown=30),
         platform,
@@ -560,29 +567,15 @@ DTYPES = {
 planner chooses)."""
 
 
-def _refuse_unhonoured(gpu_memory_utilization: float | None, chat_template: str | None) -> None:
-    """vLLM flags with no Kunlun equivalent yet are refused, never dropped."""
-    if gpu_memory_utilization is not None:
-        raise ConfigError(
-            "--gpu-memory-utilization is vLLM's; Kunlun does not honour it",
-            location=Location("--gpu-memory-utilization"),
-            hint="the planner sizes weights and KV per device; set kv_cache_memory_mb in a "
-            "workload spec (kunlun-cli workload submit --file) to bound the KV cache",
-        )
-    if chat_template is not None:
-        raise ConfigError(
-            "--chat-template is vLLM's; Kunlun does not honour it yet",
-            location=Location("--chat-template"),
-            hint="put the template in the model directory as chat_template.jinja",
-        )
-
-
 def _serve_at_start(platform: Any, source: str, fields: dict[str, Any]) -> None:
     """``--model``: resolve ``source`` (:func:`kunlun.catalog.model_source`) and submit a
     workload for it, unless one of that name is already active."""
     from kunlun import catalog
+    from kunlun.workload.chat_template import read_chat_template
     from kunlun.workload.spec import parse_spec
 
+    if fields.get("chat_template") is not None:  # the spec holds the text, not a path
+        fields["chat_template"] = read_chat_template(fields["chat_template"])
     spec_model, default_name = catalog.model_source(platform.store, source)
     if fields.get("dtype") is not None:
         if fields["dtype"] not in DTYPES:

@@ -52,6 +52,9 @@ class EngineConfig:
     distributed_backend: str | None = None
     """``torch.distributed`` backend of the group (gloo, nccl, hccl, ...), from the device
     plugin; needed when ``tensor_parallel_size > 1``."""
+    chat_template: str | None = None
+    """A chat template (jinja2 text) the tokenizer uses instead of the model's own; None:
+    the model's (:mod:`kunlun.workload.chat_template`)."""
 
     def validate(self) -> EngineConfig:
         """Raise :class:`ConfigError` naming the first bad field and its value."""

@@ -91,6 +91,12 @@ class EngineLaunch(BaseModel):
     enable_prefix_caching: bool | None = Field(None, description="Reuse the KV of prompt prefixes.")
     num_threads: int | None = Field(None, ge=1, description="CPU threads for torch.")
     seed: int | None = Field(None, description="Seed of requests that bring none.")
+    chat_template: str | None = Field(
+        None,
+        min_length=1,
+        description="Chat template text used instead of the model's own (the workload "
+        "spec's chat_template); None: the model's.",
+    )
 
     # ---- the worker process ----
     task: Task = Field(
@@ -202,6 +208,7 @@ class EngineLaunch(BaseModel):
                 "enable_prefix_caching",
                 "num_threads",
                 "seed",
+                "chat_template",
             )  # fmt: skip
             if getattr(self, name) is not None
         }

@@ -108,6 +108,8 @@ class LLMEngine:
             group_size=config.group_size,
         )
         self.tokenizer = self.runner.tokenizer
+        if config.chat_template is not None:  # the workload's own, over the model's
+            self.tokenizer.chat_template = config.chat_template
         self.max_model_len = self.runner.max_model_len
         self.block_manager = BlockManager(
             self.runner.num_blocks,

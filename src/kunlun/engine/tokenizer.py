@@ -51,7 +51,8 @@ class Tokenizer:
         }
         """``bos_token``, ``eos_token``, ``unk_token``, ``pad_token`` text (or ``None``)."""
         self.chat_template: str | None = _chat_template(root, config)
-        """The jinja2 chat template, or ``None`` when the model has none."""
+        """The jinja2 chat template, or ``None`` when the model has none. An engine replaces
+        it with a workload's own (:attr:`kunlun.engine.engine_config.EngineConfig.chat_template`)."""
         self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces", False))
         self.bos_token_id = self._id_of(self.special_tokens["bos_token"])
         """Id of the BOS token, or ``None``."""

@@ -17,7 +17,8 @@ The key is the SHA-256 of:
   temperature);
 - the Kunlun version;
 - the plan decisions that artifacts depend on: engine, dtype, quantization, tensor-parallel
-  size.
+  size; and the spec's ``memory_utilization`` when it sets one (a different fraction is a
+  different plan; without one, keys stay as they were before the field existed).
 
 A changed device declaration therefore changes the key: the next start is a miss.
 """
@@ -75,16 +76,19 @@ def key_inputs(
     fingerprint: str, snapshots: list[dict[str, Any]], plan: ExecutionPlan
 ) -> dict[str, Any]:
     """What an entry's key is made of; ``snapshots``: :func:`device_snapshot` of each device."""
+    decisions: dict[str, Any] = {
+        "engine": plan.engine,
+        "dtype": plan.dtype,
+        "quantization": plan.quantization,
+        "tensor_parallel_size": plan.tensor_parallel_size,
+    }
+    if plan.memory_utilization is not None:
+        decisions["memory_utilization"] = plan.memory_utilization
     return {
         "model": fingerprint,
         "devices": snapshots,
         "kunlun_version": __version__,
-        "plan": {
-            "engine": plan.engine,
-            "dtype": plan.dtype,
-            "quantization": plan.quantization,
-            "tensor_parallel_size": plan.tensor_parallel_size,
-        },
+        "plan": decisions,
     }
 
 

@@ -14,7 +14,8 @@ from typing import Any
 from kunlun.device.profile import DeviceProfile, Status
 
 #: Fraction of a device's memory that Kunlun plans to use; the rest is left for activations,
-#: the framework's workspace and fragmentation.
+#: the framework's workspace and fragmentation. A workload spec's ``memory_utilization``
+#: (vLLM's ``--gpu-memory-utilization``) replaces it for that workload's plans.
 MEMORY_UTILIZATION = 0.9
 _NONE: frozenset[str] = frozenset()
 
@@ -37,7 +38,8 @@ class DeviceCapacity:
     status: Status
     memory_total_mb: float
     usable_mb: float
-    """``memory_total_mb * MEMORY_UTILIZATION`` minus what was in use when probed."""
+    """:func:`usable_memory_mb`: ``memory_total_mb * utilization`` minus what was in use
+    when probed."""
     dtypes: frozenset[str]
     emulated: frozenset[str]
     """Dtypes listed as supported but computed without native units (the profile's
@@ -55,6 +57,8 @@ class DeviceCapacity:
     """The host-side half of the vendor memory split (sys/ddr/gddr6), not used for KV."""
     reasons: tuple[str, ...] = ()
     signature: tuple[Any, ...] = field(default=(), repr=False)
+    utilization: float = MEMORY_UTILIZATION
+    """The fraction of ``memory_total_mb`` that ``usable_mb`` was computed with."""
 
     @property
     def host_memory(self) -> bool:
@@ -66,10 +70,23 @@ class DeviceCapacity:
         return self.status is Status.DEGRADED
 
 
-def capacity_of(profile: DeviceProfile) -> DeviceCapacity:
-    """The :class:`DeviceCapacity` of ``profile``. This runs for every device of an inventory,
-    so it reads each field once and shares (does not copy) the profile's dicts, which nothing
-    modifies."""
+def usable_fraction(utilization: float | None) -> float:
+    """The fraction of device memory a plan may use: a spec's ``utilization``, or the
+    default :data:`MEMORY_UTILIZATION` when it sets none."""
+    return MEMORY_UTILIZATION if utilization is None else utilization
+
+
+def usable_memory_mb(total_mb: float, used_mb: float, utilization: float | None = None) -> float:
+    """The memory a plan may use on a device of ``total_mb`` with ``used_mb`` already in use:
+    ``total * fraction - used`` (:func:`usable_fraction`), never below zero."""
+    return max(0.0, total_mb * usable_fraction(utilization) - used_mb)
+
+
+def capacity_of(profile: DeviceProfile, utilization: float | None = None) -> DeviceCapacity:
+    """The :class:`DeviceCapacity` of ``profile`` for plans that may use ``utilization`` of
+    its memory (None: :data:`MEMORY_UTILIZATION`). This runs for every device of an
+    inventory, so it reads each field once and shares (does not copy) the profile's dicts,
+    which nothing modifies."""
     values = {name: f.value for name, f in profile.fields.items()}
     get = values.get
     total = float(get("memory_total_mb") or 0)
@@ -93,7 +110,7 @@ def capacity_of(profile: DeviceProfile) -> DeviceCapacity:
         profile.index,
         profile.status,
         total,
-        max(0.0, total * MEMORY_UTILIZATION - float(get("memory_used_mb") or 0)),
+        usable_memory_mb(total, float(get("memory_used_mb") or 0), utilization),
         dtypes,
         emulated,
         compute,
@@ -106,6 +123,7 @@ def capacity_of(profile: DeviceProfile) -> DeviceCapacity:
         f"{source} ({memory.provenance.value if memory else 'unknown'})",
         float(values[host_field]) if host_field else None,
         tuple(profile.reasons),
+        utilization=usable_fraction(utilization),
     )
     cap.signature = (profile.device_type, profile.status, total, dtypes, emulated,
                      tuple(compute.items()), cap.bandwidth_gbps, cap.p2p,

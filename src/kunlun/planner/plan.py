@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 ENGINE_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
 #: KV-cache reservation weight of each priority class (the seed's 3:2:1).
 PRIORITY_WEIGHTS: dict[str, int] = {"high": 3, "normal": 2, "low": 1}
-#: Default KV budget on a device that computes in host RAM, unless the spec sets one.
+#: Default KV budget on a device that computes in host RAM, unless the spec sets one (its
+#: ``kv_cache_memory_mb``, or a ``memory_utilization``: see :func:`kv_budget_mb`).
 HOST_KV_CAP_MB = 1024
 TP_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16)
 _MAX_OPTIONS = 3
@@ -69,6 +70,10 @@ class Demand:
     engine: str = "embedded"
     tp: int | None = None
     """The spec's tensor-parallel size, or None: the smallest that fits."""
+    memory_utilization: float | None = None
+    """The spec's fraction of each device's memory this workload's plans may use, or None:
+    :data:`~kunlun.planner.capacity.MEMORY_UTILIZATION` (the device capacities a placer
+    judges are computed with it: :func:`~kunlun.planner.capacity.capacity_of`)."""
 
     @property
     def priority_weight(self) -> int:
@@ -178,7 +183,9 @@ def options(
                     f"needs {need.weights_mb + need.min_kv_mb:.0f} MiB per device (weights "
                     f"{need.weights_mb:.0f} + KV for max_model_len={demand.max_model_len} "
                     f"{need.min_kv_mb:.0f}); {cap.usable_mb:.0f} MiB usable"
-                )
+                    + ("" if demand.memory_utilization is None
+                       else f" (memory_utilization {demand.memory_utilization:g})")
+                )  # fmt: skip
             rejected.append(Rejection(label, dtype, tp, why))
             if tp >= num_devices:
                 break
@@ -250,6 +257,9 @@ class ExecutionPlan:
     max_num_batched_tokens: int | None = None
     """Tokens one engine step computes (the chunked-prefill budget); None in plans cached
     before it was planned: the engine's default."""
+    memory_utilization: float | None = None
+    """The spec's ``memory_utilization`` (part of the plan cache key), or None: the default
+    fraction (``memory["utilization"]`` holds the fraction the plan was made with)."""
 
     @property
     def fallback_ops(self) -> list[str]:
@@ -258,12 +268,14 @@ class ExecutionPlan:
     def summary(self) -> str:
         """One line: what the replica runs with (the workload log and the CLI print it)."""
         rate = self.estimated_tokens_per_s
+        fraction = self.memory_utilization
         return (
             f"{self.model} on {','.join(self.devices)}: engine {self.engine}, dtype {self.dtype}, "
             f"quantization {self.quantization}, tp {self.tensor_parallel_size}, "
             f"max_model_len {self.max_model_len}, max_num_seqs {self.max_num_seqs}, "
             f"max_num_batched_tokens {self.max_num_batched_tokens or 'default'}, "
             f"KV {self.num_kv_blocks} blocks ({self.kv_cache_memory_mb} MiB), "
+            f"{'' if fraction is None else f'memory_utilization {fraction:g}, '}"
             f"decode estimate {'-' if rate is None else f'{rate:.0f}'} tokens/s, "
             f"fallback ops {', '.join(self.fallback_ops) or 'none'}"
         )
@@ -307,12 +319,13 @@ def plan_step_tokens(
 def kv_budget_mb(demand: Demand, cap: DeviceCapacity, need: MemoryNeed, share_mb: float) -> float:
     """Per-device KV memory of one replica on ``cap``: its priority share of the memory left
     after weights, no more than it can use (``batch`` full-length sequences, or the spec's
-    ``kv_cache_memory_mb``), capped on host RAM unless the spec set it; never below one
-    full-length sequence."""
+    ``kv_cache_memory_mb``), capped at :data:`HOST_KV_CAP_MB` on host RAM unless the spec set
+    the KV size or a ``memory_utilization`` (then the share of that fraction of RAM is the
+    bound); never below one full-length sequence."""
     budget = min(share_mb, need.wanted_kv_mb)
     if demand.kv_cache_memory_mb is not None:
         return budget
-    if cap.host_memory:
+    if cap.host_memory and demand.memory_utilization is None:
         budget = min(budget, HOST_KV_CAP_MB)
     return max(budget, need.min_kv_mb)
 
@@ -340,6 +353,9 @@ def build_plan(
         env[first.visibility_env] = ",".join(str(c.index) for c in group)
     local = 0 if first.visibility_env else first.index
     notes[:0] = [share_note, *notes_kv, sizing.reason, step.reason]
+    if demand.memory_utilization is not None:
+        notes.insert(1, f"memory_utilization {demand.memory_utilization:g}: "
+                        f"{first.usable_mb:.0f} MiB per device usable (the spec's)")  # fmt: skip
     if blocks * BLOCK_SIZE < batch * demand.max_model_len:
         notes.append(
             f"KV holds {blocks * BLOCK_SIZE} tokens: {batch} sequences run together "
@@ -370,6 +386,7 @@ def build_plan(
             "usable_mb": round(first.usable_mb),
             "host_memory_mb": first.host_memory_mb,
             "host_memory_used": False,
+            "utilization": first.utilization,
         },
         operators={op: c.to_dict() for op, c in ops.items()},
         engine_options=opts,
@@ -378,6 +395,7 @@ def build_plan(
         notes=notes,
         compute_tokens_per_s=_round(option.compute_tokens_per_s),
         max_num_batched_tokens=step.tokens,
+        memory_utilization=demand.memory_utilization,
     )
 
 

@@ -251,6 +251,7 @@ class WorkloadManager:
         cap_mb = memory_cap_mb(plan.weight_memory_mb, host_kv_mb, spec.memory_cap_mb)
         launch = engine_launch(plan, plugin, model_dir, record.name, plan_dir, int(threads),
                                stream_interval=spec.stream_interval, faults=spec.faults,
+                               chat_template=spec.chat_template,
                                task=spec.task, pooling=spec.embed_pooling,
                                **worker_profiling(spec.telemetry, self.agent.log_dir,
                                                   replica.replica_id))  # fmt: skip

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -20,8 +21,11 @@ from kunlun.engine.launch import Pooling, Task
 from kunlun.errors import ConfigError, Location
 from kunlun.serving.faults import FaultSpec
 from kunlun.telemetry.spec import TelemetrySpec
+from kunlun.workload.chat_template import MAX_CHAT_TEMPLATE_CHARS, template_problem
 
 Priority = Literal["high", "normal", "low"]
+_MAX_SHOWN = 120
+"""Characters of a bad value an error repeats (a chat template can be long)."""
 
 
 class WorkloadSpec(BaseModel):
@@ -118,6 +122,23 @@ class WorkloadSpec(BaseModel):
         "weights and host KV plus the runtime, with a margin); a worker past it is stopped "
         "and the workload fails.",
     )
+    memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        validation_alias=AliasChoices("memory_utilization", "gpu_memory_utilization"),
+        description="Fraction of each device's memory (0 < F <= 1) this workload's plans may "
+        "use for weights and KV cache, less what is already in use (vLLM's "
+        "gpu_memory_utilization, also accepted as that name); default 0.9. On a CPU device "
+        "it also lifts the default 1 GiB KV cap: KV is then what the fraction of RAM leaves "
+        "after weights, up to what the batch can use.",
+    )
+    chat_template: str | None = Field(
+        None,
+        max_length=MAX_CHAT_TEMPLATE_CHARS,
+        description="A jinja2 chat template (the text) used instead of the model's own, for "
+        "chat, /tokenize and tool calls (vLLM's --chat-template); checked when submitted.",
+    )
     engine: Literal["embedded"] = Field("embedded", description="Inference engine.")
     telemetry: TelemetrySpec | None = Field(
         None, description="Per-step engine profiling (advanced_profiling, profiling_interval_ms)."
@@ -134,6 +155,13 @@ class WorkloadSpec(BaseModel):
     def _pooling_embeds(cls, value: Pooling | None, info: ValidationInfo) -> Pooling | None:
         if value is not None and info.data.get("task") != "embed":
             raise ValueError("pooling applies only with task: embed")
+        return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_compiles(cls, value: str | None) -> str | None:
+        if value is not None and (why := template_problem(value)) is not None:
+            raise ValueError(why)
         return value
 
     @property
@@ -172,9 +200,14 @@ def parse_spec(data: object, source: str = "request") -> WorkloadSpec:
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 problems.append(f"{field}: unknown field{hint}")
             else:
-                problems.append(f"{field}: {err['msg']} (got {err.get('input')!r})")
+                got = repr(err.get("input"))
+                got = got if len(got) <= _MAX_SHOWN else got[: _MAX_SHOWN - 3] + "..."
+                message = err["msg"].removeprefix("Value error, ")
+                problems.append(f"{field}: {message} (got {got})")
+        first = ".".join(str(p) for p in exc.errors()[0]["loc"]) or None
         raise ConfigError(
-            "invalid workload spec: " + "; ".join(problems), location=Location(source)
+            "invalid workload spec: " + "; ".join(problems),
+            location=Location(source, field=first),
         ) from None
 
 

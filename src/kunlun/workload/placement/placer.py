@@ -17,7 +17,7 @@ from typing import Any
 
 from kunlun.device.inventory import Inventory
 from kunlun.errors import ConfigError, Location
-from kunlun.planner.capacity import DeviceCapacity, capacity_of
+from kunlun.planner.capacity import DeviceCapacity, capacity_of, usable_fraction
 from kunlun.planner.model_info import ModelInfo
 from kunlun.planner.plan import (
     Demand,
@@ -98,7 +98,9 @@ class Placer:
     """Places workloads one after another on a fixed set of devices, tracking memory.
 
     Build it once per inventory; :meth:`place` reserves memory in :attr:`ledger` so the next
-    workload sees it used. Class judgements are cached per demand.
+    workload sees it used. Class judgements are cached per demand. The capacities' usable
+    memory is computed for one ``memory_utilization`` (:func:`capacity_of`): a demand with
+    another is refused (:func:`place` builds the capacities for its spec's).
     """
 
     def __init__(self, capacities: list[DeviceCapacity], ledger: Ledger | None = None,
@@ -106,6 +108,7 @@ class Placer:
         self.ledger = ledger or Ledger()
         self.starting = starting
         self.by_id = {c.device_id: c for c in capacities}
+        self.utilizations = {c.utilization for c in capacities}
         classes: dict[tuple[Any, ...], list[DeviceCapacity]] = {}
         for c in capacities:
             classes.setdefault(c.signature, []).append(c)
@@ -152,6 +155,13 @@ class Placer:
     def place(self, demand: Demand) -> Placement:
         """Place every replica of ``demand`` (reserving memory), or raise ConfigError listing
         every rejected alternative."""
+        wanted = usable_fraction(demand.memory_utilization)
+        if self.utilizations - {wanted}:
+            raise ValueError(
+                f"the capacities were measured at memory utilization {sorted(self.utilizations)}"
+                f"; the demand plans with {wanted}: build them with capacity_of(profile, "
+                f"{demand.memory_utilization})"
+            )
         groups: list[list[DeviceCapacity]] = []
         plans: list[ExecutionPlan] = []
         reservations: list[Reservation] = []
@@ -270,6 +280,7 @@ def demand_of(spec: WorkloadSpec, model: ModelInfo) -> Demand:
         replicas=spec.replicas,
         engine=spec.engine,
         tp=spec.tensor_parallel_size,
+        memory_utilization=spec.memory_utilization,
     )
 
 
@@ -284,6 +295,7 @@ def place(
     """Devices and plans for ``spec`` on ``inventory`` with memory already reserved by
     ``reservations`` (other workloads' :attr:`Placement.reservations`), or a ConfigError
     saying why nothing fits. ``starting`` adds the runnable-here check."""
-    capacities = [capacity_of(p) for p in inventory.profiles]
+    demand = demand_of(spec, model)
+    capacities = [capacity_of(p, demand.memory_utilization) for p in inventory.profiles]
     placer = Placer(capacities, Ledger.from_reservations(reservations or []), starting=starting)
-    return placer.place(demand_of(spec, model))
+    return placer.place(demand)
