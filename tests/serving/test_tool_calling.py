@@ -14,22 +14,9 @@ import openai
 import pytest
 from tests.serving.conftest import MODEL, GatewayServer
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "maxLength": 30},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
+from kunlun.validate import tool_calling
+
+WEATHER = tool_calling.WEATHER  # the validate row's tool (city of at most 40 characters)
 TIME = {
     "type": "function",
     "function": {
