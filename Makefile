@@ -21,6 +21,16 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# SGLang's front-end language, for the tests that run SGLang programs unchanged against the
+# daemon (tests/daemon/sglang_program.py). Kept apart from the platform's packages, in its own
+# folder: sglang without its server runtime, plus the modules its import needs.
+SGLANG_FRONTEND := $(VENV)/sglang-frontend
+$(SGLANG_FRONTEND)/.installed: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps --no-compile --target $(SGLANG_FRONTEND) \
+		sglang==0.5.23 pybase64==1.5.1 msgspec==0.23.0 pyzmq==27.3.0 ipython==9.18.1 \
+		traitlets==5.16.1 triton==3.9.0
+	touch $@
+
 # Set everything up, then serve the demo model (SmolLM2-135M-Instruct) as `smollm2` on
 # http://127.0.0.1:8470 (PORT=... to change). Ctrl-C drains and stops.
 PORT ?= 8470
@@ -29,7 +39,7 @@ run: $(STAMP)
 
 # Two workers, one test file each at a time (pytest-xdist); TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-test: $(STAMP)
+test: $(STAMP) $(SGLANG_FRONTEND)/.installed
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)

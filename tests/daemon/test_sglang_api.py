@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -292,3 +295,35 @@ def test_flush_is_refused_while_a_request_runs(daemon: Daemon) -> None:
         assert refused.status_code == 400
         assert "running or waiting" in refused.json()["error"]["message"]
     flush_when_idle(daemon)  # the client left: its request is aborted soon
+
+
+FRONTEND = Path(sys.executable).parent.parent / "sglang-frontend"
+"""SGLang's own front-end (``make test`` installs it there)."""
+
+
+def test_sglang_front_end_programs_run_unchanged(daemon: Daemon) -> None:
+    """SGLang's ``RuntimeEndpoint`` and ``@sgl.function`` programs (gen, streamed gen,
+    run_batch, select, two gens in one state) against the daemon, in their own process."""
+    assert (FRONTEND / "sglang").is_dir(), f"SGLang's front-end is not in {FRONTEND}: make test"
+    env = {**os.environ, "PYTHONPATH": str(FRONTEND)}
+    program = Path(__file__).with_name("sglang_program.py")
+    proc = subprocess.run([sys.executable, str(program), daemon.url], env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["model_path"] == "smollm2"
+    want = generate(daemon, {"text": PROMPT, "sampling_params": greedy(6)})
+    assert out["gen"] == want["text"] == out["streamed"] == out["batch"][0]
+    assert out["batch"][1] != out["gen"]  # Italy's capital, not France's
+    meta = out["gen_meta"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert (
+        meta["completion_tokens"] == 6
+        and meta["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
+    )
+    # select: SGLang scores each choice with the prompt logprobs the daemon returns
+    scores = out["select_meta"]["normalized_prompt_logprobs"]
+    assert len(scores) == 3 and all(isinstance(x, float) and x < 0 for x in scores)
+    assert out["select"] == [" Paris", " Rome", " Berlin"][scores.index(max(scores))]
+    a, b = out["steps"]
+    assert out["steps_text"] == f"Q: What is 2+2?\nA:{a}\nQ: What is 3+3?\nA:{b}"
