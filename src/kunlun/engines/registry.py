@@ -139,9 +139,9 @@ def choose_engine(
     problems = {name: why_not(e, model_format, device_type) for name, e in engines.items()}
     if requested == "auto":
         chosen = DEFAULT_ENGINE
-        if problems.get(chosen) is not None:
-            raise ConfigError(f"engine auto: {chosen} {problems[chosen]}",
-                              location=Location("engine"))  # fmt: skip
+        problem = problems.get(chosen, "is not registered")
+        if problem is not None:
+            raise ConfigError(f"engine auto: {chosen} {problem}", location=Location("engine"))
         why = f"auto: {chosen}, the embedded engine, runs {model_format} models on {device_type}"
     else:
         chosen = requested
