@@ -10,6 +10,7 @@ without importing it, so an (empty) ``vllm`` package there is an installed vLLM 
 from __future__ import annotations
 
 import importlib.util
+import json
 import tomllib
 from pathlib import Path
 
@@ -172,3 +173,26 @@ def test_loaded_engines_without_the_embedded_one_cannot_choose_auto() -> None:
         choose_engine("kunlun", "cpu", "hf", LoadedEngines({}))
     with pytest.raises(ConfigError, match="engine auto: kunlun is not registered"):
         choose_engine("auto", "cpu", "hf", LoadedEngines({}))
+
+
+def test_plan_explain_shows_the_engine_chosen_and_every_engine_rejected(tmp_path: Path) -> None:
+    from tests.planner.test_plan_cli import cli, mixed
+
+    proc = cli("--model", "Qwen2-0.5B", *mixed(), "--device", "nvidia:0", "--explain",
+               home=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "engine: kunlun (auto: kunlun, the embedded engine, runs hf models on nvidia)" in (
+        proc.stdout
+    )
+    assert "Engines not chosen" in proc.stdout and "llama.cpp" in proc.stdout
+    proc = cli("--model", "Qwen2-0.5B", *mixed(), "--device", "nvidia:0", "--json",
+               home=tmp_path)  # fmt: skip
+    engine = json.loads(proc.stdout)["engine"]
+    assert engine["chosen"] == "kunlun"
+    assert {r["engine"] for r in engine["rejected"]} >= {"llama.cpp", "vllm", "sglang"}
+    proc = cli("--model", "Qwen2-0.5B", *mixed(), "--device", "nvidia:0", "--engine",
+               "llama.cpp", home=tmp_path)  # fmt: skip
+    assert proc.returncode == 2
+    assert "engine llama.cpp cannot run this workload: does not take hf models" in (
+        proc.stdout + proc.stderr
+    )
