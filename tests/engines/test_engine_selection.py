@@ -104,13 +104,15 @@ def fake_install(site: Path, *modules: str) -> None:
 
 
 def test_auto_is_the_embedded_engine_and_says_why_not_the_others(site: Path) -> None:
-    fake_install(site, "vllm")
+    fake_install(site, "vllm", "sglang")
     loaded = load_engines()
     choice = choose_engine("auto", "ascend", "hf", loaded)
     assert choice.chosen == "kunlun"
     reasons = dict(choice.rejected)
     assert reasons["llama.cpp"] == "does not take hf models (takes gguf)"
     assert reasons["vllm"] == "not installed: python module vllm_ascend is not importable"
+    if importlib.util.find_spec("torch_npu") is None:  # the Ascend plugin's torch extension
+        assert reasons["sglang"] == "not installed: python module torch_npu is not importable"
     nvidia = dict(choose_engine("auto", "nvidia", "hf", loaded).rejected)
     assert nvidia["vllm"] == "could run it; auto prefers kunlun (set engine: vllm)"
     gguf = dict(choose_engine("auto", "cambricon", "gguf", loaded).rejected)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 
-from kunlun.device.registry import known_device_types
+from kunlun.device.registry import known_device_types, load_plugins
 from kunlun.engines.adapter import (
     Availability,
     EngineAdapter,
@@ -46,6 +46,10 @@ class TableEngine(EngineAdapter):
         needed = dict.fromkeys(r for vendor in rows if vendor for r in vendor.requires)
         if not needed:
             return Availability(False, f"{self.name} has no build for {device_type} devices")
+        if device_type and (vendor := rows[0]) and vendor.needs_torch_extension:
+            plugin = load_plugins().plugins.get(device_type)
+            if plugin is not None and plugin.torch_module:
+                needed[plugin.torch_module] = None
         found = [self.probe(r) for r in needed]
         missing = [a.reason for a in found if not a]
         if missing:

@@ -46,6 +46,9 @@ class VendorRow:
     offload_all_layers: bool = False
     """llama.cpp: put every layer on the device (``--n-gpu-layers``); False on a CPU."""
     note: str | None = None
+    needs_torch_extension: bool = False
+    """Also needs the device plugin's torch extension module (its ``torch_module``, named
+    only there) to be installed."""
 
 
 #: Each engine's spelling of Kunlun's dtypes (every key is in ENGINE_DTYPES). llama.cpp
@@ -100,13 +103,15 @@ VENDORS: Mapping[str, Mapping[str, VendorRow]] = MappingProxyType(
             ),
             # SGLang's Ascend support: float16 and bfloat16 only
             "ascend": VendorRow(
-                requires=("sglang", "torch_npu"),
+                requires=("sglang",),
+                needs_torch_extension=True,
                 device_flag="npu",
                 attention_backend="ascend",
                 dtypes=("bf16", "fp16"),
             ),
             "cambricon": VendorRow(
-                requires=("sglang", "torch_mlu"),
+                requires=("sglang",),
+                needs_torch_extension=True,
                 device_flag="mlu",
                 dtypes=("bf16", "fp16"),
                 note="Cambricon's SGLang build; upstream --device has no mlu",
