@@ -48,7 +48,7 @@ def test_plan_cache_hit_reuses_conversion_and_a_changed_declaration_misses(
         wait_ready(daemon)
         text = logs(daemon, first)
         assert "plan_cache: miss" in text and "conversion: cast" in text
-        assert "plan: smollm2 on cpu:0: engine embedded, dtype bf16" in text
+        assert "plan: smollm2 on cpu:0: engine kunlun, dtype bf16" in text
         (artifact,) = home.glob("plan-cache/*/weights/model.safetensors")
         written = artifact.stat()
         # the plan's launch sits next to it; the worker runs the replica's copy and nothing else

@@ -49,7 +49,7 @@ def test_a_package_holds_the_weights_plan_profile_engine_and_a_signed_manifest(
         assert entry.sha256 == hashlib.sha256(files[path]).hexdigest()
     model = manifest.extra["model"]
     assert model["target_device_types"] == ["cpu"] and model["target_devices"] == ["cpu:0"]
-    assert model["min_memory_mb"] > 0 and "engine embedded" in model["plan_summary"]
+    assert model["min_memory_mb"] > 0 and "engine kunlun" in model["plan_summary"]
     plan = json.loads(files["plan/plan.json"])
     assert plan["devices"] == ["cpu:0"] and plan["model_path"] is None
     engine = json.loads(files["plan/engine.json"])

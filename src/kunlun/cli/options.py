@@ -42,3 +42,8 @@ MemoryUtilization = Annotated[
     ),
 ]  # fmt: skip
 """A spec's ``memory_utilization`` (vLLM's ``--gpu-memory-utilization``)."""
+Engine = Annotated[
+    str | None,
+    typer.Option(help="auto (default), kunlun, llama.cpp, vllm or sglang (docs/engines.md)."),
+]
+"""The inference engine, overriding the plan's choice."""

@@ -14,7 +14,14 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from kunlun.cli.options import BatchSize, MemoryUtilization, Quantization, StepTokens, TpSize
+from kunlun.cli.options import (
+    BatchSize,
+    Engine,
+    MemoryUtilization,
+    Quantization,
+    StepTokens,
+    TpSize,
+)
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.device.inventory import build_inventory
 from kunlun.errors import ConfigError, Location
@@ -37,6 +44,7 @@ def plan(
     dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16.")] = None,
     quantization: Quantization = None,
     tp_size: TpSize = None,
+    engine: Engine = None,
     max_model_len: Annotated[int | None, typer.Option(help="Context limit.")] = None,
     batch_size: BatchSize = None,
     max_num_batched_tokens: StepTokens = None,
@@ -52,7 +60,7 @@ def plan(
     fields = {"model": model, "device": device, "dtype": dtype, "quantization": quantization,
               "max_model_len": max_model_len, "batch_size": batch_size, "priority": priority,
               "max_num_batched_tokens": max_num_batched_tokens,
-              "scorer": scorer, "tensor_parallel_size": tp_size,
+              "scorer": scorer, "tensor_parallel_size": tp_size, "engine": engine,
               "memory_utilization": gpu_memory_utilization}  # fmt: skip
     spec = parse_spec({k: v for k, v in fields.items() if v is not None}, "command line")
     state = kunlun_home() / "state.db"
@@ -92,6 +100,15 @@ def render(placement: Placement, explain: bool) -> None:
     console.print(ops)
     for note in p.notes:
         console.print(f"note: {note}", markup=False)
+    if placement.engine is not None:
+        console.print(f"engine: {placement.engine.chosen} ({placement.engine.why})", markup=False)
+    if explain and placement.engine is not None:
+        engines = Table(title="Engines not chosen", title_justify="left")
+        for col in ("ENGINE", "REASON"):
+            engines.add_column(col)
+        for name, reason in placement.engine.rejected:
+            engines.add_row(name, reason)
+        console.print(engines)
     if explain:
         table = Table(title="Rejected alternatives", title_justify="left")
         for col in ("DEVICES", "DTYPE", "TP", "REASON"):

@@ -12,7 +12,14 @@ import typer
 from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
-from kunlun.cli.options import BatchSize, MemoryUtilization, Quantization, StepTokens, TpSize
+from kunlun.cli.options import (
+    BatchSize,
+    Engine,
+    MemoryUtilization,
+    Quantization,
+    StepTokens,
+    TpSize,
+)
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.planner.plan import ExecutionPlan
 from kunlun.workload.spec import load_spec_file, parse_spec
@@ -31,6 +38,7 @@ def submit(
     dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16.")] = None,
     quantization: Quantization = None,
     tp_size: TpSize = None,
+    engine: Engine = None,
     scorer: Annotated[
         str | None, typer.Option(help="performance, roofline, binpack or spread.")
     ] = None,
@@ -64,6 +72,7 @@ def submit(
         "dtype": dtype,
         "quantization": quantization,
         "tensor_parallel_size": tp_size,
+        "engine": engine,
         "scorer": scorer,
         "batch_size": batch_size,
         "max_num_batched_tokens": max_num_batched_tokens,

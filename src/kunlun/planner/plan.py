@@ -67,7 +67,9 @@ class Demand:
     preferred_device_types: tuple[str, ...] = ()
     scorer: str = "performance"
     replicas: int = 1
-    engine: str = "embedded"
+    engine: str = "kunlun"
+    """The spec's engine (``auto`` or a name); plans carry the engine chosen
+    (:func:`kunlun.engines.registry.choose_plan_engines`)."""
     tp: int | None = None
     """The spec's tensor-parallel size, or None: the smallest that fits."""
     memory_utilization: float | None = None

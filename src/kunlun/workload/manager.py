@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from kunlun.device.inventory import Inventory
 from kunlun.device.registry import load_plugins
+from kunlun.engines.registry import refuse_external
 from kunlun.errors import ConfigError, KunlunError, Location, ModelError
 from kunlun.node.agent import NodeAgent
 from kunlun.node.sandbox import memory_cap_mb
@@ -149,10 +150,13 @@ class WorkloadManager:
             model = None
         if model is not None and self.cluster is None:
             placement = self._place(spec, model, None, starting=False)
+            refuse_external(placement.plans[0].engine)  # after: not installed comes first
             if dry_run:
                 record.state, record.target_device = "PLANNING", placement.target_device
                 record.placement = placement.to_dict()
                 return record
+        else:
+            refuse_external(spec.engine)
         self.store.put_workload(record)
         self.event(
             record.workload_id, "submitted", f"spec: {spec.model_dump(exclude_defaults=True)}"

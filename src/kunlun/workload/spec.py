@@ -139,7 +139,11 @@ class WorkloadSpec(BaseModel):
         description="A jinja2 chat template (the text) used instead of the model's own, for "
         "chat, /tokenize and tool calls (vLLM's --chat-template); checked when submitted.",
     )
-    engine: Literal["embedded"] = Field("embedded", description="Inference engine.")
+    engine: Literal["auto", "kunlun", "llama.cpp", "vllm", "sglang", "embedded"] = Field(
+        "auto",
+        description="Inference engine (kunlun.engines): auto (the plan chooses), kunlun (the "
+        "embedded engine; embedded is its old name), llama.cpp, vllm or sglang.",
+    )
     telemetry: TelemetrySpec | None = Field(
         None, description="Per-step engine profiling (advanced_profiling, profiling_interval_ms)."
     )
@@ -156,6 +160,11 @@ class WorkloadSpec(BaseModel):
         if value is not None and info.data.get("task") != "embed":
             raise ValueError("pooling applies only with task: embed")
         return value
+
+    @field_validator("engine")
+    @classmethod
+    def _engine_name(cls, value: str) -> str:
+        return "kunlun" if value == "embedded" else value  # old specs and state stores
 
     @field_validator("chat_template")
     @classmethod

@@ -16,6 +16,7 @@ from functools import cached_property, partial
 from typing import Any
 
 from kunlun.device.inventory import Inventory
+from kunlun.engines.registry import EngineChoice, choose_plan_engines
 from kunlun.errors import ConfigError, Location
 from kunlun.planner.capacity import DeviceCapacity, capacity_of, usable_fraction
 from kunlun.planner.model_info import ModelInfo
@@ -59,6 +60,8 @@ class Placement:
     reservations: list[Reservation] = field(default_factory=list)
     explain: Callable[[], list[Rejection]] = field(default=list, repr=False)
     chosen: frozenset[str] = frozenset()
+    engine: EngineChoice | None = None
+    """The engine chosen for the replicas and why the others were not (:func:`place`)."""
 
     @cached_property
     def alternatives(self) -> list[Rejection]:
@@ -85,6 +88,7 @@ class Placement:
             "scorer": self.scorer,
             "rejected": self.rejected,
             "plan": self.plans[0].to_dict(),
+            "engine": None if self.engine is None else self.engine.to_dict(),
             "replica_devices": [[c.device_id for c in g] for g in self.groups],
             "reservations": [r.to_dict() for r in self.reservations],
         }
@@ -278,7 +282,7 @@ def demand_of(spec: WorkloadSpec, model: ModelInfo) -> Demand:
         preferred_device_types=tuple(spec.preferred_device_types),
         scorer=spec.scorer,
         replicas=spec.replicas,
-        engine=spec.engine,
+        engine=spec.engine,  # auto until place() chooses (kunlun.engines.registry)
         tp=spec.tensor_parallel_size,
         memory_utilization=spec.memory_utilization,
     )
@@ -298,4 +302,6 @@ def place(
     demand = demand_of(spec, model)
     capacities = [capacity_of(p, demand.memory_utilization) for p in inventory.profiles]
     placer = Placer(capacities, Ledger.from_reservations(reservations or []), starting=starting)
-    return placer.place(demand)
+    placement = placer.place(demand)
+    placement.engine = choose_plan_engines(spec.engine, placement.plans, model)
+    return placement

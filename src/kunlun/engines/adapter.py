@@ -1,0 +1,134 @@
+"""The engine adapter: what every inference engine Kunlun can run tells the platform.
+
+Kunlun's own engine (:mod:`kunlun.engine`) and external servers (llama.cpp's ``llama-server``,
+vLLM, SGLang) differ in everything but the questions the platform asks them: which model
+formats and device types they take, whether they are installed here (asked cheaply, without
+importing a heavy package), and the command line, environment, port, readiness and metrics
+paths, stop signal and log file of one replica of a plan. An :class:`EngineAdapter` answers
+them; adapters are registered through the entry-point group ``kunlun.engines``
+(:mod:`kunlun.engines.registry`), so a vendor package can add one.
+
+The flags and environment themselves live in one table (:mod:`kunlun.engines.table`); an
+adapter is the small amount of code that reads it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import signal
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from kunlun.errors import ConfigError, Location
+from kunlun.planner.plan import ExecutionPlan
+
+ModelFormat = Literal["hf", "gguf"]
+"""``hf``: a Hugging Face directory (config.json and safetensors); ``gguf``: one GGUF file."""
+MODEL_FORMATS: tuple[ModelFormat, ...] = ("hf", "gguf")
+
+
+@dataclass(frozen=True, slots=True)
+class Availability:
+    """Whether an engine can be started on this machine, and if not, why not."""
+
+    installed: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.installed
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchContext:
+    """What one replica's launch knows beyond its plan: where the model is, the name clients
+    send, where the server listens, where its logs go."""
+
+    model_path: Path
+    served_name: str
+    port: int
+    log_dir: Path
+    host: str = "127.0.0.1"
+    num_threads: int | None = None
+    """Host threads (llama.cpp's ``--threads``); None: the plan's ``num_threads`` option."""
+    launch_file: Path | None = None
+    """The embedded engine's :class:`~kunlun.engine.launch.EngineLaunch` file."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCommand:
+    """How to start, watch and stop one replica of a plan on one engine."""
+
+    engine: str
+    argv: list[str]
+    env: dict[str, str]
+    """Variables set on top of the agent's environment (device visibility first)."""
+    host: str
+    port: int
+    ready_path: str | None
+    """HTTP path that answers 200 once the server serves; None: the engine signals readiness
+    another way (the embedded worker writes a ready file)."""
+    metrics_path: str | None
+    """HTTP path of the engine's own Prometheus metrics, or None."""
+    log_file: Path
+    """Where the process's stdout and stderr go."""
+    stop_signal: signal.Signals = signal.SIGTERM
+    stop_grace_s: float = 30.0
+    """Seconds between ``stop_signal`` and SIGKILL."""
+    notes: list[str] = field(default_factory=list)
+
+
+class EngineAdapter(ABC):
+    """One inference engine. Subclasses set the class attributes and build the command."""
+
+    name: str
+    """The name specs use (``engine: vllm``) and the entry point's name."""
+    formats: tuple[ModelFormat, ...]
+    device_types: tuple[str, ...]
+    """Kunlun device types (device plugins' ``device_type``) the engine runs on."""
+
+    @abstractmethod
+    def installed(self, device_type: str | None = None) -> Availability:
+        """Whether the engine (and, for ``device_type``, its vendor build or plugin) is
+        installed here. Cheap: looks for modules and binaries, imports nothing heavy."""
+
+    @abstractmethod
+    def command(self, plan: ExecutionPlan, context: LaunchContext) -> EngineCommand:
+        """The command of one replica of ``plan``; a plan setting the engine cannot express is
+        a :class:`~kunlun.errors.ConfigError` naming the engine, the field and the value."""
+
+    def takes(self, model_format: str, device_type: str) -> str | None:
+        """Why this engine cannot run a ``model_format`` model on ``device_type``, or None."""
+        if model_format not in self.formats:
+            return f"does not take {model_format} models (takes {', '.join(self.formats)})"
+        if device_type not in self.device_types:
+            return f"does not run on {device_type} devices (runs on {', '.join(self.device_types)})"
+        return None
+
+    def refuse(self, field_name: str, value: object, why: str) -> ConfigError:
+        """The error for a plan setting this engine cannot express."""
+        return ConfigError(
+            f"engine {self.name} cannot run {field_name}={value!r}: {why}",
+            location=Location(field_name),
+        )
+
+
+def module_available(module: str) -> Availability:
+    """Whether ``module`` can be imported here, found without importing it."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return Availability(True, f"python module {module} is importable")
+    return Availability(False, f"python module {module} is not importable")
+
+
+def binary_available(binary: str) -> Availability:
+    """Whether ``binary`` is on ``PATH``."""
+    path = shutil.which(binary)
+    if path is not None:
+        return Availability(True, f"{binary} is {path}")
+    return Availability(False, f"{binary} is not on PATH")

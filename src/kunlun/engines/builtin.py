@@ -1,0 +1,232 @@
+"""The four built-in engines: Kunlun's own, llama.cpp's ``llama-server``, vLLM and SGLang.
+
+Each adapter reads its rows of :mod:`kunlun.engines.table`; none starts anything. The
+embedded engine's command is the existing worker launch
+(:func:`kunlun.serving.worker.worker_command`), described here, not re-made. Launching the
+external ones through the node agent is not built yet (docs/engines.md).
+"""
+
+from __future__ import annotations
+
+import signal
+
+from kunlun.device.registry import known_device_types, load_plugins
+from kunlun.engines.adapter import (
+    Availability,
+    EngineAdapter,
+    EngineCommand,
+    LaunchContext,
+    ModelFormat,
+    binary_available,
+    module_available,
+)
+from kunlun.engines.table import (
+    ALL_LAYERS,
+    DTYPE_FLAGS,
+    QUANTIZATION_FLAGS,
+    QUANTIZATION_GAP,
+    VENDORS,
+    VendorRow,
+    row,
+)
+from kunlun.planner.plan import ExecutionPlan
+
+
+class TableEngine(EngineAdapter):
+    """An external engine whose device types and requirements are its rows of the table."""
+
+    formats: tuple[ModelFormat, ...] = ("hf",)
+
+    @property
+    def device_types(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(VENDORS[self.name])
+
+    def installed(self, device_type: str | None = None) -> Availability:
+        rows = [row(self.name, device_type)] if device_type else list(VENDORS[self.name].values())
+        needed = dict.fromkeys(r for vendor in rows if vendor for r in vendor.requires)
+        if not needed:
+            return Availability(False, f"{self.name} has no build for {device_type} devices")
+        if device_type and (vendor := rows[0]) and vendor.needs_torch_extension:
+            plugin = load_plugins().plugins.get(device_type)
+            if plugin is not None and plugin.torch_module:
+                needed[plugin.torch_module] = None
+        found = [self.probe(r) for r in needed]
+        missing = [a.reason for a in found if not a]
+        if missing:
+            return Availability(False, "; ".join(missing))
+        return Availability(True, "; ".join(a.reason for a in found))
+
+    def probe(self, requirement: str) -> Availability:
+        return module_available(requirement)
+
+    def vendor(self, plan: ExecutionPlan) -> VendorRow:
+        found = row(self.name, plan.device_type)
+        if found is None:
+            raise self.refuse("device_type", plan.device_type,
+                              f"runs on {', '.join(self.device_types)}")  # fmt: skip
+        if plan.dtype not in found.dtypes:
+            raise self.refuse("dtype", plan.dtype, f"its {plan.device_type} build computes in "
+                                                   f"{', '.join(found.dtypes)}")  # fmt: skip
+        return found
+
+    def quantization_flag(self, plan: ExecutionPlan) -> list[str]:
+        table = QUANTIZATION_FLAGS[self.name]
+        if plan.quantization not in table:
+            why = QUANTIZATION_GAP.format(scheme=plan.quantization, engine=self.name)
+            raise self.refuse("quantization", plan.quantization, why)
+        value = table[plan.quantization]
+        return [] if value is None else ["--quantization", value]
+
+    def environment(self, plan: ExecutionPlan, vendor: VendorRow) -> dict[str, str]:
+        return {**plan.env, **vendor.env}
+
+    def finish(
+        self, plan: ExecutionPlan, context: LaunchContext, argv: list[str], vendor: VendorRow
+    ) -> EngineCommand:
+        return EngineCommand(
+            engine=self.name,
+            argv=argv,
+            env=self.environment(plan, vendor),
+            host=context.host,
+            port=context.port,
+            ready_path="/health",
+            metrics_path="/metrics",
+            log_file=context.log_dir / f"{self.name}.log",
+            stop_signal=signal.SIGTERM,
+            stop_grace_s=30.0,
+            notes=[vendor.note] if vendor.note else [],
+        )
+
+
+class VllmEngine(TableEngine):
+    """vLLM's OpenAI-compatible server (``vllm.entrypoints.openai.api_server``)."""
+
+    name = "vllm"
+
+    def command(self, plan: ExecutionPlan, context: LaunchContext) -> EngineCommand:
+        vendor = self.vendor(plan)
+        argv = [
+            "python", "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(context.model_path),
+            "--served-model-name", context.served_name,
+            "--host", context.host,
+            "--port", str(context.port),
+            "--tensor-parallel-size", str(plan.tensor_parallel_size),
+            "--dtype", DTYPE_FLAGS[self.name][plan.dtype],
+            *self.quantization_flag(plan),
+            "--max-model-len", str(plan.max_model_len),
+            "--max-num-seqs", str(plan.max_num_seqs),
+            *(["--max-num-batched-tokens", str(plan.max_num_batched_tokens)]
+              if plan.max_num_batched_tokens else []),
+            "--gpu-memory-utilization", f"{plan.memory['utilization']:g}",
+        ]  # fmt: skip
+        return self.finish(plan, context, argv, vendor)
+
+
+class SglangEngine(TableEngine):
+    """SGLang's server (``sglang.launch_server``)."""
+
+    name = "sglang"
+
+    def command(self, plan: ExecutionPlan, context: LaunchContext) -> EngineCommand:
+        vendor = self.vendor(plan)
+        argv = [
+            "python", "-m", "sglang.launch_server",
+            "--model-path", str(context.model_path),
+            "--served-model-name", context.served_name,
+            "--host", context.host,
+            "--port", str(context.port),
+            "--tp-size", str(plan.tensor_parallel_size),
+            "--dtype", DTYPE_FLAGS[self.name][plan.dtype],
+            *self.quantization_flag(plan),
+            "--context-length", str(plan.max_model_len),
+            "--max-running-requests", str(plan.max_num_seqs),
+            *(["--chunked-prefill-size", str(plan.max_num_batched_tokens)]
+              if plan.max_num_batched_tokens else []),
+            "--mem-fraction-static", f"{plan.memory['utilization']:g}",
+            *(["--device", vendor.device_flag] if vendor.device_flag else []),
+            *(["--attention-backend", vendor.attention_backend]
+              if vendor.attention_backend else []),
+            "--enable-metrics",
+        ]  # fmt: skip
+        return self.finish(plan, context, argv, vendor)
+
+
+class LlamaCppEngine(TableEngine):
+    """llama.cpp's ``llama-server``: one GGUF file, continuous batching over parallel slots."""
+
+    name = "llama.cpp"
+    formats = ("gguf",)
+
+    def probe(self, requirement: str) -> Availability:
+        found = binary_available(requirement)
+        if found or not module_available("llama_cpp"):
+            return found
+        return Availability(False, f"{found.reason} (the llama_cpp module is importable, but "
+                                   "serving through it is not built yet)")  # fmt: skip
+
+    def command(self, plan: ExecutionPlan, context: LaunchContext) -> EngineCommand:
+        vendor = self.vendor(plan)
+        if plan.tensor_parallel_size > 1 and not vendor.offload_all_layers:
+            raise self.refuse("tensor_parallel_size", plan.tensor_parallel_size,
+                              f"llama-server runs one process on {plan.device_type}; "
+                              "it splits a model only across GPUs")  # fmt: skip
+        threads = context.num_threads or plan.engine_options.get("num_threads")
+        kv_type = DTYPE_FLAGS[self.name][plan.dtype]
+        argv = [
+            "llama-server",
+            "--model", str(context.model_path),
+            "--alias", context.served_name,
+            "--host", context.host,
+            "--port", str(context.port),
+            # the context is shared by the parallel slots: each gets max_model_len tokens
+            "--ctx-size", str(plan.max_model_len * plan.max_num_seqs),
+            "--parallel", str(plan.max_num_seqs),
+            "--cont-batching",
+            "--n-gpu-layers", str(ALL_LAYERS if vendor.offload_all_layers else 0),
+            *(["--split-mode", "row"] if plan.tensor_parallel_size > 1 else []),
+            *(["--threads", str(threads)] if threads else []),
+            *(["--batch-size", str(plan.max_num_batched_tokens)]
+              if plan.max_num_batched_tokens else []),
+            "--cache-type-k", kv_type,
+            "--cache-type-v", kv_type,
+            "--metrics",
+        ]  # fmt: skip
+        command = self.finish(plan, context, argv, vendor)
+        if plan.quantization != "none":
+            command.notes.append(f"quantization {plan.quantization}: the GGUF file's own types")
+        if not threads:
+            command.notes.append("threads: llama-server's default (every core)")
+        return command
+
+
+class KunlunEngine(EngineAdapter):
+    """The embedded PyTorch engine: the node agent's worker, on every device plugin's type."""
+
+    name = "kunlun"
+    formats: tuple[ModelFormat, ...] = ("hf", "gguf")
+
+    @property
+    def device_types(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(known_device_types())
+
+    def installed(self, device_type: str | None = None) -> Availability:
+        return Availability(True, "built in")
+
+    def command(self, plan: ExecutionPlan, context: LaunchContext) -> EngineCommand:
+        from kunlun.serving.worker import worker_command
+
+        if context.launch_file is None:
+            raise self.refuse("launch_file", None, "the worker starts from its launch file "
+                                                   "(kunlun.planner.plan.engine_launch)")  # fmt: skip
+        return EngineCommand(
+            engine=self.name,
+            argv=worker_command(context.launch_file),
+            env=dict(plan.env),
+            host=context.host,
+            port=context.port,
+            ready_path=None,
+            metrics_path="/metrics",
+            log_file=context.log_dir / f"{self.name}.log",
+            notes=["ready when the worker writes its ready file (kunlun.node.agent)"],
+        )
