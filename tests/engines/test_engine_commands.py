@@ -34,8 +34,8 @@ from kunlun.workload.placement import place
 from kunlun.workload.spec import WorkloadSpec
 
 QWEN = model("Qwen2-0.5B")
-CONTEXT = LaunchContext(Path("/models/Qwen2-0.5B"), "qwen", 8100, Path("/run/w1"))
-GGUF = LaunchContext(Path("/models/qwen2-0_5b-q4_1.gguf"), "qwen", 8100, Path("/run/w1"),
+CONTEXT = LaunchContext(Path("/models/Qwen2-0.5B"), "qwen", 8100, Path("/logs/wl-1.log"))
+GGUF = LaunchContext(Path("/models/qwen2-0_5b-q4_1.gguf"), "qwen", 8100, Path("/logs/wl-1.log"),
                      num_threads=4)  # fmt: skip
 
 
@@ -125,7 +125,7 @@ def test_vllm_and_sglang_commands_per_vendor_family(family: str) -> None:
     for command in (vllm, sglang):
         assert (command.host, command.port) == ("127.0.0.1", 8100)
         assert (command.ready_path, command.metrics_path) == ("/health", "/metrics")
-        assert command.log_file == Path(f"/run/w1/{command.engine}.log")
+        assert command.log_file == Path("/logs/wl-1.log")
         assert (command.stop_signal, command.stop_grace_s) == (signal.SIGTERM, 30.0)
 
 
@@ -197,7 +197,7 @@ def test_the_embedded_engine_is_the_worker_launch() -> None:
     from kunlun.serving.worker import worker_command
 
     plan = plan_on("mixed", "nvidia:0")
-    context = LaunchContext(CONTEXT.model_path, "qwen", 8100, Path("/run/w1"),
+    context = LaunchContext(CONTEXT.model_path, "qwen", 8100, Path("/logs/wl-1.log"),
                             launch_file=Path("/run/w1/launch.json"))  # fmt: skip
     command = KunlunEngine().command(plan, context)
     assert command.argv == worker_command("/run/w1/launch.json")

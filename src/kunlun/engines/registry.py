@@ -14,12 +14,15 @@ model format, device type).
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from functools import cache
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kunlun.engines.adapter import EngineAdapter
+from kunlun.engine.gguf_source import gguf_source
+from kunlun.engines.adapter import EngineAdapter, EngineCommand, LaunchContext
 from kunlun.errors import ConfigError, Location
 
 if TYPE_CHECKING:
@@ -109,9 +112,12 @@ def canonical(engine: str) -> str:
     return ALIASES.get(engine, engine)
 
 
-def why_not(engine: EngineAdapter, model_format: str, device_type: str) -> str | None:
-    """Why ``engine`` cannot run a ``model_format`` model on ``device_type`` here, or None."""
-    problem = engine.takes(model_format, device_type)
+def why_not(
+    engine: EngineAdapter, model_formats: str | tuple[str, ...], device_type: str
+) -> str | None:
+    """Why ``engine`` cannot run a model it has in ``model_formats`` on ``device_type`` here,
+    or None."""
+    problem = engine.takes(model_formats, device_type)
     if problem is not None:
         return problem
     available = engine.installed(device_type)
@@ -121,10 +127,11 @@ def why_not(engine: EngineAdapter, model_format: str, device_type: str) -> str |
 def choose_engine(
     requested: str,
     device_type: str,
-    model_format: str,
+    model_formats: str | tuple[str, ...],
     loaded: LoadedEngines | None = None,
 ) -> EngineChoice:
-    """The engine for a ``model_format`` model on ``device_type``: ``requested`` when it is
+    """The engine for a model held in ``model_formats`` (``hf``; ``gguf`` too when the
+    model was imported from a GGUF file still there) on ``device_type``: ``requested`` when it is
     an engine's name (a :class:`ConfigError` naming why when it cannot run it here), or for
     ``auto`` Kunlun's own engine when it can; every other engine with its reason."""
     loaded = loaded or _registered()
@@ -136,13 +143,13 @@ def choose_engine(
             broken or f"engine {requested!r} is not registered (engines: {', '.join(engines)})",
             location=Location("engine"),
         )
-    problems = {name: why_not(e, model_format, device_type) for name, e in engines.items()}
+    problems = {name: why_not(e, model_formats, device_type) for name, e in engines.items()}
     if requested == "auto":
         chosen = DEFAULT_ENGINE
         problem = problems.get(chosen, "is not registered")
         if problem is not None:
             raise ConfigError(f"engine auto: {chosen} {problem}", location=Location("engine"))
-        why = f"auto: {chosen}, the embedded engine, runs {model_format} models on {device_type}"
+        why = f"auto: {chosen}, the embedded engine, runs this model on {device_type}"
     else:
         chosen = requested
         if problems[chosen] is not None:
@@ -161,9 +168,31 @@ def choose_engine(
     return EngineChoice(requested, chosen, why, rejected)
 
 
-def model_format(path: str | None) -> str:
-    """``gguf`` for a model that is one ``.gguf`` file, else ``hf`` (a Hugging Face folder)."""
-    return "gguf" if path is not None and str(path).lower().endswith(".gguf") else "hf"
+def model_files(path: str | Path | None) -> dict[str, Path]:
+    """The model's files by format: ``hf`` (its Hugging Face directory) and, when it was
+    imported from a GGUF file that is still there unchanged, ``gguf`` (that file); a model
+    that is a ``.gguf`` path has only ``gguf``."""
+    if path is None:
+        return {}
+    source = gguf_source(path)
+    if Path(path).suffix.lower() == ".gguf":
+        return {"gguf": source} if source is not None else {}
+    return {"hf": Path(path), **({"gguf": source} if source is not None else {})}
+
+
+def model_path_for(engine: EngineAdapter, path: str | Path) -> Path:
+    """The file or directory of the model at ``path`` that ``engine`` serves (its first
+    format the model has), or a :class:`ConfigError` naming what is missing."""
+    files = model_files(path)
+    for fmt in engine.formats:
+        if fmt in files:
+            return files[fmt]
+    raise ConfigError(
+        f"engine {engine.name} takes {', '.join(engine.formats)} models; {path} has "
+        f"{', '.join(files) or 'no model files'} (a GGUF import whose file moved or changed "
+        "has no gguf)",
+        location=Location("engine"),
+    )
 
 
 def choose_plan_engines(
@@ -172,21 +201,32 @@ def choose_plan_engines(
     """Choose the engine of every replica's plan (their device types may differ) and set it
     in the plans; the choice of the first replica, with its reasons, is returned."""
     loaded = _registered()
-    choices = [choose_engine(requested, p.device_type, model_format(model.path), loaded)
-               for p in plans]  # fmt: skip
+    formats = tuple(model_files(model.path)) or ("hf",)
+    choices = [choose_engine(requested, p.device_type, formats, loaded) for p in plans]
     for plan, choice in zip(plans, choices, strict=True):
         plan.engine = choice.chosen
     return choices[0]
 
 
-def refuse_external(engine: str) -> None:
-    """Refuse a workload on an external engine: launching one is not built yet (the adapters
-    say how; the node agent does not start them). ``auto`` and ``kunlun`` pass."""
-    if canonical(engine) not in ("auto", DEFAULT_ENGINE):
-        raise ConfigError(
-            f"engine {engine}: launching external engines is not built yet; Kunlun plans "
-            f"and describes the {engine} command (kunlun-cli plan --explain) but cannot "
-            "start it",
-            location=Location("engine"),
-            hint="use engine: auto or kunlun (docs/engines.md)",
-        )
+def external_command(
+    plan: ExecutionPlan, model_path: str | Path, served_name: str, num_threads: int,
+    log_file: Path,
+) -> EngineCommand:  # fmt: skip
+    """The command of one replica of ``plan`` on its external engine (``plan.engine``),
+    listening on a free loopback port, its output appended to ``log_file``."""
+    engine = _registered().engines[plan.engine]
+    context = LaunchContext(model_path_for(engine, model_path), served_name, free_port(),
+                            log_file, num_threads=num_threads)  # fmt: skip
+    return engine.command(plan, context)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the engine binds it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def engine_named(name: str) -> EngineAdapter:
+    """The registered engine ``name`` (a replica's engine, so it is registered)."""
+    return _registered().engines[canonical(name)]

@@ -37,11 +37,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
 
 from kunlun.engine.launch import EngineLaunch
+from kunlun.engines.adapter import EngineCommand, find_binary
 from kunlun.node.liveness import Liveness, LivenessConfig, probe
 from kunlun.node.sandbox import (
     SandboxPolicy,
@@ -64,8 +66,10 @@ class Worker:
     """One supervised worker process and its restart state."""
 
     replica: Replica
-    launch: EngineLaunch
-    """What the worker runs (the node agent adds its ready file and sandbox at each start)."""
+    launch: EngineLaunch | EngineCommand
+    """What the worker runs: the embedded engine's launch (the node agent adds its ready
+    file and sandbox at each start), or an external engine's server from its adapter
+    (:mod:`kunlun.engines`: llama.cpp, vLLM, SGLang)."""
     env: dict[str, str]
     log_path: Path
     ready_file: Path
@@ -86,6 +90,20 @@ class Worker:
     probing: asyncio.Task[None] | None = None
     killed_for: str | None = None
     """Why the supervisor killed this process (it was unresponsive or stalled)."""
+    checking: asyncio.Task[None] | None = None
+    """An external engine's readiness check in flight."""
+
+    @property
+    def command(self) -> EngineCommand | None:
+        """The external engine's command, or None for the embedded engine's worker."""
+        return self.launch if isinstance(self.launch, EngineCommand) else None
+
+    @property
+    def probe_path(self) -> str:
+        """What liveness probes ask: the worker's ``/stats``, an external engine's ready path."""
+        if self.command is not None and self.command.ready_path:
+            return self.command.ready_path
+        return "/stats"
 
 
 class NodeAgent:
@@ -122,18 +140,24 @@ class NodeAgent:
     def launch(
         self,
         replica: Replica,
-        launch: EngineLaunch,
+        launch: EngineLaunch | EngineCommand,
         env: dict[str, str],
         memory_cap_mb: int | None = None,
     ) -> Worker:
         """Register a replica; the supervisor loop starts its process at once from ``launch``
         (its ready file and sandbox are the agent's to set). ``env`` is its whole environment
-        (:meth:`worker_env`); ``memory_cap_mb`` its host memory cap."""
+        (:meth:`worker_env`); ``memory_cap_mb`` its host memory cap.
+
+        ``launch`` may be an external engine's :class:`EngineCommand` (from its adapter):
+        that server is started, watched, probed, restarted and stopped like a worker, and is
+        ready once ``ready_path`` answers 200 on its port. The embedded worker's seccomp
+        filter and rlimits are not applied to another program; its clean environment, own
+        directory and memory cap are."""
         ready_file = self.run_dir / f"{replica.replica_id}.ready.json"
         sandbox = self.sandbox.for_worker(replica.replica_id, memory_cap_mb)
-        worker = Worker(
-            replica, launch, env, self.log_path(replica.workload_id), ready_file, sandbox
-        )
+        log = launch.log_file if isinstance(launch, EngineCommand) else None
+        worker = Worker(replica, launch, env, log or self.log_path(replica.workload_id),
+                        ready_file, sandbox)  # fmt: skip
         self.workers[replica.replica_id] = worker
         self.replicas.upsert(replica)
         return worker
@@ -156,7 +180,7 @@ class NodeAgent:
             w.stopping = True
             w.replica.ready = False
             if w.proc and w.proc.poll() is None:
-                w.proc.send_signal(signal.SIGTERM)
+                w.proc.send_signal(w.command.stop_signal if w.command else signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for w in workers:
             if w.proc is not None:
@@ -194,14 +218,16 @@ class NodeAgent:
                     for w in list(self.workers.values()):
                         try:
                             self._tick(w)
+                            self._maybe_check_ready(w, client)
                             self._maybe_probe(w, client)
                         except Exception as exc:  # noqa: BLE001 - one bad worker must not stop the loop
                             self.on_event(w.replica.workload_id, "error", f"supervisor: {exc!r}")
                     await asyncio.sleep(interval_s)
             finally:
                 for w in self.workers.values():
-                    if w.probing is not None:
-                        w.probing.cancel()
+                    for task in (w.probing, w.checking):
+                        if task is not None:
+                            task.cancel()
 
     def _maybe_probe(self, w: Worker, client: httpx.AsyncClient) -> None:
         if w.liveness is None or w.proc is None or w.stopping or not w.replica.ready:
@@ -218,7 +244,8 @@ class NodeAgent:
         """Probe ``w`` once and act on the verdict (unless its process changed meanwhile)."""
         try:
             try:
-                stats = await probe(client, w.replica.base_url, self.liveness.probe_timeout_s)
+                stats = await probe(client, w.replica.base_url, self.liveness.probe_timeout_s,
+                                    w.probe_path)  # fmt: skip
             except (httpx.HTTPError, ValueError) as exc:
                 stats, why = None, f"{type(exc).__name__}: {exc}".rstrip(": ")
             if w.proc is not proc or w.liveness is None or w.stopping:
@@ -266,17 +293,57 @@ class NodeAgent:
             self._give_up(w, f"worker exceeded its memory cap of {w.sandbox.memory_cap_mb} MiB "
                              f"(private resident {over} MiB); it was stopped")  # fmt: skip
             return
-        if not w.replica.ready and w.killed_for is None and w.ready_file.exists():
+        if (
+            w.command is None
+            and not w.replica.ready
+            and w.killed_for is None
+            and (w.ready_file.exists())
+        ):
             self._became_ready(w)
         elif w.ready_at is not None and now - w.ready_at > HEALTHY_RESET_S:
             w.backoff_s = 1.0
 
+    def _maybe_check_ready(self, w: Worker, client: httpx.AsyncClient) -> None:
+        """An external engine still loading: ask its ready path (one check in flight)."""
+        if (w.command is None or w.proc is None or w.stopping or w.replica.ready
+                or w.checking is not None or w.killed_for is not None):  # fmt: skip
+            return
+        w.checking = asyncio.create_task(self._check_ready(w, w.proc, client))
+
+    async def _check_ready(
+        self, w: Worker, proc: subprocess.Popen[bytes], client: httpx.AsyncClient
+    ) -> None:
+        command = w.command
+        assert command is not None and command.ready_path is not None
+        url = f"http://{command.host}:{command.port}"
+        try:
+            try:
+                response = await client.get(url + command.ready_path, timeout=2.0)
+                answered = response.status_code == 200
+            except httpx.HTTPError:
+                answered = False
+            if not answered:
+                await asyncio.sleep(0.25)  # a loading server: ask again shortly
+            elif w.proc is proc and not w.stopping:
+                self._became_ready(w, {"port": command.port, "engine": command.engine,
+                                       "load_time_s": round(time.monotonic() - w.started_at, 3)})  # fmt: skip
+        finally:
+            w.checking = None
+
+    def _command(self, w: Worker) -> list[str]:
+        """The argv to start: the worker's, from its launch file; an external engine's, its
+        program found on PATH or beside this interpreter."""
+        if isinstance(w.launch, EngineLaunch):
+            w.ready_file.unlink(missing_ok=True)
+            launch = w.launch.model_copy(
+                update={"ready_file": w.ready_file, "sandbox": json.loads(w.sandbox.to_json())}
+            )
+            return worker_command(launch.write(self._launch_file(w)))
+        program, *rest = w.launch.argv
+        return [find_binary(program) or program, *rest]
+
     def _spawn(self, w: Worker) -> None:
-        w.ready_file.unlink(missing_ok=True)
-        launch = w.launch.model_copy(
-            update={"ready_file": w.ready_file, "sandbox": json.loads(w.sandbox.to_json())}
-        )
-        cmd = worker_command(launch.write(self._launch_file(w)))
+        cmd = self._command(w)
         with w.log_path.open("ab") as log:
             log.write(
                 f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} replica {w.replica.replica_id} starting on {w.replica.device}\n".encode()
@@ -308,9 +375,10 @@ class NodeAgent:
             f"replica {w.replica.replica_id} started (pid {w.proc.pid}) on {w.replica.device}",
         )
 
-    def _became_ready(self, w: Worker) -> None:
+    def _became_ready(self, w: Worker, info: dict[str, Any] | None = None) -> None:
+        """The worker's ready file appeared (or an external engine answered: ``info``)."""
         try:
-            info = json.loads(w.ready_file.read_text())
+            info = info or json.loads(w.ready_file.read_text())
             port = int(info["port"])
         except (OSError, ValueError, KeyError, TypeError):
             return  # written atomically by the worker; a partial read retries next tick

@@ -89,12 +89,15 @@ class Liveness:
         return None
 
 
-async def probe(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> dict[str, Any]:
-    """The worker's ``GET /stats`` answer; raises :class:`httpx.HTTPError` (or ValueError
-    for a body that is not a JSON object) when there is none within ``timeout_s``."""
-    response = await client.get(base_url + "/stats", timeout=timeout_s)
+async def probe(
+    client: httpx.AsyncClient, base_url: str, timeout_s: float, path: str = "/stats"
+) -> dict[str, Any]:
+    """The worker's ``GET /stats`` answer (an external engine's health ``path``: its JSON
+    object, liveness only); raises :class:`httpx.HTTPError` (or ValueError for a body that
+    is not a JSON object) when there is none within ``timeout_s``."""
+    response = await client.get(base_url + path, timeout=timeout_s)
     response.raise_for_status()
     stats = response.json()
     if not isinstance(stats, dict):
-        raise ValueError(f"/stats answered {type(stats).__name__}, not a JSON object")
+        raise ValueError(f"{path} answered {type(stats).__name__}, not a JSON object")
     return stats

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from kunlun.errors import KunlunError
 from kunlun.serving import sse
 from kunlun.serving.admission import Ticket
+from kunlun.serving.external import external_body
 from kunlun.serving.limits import CLIENT_GONE
 from kunlun.serving.protocol import (
     QueueFull,
@@ -159,9 +160,16 @@ class Relay(Response):
             raise RuntimeError("GatewayState.start() was not called")
         headers = [(b"content-type", b"application/json"),
                    (b"x-request-id", self.request_id.encode())]  # fmt: skip
+        payload = self.payload
+        if replica.engine != "kunlun":  # an external engine: no Kunlun worker checks it
+            try:
+                payload = external_body(replica.engine, self.path, payload)
+            except KunlunError as exc:
+                await self._send_error(send, exc)
+                return False
         self.dispatched = time.perf_counter()  # telemetry: end of the gateway queue time
         try:
-            upstream = await pool.post(replica.base_url, self.path, headers, self.payload)
+            upstream = await pool.post(replica.base_url, self.path, headers, payload)
         except UpstreamError as exc:
             error = self._unreachable(replica, exc)
             if isinstance(exc, UpstreamUnreachable | UpstreamBroken) and self._may_retry(replica):

@@ -35,6 +35,9 @@ class Replica:
     max_model_len: int | None = None
     """The context window its engine was planned with (None: not known, another engine)."""
     created: int = 0
+    engine: str = "kunlun"
+    """The engine serving it: Kunlun's own worker, or an external server (``llama.cpp``,
+    ``vllm``, ``sglang``) whose requests the gateway checks against what it supports."""
     task: str = "generate"
     """What its model is served for: ``generate`` or ``embed`` (``/v1/embeddings`` only)."""
     """When its workload was created (Unix seconds): ``created`` of ``GET /v1/models``."""

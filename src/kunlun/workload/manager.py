@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 
 from kunlun.device.inventory import Inventory
 from kunlun.device.registry import load_plugins
-from kunlun.engines.registry import refuse_external
+from kunlun.engines.registry import DEFAULT_ENGINE, external_command
 from kunlun.errors import ConfigError, KunlunError, Location, ModelError
 from kunlun.node.agent import NodeAgent
 from kunlun.node.sandbox import memory_cap_mb
@@ -150,13 +151,10 @@ class WorkloadManager:
             model = None
         if model is not None and self.cluster is None:
             placement = self._place(spec, model, None, starting=False)
-            refuse_external(placement.plans[0].engine)  # after: not installed comes first
             if dry_run:
                 record.state, record.target_device = "PLANNING", placement.target_device
                 record.placement = placement.to_dict()
                 return record
-        else:
-            refuse_external(spec.engine)
         self.store.put_workload(record)
         self.event(
             record.workload_id, "submitted", f"spec: {spec.model_dump(exclude_defaults=True)}"
@@ -221,7 +219,12 @@ class WorkloadManager:
             wid = record.workload_id
             self.agent.note(wid, f"plan_cache: {'hit' if entry.hit else 'miss'} (key {entry.key})")
             self.agent.note(wid, "plan: " + plan.summary())
-            self._launch(record, spec, i, plan, path, entry.path)
+            try:
+                self._launch(record, spec, i, plan, path, entry.path)
+            except KunlunError as exc:  # e.g. a plan setting its engine cannot express
+                self.agent.stop_workload(wid)
+                self._set(record, "FAILED", str(exc))
+                return
 
     def _launch(
         self,
@@ -253,6 +256,13 @@ class WorkloadManager:
         env = self.agent.worker_env(replica.replica_id, plan.env, runtime_env, int(threads))
         host_kv_mb = plan.kv_cache_memory_mb if plan.torch_device == "cpu" else 0
         cap_mb = memory_cap_mb(plan.weight_memory_mb, host_kv_mb, spec.memory_cap_mb)
+        if plan.engine != DEFAULT_ENGINE:  # an external engine's own server
+            replica.engine = plan.engine
+            command = external_command(plan, model_dir, record.name, int(threads),
+                                       self.agent.log_path(record.workload_id))  # fmt: skip
+            self.agent.note(record.workload_id, "engine: " + shlex.join(command.argv))
+            self.agent.launch(replica, command, {**env, **command.env}, memory_cap_mb=cap_mb)
+            return
         launch = engine_launch(plan, plugin, model_dir, record.name, plan_dir, int(threads),
                                stream_interval=spec.stream_interval, faults=spec.faults,
                                chat_template=spec.chat_template,
