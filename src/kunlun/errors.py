@@ -152,6 +152,13 @@ class RequestError(KunlunError):
     http_status = 400
 
 
+class EngineLacks(RequestError):
+    """A valid request field (or route) the engine serving the model does not honour: an
+    external engine's gap, refused by name rather than dropped."""
+
+    code = "request.unsupported_by_engine"
+
+
 class PromptTooLong(RequestError):
     code = "request.prompt_too_long"
 

@@ -42,3 +42,16 @@ def gguf_source(model_dir: str | Path | None) -> Path | None:
         return None
     same = all(record.get(k) == key[k] for k in ("size", "sha256_first_mib"))
     return source if same else None
+
+
+def kept_quantization(model_dir: str | Path) -> str | None:
+    """The Kunlun quantization of an imported model directory that kept its GGUF file's
+    4-bit blocks (``w4a16``), or None (a float import, or not an import)."""
+    try:
+        record = json.loads((Path(model_dir) / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    output = record.get("output") if isinstance(record, dict) else None
+    if isinstance(output, dict) and output.get("keep_quantized"):
+        return "w4a16"
+    return None

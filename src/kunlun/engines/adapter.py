@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kunlun.errors import ConfigError, Location, RequestError
+from kunlun.errors import ConfigError, EngineLacks, Location
 from kunlun.planner.plan import ExecutionPlan
 
 ModelFormat = Literal["hf", "gguf"]
@@ -109,9 +109,19 @@ class EngineAdapter(ABC):
     def request_body(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """``payload`` (already valid for Kunlun's own API at ``path``) as this engine takes
         it: fields it spells differently renamed; a field it does not honour is a
-        :class:`~kunlun.errors.RequestError` naming it (never dropped). The embedded
+        :class:`~kunlun.errors.EngineLacks` naming it (never dropped). The embedded
         engine's is the payload itself."""
         return payload
+
+    def prepare_model(
+        self, plan: ExecutionPlan, path: Path, model_dir: Path, plan_dir: Path
+    ) -> tuple[Path, list[str]]:
+        """The model file the engine serves for ``plan`` (``path``: the model in the
+        engine's format; ``model_dir``: its Kunlun directory; ``plan_dir``: the plan's
+        cache directory), and the command, if any, that must run before the engine's own to
+        make it (its argv ends with ``--``; it then execs the engine). Default: ``path`` as
+        it is."""
+        return path, []
 
     def takes(self, model_formats: str | tuple[str, ...], device_type: str) -> str | None:
         """Why this engine cannot run a model it has in ``model_formats`` on ``device_type``,
@@ -156,9 +166,9 @@ def binary_available(binary: str) -> Availability:
     return Availability(False, f"{binary} is not on PATH nor in {Path(sys.executable).parent}")
 
 
-def lacks(engine: str, field_name: str, what: str) -> RequestError:
+def lacks(engine: str, field_name: str, what: str) -> EngineLacks:
     """The 400 for a request field ``engine`` does not honour (``what`` it would ask for)."""
-    return RequestError(
+    return EngineLacks(
         f"'{field_name}' is not supported by engine {engine}, which serves this model "
         f"({what}); remove it, or send it to a model served by the kunlun engine",
         location=Location("request", field=field_name),

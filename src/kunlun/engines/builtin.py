@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
+from pathlib import Path
 from typing import Any
 
 from kunlun.device.registry import known_device_types, load_plugins
+from kunlun.engine.gguf_source import kept_quantization
 from kunlun.engines.adapter import (
     Availability,
     EngineAdapter,
@@ -163,6 +166,26 @@ class LlamaCppEngine(TableEngine):
 
     def request_body(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         return _llama_cpp_body(payload)
+
+    def prepare_model(
+        self, plan: ExecutionPlan, path: Path, model_dir: Path, plan_dir: Path
+    ) -> tuple[Path, list[str]]:
+        """``quantization: none``: an unquantized GGUF in the plan's dtype
+        (:mod:`kunlun.engines.gguf_export`), so llama.cpp computes what the plan says. A
+        plan quantized as the model's own checkpoint (a GGUF imported with its 4-bit blocks
+        kept, served as w4a16) runs the GGUF file itself: llama.cpp's own block types,
+        activations quantized to 8 bits inside its dot products. Any other quantization is
+        Kunlun's own and refused by name."""
+        if plan.quantization == "none":
+            out = plan_dir / f"llama-cpp-{plan.dtype}.gguf"
+            return out, [sys.executable, "-m", "kunlun.engines.gguf_export", "--source",
+                         str(path), "--out", str(out), "--dtype", plan.dtype, "--"]  # fmt: skip
+        if plan.quantization == kept_quantization(model_dir):
+            return path, []
+        raise self.refuse("quantization", plan.quantization,
+                          "llama.cpp computes a GGUF file's own types; serve the model "
+                          "unquantized (quantization: none) or imported with its 4-bit "
+                          "blocks kept")  # fmt: skip
 
     def probe(self, requirement: str) -> Availability:
         found = binary_available(requirement)

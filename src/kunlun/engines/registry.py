@@ -14,6 +14,7 @@ model format, device type).
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from dataclasses import dataclass, field
 from functools import cache
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kunlun.engine.gguf_source import gguf_source
-from kunlun.engines.adapter import EngineAdapter, EngineCommand, LaunchContext
+from kunlun.engines.adapter import EngineAdapter, EngineCommand, LaunchContext, find_binary
 from kunlun.errors import ConfigError, Location
 
 if TYPE_CHECKING:
@@ -210,14 +211,21 @@ def choose_plan_engines(
 
 def external_command(
     plan: ExecutionPlan, model_path: str | Path, served_name: str, num_threads: int,
-    log_file: Path,
+    log_file: Path, plan_dir: Path,
 ) -> EngineCommand:  # fmt: skip
     """The command of one replica of ``plan`` on its external engine (``plan.engine``),
-    listening on a free loopback port, its output appended to ``log_file``."""
+    listening on a free loopback port, its output appended to ``log_file``: the engine's
+    program (found on PATH or beside this interpreter), after whatever the engine needs
+    done to the model first (:meth:`~kunlun.engines.adapter.EngineAdapter.prepare_model`,
+    e.g. an unquantized GGUF written into ``plan_dir``)."""
     engine = _registered().engines[plan.engine]
-    context = LaunchContext(model_path_for(engine, model_path), served_name, free_port(),
-                            log_file, num_threads=num_threads)  # fmt: skip
-    return engine.command(plan, context)
+    served, first = engine.prepare_model(plan, model_path_for(engine, model_path),
+                                         Path(model_path), plan_dir)  # fmt: skip
+    context = LaunchContext(served, served_name, free_port(), log_file,
+                            num_threads=num_threads)  # fmt: skip
+    command = engine.command(plan, context)
+    program, *args = command.argv
+    return dataclasses.replace(command, argv=[*first, find_binary(program) or program, *args])
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -98,13 +98,6 @@ class Worker:
         """The external engine's command, or None for the embedded engine's worker."""
         return self.launch if isinstance(self.launch, EngineCommand) else None
 
-    @property
-    def probe_path(self) -> str:
-        """What liveness probes ask: the worker's ``/stats``, an external engine's ready path."""
-        if self.command is not None and self.command.ready_path:
-            return self.command.ready_path
-        return "/stats"
-
 
 class NodeAgent:
     """Starts, watches, restarts and stops engine workers."""
@@ -155,7 +148,9 @@ class NodeAgent:
         directory and memory cap are."""
         ready_file = self.run_dir / f"{replica.replica_id}.ready.json"
         sandbox = self.sandbox.for_worker(replica.replica_id, memory_cap_mb)
-        log = launch.log_file if isinstance(launch, EngineCommand) else None
+        log = None
+        if isinstance(launch, EngineCommand):
+            log, replica.stats_path = launch.log_file, launch.ready_path or replica.stats_path
         worker = Worker(replica, launch, env, log or self.log_path(replica.workload_id),
                         ready_file, sandbox)  # fmt: skip
         self.workers[replica.replica_id] = worker
@@ -245,7 +240,7 @@ class NodeAgent:
         try:
             try:
                 stats = await probe(client, w.replica.base_url, self.liveness.probe_timeout_s,
-                                    w.probe_path)  # fmt: skip
+                                    w.replica.stats_path)  # fmt: skip
             except (httpx.HTTPError, ValueError) as exc:
                 stats, why = None, f"{type(exc).__name__}: {exc}".rstrip(": ")
             if w.proc is not proc or w.liveness is None or w.stopping:

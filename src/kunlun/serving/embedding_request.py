@@ -8,7 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from kunlun.serving.protocol import StrictModel, TokenIds
+from kunlun.errors import RequestError
+from kunlun.serving.protocol import StrictModel, TokenIds, param_error
 
 
 class EmbeddingRequest(StrictModel):
@@ -30,3 +31,12 @@ class EmbeddingRequest(StrictModel):
     def inputs(self) -> list[str | list[int]]:
         """The inputs, in order."""
         return [self.input] if self.single else list(self.input)  # type: ignore[list-item,arg-type]
+
+
+def served_for_generation(model: str) -> RequestError:
+    """The 400 for ``/v1/embeddings`` to a model served for generation."""
+    return param_error(
+        "model",
+        f"model {model!r} is served for generation (task generate), not embeddings; serve it "
+        "with --task embed (or task: embed in its workload spec) for /v1/embeddings",
+    )

@@ -33,7 +33,7 @@ from fastapi.responses import Response
 from kunlun.engine.launch import Pooling, Task
 from kunlun.engine.pooling import check_input, input_limit
 from kunlun.errors import Location, PromptTooLong, RequestError
-from kunlun.serving.embedding_request import EmbeddingRequest
+from kunlun.serving.embedding_request import EmbeddingRequest, served_for_generation
 from kunlun.serving.protocol import param_error, parse_request
 from kunlun.serving.worker_app import (
     PROMPT_BYTES_MARGIN,
@@ -91,12 +91,7 @@ class Embeddings:
         req = await _off_loop_if_large(raw, parse_request, EmbeddingRequest, raw)
         self.worker._check_model(req.model)
         if self.task != "embed":
-            raise param_error(
-                "model",
-                f"model {req.model!r} is served for generation (task generate), not "
-                "embeddings; serve it with --task embed (or task: embed in its workload spec) "
-                "for /v1/embeddings",
-            )
+            raise served_for_generation(req.model)
         await self.worker.faults.apply(request.headers)
         cut = self._dimensions(req.dimensions)
         inputs = await _off_loop_if_large(raw, self._token_ids, req)

@@ -15,9 +15,11 @@ from pydantic import BaseModel
 
 from kunlun import json_text
 from kunlun.engines.registry import engine_named
-from kunlun.errors import Location, RequestError
+from kunlun.errors import EngineLacks, Location
+from kunlun.serving.embedding_request import served_for_generation
 from kunlun.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
+EMBEDDINGS_PATH = "/v1/embeddings"
 _REQUESTS: dict[str, type[BaseModel]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
@@ -28,8 +30,10 @@ def external_body(engine_name: str, path: str, body: bytes) -> bytes:
     """``body`` for ``path`` as engine ``engine_name`` takes it, or the 400 that refuses it."""
     engine = engine_named(engine_name)
     request = _REQUESTS.get(path)
+    if path == EMBEDDINGS_PATH:  # external engines serve generation only
+        raise served_for_generation(json_text.loads(body).get("model", ""))
     if request is None or path not in engine.serves:
-        raise RequestError(
+        raise EngineLacks(
             f"{path} is not served by engine {engine.name}, which serves this model "
             f"(it answers {', '.join(engine.serves)})",
             location=Location("request", field="path"),

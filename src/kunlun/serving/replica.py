@@ -38,6 +38,9 @@ class Replica:
     engine: str = "kunlun"
     """The engine serving it: Kunlun's own worker, or an external server (``llama.cpp``,
     ``vllm``, ``sglang``) whose requests the gateway checks against what it supports."""
+    stats_path: str = "/stats"
+    """What liveness and health checks read besides a probe: the worker's engine counters;
+    an external engine's health path (its answer, liveness only)."""
     task: str = "generate"
     """What its model is served for: ``generate`` or ``embed`` (``/v1/embeddings`` only)."""
     """When its workload was created (Unix seconds): ``created`` of ``GET /v1/models``."""

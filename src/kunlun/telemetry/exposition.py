@@ -150,8 +150,8 @@ def _replica_families(
     keys = ["model", "replica", "priority"]
     info = _gauge(
         "kunlun_replica_info",
-        "One series per replica (value 1) naming its workload, device and device type.",
-        [*keys, "workload", "device", "device_type"],
+        "One series per replica (value 1) naming its workload, device, device type and engine.",
+        [*keys, "workload", "device", "device_type", "engine"],
     )
     ready = _gauge("kunlun_replica_ready", "1 when the replica takes requests.", keys)
     depth = _gauge(
@@ -178,7 +178,9 @@ def _replica_families(
     for replica, text in zip(replicas, scraped, strict=True):
         values = [replica.model, replica.replica_id, replica.priority]
         device_type = replica.device.split(":", 1)[0]
-        info.add_metric([*values, replica.workload_id, replica.device, device_type], 1)
+        info.add_metric(
+            [*values, replica.workload_id, replica.device, device_type, replica.engine], 1
+        )
         ready.add_metric(values, 1 if replica.ready else 0)
         depth.add_metric(values, replica.in_flight)
         limit.add_metric(values, replica.max_queue)

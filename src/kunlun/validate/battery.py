@@ -29,8 +29,8 @@ from kunlun.validate import (
     tool_calling,
 )
 from kunlun.validate.check import Check, Context, Settings
-from kunlun.validate.client import CheckFailed, TargetClient
-from kunlun.validate.matrix import Cell, Column, Matrix, Row, failed, passed, skipped
+from kunlun.validate.client import LACKED, CheckFailed, TargetClient
+from kunlun.validate.matrix import Cell, Column, Matrix, Row, Status, failed, passed, skipped
 
 GARBAGE = Row("quality.garbage", "garbage detector (every answer)")
 ROUTING = Row("quality.routing", "X-Kunlun-Device")
@@ -145,12 +145,18 @@ def unreachable(client: TargetClient) -> str | None:
 def run_check(check: Check, ctx: Context) -> Cell:
     """One cell; a check that cannot go on is a FAIL naming why."""
     started = time.monotonic()
+    lacked: list[str] = []
+    token = LACKED.set(lacked)
     try:
         cell = check.run(ctx)
     except CheckFailed as exc:
         cell = failed(exc.figure, exc.detail)
     except Exception as exc:  # a bug of the validator or an answer it could not read
         cell = failed("check error", f"{type(exc).__name__}: {exc}")
+    finally:
+        LACKED.reset(token)
+    if cell.status is Status.FAIL and lacked:  # not this engine's feature: said, not failed
+        cell = skipped(f"the engine serving it lacks {', '.join(dict.fromkeys(lacked))}")
     cell.metrics.setdefault("seconds", round(time.monotonic() - started, 2))
     return cell
 

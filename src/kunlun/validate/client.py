@@ -17,14 +17,33 @@ import json
 import threading
 import time
 from collections import Counter
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from kunlun.errors import EngineLacks
 from kunlun.validate.garbage import garbage_reasons
 from kunlun.validate.matrix import Column
 from kunlun.validate.target import DEVICE_HEADER, POOL_HEADER
+
+LACKED: ContextVar[list[str] | None] = ContextVar("kunlun_validate_lacked", default=None)
+"""The request fields (or routes) the engine serving the model refused as ones it lacks
+(errors coded :attr:`EngineLacks.code`) during the current check; set by
+:func:`~kunlun.validate.battery.run_check`."""
+
+
+def _note_lacked(resp: httpx.Response) -> None:
+    noted = LACKED.get()
+    if noted is None:
+        return
+    try:
+        error = resp.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return
+    if isinstance(error, dict) and error.get("code") == EngineLacks.code:
+        noted.append(str(error.get("param")))
 
 
 class CheckFailed(Exception):
@@ -261,7 +280,10 @@ class TargetClient:
 
     def saw(self, path: str, resp: httpx.Response) -> None:
         """Count the device a completion was answered from (errors and model lists are
-        answered by the gateway itself, without one)."""
+        answered by the gateway itself, without one); note a field the serving engine lacks
+        (:func:`engine_lacked`)."""
+        if resp.status_code == 400:
+            _note_lacked(resp)
         if resp.status_code == 200 and path.endswith("completions"):
             with self._lock:
                 self.devices[resp.headers.get(DEVICE_HEADER, "")] += 1

@@ -259,7 +259,7 @@ class WorkloadManager:
         if plan.engine != DEFAULT_ENGINE:  # an external engine's own server
             replica.engine = plan.engine
             command = external_command(plan, model_dir, record.name, int(threads),
-                                       self.agent.log_path(record.workload_id))  # fmt: skip
+                                       self.agent.log_path(record.workload_id), plan_dir)  # fmt: skip
             self.agent.note(record.workload_id, "engine: " + shlex.join(command.argv))
             self.agent.launch(replica, command, {**env, **command.env}, memory_cap_mb=cap_mb)
             return
@@ -308,6 +308,7 @@ class WorkloadManager:
                     {
                         "replica_id": r.replica_id,
                         "device": r.device,
+                        "engine": r.engine,
                         "ranks": (worker.info if worker else {}).get("ranks", []),
                         "ready": r.ready,
                         "pid": r.pid,

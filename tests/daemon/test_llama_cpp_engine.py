@@ -1,0 +1,176 @@
+"""The demo GGUF served by llama.cpp's own server (``engine: llama.cpp``) behind the daemon.
+
+The node agent starts the real ``llama-server`` (``make llama-server`` builds it) on the demo
+model's original Q4_1 file, and the gateway relays to it with the same keys, admission and
+metrics as for the embedded engine. The openai SDK tests of the gateway that do not depend on
+the embedded engine's own routes or fields run here unchanged against it (imported from
+test_api, with this module's ``daemon``); the rest of this file checks what differs: fields
+llama.cpp lacks are a 400 naming them, its own metrics appear in the daemon's ``/metrics``,
+and ``validate`` passes. The plan says ``fp32, quantization none``, so llama.cpp serves an
+unquantized copy of the file (:mod:`kunlun.engines.gguf_export`), made in the replica's
+own process before the server starts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from tests.daemon.conftest import (
+    Daemon,
+    assert_validate_passes,
+    free_port,
+    new_home,
+    patient_queue,
+    submit_demo,
+    wait_ready,
+)
+from tests.daemon.test_api import (  # noqa: F401 - collected here, against llama.cpp
+    test_32_concurrent_streams,
+    test_bad_parameters_of_platform_routes_answer_400_naming_the_field,
+    test_chat_answers_paris,
+    test_errors_in_openai_shape,
+    test_model_cards_health_and_routing_errors_in_openai_shape,
+    test_streaming_chat,
+    test_structured_output_through_the_sandboxed_worker,
+    test_worker_killed_mid_stream,
+)
+
+from kunlun.engines.adapter import find_binary
+
+pytestmark = pytest.mark.skipif(
+    find_binary("llama-server") is None, reason="llama-server is not built (make llama-server)"
+)
+HELLO = [{"role": "user", "content": "Say hello to the reader."}]
+
+
+@pytest.fixture(scope="module")
+def daemon(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A daemon whose only workload serves the demo model as ``smollm2`` on llama.cpp."""
+    home = patient_queue(new_home(models_home, tmp_path_factory, "llama-cpp-home"))
+    d = Daemon(home, free_port())
+    d.start(wait_ready=False)
+    d.job = submit_demo(d, "engine: llama.cpp\n")  # type: ignore[attr-defined]
+    wait_ready(d)
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def client(daemon: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_the_workload_runs_llama_server_on_the_original_gguf(daemon: Daemon) -> None:
+    described = daemon.describe(daemon.job)  # type: ignore[attr-defined]
+    assert described["state"] == "RUNNING"
+    assert described["placement"]["engine"]["chosen"] == "llama.cpp"
+    logs = daemon.cli("workload", "logs", daemon.job)  # type: ignore[attr-defined]
+    (line,) = [x for x in logs.stdout.splitlines() if x.startswith("engine: ")]
+    argv = line.removeprefix("engine: ").split()
+    assert "kunlun.engines.gguf_export" in argv and argv[argv.index("--source") + 1].endswith(
+        ".Q4_1.gguf"
+    )
+    server = argv[argv.index("--") + 1 :]
+    assert Path(server[0]).name == "llama-server"
+    assert server[server.index("--model") + 1].endswith("llama-cpp-fp32.gguf")
+    assert "conversion: SmolLM2-135M-Instruct.Q4_1.gguf -> " in logs.stdout
+    assert argv[argv.index("--parallel") + 1] == "8" and "--cont-batching" in argv
+    assert argv[argv.index("--ctx-size") + 1] == str(8 * 1024)  # 8 slots of max_model_len
+    reply = httpx.post(daemon.url + "/v1/completions", timeout=120,
+                       json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["x-kunlun-device"] == "cpu:0"
+    assert reply.headers["x-kunlun-replica"] == f"{daemon.job}-r0"  # type: ignore[attr-defined]
+
+
+def test_chat_stream_and_whole_answer_agree_with_usage(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model="smollm2", messages=HELLO, max_tokens=12,
+                                          temperature=0)  # fmt: skip
+    assert full.choices[0].message.content and full.usage is not None
+    assert full.usage.completion_tokens == 12 and full.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(
+        model="smollm2", messages=HELLO, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}))  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_seed_stop_and_logprobs(client: openai.OpenAI) -> None:
+    def sample() -> str:
+        resp = client.completions.create(model="smollm2", prompt="Once upon a time",
+                                         max_tokens=12, temperature=1.0, seed=7)  # fmt: skip
+        return resp.choices[0].text
+
+    assert sample() == sample()  # the same seed, the same tokens
+    stopped = client.completions.create(model="smollm2", prompt="Counting: 1, 2, 3,",
+                                        max_tokens=20, temperature=0, stop=[" 6"])  # fmt: skip
+    assert stopped.choices[0].finish_reason == "stop" and "6" not in stopped.choices[0].text
+    chat = client.chat.completions.create(model="smollm2", messages=HELLO, max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 4
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"echo": True}, "echo"),
+        ({"guided_regex": "[0-9]+"}, "guided_regex"),
+        ({"stream": True, "stream_options": {"include_usage": True,
+                                             "continuous_usage_stats": True}},
+         "stream_options.continuous_usage_stats"),
+        ({"temperature": 9}, "temperature"),  # Kunlun's own range check, before the engine
+        ({"promt": "x"}, "promt"),  # unknown fields are refused, not passed on
+    ],
+)  # fmt: skip
+def test_what_llama_cpp_lacks_is_a_400_naming_the_field(
+    daemon: Daemon, extra: dict[str, object], param: str
+) -> None:
+    body = {"model": "smollm2", "prompt": "Hi", "max_tokens": 2, **extra}
+    resp = httpx.post(daemon.url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    chat = httpx.post(daemon.url + "/v1/chat/completions", timeout=60,
+                      json={"model": "smollm2", "messages": HELLO, "tools": tools})  # fmt: skip
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "tools"
+    assert "engine llama.cpp" in chat.json()["error"]["message"]
+    sglang = httpx.post(daemon.url + "/generate", json={"model": "smollm2", "text": "Hi"})
+    assert sglang.status_code == 400 and "engine llama.cpp" in sglang.text
+
+
+def test_vllm_spellings_are_worded_for_llama_cpp(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}  # fmt: skip
+    resp = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Give a number as JSON."}],
+        max_completion_tokens=24, temperature=0,
+        extra_body={"guided_json": schema, "repetition_penalty": 1.1},
+    )  # fmt: skip
+    assert resp.choices[0].finish_reason == "stop", resp
+    assert isinstance(json.loads(resp.choices[0].message.content or "")["n"], int)
+
+
+def test_llama_cpp_metrics_are_in_the_daemon_metrics(client: openai.OpenAI, daemon: Daemon) -> None:
+    client.completions.create(model="smollm2", prompt="Hi", max_tokens=3)
+    text = daemon.get("/metrics").text
+    replica = f'replica="{daemon.job}-r0"'  # type: ignore[attr-defined]
+    predicted = [x for x in text.splitlines()
+                 if x.startswith("llamacpp:tokens_predicted_total{") and replica in x]  # fmt: skip
+    assert predicted and float(predicted[0].rsplit(" ", 1)[1]) >= 3
+    info = [x for x in text.splitlines() if x.startswith("kunlun_replica_info{") and replica in x]
+    assert info and 'engine="llama.cpp"' in info[0]
+
+
+def test_validate_passes_on_llama_cpp(daemon: Daemon, tmp_path: Path) -> None:
+    assert_validate_passes(daemon, "smollm2", tmp_path / "validate")
