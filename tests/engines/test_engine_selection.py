@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import tomllib
 from pathlib import Path
 
@@ -154,7 +155,7 @@ def manager(tmp_path: Path) -> WorkloadManager:
     return WorkloadManager(store, agent, ReplicaSet(), lambda: node("mixed"))
 
 
-def test_submit_refuses_an_installed_external_engine_it_cannot_launch_yet(
+def test_submit_launches_an_external_engine_through_the_node_agent(
     site: Path, tmp_path: Path
 ) -> None:
     fake_install(site, "vllm")
@@ -162,10 +163,17 @@ def test_submit_refuses_an_installed_external_engine_it_cannot_launch_yet(
     spec = WorkloadSpec(model="Qwen2-0.5B", device="nvidia:0", engine="vllm")
     placement = workloads.plan(spec)
     assert placement.plans[0].engine == "vllm"  # planned: vLLM is installed and takes it
-    with pytest.raises(ConfigError) as err:
-        workloads.submit(spec)
-    assert "engine vllm: launching external engines is not built yet" in err.value.message
-    assert workloads.store.list_workloads() == []
+    record = workloads.submit(spec)
+    (worker,) = workloads.agent.workers.values()
+    command = worker.command
+    assert command is not None and command.engine == "vllm"
+    assert command.argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    assert command.argv[command.argv.index("--served-model-name") + 1] == "Qwen2-0.5B"
+    assert worker.env["CUDA_VISIBLE_DEVICES"] == "0"  # the plan's visibility, from its plugin
+    assert worker.replica.engine == "vllm" and worker.replica.stats_path == "/health"
+    assert worker.log_path == workloads.agent.log_path(record.workload_id)
+    workloads.stop(record.workload_id)
+    assert workloads.agent.workers == {}
     dry = workloads.submit(WorkloadSpec(model="Qwen2-0.5B", device="nvidia:0"), dry_run=True)
     assert dry.placement["engine"]["chosen"] == "kunlun"
 
@@ -183,7 +191,7 @@ def test_plan_explain_shows_the_engine_chosen_and_every_engine_rejected(tmp_path
     proc = cli("--model", "Qwen2-0.5B", *mixed(), "--device", "nvidia:0", "--explain",
                home=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert "engine: kunlun (auto: kunlun, the embedded engine, runs hf models on nvidia)" in (
+    assert "engine: kunlun (auto: kunlun, the embedded engine, runs this model on nvidia)" in (
         proc.stdout
     )
     assert "Engines not chosen" in proc.stdout and "llama.cpp" in proc.stdout

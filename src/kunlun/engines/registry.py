@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import sys
 from dataclasses import dataclass, field
 from functools import cache
 from importlib.metadata import entry_points
@@ -225,7 +226,9 @@ def external_command(
                             num_threads=num_threads)  # fmt: skip
     command = engine.command(plan, context)
     program, *args = command.argv
-    return dataclasses.replace(command, argv=[*first, find_binary(program) or program, *args])
+    # "python": the interpreter the engine's module was found importable in (this one)
+    program = sys.executable if program == "python" else find_binary(program) or program
+    return dataclasses.replace(command, argv=[*first, program, *args])
 
 
 def free_port(host: str = "127.0.0.1") -> int:
