@@ -71,7 +71,7 @@ def test_llama_cpp_serves_what_the_plan_says(tmp_path: Path) -> None:
                      str(source), "--out", str(served), "--dtype", "fp32", "--"]  # fmt: skip
     with pytest.raises(ConfigError) as refused:
         engine.prepare_model(cpu_plan("w8a8"), source, model_dir, plan_dir)
-    assert refused.value.message.startswith("quantization: engine llama.cpp cannot run")
+    assert str(refused.value).startswith("quantization: engine llama.cpp cannot run")
     (model_dir / MARKER).write_text(json.dumps({"source": str(source), "output": {
         "dtype": "bf16", "keep_quantized": True}}))  # fmt: skip
     kept = cpu_plan("w4a16")
