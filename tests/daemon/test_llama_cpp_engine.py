@@ -41,6 +41,7 @@ from tests.daemon.test_api import (  # noqa: F401 - collected here, against llam
 )
 
 from kunlun.engines.adapter import find_binary
+from kunlun.engines.builtin import LlamaCppEngine
 
 pytestmark = pytest.mark.skipif(
     find_binary("llama-server") is None, reason="llama-server is not built (make llama-server)"
@@ -170,6 +171,11 @@ def test_llama_cpp_metrics_are_in_the_daemon_metrics(client: openai.OpenAI, daem
     assert predicted and float(predicted[0].rsplit(" ", 1)[1]) >= 3
     info = [x for x in text.splitlines() if x.startswith("kunlun_replica_info{") and replica in x]
     assert info and 'engine="llama.cpp"' in info[0]
+    # the health checker reads the server's progress from its own metrics, as from /stats
+    (described,) = daemon.describe(daemon.job)["replicas"]  # type: ignore[attr-defined]
+    own = httpx.get(described["base_url"] + "/metrics", timeout=30).text
+    progress = LlamaCppEngine().progress(own)
+    assert progress["num_steps"] >= 3 and progress["num_unfinished_requests"] == 0
 
 
 def test_validate_passes_on_llama_cpp(daemon: Daemon, tmp_path: Path) -> None:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from kunlun.errors import ConfigError, EngineLacks, Location
 from kunlun.planner.plan import ExecutionPlan
 
@@ -75,6 +77,10 @@ class EngineCommand:
     another way (the embedded worker writes a ready file)."""
     metrics_path: str | None
     """HTTP path of the engine's own Prometheus metrics, or None."""
+    stats_path: str | None
+    """What liveness and health checks read for the engine's progress: its metrics when the
+    adapter reads progress from them (:meth:`EngineAdapter.progress`), else its ready path
+    (liveness only)."""
     log_file: Path
     """Where the process's stdout and stderr go."""
     stop_signal: signal.Signals = signal.SIGTERM
@@ -101,6 +107,25 @@ class EngineAdapter(ABC):
     def command(self, plan: ExecutionPlan, context: LaunchContext) -> EngineCommand:
         """The command of one replica of ``plan``; a plan setting the engine cannot express is
         a :class:`~kunlun.errors.ConfigError` naming the engine, the field and the value."""
+
+    progress_metrics: dict[str, tuple[str, ...]] = {}
+    """The engine's own metric series whose sums are the worker's ``/stats`` counters
+    ``num_steps`` and ``num_unfinished_requests``, so that the health checker tells a busy
+    engine from a stalled one; empty: the engine's health answer is liveness only."""
+
+    def progress(self, metrics_text: str) -> dict[str, Any]:
+        """The engine's progress counters from its ``/metrics`` text (see
+        :attr:`progress_metrics`); a counter none of whose series is there is left out."""
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(metrics_text):
+            for sample in family.samples:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+        out: dict[str, Any] = {}
+        for counter, names in self.progress_metrics.items():
+            found = [values[n] for n in names if n in values]
+            if found:
+                out[counter] = int(sum(found))
+        return out
 
     serves: tuple[str, ...] = ("/v1/chat/completions", "/v1/completions")
     """The gateway's inference paths this engine answers (an external engine's requests are

@@ -97,6 +97,7 @@ class TableEngine(EngineAdapter):
             port=context.port,
             ready_path="/health",
             metrics_path="/metrics",
+            stats_path="/metrics" if self.progress_metrics else "/health",
             log_file=context.log_file,
             stop_signal=signal.SIGTERM,
             stop_grace_s=30.0,
@@ -163,6 +164,10 @@ class LlamaCppEngine(TableEngine):
 
     name = "llama.cpp"
     formats = ("gguf",)
+    progress_metrics = {  # noqa: RUF012 - read only
+        "num_steps": ("llamacpp:n_decode_total",),
+        "num_unfinished_requests": ("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+    }
 
     def request_body(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         return _llama_cpp_body(payload)
@@ -298,6 +303,7 @@ class KunlunEngine(EngineAdapter):
             port=context.port,
             ready_path=None,
             metrics_path="/metrics",
+            stats_path="/stats",
             log_file=context.log_file,
             notes=["ready when the worker writes its ready file (kunlun.node.agent)"],
         )

@@ -150,7 +150,7 @@ class NodeAgent:
         sandbox = self.sandbox.for_worker(replica.replica_id, memory_cap_mb)
         log = None
         if isinstance(launch, EngineCommand):
-            log, replica.stats_path = launch.log_file, launch.ready_path or replica.stats_path
+            log, replica.stats_path = launch.log_file, launch.stats_path or replica.stats_path
         worker = Worker(replica, launch, env, log or self.log_path(replica.workload_id),
                         ready_file, sandbox)  # fmt: skip
         self.workers[replica.replica_id] = worker
@@ -239,8 +239,9 @@ class NodeAgent:
         """Probe ``w`` once and act on the verdict (unless its process changed meanwhile)."""
         try:
             try:
-                stats = await probe(client, w.replica.base_url, self.liveness.probe_timeout_s,
-                                    w.replica.stats_path)  # fmt: skip
+                r = w.replica
+                stats = await probe(client, r.base_url, self.liveness.probe_timeout_s,
+                                    r.stats_path, r.engine)  # fmt: skip
             except (httpx.HTTPError, ValueError) as exc:
                 stats, why = None, f"{type(exc).__name__}: {exc}".rstrip(": ")
             if w.proc is not proc or w.liveness is None or w.stopping:

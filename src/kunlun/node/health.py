@@ -295,7 +295,7 @@ class HealthChecker:
         """Probe ``r`` once and act on the verdict (unless it was forgotten meanwhile)."""
         try:
             health = tracked.health
-            before = await self._stats(client, tracked.base_url, r.stats_path)
+            before = await self._stats(client, r)
             verdict = health.serving(before, time.monotonic())
             if verdict is not None:
                 if self._tracked.get(r.replica_id) is tracked:
@@ -304,7 +304,7 @@ class HealthChecker:
             answer = await self._generate(client, tracked.base_url, r.model, r.task)
             stats = None  # unread when neither /stats just now nor the probe was answered
             if before is not None or answer.answered:
-                stats = await self._stats(client, tracked.base_url, r.stats_path)
+                stats = await self._stats(client, r)
             if self._tracked.get(r.replica_id) is not tracked:
                 return
             now = time.monotonic()
@@ -346,13 +346,11 @@ class HealthChecker:
             return _Answer(False, True, f"200 without a completion: {response.text[:200]!r}")
         return _Answer(False, True, f"{response.status_code}: {_message(response)}")
 
-    async def _stats(
-        self, client: httpx.AsyncClient, base_url: str, path: str = "/stats"
-    ) -> dict[str, Any] | None:
+    async def _stats(self, client: httpx.AsyncClient, r: Replica) -> dict[str, Any] | None:
         timeout = self.config.stats_timeout_s
         try:
             async with asyncio.timeout(timeout):
-                return await read_stats(client, base_url, timeout, path)
+                return await read_stats(client, r.base_url, timeout, r.stats_path, r.engine)
         except (httpx.HTTPError, ValueError, TimeoutError):
             return None
 

@@ -90,13 +90,20 @@ class Liveness:
 
 
 async def probe(
-    client: httpx.AsyncClient, base_url: str, timeout_s: float, path: str = "/stats"
-) -> dict[str, Any]:
-    """The worker's ``GET /stats`` answer (an external engine's health ``path``: its JSON
-    object, liveness only); raises :class:`httpx.HTTPError` (or ValueError for a body that
-    is not a JSON object) when there is none within ``timeout_s``."""
+    client: httpx.AsyncClient, base_url: str, timeout_s: float, path: str = "/stats",
+    engine: str = "kunlun",
+) -> dict[str, Any]:  # fmt: skip
+    """The worker's ``GET /stats`` answer; for an external ``engine``, its ``path``: its
+    Prometheus ``/metrics`` read into the same counters
+    (:meth:`~kunlun.engines.adapter.EngineAdapter.progress`), or its health path's JSON
+    object (liveness only). Raises :class:`httpx.HTTPError` (or ValueError for a body that
+    is neither) when there is none within ``timeout_s``."""
     response = await client.get(base_url + path, timeout=timeout_s)
     response.raise_for_status()
+    if response.headers.get("content-type", "").startswith("text/plain"):
+        from kunlun.engines.registry import engine_named
+
+        return engine_named(engine).progress(response.text)
     stats = response.json()
     if not isinstance(stats, dict):
         raise ValueError(f"{path} answered {type(stats).__name__}, not a JSON object")
