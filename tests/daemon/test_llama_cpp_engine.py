@@ -14,11 +14,13 @@ own process before the server starts.
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 from tests.daemon.conftest import (
     Daemon,
@@ -180,3 +182,23 @@ def test_llama_cpp_metrics_are_in_the_daemon_metrics(client: openai.OpenAI, daem
 
 def test_validate_passes_on_llama_cpp(daemon: Daemon, tmp_path: Path) -> None:
     assert_validate_passes(daemon, "smollm2", tmp_path / "validate")
+
+
+def test_sigterm_drains_a_llama_cpp_stream_then_stops_its_server(daemon: Daemon) -> None:
+    """Last in this file: it stops the module's daemon."""
+    (replica,) = daemon.describe(daemon.job)["replicas"]  # type: ignore[attr-defined]
+    body = {"model": "smollm2", "prompt": "Count slowly:", "max_tokens": 48, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    lines: list[str] = []
+    with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=300) as resp:
+        for line in filter(None, resp.iter_lines()):
+            lines.append(line)
+            if len(lines) == 2:
+                daemon.signal(signal.SIGTERM)  # in flight: it must finish
+    assert lines[-1] == "data: [DONE]"
+    usage = json.loads(lines[-2].removeprefix("data: "))["usage"]
+    assert usage["completion_tokens"] == 48
+    assert daemon.proc is not None and daemon.proc.wait(120) == 0
+    assert not psutil.pid_exists(int(replica["pid"])) or (
+        psutil.Process(int(replica["pid"])).status() == psutil.STATUS_ZOMBIE
+    )
