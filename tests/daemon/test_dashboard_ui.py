@@ -210,3 +210,19 @@ def test_an_inference_key_sees_no_submit_or_stop(keyed: Any, browser: Any) -> No
     page.wait_for_function("document.getElementById('model').options.length > 0")
     watch.assert_local(daemon)
     context.close()
+
+
+def test_a_daemon_without_keys_explains_and_lets_in(daemon: Daemon, browser: Any) -> None:
+    context = browser.new_context()
+    page = context.new_page()
+    watch = Watch(page)
+    page.goto(daemon.url + "/ui/workloads")
+    assert page.url.endswith("/ui/login")
+    assert "no API keys" in page.text_content("#no-keys")
+    page.click("button[type=submit]")
+    page.wait_for_url("**/ui/devices")
+    assert page.locator("tr[data-device='cpu:0'] .status").text_content().split()[0] == "Ready"
+    page.goto(daemon.url + "/ui/workloads")
+    assert page.locator("#submit").count() == 1  # no keys: the admin API is open, so is the page
+    watch.assert_local(daemon)
+    context.close()
