@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from tests.daemon.conftest import SPEC, Daemon, free_port, new_home, wait_ready
 
@@ -224,5 +225,26 @@ def test_a_daemon_without_keys_explains_and_lets_in(daemon: Daemon, browser: Any
     assert page.locator("tr[data-device='cpu:0'] .status").text_content().split()[0] == "Ready"
     page.goto(daemon.url + "/ui/workloads")
     assert page.locator("#submit").count() == 1  # no keys: the admin API is open, so is the page
+    watch.assert_local(daemon)
+    context.close()
+
+
+def test_metrics_charts_have_data_after_requests(keyed: Any, browser: Any) -> None:
+    daemon, admin, _ = keyed
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key=admin, max_retries=0)
+    for _ in range(2):
+        client.chat.completions.create(model="smollm2", max_tokens=8,
+                                       messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
+    context, page, watch = login(browser, daemon, admin)
+    page.goto(daemon.url + "/ui/metrics")
+    for chart in ("ttft", "tpot", "tokens", "queue"):  # tokens/s needs two polls
+        page.wait_for_selector(f"#chart-{chart} polyline", state="attached", timeout=30_000)
+    page.wait_for_function(
+        "[...document.querySelectorAll('#chart-ttft polyline')].some(l => +l.dataset.points >= 2)"
+    )
+    ttft = page.locator("#chart-ttft polyline").first
+    assert ttft.get_attribute("data-series").endswith(("p50", "p99"))
+    assert "smollm2" in page.text_content("#legend")
+    shot(page, "metrics")
     watch.assert_local(daemon)
     context.close()

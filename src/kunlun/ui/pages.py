@@ -17,6 +17,7 @@ from starlette.routing import BaseRoute, Route
 
 from kunlun.telemetry.view import parse
 from kunlun.ui.app import ApiError, same_origin
+from kunlun.ui.metrics import metrics_json, metrics_page
 from kunlun.ui.session import Session
 
 if TYPE_CHECKING:
@@ -49,6 +50,8 @@ def routes(dashboard: Dashboard) -> list[BaseRoute]:
         Route("/ui/workloads/{workload_id}", guarded(workload)),
         Route("/ui/workloads/{workload_id}/stop", guarded(stop), methods=["POST"]),
         Route("/ui/playground", guarded(playground)),
+        Route("/ui/metrics", guarded(metrics_page)),
+        Route("/ui/metrics.json", guarded(metrics_json)),
     ]
 
 
