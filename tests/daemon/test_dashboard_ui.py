@@ -120,6 +120,9 @@ def test_admin_sees_devices_submits_a_workload_and_stops_it(keyed: Any, browser:
     assert admin not in cookie["value"]  # the key stays on the daemon
     assert stat.S_IMODE(os.stat(daemon.home / "ui-secret").st_mode) == 0o600
     assert page.evaluate("document.cookie") == ""  # HttpOnly: no script reads it
+    for path in ("/ui/call/api/v1/apikeys", "/ui/call/v1/../api/v1/apikeys"):
+        refused = page.request.get(daemon.url + path)  # only /v1 and /metrics pass through
+        assert refused.status == 403 and "apikeys" in refused.text()
     row = page.locator("tr[data-device='cpu:0']")
     assert row.locator(".status").text_content().split()[0] == "Ready"
     assert "MiB" in row.text_content() and "memory_total_mb" in row.text_content()

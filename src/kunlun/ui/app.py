@@ -158,7 +158,7 @@ class Dashboard:
             response: Response = JSONResponse({"error": {"message": "log in again",
                                                          "type": "authentication_error",
                                                          "param": None, "code": None}}, 401)  # fmt: skip
-        elif not target.startswith(CALLABLE) or not same_origin(request):
+        elif not _callable(target) or not same_origin(request):
             response = JSONResponse({"error": {"message": f"{target} is not callable from "
                                                "the dashboard", "type": "invalid_request_error",
                                                "param": None, "code": None}}, 403)  # fmt: skip
@@ -170,6 +170,13 @@ class Dashboard:
             await self.inner(inner, receive, send)
             return
         await response(scope, receive, send)
+
+
+def _callable(target: str) -> bool:
+    """Whether a :data:`CALL` target is one of :data:`CALLABLE`, with no ``..`` or empty
+    segment that could lead a path router elsewhere."""
+    parts = target.split("/")[1:]
+    return target.startswith(CALLABLE) and ".." not in parts and "" not in parts[:-1]
 
 
 def same_origin(request: Request) -> bool:
