@@ -344,8 +344,11 @@ def create_app(platform: Platform) -> FastAPI:
 
 
 def create_asgi(platform: Platform) -> ASGIApp:
-    """What the daemon serves: :func:`create_app` inside :func:`daemon_entry`."""
-    return daemon_entry(
+    """What the daemon serves: :func:`create_app` inside :func:`daemon_entry`, with the
+    dashboard (:mod:`kunlun.ui`, its own session check) in front at ``/ui``."""
+    from kunlun.ui import Dashboard
+
+    entry = daemon_entry(
         create_app(platform),
         platform.replicas,
         platform.gateway,
@@ -353,6 +356,7 @@ def create_asgi(platform: Platform) -> ASGIApp:
         platform.request_log,
         platform.allowed_origins,
     )
+    return Dashboard(entry, platform.keyring, platform.home)
 
 
 def daemon_entry(

@@ -1,0 +1,152 @@
+"""The dashboard's pages: Devices, Workloads (list, one workload, submit, stop), Playground.
+
+Each reads the daemon through :meth:`~kunlun.ui.app.Dashboard.api` (the admin API and
+``/metrics``, as the session's key), so what a page shows is what ``kunlun-cli`` shows and
+nothing is probed twice. A refused call (an ``inference`` key on an admin route) is shown as
+the daemon's message, in place of the data. Templates autoescape every value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from kunlun.telemetry.view import parse
+from kunlun.ui.app import ApiError, same_origin
+from kunlun.ui.metrics import metrics_json, metrics_page
+from kunlun.ui.session import Session
+
+if TYPE_CHECKING:
+    from kunlun.ui.app import Dashboard
+
+Page = Callable[["Dashboard", Request, Session], Awaitable[Response]]
+SUBMIT_FIELDS = ("model", "name", "engine", "batch_size", "max_model_len", "kv_cache_memory_mb")
+"""What the submit form takes; the whole numbers among them are :data:`WHOLE_FIELDS`."""
+WHOLE_FIELDS = frozenset({"batch_size", "max_model_len", "kv_cache_memory_mb"})
+LOG_LINES = 40
+"""The log lines a workload's page shows (its last ones)."""
+
+
+def routes(dashboard: Dashboard) -> list[BaseRoute]:
+    def guarded(page: Page) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            session = dashboard.session(request)
+            if session is None:
+                return RedirectResponse("/ui/login", 303)
+            if request.method == "POST" and not same_origin(request):
+                return Response("cross-site request refused", 403)
+            return await page(dashboard, request, session)
+
+        return endpoint
+
+    return [
+        Route("/ui/devices", guarded(devices)),
+        Route("/ui/workloads", guarded(workloads), methods=["GET"]),
+        Route("/ui/workloads", guarded(submit), methods=["POST"]),
+        Route("/ui/workloads/{workload_id}", guarded(workload)),
+        Route("/ui/workloads/{workload_id}/stop", guarded(stop), methods=["POST"]),
+        Route("/ui/playground", guarded(playground)),
+        Route("/ui/metrics", guarded(metrics_page)),
+        Route("/ui/metrics.json", guarded(metrics_json)),
+    ]
+
+
+async def devices(ui: Dashboard, request: Request, session: Session) -> Response:
+    error, rows = None, []
+    try:
+        inventory = await ui.api(request, session, "GET", "/api/v1/devices")
+        live = {
+            _device_key(r): r
+            for r in parse(await ui.api(request, session, "GET", "/metrics")).devices
+        }
+        for device in inventory:
+            rows.append({**device, "live": live.get(device["id"], {})})
+    except ApiError as exc:
+        error = exc.message
+    return ui.render("devices.html", session=session, devices=rows, error=error, page="devices")
+
+
+def _device_key(row: dict[str, Any]) -> str:
+    device = str(row.get("device", ""))
+    return device if ":" in device else f"{row.get('device_type')}:{device}"
+
+
+async def workloads(
+    ui: Dashboard,
+    request: Request,
+    session: Session,
+    form_error: ApiError | None = None,
+    form: dict[str, str] | None = None,
+) -> Response:
+    error, rows = None, []
+    try:
+        rows = await ui.api(request, session, "GET", "/api/v1/workloads")
+    except ApiError as exc:
+        error = exc.message
+    return ui.render("workloads.html", form_error.status if form_error else 200, session=session,
+                     workloads=rows, error=error, form_error=form_error, form=form or {},
+                     page="workloads")  # fmt: skip
+
+
+async def submit(ui: Dashboard, request: Request, session: Session) -> Response:
+    form = {k: str(v) for k, v in (await request.form()).items()}
+    try:
+        spec = submit_spec(form)
+        made = await ui.api(request, session, "POST", "/api/v1/workloads", spec)
+    except ApiError as exc:
+        return await workloads(ui, request, session, exc, form)
+    return RedirectResponse(f"/ui/workloads/{made['workload_id']}", 303)
+
+
+def submit_spec(form: dict[str, str]) -> dict[str, Any]:
+    """The workload spec the submit form describes; :class:`ApiError` naming a bad field
+    (the daemon's spec check names the rest)."""
+    unknown = sorted(set(form) - set(SUBMIT_FIELDS))
+    if unknown:
+        raise ApiError(400, f"unknown field {unknown[0]!r}", unknown[0])
+    spec: dict[str, Any] = {}
+    for field in SUBMIT_FIELDS:
+        value = form.get(field, "").strip()
+        if not value:
+            continue
+        if field in WHOLE_FIELDS:
+            if not value.isdigit() or int(value) < 1:
+                raise ApiError(400, f"{field}: must be a whole number of at least 1, got {value!r}",
+                               field)  # fmt: skip
+            spec[field] = int(value)
+        else:
+            spec[field] = value
+    if "model" not in spec:
+        raise ApiError(400, "model: required (the alias of a registered model)", "model")
+    return spec
+
+
+async def workload(ui: Dashboard, request: Request, session: Session) -> Response:
+    wid = request.path_params["workload_id"]
+    error, info, lines = None, None, []
+    try:
+        info = await ui.api(request, session, "GET", f"/api/v1/workloads/{wid}")
+        logs = await ui.api(request, session, "GET", f"/api/v1/workloads/{wid}/logs")
+        lines = logs["text"].splitlines()[-LOG_LINES:]
+    except ApiError as exc:
+        error = exc.message
+    restarts = sum(r.get("restarts", 0) for r in (info or {}).get("replicas", []))
+    return ui.render("workload.html", session=session, w=info, logs=lines, error=error,
+                     restarts=restarts, page="workloads")  # fmt: skip
+
+
+async def stop(ui: Dashboard, request: Request, session: Session) -> Response:
+    wid = request.path_params["workload_id"]
+    try:
+        await ui.api(request, session, "POST", f"/api/v1/workloads/{wid}/stop")
+    except ApiError as exc:
+        return await workloads(ui, request, session, exc)
+    return RedirectResponse("/ui/workloads", 303)
+
+
+async def playground(ui: Dashboard, request: Request, session: Session) -> Response:
+    return ui.render("playground.html", session=session, page="playground")

@@ -1,0 +1,84 @@
+// The Metrics page: poll /ui/metrics.json, keep the last points of each series, draw SVG
+// lines by hand. Names go in with textContent.
+"use strict";
+const POINTS = 90;
+const SVG = "http://www.w3.org/2000/svg";
+const COLORS = ["#2a5bd7", "#d7452a", "#17803d", "#a86400", "#7a3bd7", "#0f8a8a"];
+const history = {};  // chart -> series name -> [[t, value], ...]
+let last = null;
+
+const scaled = (v, k) => (v === null || v === undefined ? null : v * k);
+
+function push(chart, name, t, value) {
+  if (value === null || value === undefined || !isFinite(value)) return;
+  const charts = (history[chart] = history[chart] || {});
+  const points = (charts[name] = charts[name] || []);
+  points.push([t, value]);
+  if (points.length > POINTS) points.shift();
+}
+
+function draw(chart) {
+  const svg = document.getElementById("chart-" + chart);
+  while (svg.firstChild) svg.removeChild(svg.firstChild);
+  const series = history[chart] || {};
+  const all = Object.values(series).flat();
+  if (!all.length) return;
+  const t0 = Math.min(...all.map((p) => p[0])), t1 = Math.max(...all.map((p) => p[0]));
+  const top = Math.max(...all.map((p) => p[1])) || 1;
+  const x = (t) => 30 + (t1 > t0 ? ((t - t0) / (t1 - t0)) * 360 : 360);
+  const y = (v) => 150 - (v / top) * 135;
+  const label = document.createElementNS(SVG, "text");
+  label.setAttribute("x", "2"); label.setAttribute("y", "12");
+  label.textContent = top.toPrecision(3);
+  svg.appendChild(label);
+  Object.keys(series).sort().forEach((name, i) => {
+    const line = document.createElementNS(SVG, "polyline");
+    line.setAttribute("points", series[name].map((p) => `${x(p[0]).toFixed(1)},${y(p[1]).toFixed(1)}`).join(" "));
+    line.setAttribute("fill", "none");
+    line.setAttribute("stroke", COLORS[i % COLORS.length]);
+    line.setAttribute("stroke-width", "2");
+    line.dataset.series = name;
+    line.dataset.points = String(series[name].length);
+    const title = document.createElementNS(SVG, "title");
+    title.textContent = name;
+    line.appendChild(title);
+    svg.appendChild(line);
+  });
+}
+
+async function poll() {
+  const resp = await fetch("/ui/metrics.json");
+  const error = document.getElementById("metrics-error");
+  if (!resp.ok) {
+    error.textContent = ((await resp.json().catch(() => ({}))).error) || `HTTP ${resp.status}`;
+    error.hidden = false;
+    return;
+  }
+  error.hidden = true;
+  const now = await resp.json();
+  const legend = document.getElementById("legend");
+  while (legend.firstChild) legend.removeChild(legend.firstChild);
+  for (const [id, r] of Object.entries(now.replicas)) {
+    const name = `${id} (${r.model || "?"})`;
+    const item = document.createElement("li");
+    item.textContent = `${name} on ${r.device || "?"}`;
+    legend.appendChild(item);
+    const before = last && last.replicas[id];
+    if (before && r.generation_tokens != null && before.generation_tokens != null) {
+      push("tokens", name, now.ts, (r.generation_tokens - before.generation_tokens) / (now.ts - last.ts));
+    }
+    for (const q of ["p50", "p99"]) {
+      push("ttft", `${name} ${q}`, now.ts, scaled(r[`ttft_${q}_s`], 1000));
+      push("tpot", `${name} ${q}`, now.ts, scaled(r[`tpot_${q}_s`], 1000));
+    }
+    push("queue", name, now.ts, r.queue_depth);
+    push("kv", name, now.ts, scaled(r.kv_cache_usage, 100));
+  }
+  last = now;
+  for (const chart of ["tokens", "ttft", "tpot", "queue", "kv"]) draw(chart);
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  poll();
+  setInterval(poll, 2000);
+});

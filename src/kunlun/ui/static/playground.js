@@ -1,0 +1,117 @@
+// The Playground: a streaming chat through /ui/call (the daemon's /v1 API as the session's
+// key). Every piece of text goes in with textContent, never as HTML.
+"use strict";
+const $ = (id) => document.getElementById(id);
+
+function body() {
+  return {
+    model: $("model").value,
+    messages: [{ role: "user", content: $("prompt").value }],
+    temperature: Number($("temperature").value),
+    max_tokens: Number($("max_tokens").value),
+    stream: true,
+  };
+}
+
+function showCode() {
+  const b = body();
+  const json = JSON.stringify(b, null, 2).replace(/'/g, "'\\''");
+  $("curl").textContent =
+    `curl -N ${location.origin}/v1/chat/completions \\\n` +
+    `  -H "Authorization: Bearer $KUNLUN_API_KEY" -H "Content-Type: application/json" \\\n` +
+    `  -d '${json}'`;
+  $("python").textContent =
+    "import os\nfrom openai import OpenAI\n\n" +
+    `client = OpenAI(base_url="${location.origin}/v1", api_key=os.environ["KUNLUN_API_KEY"])\n` +
+    "stream = client.chat.completions.create(\n" +
+    `    model=${JSON.stringify(b.model)},\n` +
+    `    messages=${JSON.stringify(b.messages)},\n` +
+    `    temperature=${b.temperature}, max_tokens=${b.max_tokens}, stream=True,\n)\n` +
+    "for chunk in stream:\n" +
+    "    if chunk.choices:\n" +
+    '        print(chunk.choices[0].delta.content or "", end="", flush=True)\n';
+}
+
+function bubble(role, text) {
+  const div = document.createElement("div");
+  div.className = "msg " + role;
+  div.textContent = text;
+  $("transcript").appendChild(div);
+  return div;
+}
+
+function fail(message) {
+  $("chat-error").textContent = message;
+  $("chat-error").hidden = false;
+}
+
+async function send(event) {
+  event.preventDefault();
+  $("chat-error").hidden = true;
+  showCode();
+  const request = body();
+  bubble("user", request.messages[0].content);
+  const reply = bubble("assistant", "");
+  reply.dataset.chunks = "0";
+  $("send").disabled = true;
+  try {
+    const resp = await fetch("/ui/call/v1/chat/completions", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(request),
+    });
+    if (!resp.ok) {
+      const err = await resp.json().catch(() => ({}));
+      fail((err.error && err.error.message) || `HTTP ${resp.status}`);
+      return;
+    }
+    const reader = resp.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = buffer.indexOf("\n")) >= 0) {
+        const line = buffer.slice(0, cut).trim();
+        buffer = buffer.slice(cut + 1);
+        if (!line.startsWith("data:")) continue;
+        const data = line.slice(5).trim();
+        if (data === "[DONE]") continue;
+        const chunk = JSON.parse(data);
+        if (chunk.error) fail(chunk.error.message);
+        const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
+        if (delta && delta.content) {
+          reply.textContent += delta.content;
+          reply.dataset.chunks = String(Number(reply.dataset.chunks) + 1);
+        }
+      }
+    }
+    reply.dataset.done = "1";
+  } catch (e) {
+    fail(String(e));
+  } finally {
+    $("send").disabled = false;
+  }
+}
+
+async function loadModels() {
+  const resp = await fetch("/ui/call/v1/models");
+  if (!resp.ok) { fail(`models: HTTP ${resp.status}`); return; }
+  for (const m of (await resp.json()).data) {
+    const option = document.createElement("option");
+    option.value = m.id;
+    option.textContent = m.id;
+    $("model").appendChild(option);
+  }
+  showCode();
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("chat").addEventListener("submit", send);
+  for (const id of ["model", "temperature", "max_tokens", "prompt"]) {
+    $(id).addEventListener("input", showCode);
+  }
+  loadModels();
+});
