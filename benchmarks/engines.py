@@ -226,8 +226,10 @@ def main() -> None:
                 "llama_cpp": load.Target(f"http://127.0.0.1:{port}", LLAMA_NAME),
                 "kunlun_engine": load.Target(daemon.url, names["kunlun_engine"]),
             }
-            report["llama_server"] = {"argv": argv, "threads": env.get("OMP_NUM_THREADS"),
-                                      "version": _version(argv[0])}  # fmt: skip
+            running = psutil.Process(pid)
+            report["llama_server"] = {"argv": argv, "version": _version(argv[0]),
+                                      "nice": running.nice(),
+                                      "cpu_affinity": running.cpu_affinity()}  # fmt: skip
             report["plans"] = {side: daemon.describe(job)["placement"]["why"]
                                for side, job in jobs.items()}  # fmt: skip
             for side in SIDES:  # warm-up: one short run of each set
