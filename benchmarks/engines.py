@@ -118,6 +118,8 @@ def engine_argv(daemon: Daemon, job: str) -> tuple[list[str], dict[str, str], in
     as the agent finds it), the running process's environment, and its pid."""
     lines = (daemon.home / "logs" / f"{job}.log").read_text().splitlines()
     logged = shlex.split(next(ln for ln in lines if ln.startswith("engine: "))[len("engine: ") :])
+    if "--" in logged:  # the model file is made first (an unquantized GGUF), then exec'd
+        logged = logged[logged.index("--") + 1 :]
     program = find_binary(logged[0]) or logged[0]
     pid = int(daemon.describe(job)["replicas"][0]["pid"])
     running = psutil.Process(pid)
