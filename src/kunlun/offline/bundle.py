@@ -84,7 +84,10 @@ def build_installer(out: Path) -> Path:
             shutil.copyfile(package_root / module, target)
             os.utime(target, (_ZIP_TIME, _ZIP_TIME))
         (root / "__main__.py").write_text(_ZIP_MAIN)
-        os.utime(root / "__main__.py", (_ZIP_TIME, _ZIP_TIME))
+        # every entry's time fixed, folders too (zipapp stores them), so that two builds are
+        # byte for byte the same however far apart they run
+        for path in [root / "__main__.py", *(p for p in root.rglob("*") if p.is_dir())]:
+            os.utime(path, (_ZIP_TIME, _ZIP_TIME))
         zipapp.create_archive(root, out, interpreter="/usr/bin/env python3")
     return out
 
