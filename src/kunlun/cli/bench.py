@@ -6,12 +6,15 @@ import asyncio
 import json as jsonlib
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from kunlun.cli.output import console, err_console, handle_errors, print_json
 from kunlun.errors import ConfigError, Location
+
+if TYPE_CHECKING:
+    from kunlun.bench import load
 
 DEFAULT_OUT = Path("kunlun-bench")
 
@@ -83,6 +86,14 @@ def bench(
     json: Annotated[
         bool, typer.Option("--json", help="Print the JSON document, not the table.")
     ] = False,
+    record: Annotated[
+        bool,
+        typer.Option(
+            "--record",
+            help="Keep the sweep's output tokens/s in the Kunlun daemon at --endpoint, as the "
+            "measured speed of the workload named by --model (engine: auto picks by it).",
+        ),
+    ] = False,
 ) -> None:
     """Benchmark an OpenAI-compatible endpoint (streaming /v1/completions, fixed lengths).
 
@@ -117,3 +128,21 @@ def bench(
         console.print(f"wrote {out / 'bench.json'} and {chart}")
     if any(run["num_errors"] for run in doc["runs"]):
         raise SystemExit(1)
+    if record:
+        _record(target, doc)
+
+
+def _record(target: load.Target, doc: dict[str, Any]) -> None:
+    """Send the closed-loop runs' output tokens/s to the daemon (see ``--record``)."""
+    from kunlun.cli.client import DaemonClient
+
+    runs = [{"concurrency": run["concurrency"], "output_tokens_per_s": run["output_tokens_per_s"]}
+            for run in doc["runs"] if run.get("mode") == "concurrency"]  # fmt: skip
+    if not runs:
+        raise ConfigError("--record keeps the --concurrency sweep; this run had none",
+                          location=Location("--record"))  # fmt: skip
+    client = DaemonClient(target.base_url, api_key=target.api_key)
+    answer = client.post(f"/api/v1/workloads/{target.model}/measurements", json={"runs": runs})
+    kept = answer["measurement"]
+    console.print(f"recorded for model {answer['model']}: {kept['engine']} on "
+                  f"{kept['device_type']} at quantization {kept['quantization']}", markup=False)  # fmt: skip

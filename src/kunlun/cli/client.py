@@ -55,11 +55,13 @@ def state_client() -> DaemonClient | None:
 
 
 class DaemonClient:
-    def __init__(self, endpoint: str | None = None, timeout: float = 60.0) -> None:
+    def __init__(
+        self, endpoint: str | None = None, timeout: float = 60.0, api_key: str | None = None
+    ) -> None:
         self.endpoint = (endpoint or running_endpoint() or DEFAULT_ENDPOINT).rstrip("/")
         headers = {}
-        if os.environ.get("KUNLUN_API_KEY"):
-            headers["Authorization"] = f"Bearer {os.environ['KUNLUN_API_KEY']}"
+        if key := api_key or os.environ.get("KUNLUN_API_KEY"):
+            headers["Authorization"] = f"Bearer {key}"
         self._http = httpx.Client(base_url=self.endpoint, headers=headers, timeout=timeout)
 
     def request(self, method: str, path: str, *, shown: str | None = None, **kwargs: Any) -> Any:

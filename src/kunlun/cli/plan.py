@@ -30,6 +30,7 @@ from kunlun.planner.capacity import MEMORY_UTILIZATION
 from kunlun.planner.model_info import inspect_model, locate_model
 from kunlun.planner.plan import ExecutionPlan
 from kunlun.state.sqlite import SQLiteStore
+from kunlun.engines import measured
 from kunlun.workload.placement import Placement, place
 from kunlun.workload.spec import parse_spec
 
@@ -64,7 +65,8 @@ def plan(
               "memory_utilization": gpu_memory_utilization}  # fmt: skip
     spec = parse_spec({k: v for k, v in fields.items() if v is not None}, "command line")
     state = kunlun_home() / "state.db"
-    name, path = locate_model(SQLiteStore(state) if state.exists() else None, model)
+    store = SQLiteStore(state) if state.exists() else None
+    name, path = locate_model(store, model)
     info = inspect_model(path, name)
     inventory = build_inventory(config=config, replay=replay)
     if pool is not None:
@@ -75,7 +77,7 @@ def plan(
                 f"no {pool!r} devices; device types here: {', '.join(types) or 'none'}",
                 location=Location("--pool"),
             )
-    placement = place(spec, inventory, info)
+    placement = place(spec, inventory, info, measured=measured.for_model(store, name))
     if json:
         out: dict[str, Any] = {"model": info.to_dict(), **placement.to_dict()}
         out["alternatives"] = [r.to_dict() for r in placement.alternatives]

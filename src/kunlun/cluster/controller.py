@@ -36,6 +36,7 @@ from kunlun.errors import KunlunError
 from kunlun.planner.model_info import ModelInfo, inspect_model, locate_model
 from kunlun.state.store import EventRecord, StateStore, WorkloadRecord
 from kunlun.workload.manager import ACTIVE
+from kunlun.engines import measured
 from kunlun.workload.placement import place
 from kunlun.workload.spec import parse_spec
 
@@ -196,7 +197,8 @@ class Controller:
                 continue
             profiles = [DeviceProfile.from_dict(d) for d in nodes[name].get("devices") or []]
             try:
-                placement = place(spec, Inventory(profiles, []), model, reserved.get(name, []))
+                placement = place(spec, Inventory(profiles, []), model, reserved.get(name, []),
+                                  measured=measured.for_model(self.store, model.name))  # fmt: skip
             except KunlunError as exc:
                 rejected[name] = str(exc)
                 continue

@@ -34,6 +34,7 @@ from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.serving.routing import DeviceSample, DeviceSamples
 from kunlun.state.store import WorkloadRecord
 from kunlun.workload.manager import ACTIVE, WorkloadManager
+from kunlun.engines import measured
 from kunlun.workload.placement import place
 from kunlun.workload.spec import parse_spec
 
@@ -156,7 +157,8 @@ class LocalReplicas:
                 manager.guard.admit(name, path, rehash=True)
             model = inspect_model(path, name)
             others = [r for k, v in self.reservations.items() if k != rid for r in v]
-            placement = place(spec, manager.inventory(), model, others, starting=True)
+            placement = place(spec, manager.inventory(), model, others, starting=True,
+                              measured=measured.for_model(manager.store, name))  # fmt: skip
         except KunlunError as exc:
             self.failed[rid] = (wid, idx, str(exc))
             manager.event(wid, "failed-here", f"replica {idx} cannot run on {self.name}: {exc}")

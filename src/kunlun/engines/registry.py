@@ -7,9 +7,12 @@ the group (package metadata installed before the group existed: reinstall to ref
 still offered, with a note saying so.
 
 :func:`choose_engine` answers which engine runs a model of a format on a device type, and why
-every other engine was not chosen. In this slice ``auto`` is Kunlun's own engine whenever it
-can run the model there; the other engines are listed with their reasons (not installed,
-model format, device type).
+every other engine was not chosen. ``auto`` is the engine measured fastest for this model,
+device type and quantization (:mod:`kunlun.engines.measured`: ``kunlun-cli bench --record``)
+when at least two engines that can run it were measured; otherwise Kunlun's own engine (the
+plan's estimate is the same for every engine on one plan, and the embedded engine honours
+every API field). The other engines are listed with their reasons (not installed, model
+format, device type, measured slower).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib.metadata import entry_points
@@ -25,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from kunlun.engine.gguf_source import gguf_source
 from kunlun.engines.adapter import EngineAdapter, EngineCommand, LaunchContext, find_binary
+from kunlun.engines.measured import Measurement, faster_engine
 from kunlun.errors import ConfigError, Location
 
 if TYPE_CHECKING:
@@ -131,11 +136,14 @@ def choose_engine(
     device_type: str,
     model_formats: str | tuple[str, ...],
     loaded: LoadedEngines | None = None,
+    measured: Sequence[Measurement] = (),
+    quantization: str = "none",
 ) -> EngineChoice:
     """The engine for a model held in ``model_formats`` (``hf``; ``gguf`` too when the
     model was imported from a GGUF file still there) on ``device_type``: ``requested`` when it is
     an engine's name (a :class:`ConfigError` naming why when it cannot run it here), or for
-    ``auto`` Kunlun's own engine when it can; every other engine with its reason."""
+    ``auto`` the one ``measured`` fastest at the plan's ``quantization`` among those that can
+    run it, else Kunlun's own engine; every other engine with its reason."""
     loaded = loaded or _registered()
     engines = loaded.engines
     requested = canonical(requested)
@@ -146,12 +154,17 @@ def choose_engine(
             location=Location("engine"),
         )
     problems = {name: why_not(e, model_formats, device_type) for name, e in engines.items()}
+    verdict = None
     if requested == "auto":
-        chosen = DEFAULT_ENGINE
+        able = [name for name, problem in problems.items() if problem is None]
+        verdict = faster_engine(measured, able, device_type, quantization)
+        chosen = DEFAULT_ENGINE if verdict is None else verdict.engine
         problem = problems.get(chosen, "is not registered")
         if problem is not None:
             raise ConfigError(f"engine auto: {chosen} {problem}", location=Location("engine"))
-        why = f"auto: {chosen}, the embedded engine, runs this model on {device_type}"
+        why = (f"auto: {chosen}, the embedded engine, runs this model on {device_type}; no two "
+               "engines measured here (kunlun-cli bench --record)" if verdict is None
+               else f"auto: {chosen}, {verdict.why(device_type, quantization)}")  # fmt: skip
     else:
         chosen = requested
         if problems[chosen] is not None:
@@ -160,12 +173,16 @@ def choose_engine(
                 location=Location("engine"),
             )
         why = f"{chosen}: the spec's engine"
-    rejected = [
-        (name, problem or ("the spec asks for " + chosen if requested != "auto"
-                           else f"could run it; auto prefers {chosen} (set engine: {name})"))
-        for name, problem in problems.items()
-        if name != chosen
-    ]  # fmt: skip
+
+    def reason(name: str) -> str:
+        if requested != "auto":
+            return "the spec asks for " + chosen
+        if verdict is not None and name in verdict.rates:
+            return f"{verdict.slower(name)} (set engine: {name})"
+        return f"could run it; auto prefers {chosen} (set engine: {name})"
+
+    rejected = [(name, problem or reason(name)) for name, problem in problems.items()
+                if name != chosen]  # fmt: skip
     rejected += [(name, error) for name, error in loaded.load_errors.items()]
     return EngineChoice(requested, chosen, why, rejected)
 
@@ -198,13 +215,15 @@ def model_path_for(engine: EngineAdapter, path: str | Path) -> Path:
 
 
 def choose_plan_engines(
-    requested: str, plans: list[ExecutionPlan], model: ModelInfo
-) -> EngineChoice:
+    requested: str, plans: list[ExecutionPlan], model: ModelInfo,
+    measured: Sequence[Measurement] = (),
+) -> EngineChoice:  # fmt: skip
     """Choose the engine of every replica's plan (their device types may differ) and set it
     in the plans; the choice of the first replica, with its reasons, is returned."""
     loaded = _registered()
     formats = tuple(model_files(model.path)) or ("hf",)
-    choices = [choose_engine(requested, p.device_type, formats, loaded) for p in plans]
+    choices = [choose_engine(requested, p.device_type, formats, loaded, measured, p.quantization)
+               for p in plans]  # fmt: skip
     for plan, choice in zip(plans, choices, strict=True):
         plan.engine = choice.chosen
     return choices[0]

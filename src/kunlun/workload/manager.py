@@ -30,6 +30,7 @@ from kunlun.planner.plan import ExecutionPlan, engine_launch
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.state.store import EventRecord, StateStore, WorkloadRecord
 from kunlun.telemetry.spec import worker_profiling
+from kunlun.engines import measured
 from kunlun.workload.placement import Placement, place
 from kunlun.workload.spec import WorkloadSpec, parse_spec
 
@@ -119,7 +120,8 @@ class WorkloadManager:
             if w.state in ACTIVE and w.workload_id != exclude
             for r in w.placement.get("reservations", [])
         ]
-        return place(spec, self.inventory(), model, reservations, starting=starting)
+        return place(spec, self.inventory(), model, reservations, starting=starting,
+                     measured=measured.for_model(self.store, model.name))  # fmt: skip
 
     def submit(
         self, spec: WorkloadSpec, dry_run: bool = False, canary_of: str | None = None

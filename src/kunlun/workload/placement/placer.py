@@ -10,12 +10,13 @@ entry point; :func:`demand_of` turns a workload spec into the planner's :class:`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any
 
 from kunlun.device.inventory import Inventory
+from kunlun.engines.measured import Measurement
 from kunlun.engines.registry import EngineChoice, choose_plan_engines
 from kunlun.errors import ConfigError, Location
 from kunlun.planner.capacity import DeviceCapacity, capacity_of, usable_fraction
@@ -295,13 +296,15 @@ def place(
     reservations: list[dict[str, Any]] | None = None,
     *,
     starting: bool = False,
+    measured: Sequence[Measurement] = (),
 ) -> Placement:
     """Devices and plans for ``spec`` on ``inventory`` with memory already reserved by
     ``reservations`` (other workloads' :attr:`Placement.reservations`), or a ConfigError
-    saying why nothing fits. ``starting`` adds the runnable-here check."""
+    saying why nothing fits. ``starting`` adds the runnable-here check; ``measured``: the
+    model's measured engine speeds (``engine: auto`` picks by them)."""
     demand = demand_of(spec, model)
     capacities = [capacity_of(p, demand.memory_utilization) for p in inventory.profiles]
     placer = Placer(capacities, Ledger.from_reservations(reservations or []), starting=starting)
     placement = placer.place(demand)
-    placement.engine = choose_plan_engines(spec.engine, placement.plans, model)
+    placement.engine = choose_plan_engines(spec.engine, placement.plans, model, measured)
     return placement
