@@ -44,6 +44,7 @@ from tests.daemon.test_api import (  # noqa: F401 - collected here, against llam
 
 from kunlun.engines.adapter import find_binary
 from kunlun.engines.builtin import LlamaCppEngine
+from kunlun.serving.worker import default_nice
 
 pytestmark = pytest.mark.skipif(
     find_binary("llama-server") is None, reason="llama-server is not built (make llama-server)"
@@ -89,6 +90,19 @@ def test_the_workload_runs_llama_server_on_the_original_gguf(daemon: Daemon) -> 
     assert reply.status_code == 200, reply.text
     assert reply.headers["x-kunlun-device"] == "cpu:0"
     assert reply.headers["x-kunlun-replica"] == f"{daemon.job}-r0"  # type: ignore[attr-defined]
+
+
+def test_the_server_is_confined_like_a_worker(daemon: Daemon) -> None:
+    """Started through kunlun.node.confine: the daemon's child, the workers' niceness, no core
+    dumps, no_new_privs (and no seccomp filter: the allow-list is the worker's)."""
+    (replica,) = daemon.describe(daemon.job)["replicas"]  # type: ignore[attr-defined]
+    server = psutil.Process(int(replica["pid"]))
+    assert server.name() == "llama-server"
+    assert daemon.proc is not None and server.ppid() == daemon.proc.pid
+    assert server.nice() == default_nice()
+    assert server.rlimit(psutil.RLIMIT_CORE) == (0, 0)
+    status = Path(f"/proc/{server.pid}/status").read_text()
+    assert "NoNewPrivs:\t1" in status and "Seccomp:\t0" in status
 
 
 def test_chat_stream_and_whole_answer_agree_with_usage(client: openai.OpenAI) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -43,7 +44,9 @@ import httpx
 import psutil
 
 from kunlun.engine.launch import EngineLaunch
-from kunlun.engines.adapter import EngineCommand, find_binary
+from kunlun.engines.adapter import EngineCommand
+from kunlun.errors import KunlunError
+from kunlun.node import external
 from kunlun.node.liveness import Liveness, LivenessConfig, probe
 from kunlun.node.sandbox import (
     SandboxPolicy,
@@ -143,14 +146,16 @@ class NodeAgent:
 
         ``launch`` may be an external engine's :class:`EngineCommand` (from its adapter):
         that server is started, watched, probed, restarted and stopped like a worker, and is
-        ready once ``ready_path`` answers 200 on its port. The embedded worker's seccomp
-        filter and rlimits are not applied to another program; its clean environment, own
-        directory and memory cap are."""
+        ready once ``ready_path`` answers 200 on its port. It is started confined
+        (:mod:`kunlun.node.confine`: dies with the daemon, rlimits, no_new_privs, the
+        workers' niceness) but without the worker's seccomp allow-list; its clean
+        environment, own directory and memory cap are the agent's, as for a worker."""
         ready_file = self.run_dir / f"{replica.replica_id}.ready.json"
         sandbox = self.sandbox.for_worker(replica.replica_id, memory_cap_mb)
         log = None
         if isinstance(launch, EngineCommand):
             log, replica.stats_path = launch.log_file, launch.stats_path or replica.stats_path
+            sandbox = dataclasses.replace(sandbox, seccomp=False)  # see kunlun.node.confine
         worker = Worker(replica, launch, env, log or self.log_path(replica.workload_id),
                         ready_file, sandbox)  # fmt: skip
         self.workers[replica.replica_id] = worker
@@ -309,37 +314,31 @@ class NodeAgent:
     async def _check_ready(
         self, w: Worker, proc: subprocess.Popen[bytes], client: httpx.AsyncClient
     ) -> None:
-        command = w.command
-        assert command is not None and command.ready_path is not None
-        url = f"http://{command.host}:{command.port}"
+        assert w.command is not None
         try:
-            try:
-                response = await client.get(url + command.ready_path, timeout=2.0)
-                answered = response.status_code == 200
-            except httpx.HTTPError:
-                answered = False
-            if not answered:
-                await asyncio.sleep(0.25)  # a loading server: ask again shortly
-            elif w.proc is proc and not w.stopping:
-                self._became_ready(w, {"port": command.port, "engine": command.engine,
-                                       "load_time_s": round(time.monotonic() - w.started_at, 3)})  # fmt: skip
+            info = await external.ready_info(client, w.command, w.started_at)
+            if info is not None and w.proc is proc and not w.stopping:
+                self._became_ready(w, info)
         finally:
             w.checking = None
 
     def _command(self, w: Worker) -> list[str]:
-        """The argv to start: the worker's, from its launch file; an external engine's, its
-        program found on PATH or beside this interpreter."""
+        """The argv to start: the worker's, from its launch file; an external engine's
+        server's (:func:`kunlun.node.external.start_argv`)."""
         if isinstance(w.launch, EngineLaunch):
             w.ready_file.unlink(missing_ok=True)
             launch = w.launch.model_copy(
                 update={"ready_file": w.ready_file, "sandbox": json.loads(w.sandbox.to_json())}
             )
             return worker_command(launch.write(self._launch_file(w)))
-        program, *rest = w.launch.argv
-        return [find_binary(program) or program, *rest]
+        return external.start_argv(w.launch, w.sandbox)
 
     def _spawn(self, w: Worker) -> None:
-        cmd = self._command(w)
+        try:
+            cmd = self._command(w)
+        except KunlunError as exc:  # a bad KUNLUN_WORKER_NICE: every start would fail alike
+            self._give_up(w, str(exc))
+            return
         with w.log_path.open("ab") as log:
             log.write(
                 f"=== {time.strftime('%Y-%m-%d %H:%M:%S')} replica {w.replica.replica_id} starting on {w.replica.device}\n".encode()

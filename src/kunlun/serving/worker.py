@@ -100,8 +100,15 @@ def worker_nice(launch: EngineLaunch) -> int:
     :class:`ConfigError` naming the variable when it is not an integer 0-19."""
     from kunlun.errors import ConfigError
 
-    if launch.nice is not None:
-        return launch.nice
+    return launch.nice if launch.nice is not None else default_nice()
+
+
+def default_nice() -> int:
+    """``KUNLUN_WORKER_NICE``, or :data:`WORKER_NICE` (also an external engine's server's,
+    :mod:`kunlun.node.confine`); a :class:`ConfigError` naming the variable when it is not an
+    integer 0-19."""
+    from kunlun.errors import ConfigError
+
     text = os.environ.get("KUNLUN_WORKER_NICE", str(WORKER_NICE))
     try:
         value = int(text)
