@@ -7,12 +7,17 @@ model imported once and its record put into etcd, three ``kunlun-platform`` node
 one workload of the demo model with two replicas (on two of the three nodes). Then, in this
 order (the node kill last):
 
-1. ``cross_node``: sequential tiny chat requests (``max_tokens`` 1, one prompt), a node that
-   holds a replica (answered by its own replica: ``X-Kunlun-Device`` without "/") and the
-   node without one (relayed over the mTLS peer port: the device starts with ``node-``),
-   interleaved, after a warm-up. p50/p90/p99 of each side and the differences; also each
-   request with the worker's own time taken off (its log's ``e2e_ms``, found by the
-   request id), which leaves what the platform adds with the engine's jitter removed.
+1. ``cross_node``: sequential tiny requests (``/v1/completions`` of the prompt "Hi",
+   ``max_tokens`` 1: the least engine work, so the least engine jitter), a node that holds a
+   replica (answered by its own replica: ``X-Kunlun-Device`` without "/") and the node
+   without one (relayed over the mTLS peer port: the device starts with ``node-``),
+   interleaved, after a warm-up. p50/p90/p99 of each side and the differences. The
+   headline, ``added_ms_same_worker``, is the median of the paired differences (remote less
+   local, adjacent in time) over the pairs whose relayed request was answered by the *same*
+   worker as the local one, so both sides did the same work on the same process and the
+   difference is the path. Also each request with the worker's own time taken off (its
+   log's ``e2e_ms``, found by the request id), which leaves what the platform adds with the
+   engine's jitter removed.
 2. ``etcd_member_loss``: writes (``POST /api/v1/apikeys``, a new name each, to the nodes in
    turn, one every 0.05 s) while one etcd member is SIGKILLed, first the raft leader, then
    (after it is restarted) a follower. Unavailable time: from the kill to the end of the
@@ -140,6 +145,10 @@ def holders(cluster: Cluster, among: ClusterNodeProc | None = None) -> set[str]:
     return {where[0] for where in view.values()}
 
 
+CROSS_BODY = {"model": "smollm2", "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+"""The cross-node request: one prompt token and one output token."""
+
+
 def chat_body(max_tokens: int) -> dict[str, Any]:
     return {"model": "smollm2", "messages": [{"role": "user", "content": PROMPT}],
             "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
@@ -161,11 +170,12 @@ def median_ci95(values: list[float], resamples: int = 2000) -> list[float]:
 
 
 # ---- 1. cross-node latency ----
-def timed_chat(client: httpx.Client, node: ClusterNodeProc, request_id: str) -> tuple[float, str]:
-    """One chat of ``max_tokens`` 1: (milliseconds, ``X-Kunlun-Device``)."""
+def timed_request(client: httpx.Client, node: ClusterNodeProc,
+                  request_id: str) -> tuple[float, str]:  # fmt: skip
+    """One :data:`CROSS_BODY` completion: (milliseconds, ``X-Kunlun-Device``)."""
     headers = {**node.headers(), "X-Request-Id": request_id}
     started = time.perf_counter()
-    resp = client.post(node.url + "/v1/chat/completions", json=chat_body(1), headers=headers)
+    resp = client.post(node.url + "/v1/completions", json=CROSS_BODY, headers=headers)
     elapsed = (time.perf_counter() - started) * 1e3
     if resp.status_code != 200:
         raise SystemExit(f"{node.name}: HTTP {resp.status_code}: {resp.text[:300]}")
@@ -196,7 +206,7 @@ def run_pairs(local: ClusterNodeProc, remote: ClusterNodeProc, num_pairs: int,
             pair = {}
             for side, node in order if i % 2 == 0 else order[::-1]:
                 request_id = f"xnode-{run_id}-{i}-{side}"
-                ms, device = timed_chat(client, node, request_id)
+                ms, device = timed_request(client, node, request_id)
                 pair[side] = (ms, device, request_id)
             local_ok = "/" not in pair["local"][1]
             if not (local_ok and pair["remote"][1].startswith("node-")):
@@ -217,6 +227,8 @@ def measure_cross_node(cluster: Cluster, num_pairs: int, num_warmup: int) -> dic
     times = {side: [p[side][0] for p in kept] for side in ("local", "remote")}
     remote_devices = Counter(p["remote"][1] for p in kept)
     paired = [r - lo for r, lo in zip(times["remote"], times["local"], strict=True)]
+    same = [p["remote"][0] - p["local"][0] for p in kept
+            if p["remote"][1].startswith(local.name + "/")]  # fmt: skip
     local_p, remote_p = percentiles(times["local"]), percentiles(times["remote"])
     by_device = {device: round(statistics.median(p["remote"][0] for p in kept
                                                  if p["remote"][1] == device), 3)
@@ -233,6 +245,9 @@ def measure_cross_node(cluster: Cluster, num_pairs: int, num_warmup: int) -> dic
         "remote_ms_p50_by_device": by_device,
         "added_ms": {k: round(remote_p[k] - local_p[k], 3) for k in local_p},
         "paired_difference_ms_p50": round(statistics.median(paired), 3),
+        "same_worker_pairs": len(same),
+        "added_ms_same_worker": round(statistics.median(same), 3) if same else None,
+        "added_ms_same_worker_ci95": median_ci95(same) if same else None,
         "paired_difference_ms_p50_ci95": median_ci95(paired),
         "worker_time_removed": worker_time_removed(cluster, kept),
     }
@@ -574,7 +589,7 @@ def main() -> None:
             "workload": WORKLOAD,
             "cross_node_pairs": args.pairs,
             "cross_node_warmup_pairs": args.warmup,
-            "cross_node_max_tokens": 1,
+            "cross_node_request": CROSS_BODY,
             "load_streams": args.streams,
             "load_lead_s": args.lead_s,
             "load_tail_s": args.tail_s,
@@ -585,6 +600,7 @@ def main() -> None:
         "failed_requests_during_kill": kill["failed_requests_during_kill"],
         "requests_during_kill": kill["requests"],
         "etcd_write_unavailable_s": results["etcd_member_loss"]["etcd_write_unavailable_s"],
+        "cross_node_added_ms_same_worker_p50": cross["added_ms_same_worker"],
         "cross_node_added_ms_p50": cross["added_ms"]["p50"],
         "cross_node_added_ms_p90": cross["added_ms"]["p90"],
         "cross_node_added_ms_p99": cross["added_ms"]["p99"],
@@ -592,8 +608,8 @@ def main() -> None:
         if removed
         else None,
         **results,
-        "targets": {"cross_node_added_ms_p50_max": 2.0},
-        "meets_targets": cross["added_ms"]["p50"] < 2.0,
+        "targets": {"cross_node_added_ms_same_worker_p50_max": 2.0},
+        "meets_targets": (cross["added_ms_same_worker"] or 99.0) < 2.0,
     }
     report["machine"]["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     output = args.output or ROOT / "benchmarks" / "results" / f"cluster-{report['date']}.json"

@@ -5,11 +5,14 @@ Three sides, in one run, on the demo model (SmolLM2-135M) and this machine's CPU
 * ``kunlun_llama_cpp`` (a): ``kunlun-platform`` started here with a fresh ``KUNLUN_HOME``
   (default settings; the demo imported with ``kunlun-cli model import-gguf --demo``) and a
   workload ``engine: llama.cpp, batch_size: 16, max_model_len: 1024`` submitted with
-  ``kunlun-cli workload submit``: the node agent starts ``llama-server`` on the demo's own
-  GGUF file (Q4_1) and every request goes through the daemon's gateway.
+  ``kunlun-cli workload submit``: the node agent starts ``llama-server`` (confined, at the
+  workers' niceness: ``kunlun.node.confine``) on the GGUF its plan names (for the demo's
+  ``fp32, quantization none`` plan, the unquantized export in the plan cache) and every
+  request goes through the daemon's gateway.
 * ``llama_cpp`` (b): the same ``llama-server`` binary started by this script, with the argv
   the agent ran (its workload log's ``engine: ...`` line, checked against the running
-  process's command line) and that process's environment; only ``--port`` differs. So the
+  process's command line), that process's environment and its niceness; only ``--port``
+  differs. So the
   only difference between (a) and (b) is the gateway (and the daemon around it).
 * ``kunlun_engine`` (c): a second workload in the same daemon, on the embedded engine with
   ``quantization: w8a16`` by default (``--quantization``), also ``batch_size: 16``. The
@@ -129,14 +132,16 @@ def engine_argv(daemon: Daemon, job: str) -> tuple[list[str], dict[str, str], in
 
 
 def start_direct(
-    argv: list[str], env: dict[str, str], log: Path
+    argv: list[str], env: dict[str, str], nice: int, log: Path
 ) -> tuple[subprocess.Popen[bytes], int]:
-    """Side (b): ``argv`` with its ``--port`` set to a free one."""
+    """Side (b): ``argv`` with its ``--port`` set to a free one, at niceness ``nice``."""
     port = free_port()
     argv = list(argv)
     argv[argv.index("--port") + 1] = str(port)
+    added = nice - os.nice(0)
     with log.open("ab") as out:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: os.nice(added) and None)  # fmt: skip
     return proc, port
 
 
@@ -221,7 +226,8 @@ def main() -> None:
             for name in names.values():
                 asyncio.run(wait_serving(daemon.url, name))
             argv, env, pid = engine_argv(daemon, jobs["kunlun_llama_cpp"])
-            direct, port = start_direct(argv, env, home / "llama-server-direct.log")
+            direct, port = start_direct(argv, env, psutil.Process(pid).nice(),
+                                        home / "llama-server-direct.log")  # fmt: skip
             asyncio.run(wait_serving(f"http://127.0.0.1:{port}", LLAMA_NAME))
             targets = {
                 "kunlun_llama_cpp": load.Target(daemon.url, names["kunlun_llama_cpp"]),
@@ -230,7 +236,8 @@ def main() -> None:
             }
             running = psutil.Process(pid)
             report["llama_server"] = {"argv": argv, "version": _version(argv[0]),
-                                      "nice": running.nice(),
+                                      "nice": running.nice(), "nice_direct": psutil.Process(
+                                          direct.pid).nice(),
                                       "cpu_affinity": running.cpu_affinity()}  # fmt: skip
             report["plans"] = {side: daemon.describe(job)["placement"]["why"]
                                for side, job in jobs.items()}  # fmt: skip
