@@ -36,6 +36,7 @@ from kunlun.engines.table import (
     row,
 )
 from kunlun.planner.plan import ExecutionPlan
+from kunlun.serving.fields import asks_nothing
 
 
 class TableEngine(EngineAdapter):
@@ -251,7 +252,6 @@ does not start it in), and what each asks for. Values that ask for nothing (``n:
 LLAMA_CPP_RENAMES = {"repetition_penalty": "repeat_penalty", "guided_json": "json_schema",
                      "max_completion_tokens": "max_tokens"}  # fmt: skip
 """Kunlun (vLLM/OpenAI) spellings -> llama-server's (tools/server/README.md)."""
-_ASKS_NOTHING = {"n": 1, "echo": False, "continuous_usage_stats": False}
 
 
 def _llama_cpp_body(payload: dict[str, Any]) -> dict[str, Any]:
@@ -262,7 +262,7 @@ def _llama_cpp_body(payload: dict[str, Any]) -> dict[str, Any]:
                     LLAMA_CPP_LACKS["stream_options.continuous_usage_stats"])  # fmt: skip
     for name, what in LLAMA_CPP_LACKS.items():
         value = body.get(name)
-        if value is not None and value != [] and value != _ASKS_NOTHING.get(name):
+        if not asks_nothing(name, value):
             raise lacks("llama.cpp", name, what)
         body.pop(name, None)
     if isinstance(options, dict):

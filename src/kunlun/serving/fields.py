@@ -33,7 +33,7 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
 }
 """OpenAI fields this server does not implement, and what they are for: a request that
 uses one gets a 400 naming it (a value that asks for nothing is accepted: see
-:func:`_asks_nothing`)."""
+:func:`asks_nothing`)."""
 
 IGNORED_FIELDS: dict[str, str] = {
     "user": "an end-user id for the provider's abuse monitoring; not recorded",
@@ -51,21 +51,27 @@ IGNORED_FIELDS: dict[str, str] = {
 }
 """Fields accepted and deliberately ignored (they do not change the answer), and why."""
 
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
+NEUTRAL: dict[str, tuple[Any, ...]] = {
     "function_call": ("none", "auto"),
     "best_of": (1,),
     "modalities": (["text"],),
+    "n": (1,),
+    "echo": (False,),
+    "continuous_usage_stats": (False,),
 }
+"""Values of request fields that ask for what their absence asks for. The one table: the
+gateway drops such a field where Kunlun does not support it, and an external engine's adapter
+where that engine lacks it (:mod:`kunlun.engines.builtin`)."""
 
 
-def _asks_nothing(field: str, value: Any) -> bool:
-    """Whether an unsupported field's ``value`` asks for nothing (absent in effect)."""
+def asks_nothing(field: str, value: Any) -> bool:
+    """Whether a field's ``value`` asks for nothing (absent in effect)."""
     return (
         value is None
         or value == []
         or value == {}
         or value == ""
-        or (value in _NEUTRAL.get(field, ()))
+        or (value in NEUTRAL.get(field, ()))
     )
 
 
@@ -73,7 +79,7 @@ def _without_neutral(data: Any) -> Any:
     """A request object without the unsupported fields whose values ask for nothing."""
     if isinstance(data, dict) and not UNSUPPORTED_FIELDS.keys().isdisjoint(data):
         return {
-            k: v for k, v in data.items() if not (k in UNSUPPORTED_FIELDS and _asks_nothing(k, v))
+            k: v for k, v in data.items() if not (k in UNSUPPORTED_FIELDS and asks_nothing(k, v))
         }
     return data
 
