@@ -19,9 +19,11 @@ import httpx
 
 from kunlun import __version__
 from kunlun.errors import ConfigError, Location
+from kunlun.serving.pools import parse_pool
 from kunlun.validate import baseline as baseline_gate
 from kunlun.validate import (
     conformance,
+    cross_engine,
     functional,
     native_api,
     numerics,
@@ -47,6 +49,7 @@ def all_checks(settings: Settings) -> list[Check]:
         *native_api.CHECKS,
         *performance.checks(settings.perf_requests),
         *numerics.CHECKS,
+        *cross_engine.CHECKS,
     ]
 
 
@@ -189,7 +192,8 @@ def routing_cell(client: TargetClient) -> Cell:
         if "" in seen:
             return failed(f"{seen['']} without header", shown)
         return passed(", ".join(sorted(seen)), shown)
-    outside = {d: n for d, n in seen.items() if d.partition(":")[0] != pool}
+    device_type = parse_pool(pool).device_type  # an engine's pool: its requests' device type
+    outside = {d: n for d, n in seen.items() if d.partition(":")[0] != device_type}
     if outside:
         stray = ", ".join(f"{d or 'no header'} x{n}" for d, n in outside.items())
         return failed(f"{sum(outside.values())}/{total} outside pool {pool}", stray)
