@@ -75,7 +75,9 @@ def resolve_priority(header: str | None, key_priority: str | None, workload_prio
 def pool_header(header: str) -> str:
     """The pool an ``X-Kunlun-Pool`` value names, spelled canonically (``cpu``,
     ``cpu/llama.cpp``; :mod:`kunlun.serving.pools`); a malformed one is a 400 naming the header
-    and the value."""
+    and the value. An empty value names no pool: it is refused as one that serves nothing."""
+    if not header.strip():
+        return ""
     try:
         return pool_name(*parse_pool(header))
     except ValueError as exc:

@@ -5,7 +5,7 @@ the others in order; checks run one after the other so the performance figures o
 column are not disturbed by another. After a column's checks, two summary rows judge
 everything it answered: the garbage detector over every answer text, and the
 ``X-Kunlun-Device`` header of every completion (for a pool column, each must come from that
-pool).
+pool; the detail lists the ``X-Kunlun-Replica`` of each too).
 """
 
 from __future__ import annotations
@@ -185,6 +185,9 @@ def routing_cell(client: TargetClient) -> Cell:
     if not total:
         return skipped("no completion answered")
     shown = ", ".join(f"{d or 'none'} x{n}" for d, n in seen.most_common())
+    if set(client.replicas) != {""}:
+        shown += "; replicas " + ", ".join(f"{r or 'none'} x{n}"
+                                           for r, n in client.replicas.most_common())  # fmt: skip
     pool = client.column.pool
     if pool is None:
         if set(seen) == {""}:

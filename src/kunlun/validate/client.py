@@ -27,7 +27,7 @@ from kunlun.errors import EngineLacks
 from kunlun.serving.routing import POOL_HEADER
 from kunlun.validate.garbage import garbage_reasons
 from kunlun.validate.matrix import Column
-from kunlun.validate.target import DEVICE_HEADER
+from kunlun.validate.target import DEVICE_HEADER, REPLICA_HEADER
 
 LACKED: ContextVar[list[str] | None] = ContextVar("kunlun_validate_lacked", default=None)
 """The request fields (or routes) the engine serving the model refused as ones it lacks
@@ -182,6 +182,8 @@ class TargetClient:
         """``(check, text)`` of every answer received."""
         self.devices: Counter[str] = Counter()
         """``X-Kunlun-Device`` of each completion answered (``""``: the header was absent)."""
+        self.replicas: Counter[str] = Counter()
+        """``X-Kunlun-Replica`` of each, likewise (which engine's replica, in a pool of two)."""
 
     def close(self) -> None:
         self.http.close()
@@ -293,6 +295,7 @@ class TargetClient:
         if resp.status_code == 200 and path.endswith("completions"):
             with self._lock:
                 self.devices[resp.headers.get(DEVICE_HEADER, "")] += 1
+                self.replicas[resp.headers.get(REPLICA_HEADER, "")] += 1
 
 
 def _has_text(block: bytes) -> bool:

@@ -31,6 +31,7 @@ from kunlun.serving.pools import columns_of, parse_pool, pool_name
 from kunlun.validate.matrix import Column
 
 DEVICE_HEADER = "X-Kunlun-Device"
+REPLICA_HEADER = "X-Kunlun-Replica"
 
 
 def normalize_endpoint(url: str, where: str = "--endpoint") -> str:
