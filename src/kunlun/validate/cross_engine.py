@@ -49,7 +49,8 @@ from kunlun.validate.numerics import (
 CHECKS: list[Check] = []
 SCRATCH = "numerics_no_echo"
 MAX_RESENDS = 8
-"""Re-sent prompts per greedy prompt at most: past that many flips the cell fails anyway."""
+"""Re-sent prompts per greedy prompt at most (a flip costs one or two): a walk cut there says
+so in the detail, and the positions compared before it are judged."""
 
 
 END = "(end of text)"
