@@ -107,3 +107,15 @@ def test_faster_engine_compares_at_the_highest_shared_concurrency() -> None:
     assert faster_engine(measured, ["kunlun", "llama.cpp"], "nvidia", "none") is None
     assert faster_engine(measured[:1], ["kunlun", "llama.cpp"], "cpu", "none") is None
     assert faster_engine(measured, ["kunlun"], "cpu", "none") is None  # llama.cpp cannot run it
+
+
+def test_a_name_served_on_two_engines_is_not_measured(daemon: Daemon) -> None:
+    second = submit_demo(daemon, "engine: llama.cpp\n")  # smollm2 on llama.cpp beside kunlun
+    try:
+        refused = httpx.post(daemon.url + "/api/v1/workloads/smollm2/measurements",
+                             json={"runs": [{"concurrency": 1, "output_tokens_per_s": 3}]})  # fmt: skip
+        assert refused.status_code == 400, refused.text
+        message = refused.json()["error"]["message"]
+        assert "2 workloads serve 'smollm2'" in message and f"{second} (" in message
+    finally:
+        assert daemon.cli("workload", "stop", second).returncode == 0

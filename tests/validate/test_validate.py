@@ -189,7 +189,7 @@ def test_perturbed_weights_fail_the_numerics(platform: Daemon, tmp_path: Path) -
                     "--only", "numerics", "--out", str(tmp_path))  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
     run = load(tmp_path)
-    for row in ("numerics.prompt_logprobs", "numerics.greedy_divergence"):
+    for row in ("numerics.prompt_logprobs", "numerics.greedy_divergence", "numerics.cross_engine"):
         assert status(run, FP32, row) == "PASS"  # the reference against itself
         assert status(run, PERTURBED, row) == "FAIL", run["cells"][PERTURBED][row]
 

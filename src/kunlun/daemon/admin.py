@@ -76,6 +76,7 @@ def admin_router(platform: Platform) -> APIRouter:
                     "state": w.state,
                     "model": w.spec.get("model"),
                     "target_device": w.target_device,
+                    "engine": (w.placement.get("engine") or {}).get("chosen"),
                     "replicas": w.spec.get("replicas", 1),
                     "ready_replicas": ready,
                     "priority": w.spec.get("priority"),

@@ -89,7 +89,8 @@ class Ticket:
     priority: str
     """Its class: high, normal or low (:func:`~kunlun.serving.routing.resolve_priority`)."""
     pool: str | None
-    """Device type it is restricted to (``X-Kunlun-Pool``), or None for any."""
+    """Pool it is restricted to (``X-Kunlun-Pool``: a device type, or device type/engine), or
+    None for any."""
     tokens: int
     """Estimated tokens it adds to its replica: prompt estimate + ``max_tokens`` x ``n``."""
     workload: str | None = None
@@ -268,7 +269,7 @@ class Admission:
         pools: dict[str, set[str]] = {}
         workloads: dict[str, set[str]] = {}
         for replica in self.replicas.all():
-            pools.setdefault(replica.model, set()).add(replica.device_type)
+            pools.setdefault(replica.model, set()).update(replica.pools)
             workloads.setdefault(replica.model, set()).add(replica.workload_id)
         for model, backlog in list(self.backlogs.items()):
             if backlog.num_waiting:
@@ -329,7 +330,7 @@ class Admission:
         workloads: set[str],
         retry_after_s: int,
     ) -> None:
-        """Refuse (503) the waiters no replica will take: ``pools`` (the device types of the
+        """Refuse (503) the waiters no replica will take: ``pools`` (the pool names of the
         model's replicas, ready or not) is empty, or lacks the pool they asked for, or
         ``workloads`` (those replicas' workloads) lacks the version they were sent to."""
         for queue in backlog.queues.values():

@@ -7,7 +7,7 @@ reads the ``model`` (and, for the load estimate, ``max_tokens`` and ``n``), the
 ``X-Kunlun-Priority`` and ``X-Kunlun-Pool`` headers, and either refuses it in the OpenAI
 error shape (400: a body nested too deep or holding text UTF-8 cannot hold
 (:func:`kunlun.json_text.loads`), more sequences than
-:attr:`GatewayState.max_sequences_per_request`, a bad priority header; unknown model or pool
+:attr:`GatewayState.max_sequences_per_request`, a bad priority or pool header; unknown model or pool
 404 listing the served ones, nothing ready or draining 503, a body over
 :data:`MAX_BODY_BYTES` 413) or answers with a
 :class:`~kunlun.serving.relay.Relay`, which admits it to a replica with a free slot or holds
@@ -65,6 +65,7 @@ from kunlun.serving.routing import (
     DeviceSamples,
     PoolNotFound,
     Router,
+    pool_header,
     resolve_priority,
 )
 from kunlun.serving.scheduler_config import SchedulerConfigSource
@@ -400,8 +401,8 @@ def _ticket(
         )
     pool = headers.pool
     if pool is not None:
-        pool = pool.strip()
-        if not any(r.routable and r.device_type == pool for r in serving):
+        pool = pool_header(pool)
+        if not any(r.routable and pool in r.pools for r in serving):
             _refuse_pool(model, pool, replicas, state)
     priority = resolve_priority(
         headers.priority, scope.get(KEY_PRIORITY_SCOPE), first_ready.priority
@@ -429,7 +430,7 @@ def _check_sequences(payload: dict[str, Any], limit: int) -> None:
 
 
 def _refuse_pool(model: str, pool: str, replicas: ReplicaSet, state: GatewayState) -> None:
-    pools = sorted({r.device_type for r in replicas.serving(model)})
+    pools = sorted(frozenset().union(*(r.pools for r in replicas.serving(model))))
     if pool in pools:
         raise ServiceUnavailable(
             f"no replica of model {model!r} in pool {pool!r} is ready yet",

@@ -189,7 +189,7 @@ class Relay(Response):
         ticket, avoid = self.ticket, (*self.ticket.avoid, failed.replica_id)
         return any(r.routable and r.replica_id not in avoid
                    and (ticket.workload is None or r.workload_id == ticket.workload)
-                   and (ticket.pool is None or r.device_type == ticket.pool)
+                   and (ticket.pool is None or ticket.pool in r.pools)
                    for r in self.state.admission.replicas.serving(ticket.model))  # fmt: skip
 
     async def _relay(self, upstream: UpstreamResponse, send: Send, replica: Replica) -> None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from kunlun.serving.pools import names_of
+
 
 @dataclass
 class Replica:
@@ -79,6 +81,12 @@ class Replica:
     def device_type(self) -> str:
         """The pool of the device (``cpu`` for ``cpu:0`` and for ``node-b/cpu:0``)."""
         return self.device.rpartition("/")[2].partition(":")[0]
+
+    @cached_property
+    def pools(self) -> frozenset[str]:
+        """The ``X-Kunlun-Pool`` values that reach it: ``cpu`` and ``cpu/<engine>``
+        (:mod:`kunlun.serving.pools`)."""
+        return names_of(self.device_type, self.engine)
 
 
 @dataclass

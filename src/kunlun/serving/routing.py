@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from kunlun.errors import Location, RequestError
+from kunlun.serving.pools import parse_pool, pool_name
 from kunlun.serving.replica import Replica
 from kunlun.serving.scheduler_config import SchedulerConfig, SchedulerConfigSource, ThermalConfig
 
@@ -50,7 +51,8 @@ token, so it only decides between equally loaded replicas, for this node's own (
 
 
 class PoolNotFound(RequestError):
-    """``X-Kunlun-Pool`` names a device type with no replica of the requested model."""
+    """``X-Kunlun-Pool`` names a pool (device type, or device type/engine) with no replica of
+    the requested model."""
 
     code = "pool_not_found"
     http_status = 404
@@ -68,6 +70,20 @@ def resolve_priority(header: str | None, key_priority: str | None, workload_prio
             )
         return value
     return key_priority or workload_priority
+
+
+def pool_header(header: str) -> str:
+    """The pool an ``X-Kunlun-Pool`` value names, spelled canonically (``cpu``,
+    ``cpu/llama.cpp``; :mod:`kunlun.serving.pools`); a malformed one is a 400 naming the header
+    and the value. An empty value names no pool: it is refused as one that serves nothing."""
+    if not header.strip():
+        return ""
+    try:
+        return pool_name(*parse_pool(header))
+    except ValueError as exc:
+        raise RequestError(
+            f"header {POOL_HEADER}: {exc}", location=Location("request", field=POOL_HEADER)
+        ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +197,7 @@ class Router:
             if (
                 replica.routable
                 and replica.in_flight < replica.slots
-                and (pool is None or replica.device_type == pool)
+                and (pool is None or pool in replica.pools)
             ):
                 self._turn = start + i + 1
                 return replica
@@ -204,7 +220,7 @@ class Router:
                 not replica.routable
                 or in_flight >= replica.max_num_seqs
                 or in_flight >= replica.max_queue
-                or (pool is not None and replica.device_type != pool)
+                or (pool is not None and pool not in replica.pools)
             ):
                 continue
             score: float = replica.outstanding_tokens + tokens

@@ -5,7 +5,7 @@ the others in order; checks run one after the other so the performance figures o
 column are not disturbed by another. After a column's checks, two summary rows judge
 everything it answered: the garbage detector over every answer text, and the
 ``X-Kunlun-Device`` header of every completion (for a pool column, each must come from that
-pool).
+pool; the detail lists the ``X-Kunlun-Replica`` of each too).
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import httpx
 
 from kunlun import __version__
 from kunlun.errors import ConfigError, Location
+from kunlun.serving.pools import parse_pool
 from kunlun.validate import baseline as baseline_gate
 from kunlun.validate import (
     conformance,
+    cross_engine,
     functional,
     native_api,
     numerics,
@@ -47,6 +49,7 @@ def all_checks(settings: Settings) -> list[Check]:
         *native_api.CHECKS,
         *performance.checks(settings.perf_requests),
         *numerics.CHECKS,
+        *cross_engine.CHECKS,
     ]
 
 
@@ -182,6 +185,9 @@ def routing_cell(client: TargetClient) -> Cell:
     if not total:
         return skipped("no completion answered")
     shown = ", ".join(f"{d or 'none'} x{n}" for d, n in seen.most_common())
+    if set(client.replicas) != {""}:
+        shown += "; replicas " + ", ".join(f"{r or 'none'} x{n}"
+                                           for r, n in client.replicas.most_common())  # fmt: skip
     pool = client.column.pool
     if pool is None:
         if set(seen) == {""}:
@@ -189,7 +195,8 @@ def routing_cell(client: TargetClient) -> Cell:
         if "" in seen:
             return failed(f"{seen['']} without header", shown)
         return passed(", ".join(sorted(seen)), shown)
-    outside = {d: n for d, n in seen.items() if d.partition(":")[0] != pool}
+    device_type = parse_pool(pool).device_type  # an engine's pool: its requests' device type
+    outside = {d: n for d, n in seen.items() if d.partition(":")[0] != device_type}
     if outside:
         stray = ", ".join(f"{d or 'no header'} x{n}" for d, n in outside.items())
         return failed(f"{sum(outside.values())}/{total} outside pool {pool}", stray)

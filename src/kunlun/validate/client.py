@@ -24,9 +24,10 @@ from typing import Any
 import httpx
 
 from kunlun.errors import EngineLacks
+from kunlun.serving.routing import POOL_HEADER
 from kunlun.validate.garbage import garbage_reasons
 from kunlun.validate.matrix import Column
-from kunlun.validate.target import DEVICE_HEADER, POOL_HEADER
+from kunlun.validate.target import DEVICE_HEADER, REPLICA_HEADER
 
 LACKED: ContextVar[list[str] | None] = ContextVar("kunlun_validate_lacked", default=None)
 """The request fields (or routes) the engine serving the model refused as ones it lacks
@@ -181,6 +182,8 @@ class TargetClient:
         """``(check, text)`` of every answer received."""
         self.devices: Counter[str] = Counter()
         """``X-Kunlun-Device`` of each completion answered (``""``: the header was absent)."""
+        self.replicas: Counter[str] = Counter()
+        """``X-Kunlun-Replica`` of each, likewise (which engine's replica, in a pool of two)."""
 
     def close(self) -> None:
         self.http.close()
@@ -207,7 +210,12 @@ class TargetClient:
         """A non-streamed text completion that must succeed."""
         return self._complete(check, "/v1/completions", {"prompt": prompt, **params})
 
-    def _complete(self, check: str, path: str, body: dict[str, Any]) -> Answer:
+    def continuation(self, check: str, prompt: str, **params: Any) -> Answer:
+        """:meth:`completion` of a text cut mid-way: its answer, which may well be empty, is
+        a fragment the garbage detector does not judge."""
+        return self._complete(check, "/v1/completions", {"prompt": prompt, **params}, False)
+
+    def _complete(self, check: str, path: str, body: dict[str, Any], judge: bool = True) -> Answer:
         started = time.perf_counter()
         resp = self.request("POST", path, {"model": self.column.model, **body})
         latency = time.perf_counter() - started
@@ -215,7 +223,7 @@ class TargetClient:
         if resp.status_code != 200:
             raise CheckFailed(f"HTTP {resp.status_code}", error_message(data, resp))
         answer = Answer(data, latency)
-        for choice in data.get("choices") or []:
+        for choice in data.get("choices") or [] if judge else []:
             # an answer of tool calls has no text to judge (its arguments are checked)
             if isinstance(choice, dict) and choice.get("finish_reason") != "tool_calls":
                 self.record(check, choice_text(choice))
@@ -287,6 +295,7 @@ class TargetClient:
         if resp.status_code == 200 and path.endswith("completions"):
             with self._lock:
                 self.devices[resp.headers.get(DEVICE_HEADER, "")] += 1
+                self.replicas[resp.headers.get(REPLICA_HEADER, "")] += 1
 
 
 def _has_text(block: bytes) -> bool:

@@ -8,7 +8,9 @@ from three places, in this order:
 - ``--endpoint URL`` (repeatable) crossed with ``--model M`` (repeatable): one column per
   pair, named by what varies (``host:port``, the model, or both);
 - ``--all-pools``: each of those split per device pool that serves the model (the device
-  types of its RUNNING workloads, from the platform's ``GET /api/v1/workloads``).
+  types of its RUNNING workloads, from the platform's ``GET /api/v1/workloads``; a device
+  type served by several engines is one pool per engine, ``cpu/kunlun`` and
+  ``cpu/llama.cpp``: :mod:`kunlun.serving.pools`).
 
 The reference column (numerics are measured against it) is named by ``--reference`` (a
 column name, or an endpoint URL: a listed one, else a new column), else the first column.
@@ -23,11 +25,13 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from kunlun.engines.registry import DEFAULT_ENGINE
 from kunlun.errors import ConfigError, Location
+from kunlun.serving.pools import columns_of, parse_pool, pool_name
 from kunlun.validate.matrix import Column
 
-POOL_HEADER = "X-Kunlun-Pool"
 DEVICE_HEADER = "X-Kunlun-Device"
+REPLICA_HEADER = "X-Kunlun-Replica"
 
 
 def normalize_endpoint(url: str, where: str = "--endpoint") -> str:
@@ -61,7 +65,13 @@ def parse_target(spec: str, default_model: str | None) -> Column:
     model = fields.get("model") or default_model
     if not model:
         raise ConfigError("no model: add ,model=M or give --model", location=where)
-    return Column(name.strip(), normalize_endpoint(url, "--target"), model, fields.get("pool"))
+    pool = fields.get("pool")
+    if pool is not None:
+        try:
+            pool = pool_name(*parse_pool(pool))
+        except ValueError as exc:
+            raise ConfigError(str(exc), location=where) from None
+    return Column(name.strip(), normalize_endpoint(url, "--target"), model, pool)
 
 
 def _host(endpoint: str) -> str:
@@ -110,15 +120,17 @@ def discover_pools(
 
 
 def pools_of(workloads: Any, model: str) -> list[str]:
-    """Device types serving ``model`` in a ``GET /api/v1/workloads`` answer."""
-    pools: set[str] = set()
+    """The pools serving ``model`` in a ``GET /api/v1/workloads`` answer: its device types,
+    each split per engine where several engines serve it there (:func:`columns_of`)."""
+    served: set[tuple[str, str]] = set()
     for w in workloads if isinstance(workloads, list) else []:
         if not isinstance(w, dict) or w.get("state") != "RUNNING" or w.get("name") != model:
             continue
+        engine = str(w.get("engine") or DEFAULT_ENGINE)
         for device in str(w.get("target_device") or "").split(","):
             if device.strip():
-                pools.add(device.strip().partition(":")[0])
-    return sorted(pools)
+                served.add((device.strip().rpartition("/")[2].partition(":")[0], engine))
+    return columns_of(served)
 
 
 def with_reference(columns: list[Column], reference: str | None, model: str | None) -> list[Column]:

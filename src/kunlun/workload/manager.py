@@ -178,10 +178,13 @@ class WorkloadManager:
         name = spec.served_name
         for other in self.store.list_workloads():
             if other.state in ACTIVE and other.name == name and other.workload_id != canary_of:
+                if another_engine(spec.engine, other):
+                    continue  # one pool per engine (kunlun.serving.pools)
                 raise ConfigError(
                     f"a workload already serves {name!r} ({other.workload_id}, {other.state})",
                     location=Location("name"),
-                    hint=f"stop it first (kunlun-cli workload stop {other.workload_id}) or pass --name",
+                    hint=f"stop it first (kunlun-cli workload stop {other.workload_id}), pass --name, "
+                    "or serve it on another engine (--engine) next to it",
                 )
         now = time.time()
         return WorkloadRecord(
@@ -382,3 +385,11 @@ class WorkloadManager:
         elif record.state in ACTIVE:
             self._set(record, "STOPPED", "stopped by request")
         return record
+
+
+def another_engine(requested: str, other: WorkloadRecord) -> bool:
+    """Whether a new workload asking for engine ``requested`` may serve the same name as
+    ``other``: both name their engine (``auto`` might choose the same one) and they differ.
+    The gateway then routes the name to either, and ``X-Kunlun-Pool: cpu/<engine>`` to one."""
+    chosen = (other.placement.get("engine") or {}).get("chosen") or other.spec.get("engine")
+    return requested != "auto" and chosen not in (None, "auto", requested)

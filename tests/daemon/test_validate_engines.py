@@ -1,0 +1,112 @@
+"""One model on two engines on the same device type: pools per engine, and validation of one
+against the other.
+
+A real daemon serves the demo model as ``smollm2`` twice on cpu:0, once on the embedded engine
+and once on llama.cpp (its plan ``fp32, quantization none``: llama.cpp serves an unquantized
+copy of the GGUF, so both compute fp32). ``X-Kunlun-Pool: cpu/llama.cpp`` and ``cpu/kunlun``
+reach one engine's replica each; ``kunlun-cli validate --all-pools`` (the real CLI) makes one
+column per engine, and the cross-engine numerics check, which needs no ``echo``, passes on the
+llama.cpp column against the embedded one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from tests.daemon.conftest import Daemon, free_port, new_home, patient_queue, submit_demo
+
+from kunlun.engines.adapter import find_binary
+from kunlun.validate.numerics import MAX_ABS_MAX, MEAN_ABS_MAX
+
+pytestmark = pytest.mark.skipif(
+    find_binary("llama-server") is None, reason="llama-server is not built (make llama-server)"
+)
+SMALL = "engine: {}\nbatch_size: 4\n"  # two plans on one cpu:0, small KV caches each
+
+
+@pytest.fixture(scope="module")
+def engines(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A daemon serving ``smollm2`` on the embedded engine and on llama.cpp, both on cpu:0
+    with one thread each; ``d.jobs`` maps engine -> workload id."""
+    d = Daemon(patient_queue(new_home(models_home, tmp_path_factory, "engines-home")), free_port())
+    d.start(wait_ready=False)
+    d.jobs = {e: submit_demo(d, SMALL.format(e)) for e in ("kunlun", "llama.cpp")}  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 600
+    while not all(w["ready_replicas"] for w in d.get("/api/v1/workloads").json()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"not both ready:\n{d.log()}")
+        time.sleep(0.5)
+    yield d
+    d.stop()
+
+
+def complete(daemon: Daemon, pool: str) -> httpx.Response:
+    return httpx.post(daemon.url + "/v1/completions", headers={"X-Kunlun-Pool": pool},
+                      json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2},
+                      timeout=120)  # fmt: skip
+
+
+def test_an_engine_pool_routes_only_to_that_engines_replicas(engines: Daemon) -> None:
+    for engine, job in engines.jobs.items():  # type: ignore[attr-defined]
+        for _ in range(3):
+            reply = complete(engines, f"cpu/{engine}")
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["x-kunlun-replica"] == f"{job}-r0"
+            assert reply.headers["x-kunlun-device"] == "cpu:0"
+    assert complete(engines, "cpu").status_code == 200  # the device type: either engine
+
+
+@pytest.mark.parametrize(("pool", "status"), [("cpu/vllm", 404), ("cuda", 404), ("cpu/", 400),
+                                              ("cpu/llama.cpp/x", 400)])  # fmt: skip
+def test_a_pool_serving_nothing_or_malformed_is_refused_naming_the_header(
+    engines: Daemon, pool: str, status: int
+) -> None:
+    reply = complete(engines, pool)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "X-Kunlun-Pool" and repr(pool) in error["message"]
+    if status == 404:
+        assert "pools serving it: cpu, cpu/kunlun, cpu/llama.cpp" in error["message"]
+
+
+def test_a_third_workload_of_the_name_must_name_yet_another_engine(engines: Daemon) -> None:
+    spec = engines.home / "third.yaml"
+    for engine in ("auto", "llama.cpp"):
+        spec.write_text(f"model: smollm2\nengine: {engine}\n")
+        proc = engines.cli("workload", "submit", "--file", str(spec))
+        assert proc.returncode != 0 and "already serves 'smollm2'" in proc.stderr, proc.stderr
+        assert "another engine" in proc.stderr
+
+
+def test_validate_all_pools_compares_the_engines(engines: Daemon, tmp_path: Path) -> None:
+    out = tmp_path / "validate"
+    proc = engines.cli("validate", "--all-pools", "--model", "smollm2", "--only", "numerics",
+                       "--out", str(out), "--seed", "7", timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = json.loads((out / "validation.json").read_text())
+    assert [(c["name"], c["pool"], c["reference"]) for c in run["columns"]] == [
+        ("cpu/kunlun", "cpu/kunlun", True),
+        ("cpu/llama.cpp", "cpu/llama.cpp", False),
+    ]
+    kunlun, llama = run["cells"]["cpu/kunlun"], run["cells"]["cpu/llama.cpp"]
+    assert {row: cell["status"] for row, cell in kunlun.items()} == dict.fromkeys(kunlun, "PASS")
+    cross = llama["numerics.cross_engine"]
+    assert cross["status"] == "PASS", cross
+    assert cross["metrics"]["mean_abs_delta"] <= MEAN_ABS_MAX
+    assert cross["metrics"]["max_abs_delta"] <= MAX_ABS_MAX
+    assert "against the reference" in cross["detail"]
+    for row in ("numerics.prompt_logprobs", "numerics.greedy_divergence"):  # echo: kunlun only
+        assert llama[row]["status"] == "SKIP" and "lacks echo" in llama[row]["detail"]
+    # each column's completions came from its own engine's replica, and only from it
+    jobs = engines.jobs  # type: ignore[attr-defined]
+    for cells, engine in ((kunlun, "kunlun"), (llama, "llama.cpp")):
+        routing = cells["quality.routing"]
+        assert routing["status"] == "PASS" and routing["figure"] == "cpu:0"
+        replicas = routing["detail"].partition("; replicas ")[2]
+        assert replicas.startswith(f"{jobs[engine]}-r0 x") and "," not in replicas, routing
+    assert "cpu/llama.cpp" in proc.stdout and "(no echo)" in proc.stdout
