@@ -1,5 +1,5 @@
 """The dashboard's second set of pages in a real browser (Debian's chromium through Playwright)
-against one real daemon: a replayed 16-GPU node (:mod:`tests.daemon.big_node`) plus ``cpu:0``
+against one real daemon: a replayed 24-GPU node (:mod:`tests.daemon.big_node`) plus ``cpu:0``
 serving the demo model, with an admin and an inference key.
 
 The Devices heat map, the Metrics page's per-device and per-priority-class series (after
@@ -27,7 +27,7 @@ from tests.daemon.test_dashboard_ui import CHROMIUM, HOSTILE, login, make_key, s
 
 sync_api = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium")
-GPUS = 16
+GPUS = 24
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +80,11 @@ def test_devices_page_draws_the_topology_heat_map(node: Any, browser: Any) -> No
     assert (first.nth(1).get_attribute("class"), first.nth(1).get_attribute("data-d")) == (
         "link-fast", "5")  # fmt: skip  # NVLink inside a board of 8
     assert first.nth(8).get_attribute("class") == "link-sys"  # the other socket's board
-    colours = {first.nth(i).evaluate("e => getComputedStyle(e).backgroundColor") for i in (0, 1, 8)}
-    assert len(colours) == 3  # the stylesheet colours each class
+    assert first.nth(16).get_attribute("class") == "link-node"  # a board on the same socket
+    colours = {
+        first.nth(i).evaluate("e => getComputedStyle(e).backgroundColor") for i in (0, 1, 8, 16)
+    }
+    assert len(colours) == 4  # the stylesheet colours each class
     assert "NVLink" in page.text_content(".heat-legend")
     shot(page, "devices-topology")
     watch.assert_local(daemon)

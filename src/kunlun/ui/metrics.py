@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from kunlun.serving.protocol import error_status_and_body, param_error
 from kunlun.telemetry.view import parse
 from kunlun.ui.app import ApiError
-from kunlun.ui.session import Session
+from kunlun.ui.session import COOKIE, Session
 from kunlun.ui.windows import Windows, read, window
 
 if TYPE_CHECKING:
@@ -50,7 +50,8 @@ async def metrics_json(ui: Dashboard, request: Request, session: Session) -> Res
     except ApiError as exc:
         return JSONResponse({"error": exc.message}, exc.status)
     now = read(text)
-    before, span = WINDOWS.advance(f"{id(session)}:{tab}", now)
+    sid = (request.cookies.get(COOKIE) or "").split(".", 1)[0]  # the session's own id
+    before, span = WINDOWS.advance(f"{sid}:{tab}", now)
     windowed = window(now, before)
     replicas = {}
     for row in parse(text).replicas:

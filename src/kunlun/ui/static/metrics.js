@@ -46,6 +46,12 @@ function draw(chart) {
     title.textContent = name;
     line.appendChild(title);
     svg.appendChild(line);
+    const key = document.createElementNS(SVG, "text");  // the series' name, in its colour
+    key.setAttribute("x", "398"); key.setAttribute("y", String(12 + i * 11));
+    key.setAttribute("text-anchor", "end");
+    key.setAttribute("fill", COLORS[i % COLORS.length]);
+    key.textContent = name;
+    svg.appendChild(key);
   });
 }
 
