@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 from tests.daemon.big_node import write_node
@@ -165,6 +166,11 @@ def test_scale_from_the_workloads_page(node: Any, browser: Any) -> None:
     wait_until(page, lambda: page.locator(row).locator("td").nth(4).text_content() == "1/1", 120)
     proc = daemon.cli("workload", "scale", "smollm2", "0", key=admin)
     assert proc.returncode != 0 and "replicas" in proc.stderr + proc.stdout
+    auth = {"authorization": f"Bearer {admin}"}
+    for body, param in (({"replicas": 2, "count": 2}, "count"), ({"replicas": "x"}, "replicas")):
+        refused = httpx.post(daemon.url + "/api/v1/workloads/smollm2/scale", json=body,
+                             headers=auth, timeout=30)  # fmt: skip
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
     watch.assert_local(daemon)
     context.close()
 
