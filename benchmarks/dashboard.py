@@ -178,7 +178,9 @@ def main() -> None:
     started: list[Daemon] = []
     try:
         daemon, key, workload_id = make_daemon(work, started)
+        load_before = os.getloadavg()[0]
         pages = measure(daemon, key, workload_id, args.runs)
+        load_after = os.getloadavg()[0]
     finally:
         for daemon in started:
             daemon.stop()
@@ -191,7 +193,8 @@ def main() -> None:
         "kunlun": __version__,
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
         "setup": {"devices": GPUS + 1, "workloads": WORKLOADS, "runs": args.runs,
-                  "browser": CHROMIUM, "when": time.strftime("%H:%M UTC", time.gmtime())},
+                  "browser": CHROMIUM, "when": time.strftime("%H:%M UTC", time.gmtime()),
+                  "load_average_1m": [round(load_before, 2), round(load_after, 2)]},
         "summary": {"slowest_drawn_ms": max(p["drawn_ms"] for p in measured),
                     "all_under_1s": all(p["drawn_ms_max"] < 1000 for p in measured)},
         "pages": pages,
