@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -235,16 +236,29 @@ def test_a_daemon_without_keys_explains_and_lets_in(daemon: Daemon, browser: Any
 def test_metrics_charts_have_data_after_requests(keyed: Any, browser: Any) -> None:
     daemon, admin, _ = keyed
     client = openai.OpenAI(base_url=daemon.url + "/v1", api_key=admin, max_retries=0)
-    for _ in range(2):
-        client.chat.completions.create(model="smollm2", max_tokens=8,
-                                       messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
     context, page, watch = login(browser, daemon, admin)
     page.goto(daemon.url + "/ui/metrics")
-    for chart in ("ttft", "tpot", "tokens", "queue"):  # tokens/s needs two polls
-        page.wait_for_selector(f"#chart-{chart} polyline", state="attached", timeout=30_000)
-    page.wait_for_function(
-        "[...document.querySelectorAll('#chart-ttft polyline')].some(l => +l.dataset.points >= 2)"
-    )
+    stop = threading.Event()
+
+    def load() -> None:  # quantiles are per poll window: requests must end between polls
+        while not stop.is_set():
+            client.chat.completions.create(model="smollm2", max_tokens=8,
+                                           messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
+
+    sender = threading.Thread(target=load, daemon=True)
+    sender.start()
+    try:
+        for chart in ("ttft", "tpot", "tokens", "queue"):  # tokens/s needs two polls
+            page.wait_for_selector(f"#chart-{chart} polyline", state="attached", timeout=60_000)
+        deadline = time.monotonic() + 120  # polled from here: the CSP forbids the eval
+        while not page.evaluate(  # that wait_for_function runs in the page to poll
+            "[...document.querySelectorAll('#chart-ttft polyline')].some(l => +l.dataset.points >= 2)"
+        ):
+            assert time.monotonic() < deadline, page.content()
+            time.sleep(0.5)
+    finally:
+        stop.set()
+        sender.join(60)
     ttft = page.locator("#chart-ttft polyline").first
     assert ttft.get_attribute("data-series").endswith(("p50", "p99"))
     assert "smollm2" in page.text_content("#legend")

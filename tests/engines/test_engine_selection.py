@@ -191,8 +191,10 @@ def test_plan_explain_shows_the_engine_chosen_and_every_engine_rejected(tmp_path
     proc = cli("--model", "Qwen2-0.5B", *mixed(), "--device", "nvidia:0", "--explain",
                home=tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
-    assert ("engine: kunlun (auto: kunlun, the embedded engine, runs this model on nvidia; no "
-            "two engines measured here (kunlun-cli bench --record))") in proc.stdout
+    assert (
+        "engine: kunlun (auto: kunlun, the embedded engine, runs this model on nvidia; no "
+        "two engines measured here (kunlun-cli bench --record))"
+    ) in proc.stdout
     assert "Engines not chosen" in proc.stdout and "llama.cpp" in proc.stdout
     proc = cli("--model", "Qwen2-0.5B", *mixed(), "--device", "nvidia:0", "--json",
                home=tmp_path)  # fmt: skip

@@ -24,13 +24,13 @@ from kunlun.cli.options import (
 )
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.device.inventory import build_inventory
+from kunlun.engines import measured
 from kunlun.errors import ConfigError, Location
 from kunlun.paths import kunlun_home
 from kunlun.planner.capacity import MEMORY_UTILIZATION
 from kunlun.planner.model_info import inspect_model, locate_model
 from kunlun.planner.plan import ExecutionPlan
 from kunlun.state.sqlite import SQLiteStore
-from kunlun.engines import measured
 from kunlun.workload.placement import Placement, place
 from kunlun.workload.spec import parse_spec
 

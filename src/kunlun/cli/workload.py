@@ -1,4 +1,4 @@
-"""``kunlun-cli workload submit | list | describe | logs | stop`` (through the daemon)."""
+"""``kunlun-cli workload submit | list | describe | logs | stop | scale`` (through the daemon)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.planner.plan import ExecutionPlan
 from kunlun.workload.spec import load_spec_file, parse_spec
 
-app = typer.Typer(help="Workloads: submit, list, describe, logs, stop.", no_args_is_help=True)
+app = typer.Typer(
+    help="Workloads: submit, list, describe, logs, stop, scale.", no_args_is_help=True
+)
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 _KEY_LINES = re.compile(r"(Compilation Time|Load Time|First Token Latency)")
 
@@ -200,6 +202,14 @@ def stop(job: str) -> None:
     """Stop a workload's replicas."""
     result = DaemonClient().post(f"/api/v1/workloads/{job}/stop")
     console.print(f"{result['workload_id']}: {result['state']}")
+
+
+@app.command()
+@handle_errors
+def scale(job: str, replicas: int) -> None:
+    """Run REPLICAS replicas of a running workload (the others keep serving)."""
+    result = DaemonClient().post(f"/api/v1/workloads/{job}/scale", json={"replicas": replicas})
+    console.print(f"{result['workload_id']}: {result['replicas']} replicas ({result['state']})")
 
 
 def _age(created: float) -> str:

@@ -32,11 +32,11 @@ from kunlun.cluster.member import (
 )
 from kunlun.device.inventory import Inventory
 from kunlun.device.profile import DeviceProfile
+from kunlun.engines import measured
 from kunlun.errors import KunlunError
 from kunlun.planner.model_info import ModelInfo, inspect_model, locate_model
 from kunlun.state.store import EventRecord, StateStore, WorkloadRecord
 from kunlun.workload.manager import ACTIVE
-from kunlun.engines import measured
 from kunlun.workload.placement import place
 from kunlun.workload.spec import parse_spec
 

@@ -27,6 +27,7 @@ from typing import Any
 from kunlun.cluster.etcd import LeaseNotFound
 from kunlun.cluster.member import ASSIGN, NODES, REPLICAS, WORKLOADS, ClusterView, Membership
 from kunlun.cluster.peer import PREFIX as PEER_PREFIX
+from kunlun.engines import measured
 from kunlun.errors import KunlunError
 from kunlun.planner.cache import PlanCache
 from kunlun.planner.model_info import inspect_model, locate_model
@@ -34,7 +35,6 @@ from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.serving.routing import DeviceSample, DeviceSamples
 from kunlun.state.store import WorkloadRecord
 from kunlun.workload.manager import ACTIVE, WorkloadManager
-from kunlun.engines import measured
 from kunlun.workload.placement import place
 from kunlun.workload.spec import parse_spec
 

@@ -51,6 +51,7 @@ from kunlun.daemon.endpoints_api import endpoints_admin_router, endpoints_router
 from kunlun.daemon.measurements_api import measurements_router
 from kunlun.daemon.request_log import RequestLog, RequestLogConfig, RequestLogMiddleware
 from kunlun.daemon.rollout_api import rollout_router
+from kunlun.daemon.scale_api import scale_router
 from kunlun.device.inventory import Inventory, build_inventory
 from kunlun.errors import ConfigError, KunlunError, Location, RequestError
 from kunlun.node.agent import NodeAgent
@@ -336,6 +337,7 @@ def create_app(platform: Platform) -> FastAPI:
     app.include_router(admin_router(platform), prefix="/api/v1")
     app.include_router(endpoints_admin_router(platform), prefix="/api/v1")
     app.include_router(measurements_router(platform), prefix="/api/v1")  # bench --record
+    app.include_router(scale_router(platform), prefix="/api/v1")
     if platform.rollouts is not None:
         app.include_router(rollout_router(platform.rollouts), prefix="/api/v1")
     app.include_router(gateway_router(platform.replicas, platform.gateway))

@@ -72,6 +72,7 @@ from kunlun.serving.scheduler_config import SchedulerConfigSource
 from kunlun.serving.sglang_gateway import GENERATE_PATH, add_sglang_routes, admission_view
 from kunlun.serving.upstream import UpstreamError, UpstreamPool
 from kunlun.telemetry.gateway_metrics import GatewayMetrics  # telemetry
+from kunlun.telemetry.queue_metrics import QueueDepth  # telemetry
 
 _CHAT_BODY = openapi_body(ChatCompletionRequest)
 _COMPLETION_BODY = openapi_body(CompletionRequest)
@@ -184,6 +185,7 @@ def gateway_router(replicas: ReplicaSet, state: GatewayState) -> APIRouter:
     router = APIRouter()
     if state.admission is None:  # the daemon mounts the routes twice (API, batch runner)
         state.admission = Admission(replicas, state.router)
+        state.metrics.registry.register(QueueDepth(state.admission))  # telemetry
 
     @router.get("/v1/models")
     async def list_models() -> dict[str, Any]:

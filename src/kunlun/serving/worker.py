@@ -98,7 +98,6 @@ def read_ready_file(path: str | Path) -> dict[str, Any] | None:
 def worker_nice(launch: EngineLaunch) -> int:
     """The launch's niceness, or ``KUNLUN_WORKER_NICE``, or :data:`WORKER_NICE`; a
     :class:`ConfigError` naming the variable when it is not an integer 0-19."""
-    from kunlun.errors import ConfigError
 
     return launch.nice if launch.nice is not None else default_nice()
 

@@ -52,6 +52,7 @@ class Dashboard:
 
         self.inner = inner
         self.keyring = keyring
+        self.home = home
         self.sessions = Sessions(home, keyring)
         self.templates = Environment(
             loader=PackageLoader("kunlun.ui", "templates"), autoescape=True

@@ -16,9 +16,11 @@ from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from kunlun.telemetry.view import parse
+from kunlun.ui import more_pages, reports
 from kunlun.ui.app import ApiError, same_origin
 from kunlun.ui.metrics import metrics_json, metrics_page
 from kunlun.ui.session import Session
+from kunlun.ui.topology import CLASSES, matrices
 
 if TYPE_CHECKING:
     from kunlun.ui.app import Dashboard
@@ -52,11 +54,13 @@ def routes(dashboard: Dashboard) -> list[BaseRoute]:
         Route("/ui/playground", guarded(playground)),
         Route("/ui/metrics", guarded(metrics_page)),
         Route("/ui/metrics.json", guarded(metrics_json)),
+        *more_pages.routes(guarded),
+        *reports.routes(guarded),
     ]
 
 
 async def devices(ui: Dashboard, request: Request, session: Session) -> Response:
-    error, rows = None, []
+    error, rows, inventory = None, [], []
     try:
         inventory = await ui.api(request, session, "GET", "/api/v1/devices")
         live = {
@@ -67,7 +71,8 @@ async def devices(ui: Dashboard, request: Request, session: Session) -> Response
             rows.append({**device, "live": live.get(device["id"], {})})
     except ApiError as exc:
         error = exc.message
-    return ui.render("devices.html", session=session, devices=rows, error=error, page="devices")
+    return ui.render("devices.html", session=session, devices=rows, error=error, page="devices",
+                     matrices=matrices(inventory), link_classes=CLASSES)  # fmt: skip
 
 
 def _device_key(row: dict[str, Any]) -> str:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from kunlun.device.inventory import Inventory
 from kunlun.device.registry import load_plugins
+from kunlun.engines import measured
 from kunlun.engines.registry import DEFAULT_ENGINE, external_command
 from kunlun.errors import ConfigError, KunlunError, Location, ModelError
 from kunlun.node.agent import NodeAgent
@@ -30,7 +31,6 @@ from kunlun.planner.plan import ExecutionPlan, engine_launch
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.state.store import EventRecord, StateStore, WorkloadRecord
 from kunlun.telemetry.spec import worker_profiling
-from kunlun.engines import measured
 from kunlun.workload.placement import Placement, place
 from kunlun.workload.spec import WorkloadSpec, parse_spec
 

@@ -1,0 +1,253 @@
+"""The dashboard's second set of pages in a real browser (Debian's chromium through Playwright)
+against one real daemon: a replayed 24-GPU node (:mod:`tests.daemon.big_node`) plus ``cpu:0``
+serving the demo model, with an admin and an inference key.
+
+The Devices heat map, the Metrics page's per-device and per-priority-class series (after
+requests with ``X-Kunlun-Priority``) and windowed quantiles, scaling a workload from the
+page until the new replica count is ready, a batch job submitted with the openai SDK and its
+progress, the Nodes and Rollouts pages, and the Validation and Bench pages drawn from a real
+``kunlun-cli validate`` and ``kunlun-cli bench`` run written under ``KUNLUN_HOME/reports``.
+Screenshots land in ``docs/dashboard/``."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from tests.daemon.big_node import write_node
+from tests.daemon.conftest import SPEC, Daemon, free_port, new_home, wait_ready
+from tests.daemon.test_dashboard_ui import CHROMIUM, HOSTILE, login, make_key, shot
+
+sync_api = pytest.importorskip("playwright.sync_api")
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium")
+GPUS = 24
+
+
+@pytest.fixture(scope="module")
+def node(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The daemon on the replayed node, the demo serving on cpu:0; (daemon, admin, reader)."""
+    d = Daemon(new_home(models_home, tmp_path_factory, "ui-pages-home"), free_port())
+    admin, reader = make_key(d, "ops", "admin"), make_key(d, "reader", "inference")
+    replay = write_node(d.home / "node", GPUS)
+    d.start(wait_ready=False, extra_env={"KUNLUN_REPLAY_DIR": str(replay)})
+    spec = d.home / "spec.yaml"
+    spec.write_text(SPEC + "device: cpu:0\n")
+    proc = d.cli("workload", "submit", "--file", str(spec), "--json", key=admin)
+    assert proc.returncode == 0, proc.stderr
+    wait_ready(d)
+    yield d, admin, reader
+    d.stop()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with sync_api.sync_playwright() as play:
+        chromium = play.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        yield chromium
+        chromium.close()
+
+
+def client(daemon: Daemon, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=daemon.url + "/v1", api_key=key, max_retries=0)
+
+
+def wait_until(page: Any, check: Any, timeout_s: float = 120, reload: bool = True) -> None:
+    """Poll ``check()`` (reloading the page between tries) until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, page.content()[:4000]
+        time.sleep(1)
+        if reload:
+            page.reload()
+
+
+def test_devices_page_draws_the_topology_heat_map(node: Any, browser: Any) -> None:
+    daemon, admin, _ = node
+    context, page, watch = login(browser, daemon, admin)
+    assert page.locator("#devices tr[data-device]").count() == GPUS + 1
+    heat = page.locator(".heatmap[data-type=nvidia]")
+    cells = heat.locator("td[data-d]")
+    assert cells.count() == GPUS * GPUS
+    first = heat.locator("tr").nth(1).locator("td")  # nvidia:0's row
+    assert first.nth(0).get_attribute("class") == "link-self"
+    assert (first.nth(1).get_attribute("class"), first.nth(1).get_attribute("data-d")) == (
+        "link-fast", "5")  # fmt: skip  # NVLink inside a board of 8
+    assert first.nth(8).get_attribute("class") == "link-sys"  # the other socket's board
+    assert first.nth(16).get_attribute("class") == "link-node"  # a board on the same socket
+    colours = {
+        first.nth(i).evaluate("e => getComputedStyle(e).backgroundColor") for i in (0, 1, 8, 16)
+    }
+    assert len(colours) == 4  # the stylesheet colours each class
+    assert "NVLink" in page.text_content(".heat-legend")
+    shot(page, "devices-topology")
+    watch.assert_local(daemon)
+    context.close()
+
+
+def test_metrics_per_device_and_priority_class_windowed(node: Any, browser: Any) -> None:
+    daemon, admin, _ = node
+    context, page, watch = login(browser, daemon, admin)
+    bad = page.request.get(daemon.url + "/ui/metrics.json?tab=x&window=9")
+    assert bad.status == 400 and bad.json()["error"]["param"] == "window"
+    assert (
+        page.request.get(daemon.url + "/ui/metrics.json?tab=a/b").json()["error"]["param"] == "tab"
+    )
+    page.goto(daemon.url + "/ui/metrics")
+    page.wait_for_selector("#chart-prio-queued polyline", state="attached", timeout=30_000)
+    queued = {page.locator("#chart-prio-queued polyline").nth(i).get_attribute("data-series")
+              for i in range(page.locator("#chart-prio-queued polyline").count())}  # fmt: skip
+    assert queued == {"high", "normal", "low"}  # every class of the served model, from poll 1
+    chat = client(daemon, admin)
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            for priority in ("high", "low"):
+                chat.chat.completions.create(
+                    model="smollm2", max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
+                    extra_headers={"X-Kunlun-Priority": priority})  # fmt: skip
+
+    sender = threading.Thread(target=load, daemon=True)
+    sender.start()
+    try:
+
+        def drawn() -> bool:
+            series = page.evaluate("""() => [...document.querySelectorAll(
+                '#chart-prio-wait polyline, #chart-dev-ttft polyline, #chart-ttft polyline')]
+                .map(l => l.closest('svg').id + '|' + l.dataset.series + '|' + l.dataset.points)""")
+            names = {s.rsplit("|", 1)[0] for s in series if int(s.rsplit("|", 1)[1]) >= 2}
+            return {"chart-prio-wait|high p99", "chart-prio-wait|low p99",
+                    "chart-dev-ttft|cpu:0 p99"} <= names  # fmt: skip
+
+        wait_until(page, drawn, 180, reload=False)
+    finally:
+        stop.set()
+        sender.join(60)
+    assert "last window" in page.text_content("#window")
+    one = page.request.get(daemon.url + "/ui/metrics.json?tab=check").json()
+    two = page.request.get(daemon.url + "/ui/metrics.json?tab=check").json()
+    assert one["window_s"] is None and 0 < two["window_s"] < 30  # the tab's own window
+    assert two["priorities"]["high"]["wait_p99_s"] is None  # no request ended in between
+    assert two["priorities"]["high"]["requests_per_s"] == 0
+    shot(page, "metrics-windows")
+    watch.assert_local(daemon)
+    context.close()
+
+
+def test_scale_from_the_workloads_page(node: Any, browser: Any) -> None:
+    daemon, admin, _ = node
+    context, page, watch = login(browser, daemon, admin)
+    page.goto(daemon.url + "/ui/workloads")
+    row = "tr[data-name=smollm2]"
+    for value, words in (("many", "whole number"), ("17", "replicas")):
+        page.fill(f"{row} .scale input[name=replicas]", value)
+        page.click(f"{row} .scale button")
+        message = page.text_content("#form-error")
+        assert "replicas" in message and words in message, message
+    page.fill(f"{row} .scale input[name=replicas]", "2")
+    page.click(f"{row} .scale button")
+    page.wait_for_url("**/ui/workloads")
+    wait_until(page, lambda: page.locator(row).locator("td").nth(4).text_content() == "2/2", 300)
+    shot(page, "workloads-scaled")
+    described = daemon.describe("smollm2", key=admin)
+    assert sum(1 for r in described["replicas"] if r["ready"]) == 2
+    assert any(e["kind"] == "scaled" for e in described["events"])
+    page.fill(f"{row} .scale input[name=replicas]", "1")
+    page.click(f"{row} .scale button")
+    page.wait_for_url("**/ui/workloads")
+    wait_until(page, lambda: page.locator(row).locator("td").nth(4).text_content() == "1/1", 120)
+    proc = daemon.cli("workload", "scale", "smollm2", "0", key=admin)
+    assert proc.returncode != 0 and "replicas" in proc.stderr + proc.stdout
+    auth = {"authorization": f"Bearer {admin}"}
+    for body, param in (({"replicas": 2, "count": 2}, "count"), ({"replicas": "x"}, "replicas")):
+        refused = httpx.post(daemon.url + "/api/v1/workloads/smollm2/scale", json=body,
+                             headers=auth, timeout=30)  # fmt: skip
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    watch.assert_local(daemon)
+    context.close()
+
+
+def test_batches_page_shows_a_batch_and_its_progress(node: Any, browser: Any) -> None:
+    daemon, admin, _ = node
+    sdk = client(daemon, admin)
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": "smollm2", "max_tokens": 2,
+                                  "messages": [{"role": "user", "content": f"Hi {i}"}]}})
+             for i in range(3)]  # fmt: skip
+    upload = sdk.files.create(file=("in.jsonl", io.BytesIO("\n".join(lines).encode())),
+                              purpose="batch")  # fmt: skip
+    batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                               completion_window="24h", metadata={"name": HOSTILE})  # fmt: skip
+    context, page, watch = login(browser, daemon, admin)
+    page.goto(daemon.url + "/ui/batches")
+    row = page.locator(f"tr[data-batch='{batch.id}']")
+    assert HOSTILE in row.text_content() and page.locator("img").count() == 0
+    wait_until(page, lambda: row.locator(".state").text_content() == "completed", 300)
+    progress = row.locator("progress")
+    assert progress.get_attribute("value") == progress.get_attribute("max") == "3"
+    assert "3 done, 0 failed of 3" in row.text_content()
+    shot(page, "batches")
+    watch.assert_local(daemon)
+    assert not watch.dialogs
+    context.close()
+
+
+def test_nodes_and_rollouts_pages(node: Any, browser: Any) -> None:
+    daemon, admin, _ = node
+    context, page, watch = login(browser, daemon, admin)
+    page.goto(daemon.url + "/ui/nodes")
+    assert "single node" in page.text_content("#single-node")
+    (row,) = page.locator("#nodes tr[data-node]").all()
+    assert f"{GPUS + 1} · {GPUS + 1} Ready" in row.text_content()
+    shot(page, "nodes")
+    page.goto(daemon.url + "/ui/rollouts")
+    assert page.locator("#no-rollouts").count() == 1  # the daemon has none
+    shot(page, "rollouts")
+    watch.assert_local(daemon)
+    context.close()
+
+
+def test_validation_and_bench_pages_read_the_reports(node: Any, browser: Any) -> None:
+    daemon, admin, reader = node
+    context, page, watch = login(browser, daemon, admin)
+    page.goto(daemon.url + "/ui/validation")
+    assert page.locator("#no-validation").count() == 1
+    reports = daemon.home / "reports"
+    runs = (["validate", "--endpoint", daemon.url, "--model", "smollm2", "--only", "api.sse",
+             "--out", str(reports / "validation-1")],
+            ["bench", "--endpoint", daemon.url, "--model", "smollm2", "--concurrency", "1,2",
+             "--num-prompts", "2", "--input-len", "16", "--output-len", "4",
+             "--out", str(reports / "bench-1")])  # fmt: skip
+    for argv in runs:
+        done = daemon.cli(*argv, key=admin, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+    page.goto(daemon.url + "/ui/validation")
+    assert page.text_content("#validation-file") == "reports/validation-1/validation.json"
+    cell = page.locator("#validation tr[data-row='api.sse'] td").nth(1)
+    assert cell.locator(".pass").text_content() == "PASS"
+    shot(page, "validation")
+    page.goto(daemon.url + "/ui/bench")
+    lines = page.locator("#bench polyline")
+    assert lines.count() == 5  # tokens/s, TTFT p50/p99, TPOT p50/p99
+    assert all(len(lines.nth(i).get_attribute("points").split()) == 2 for i in range(5))
+    assert page.locator("#bench-runs tr").count() == 3
+    shot(page, "bench")
+    watch.assert_local(daemon)
+    context.close()
+    context, page, watch = login(browser, daemon, reader)
+    for path in ("/ui/validation", "/ui/bench"):
+        page.goto(daemon.url + path)
+        assert "admin key" in page.text_content(".error")
+    page.goto(daemon.url + "/ui/workloads")
+    assert page.locator(".scale").count() == 0
+    posted = page.request.post(daemon.url + "/ui/workloads/smollm2/scale", form={"replicas": "2"})
+    assert posted.status == 403
+    context.close()
