@@ -171,7 +171,7 @@ class LocalReplicas:
                       f"replica {idx} on {self.name}/{placement.target_device}")  # fmt: skip
         self.reservations[rid] = [r.to_dict() for r in placement.reservations]
         try:
-            manager._launch(record, spec, idx, plan, path, entry.path)
+            manager.launch_replica(record, spec, idx, plan, path, entry.path)
         except (KunlunError, OSError) as exc:  # e.g. the plan directory cannot be written
             self.failed[rid] = (wid, idx, f"cannot launch: {exc}")
             manager.event(wid, "failed-here", f"replica {idx} cannot start on {self.name}: {exc}")

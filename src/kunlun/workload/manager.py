@@ -109,11 +109,13 @@ class WorkloadManager:
         Memory reserved by the other active workloads (all but ``exclude``) counts as used.
         """
         name, path = locate_model(self.store, spec.model)
-        return self._place(spec, inspect_model(path, name), exclude, starting=False)
+        return self.place_spec(spec, inspect_model(path, name), exclude, starting=False)
 
-    def _place(
+    def place_spec(
         self, spec: WorkloadSpec, model: ModelInfo, exclude: str | None, *, starting: bool
     ) -> Placement:
+        """Where ``spec`` runs now, memory reserved by every other active workload counted as
+        used (all but ``exclude``), ``engine: auto`` choosing by the model's measurements."""
         reservations = [
             r
             for w in self.store.list_workloads()
@@ -152,7 +154,7 @@ class WorkloadManager:
                 raise
             model = None
         if model is not None and self.cluster is None:
-            placement = self._place(spec, model, None, starting=False)
+            placement = self.place_spec(spec, model, None, starting=False)
             if dry_run:
                 record.state, record.target_device = "PLANNING", placement.target_device
                 record.placement = placement.to_dict()
@@ -205,7 +207,7 @@ class WorkloadManager:
             if self.guard is not None:
                 self.guard.admit(name, path, rehash=True)
             model = inspect_model(path, name)
-            placement = self._place(spec, model, record.workload_id, starting=True)
+            placement = self.place_spec(spec, model, record.workload_id, starting=True)
         except KunlunError as exc:
             self._set(record, "FAILED", str(exc))
             return
@@ -225,13 +227,13 @@ class WorkloadManager:
             self.agent.note(wid, f"plan_cache: {'hit' if entry.hit else 'miss'} (key {entry.key})")
             self.agent.note(wid, "plan: " + plan.summary())
             try:
-                self._launch(record, spec, i, plan, path, entry.path)
+                self.launch_replica(record, spec, i, plan, path, entry.path)
             except KunlunError as exc:  # e.g. a plan setting its engine cannot express
                 self.agent.stop_workload(wid)
                 self._set(record, "FAILED", str(exc))
                 return
 
-    def _launch(
+    def launch_replica(
         self,
         record: WorkloadRecord,
         spec: WorkloadSpec,
@@ -240,6 +242,9 @@ class WorkloadManager:
         model_dir: Path,
         plan_dir: Path,
     ) -> None:
+        """Start replica ``i`` of ``record`` with ``plan`` (its embedded worker or external
+        engine server) on the node agent; its model files from ``model_dir``, its plan cache
+        entry ``plan_dir``."""
         threads = plan.engine_options.get("num_threads") or max(
             1, (os.cpu_count() or 1) // spec.replicas
         )

@@ -58,7 +58,7 @@ def scale(manager: WorkloadManager, workload_id: str, replicas: int) -> Workload
     elif replicas > len(mine):
         name, path = locate_model(manager.store, spec.model)
         try:
-            placement = manager._place(spec, inspect_model(path, name), record.workload_id,
+            placement = manager.place_spec(spec, inspect_model(path, name), record.workload_id,
                                        starting=True)  # fmt: skip
         except KunlunError as exc:
             raise ConfigError(f"{replicas} replicas do not fit: {exc.message}",
@@ -68,7 +68,7 @@ def scale(manager: WorkloadManager, workload_id: str, replicas: int) -> Workload
             group, plan = placement.groups[i], placement.plans[i]
             entry = cache.entry(plan, path, group)
             manager.agent.note(record.workload_id, "plan: " + plan.summary())
-            manager._launch(record, spec, i, plan, path, entry.path)
+            manager.launch_replica(record, spec, i, plan, path, entry.path)
         record.placement = {
             **placement.to_dict(),
             "plan_time_s": record.placement.get("plan_time_s"),
