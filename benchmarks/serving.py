@@ -145,16 +145,16 @@ def start_platform(home: Path, port: int) -> subprocess.Popen[bytes]:
 async def wait_serving(url: str, model: str, timeout_s: float = 600) -> None:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            await client.completions.create(model=model, prompt="Hello", max_tokens=1)
-            return
-        except Exception as exc:  # noqa: BLE001 - not up yet: connection refused, 503
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url} did not serve {model}: {exc}") from exc
-            await asyncio.sleep(1)
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0) as client:
+        while True:
+            try:
+                await client.completions.create(model=model, prompt="Hello", max_tokens=1)
+                return
+            except Exception as exc:  # noqa: BLE001 - not up yet: connection refused, 503
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{url} did not serve {model}: {exc}") from exc
+                await asyncio.sleep(1)
 
 
 async def client_run(url: str, model: str, batch: list[tuple[Any, int]], in_flight: int,
