@@ -8,7 +8,7 @@ one workload of the demo model with two replicas (on two of the three nodes). Th
 order (the node kill last):
 
 1. ``cross_node``: sequential tiny requests (``/v1/completions`` of the prompt "Hi",
-   ``max_tokens`` 1: the least engine work, so the least engine jitter), a node that holds a
+   ``max_tokens`` 1), a node that holds a
    replica (answered by its own replica: ``X-Kunlun-Device`` without "/") and the node
    without one (relayed over the mTLS peer port: the device starts with ``node-``),
    interleaved, after a warm-up. p50/p90/p99 of each side and the differences. The

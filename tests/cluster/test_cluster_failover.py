@@ -159,6 +159,13 @@ def test_keys_workloads_and_nodes_are_the_same_from_every_node(cluster: Cluster)
         assert [w["workload_id"] for w in json.loads(listed.stdout)] == [cluster.workload_id]
     proc = cluster.nodes[0].cli("node", "list", key=cluster.nodes[0].key)
     assert proc.returncode == 0 and "node-b" in proc.stdout and "*" in proc.stdout, proc.stderr
+    # the dashboard's Devices page on node-a lists every node's devices
+    with httpx.Client(base_url=cluster.nodes[0].url, timeout=30) as browser:
+        assert browser.post("/ui/login", data={"key": cluster.nodes[0].key}).status_code == 303
+        page = browser.get("/ui/devices")
+    assert page.status_code == 200, page.text
+    for device in ("cpu:0", "node-b/cpu:0", "node-c/cpu:0"):
+        assert f'<tr data-device="{device}">' in page.text, device
 
 
 def test_etcd_member_loss_and_quorum(cluster: Cluster) -> None:

@@ -198,8 +198,7 @@ class ClusterNode:
             out.append({
                 "name": name, "state": state, "leader": name == leader,
                 "api_url": info.get("api_url"), "peer_url": info.get("peer_url"),
-                "devices": [{"id": d.get("id"), "status": d.get("status")}
-                            for d in info.get("devices") or []],
+                "devices": list(info.get("devices") or []),  # as its inventory says them
                 "replicas": replicas.get(name, []), "started": info.get("started"),
             })  # fmt: skip
         for name in draining:

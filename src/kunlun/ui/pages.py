@@ -69,10 +69,31 @@ async def devices(ui: Dashboard, request: Request, session: Session) -> Response
         }
         for device in inventory:
             rows.append({**device, "live": live.get(device["id"], {})})
+        rows += await other_nodes_devices(ui, request, session)
     except ApiError as exc:
         error = exc.message
     return ui.render("devices.html", session=session, devices=rows, error=error, page="devices",
                      matrices=matrices(inventory), link_classes=CLASSES)  # fmt: skip
+
+
+async def other_nodes_devices(
+    ui: Dashboard, request: Request, session: Session
+) -> list[dict[str, Any]]:
+    """On a cluster, every other node's devices as that node last published its inventory
+    (ids as ``node/device``; no live figures: this node scrapes only its own workers); on a
+    single node, none."""
+    try:
+        here = (await ui.api(request, session, "GET", "/api/v1/cluster"))["node"]
+    except ApiError as exc:
+        if more_pages.SINGLE_NODE in exc.message:
+            return []
+        raise
+    rows = []
+    for node in await ui.api(request, session, "GET", "/api/v1/nodes"):
+        if node["name"] != here:
+            rows += [{**d, "id": f"{node['name']}/{d.get('id')}", "live": {}}
+                     for d in node.get("devices") or []]  # fmt: skip
+    return rows
 
 
 def _device_key(row: dict[str, Any]) -> str:
