@@ -134,6 +134,12 @@ class StateError(KunlunError):
     exit_code = 2
 
 
+class NotClustered(ConfigError):
+    """A cluster route (``/api/v1/cluster``, ``/api/v1/nodes``) asked of a single daemon."""
+
+    code = "cluster.single_node"
+
+
 class ClusterUnavailable(KunlunError):
     """The cluster's state store (etcd) cannot be reached or has no quorum: every endpoint
     refused, timed out or answered that it has no leader. The message names the cause and

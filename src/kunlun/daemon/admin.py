@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Body, Query
 
 from kunlun import catalog
-from kunlun.errors import ConfigError, Location, RequestError
+from kunlun.errors import ConfigError, Location, NotClustered, RequestError
 from kunlun.state.api_keys import (
     DEFAULT_SCOPE,
     check_networks,
@@ -222,7 +222,7 @@ def admin_router(platform: Platform) -> APIRouter:
 
 def _cluster(platform: Platform) -> ClusterNode:
     if platform.cluster is None:
-        raise ConfigError(
+        raise NotClustered(
             "this daemon is a single node, not part of a cluster",
             location=Location("kunlun-platform --cluster-etcd"),
             hint="start every node with --cluster-etcd URL --node-name NAME (docs/cluster.md)",

@@ -39,9 +39,11 @@ _DROPPED = frozenset({b"cookie", b"authorization", b"x-api-key"})
 class ApiError(Exception):
     """A daemon route's refusal, as the page shows it."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.code = status, message, param, code
 
 
 class Dashboard:
@@ -145,7 +147,8 @@ class Dashboard:
             resp = await http.request(method, path, json=body, headers=headers, timeout=60)
         if resp.status_code >= 400:
             error = _error_of(resp)
-            raise ApiError(resp.status_code, str(error.get("message")), error.get("param"))
+            raise ApiError(resp.status_code, str(error.get("message")), error.get("param"),
+                           error.get("code"))  # fmt: skip
         if resp.headers.get("content-type", "").startswith("application/json"):
             return resp.json()
         return resp.text

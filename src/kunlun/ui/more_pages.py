@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from kunlun.errors import NotClustered
 from kunlun.ui.app import ApiError
 from kunlun.ui.session import Session
 
@@ -29,8 +30,8 @@ if TYPE_CHECKING:
 
 BATCHES = 100
 """The newest batch jobs the page lists (the Batch API's largest page)."""
-SINGLE_NODE = "not part of a cluster"
-"""How the daemon's cluster routes say it is a single node."""
+SINGLE_NODE = NotClustered.code
+"""The daemon's refusal of a cluster route on a single node (its error code)."""
 
 
 def routes(guarded: Callable[[Any], Any]) -> list[BaseRoute]:
@@ -60,7 +61,7 @@ async def nodes(ui: Dashboard, request: Request, session: Session) -> Response:
         try:
             rows = await ui.api(request, session, "GET", "/api/v1/nodes")
         except ApiError as exc:
-            if SINGLE_NODE not in exc.message:
+            if exc.code != SINGLE_NODE:
                 raise
             single = True
             devices = await ui.api(request, session, "GET", "/api/v1/devices")

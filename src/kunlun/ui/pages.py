@@ -85,7 +85,7 @@ async def other_nodes_devices(
     try:
         here = (await ui.api(request, session, "GET", "/api/v1/cluster"))["node"]
     except ApiError as exc:
-        if more_pages.SINGLE_NODE in exc.message:
+        if exc.code == more_pages.SINGLE_NODE:
             return []
         raise
     rows = []
