@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: llama-server setup run test check lint format typecheck clean build-offline-image offline-base-image
+.PHONY: llama-server setup run test test-fast check lint format typecheck clean build-offline-image offline-base-image
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -46,8 +46,15 @@ llama-server: $(LLAMA_SERVER)
 $(LLAMA_SERVER): scripts/build-llama-server.sh | $(STAMP)
 	PY=$(BIN)/python bash scripts/build-llama-server.sh $@
 
+# The 25 slowest tests and the total are printed at the end of every run (docs/testing.md).
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 test: $(STAMP) $(SGLANG_FRONTEND)/.installed $(LLAMA_SERVER)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PYTEST) $(PYTEST_ARGS)
+
+# The unit and plumbing tests: everything but the tests marked slow (the demo model, etcd
+# clusters, the browser, llama.cpp's server); a few minutes.
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

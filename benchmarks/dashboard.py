@@ -39,7 +39,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from tests.daemon.big_node import write_node  # noqa: E402
-from tests.daemon.conftest import BIN, ONE_THREAD, Daemon, free_port, wait_ready  # noqa: E402
+from tests.daemons import BIN, ONE_THREAD, Daemon, free_port, wait_ready  # noqa: E402
 
 from kunlun import __version__  # noqa: E402
 

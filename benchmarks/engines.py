@@ -66,7 +66,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.serving import cpu_steal_ticks, wait_serving  # noqa: E402
-from tests.daemon.conftest import Daemon, free_port  # noqa: E402
+from tests.daemons import Daemon, free_port  # noqa: E402
 
 from kunlun.bench import load  # noqa: E402
 from kunlun.bench.stats import summarize  # noqa: E402

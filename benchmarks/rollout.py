@@ -41,7 +41,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from tests.daemon.conftest import Daemon, free_port  # noqa: E402
+from tests.daemons import Daemon, free_port  # noqa: E402
 from tests.rollout.conftest import SPEC, wait_serving  # noqa: E402
 from tests.rollout.rollout_load import ONE_THREAD, Load, create, wait_for  # noqa: E402
 

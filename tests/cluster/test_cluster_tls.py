@@ -15,7 +15,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from tests.cluster.etcd_cluster import EtcdCluster
 from tests.cluster.platform_nodes import ClusterNodeProc, make_node
-from tests.daemon.conftest import BIN
+from tests.daemons import BIN
 
 from kunlun.cluster.certs import MemberTLS
 

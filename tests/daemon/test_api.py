@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from tests.daemon.conftest import BIN, Daemon, wait_ready
+from tests.daemons import BIN, Daemon, wait_ready
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

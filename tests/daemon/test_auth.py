@@ -1,34 +1,33 @@
-"""API keys on a real daemon: every route but /healthz, /readyz and /health needs one; bind
-rules; a fixed key from the environment."""
+"""API keys on a real daemon (no workload: the keys guard the routes, not a model): every
+route but /healthz, /readyz and /health needs one; bind rules; a fixed key from the
+environment."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from tests.daemon.conftest import BIN, Daemon, free_port, new_home
+from tests.daemons import BIN, Daemon, free_port, launched, make_home
 
 OPEN = {"/healthz", "/readyz", "/health"}
 
 
 @pytest.fixture(scope="module")
-def keyed(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Daemon, str]]:
-    d = Daemon(new_home(models_home, tmp_path_factory, "auth-home"), free_port())
-    created = d.cli("apikey", "create", "ops", "--scope", "admin", "--json", remote=False)
-    assert created.returncode == 0, created.stderr  # made directly on KUNLUN_HOME
-    key = json.loads(created.stdout)["key"]
-    assert key not in (d.home / "state.db").read_bytes().decode("latin-1")  # only a hash is stored
-    d.start(wait_ready=False)
-    yield d, key
-    d.stop()
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, str]]:
+    """A daemon with no workload and one admin key ``ops``, made directly on KUNLUN_HOME."""
+    with launched(make_home(tmp_path_factory, "auth-home"), keys=[("ops", "admin")]) as d:
+        key = d.keys["ops"]
+        for stored in d.home.glob("state.db*"):  # the database and its journal files
+            assert key not in stored.read_bytes().decode("latin-1")  # only a hash is stored
+        yield d, key
 
 
 def route_table(tmp_path: Path) -> list[tuple[str, str]]:
@@ -149,20 +148,15 @@ def test_key_revoked_on_disk_takes_effect_in_the_running_daemon(keyed: tuple[Dae
         == 200
     )
     assert daemon.cli("apikey", "revoke", "temp", remote=False).returncode == 0
-    import time
-
-    time.sleep(0.5)
-    assert (
-        httpx.get(
-            daemon.url + "/v1/models", headers={"Authorization": f"Bearer {temp}"}
-        ).status_code
-        == 401
-    )
+    deadline = time.monotonic() + 30  # the daemon rereads its keys at most every 0.25 s
+    while (status := daemon.get("/v1/models", headers={"Authorization": f"Bearer {temp}"})
+           .status_code) == 200:  # fmt: skip
+        assert time.monotonic() < deadline, "the revoked key was still accepted"
+        time.sleep(0.1)
+    assert status == 401
 
 
 def run_platform(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    import os
-
     env = dict(os.environ, KUNLUN_HOME=str(home))
     return subprocess.run(
         [str(BIN / "kunlun-platform"), *args], capture_output=True, text=True, env=env, timeout=60
@@ -188,10 +182,8 @@ def test_port_in_use_names_the_port_and_holder(keyed: tuple[Daemon, str], tmp_pa
 
 def test_a_fixed_key_from_the_environment_is_an_admin_key_not_stored(tmp_path: Path) -> None:
     (tmp_path / "home").mkdir()
-    daemon = Daemon(tmp_path / "home", free_port())
     secret = "ci-fixed-key-0123"
-    daemon.start(wait_ready=False, extra_env={"KUNLUN_API_KEY": secret})
-    try:
+    with launched(tmp_path / "home", env={"KUNLUN_API_KEY": secret}) as daemon:
         assert daemon.get("/v1/models").status_code == 401
         wrong = daemon.get("/v1/models", headers={"Authorization": "Bearer ci-fixed-key-0124"})
         assert wrong.status_code == 401
@@ -200,8 +192,6 @@ def test_a_fixed_key_from_the_environment_is_an_admin_key_not_stored(tmp_path: P
         admin = daemon.get("/api/v1/workloads", headers={"Authorization": f"Bearer {secret}"})
         assert admin.status_code == 200 and admin.json() == []
         assert daemon.get("/health").status_code == 503  # open: no replica is ready
-    finally:
-        daemon.stop()
     assert secret not in (daemon.home / "state.db").read_bytes().decode("latin-1")
     short = subprocess.run(
         [str(BIN / "kunlun-platform"), "--port", str(free_port())],
@@ -213,11 +203,9 @@ def test_a_fixed_key_from_the_environment_is_an_admin_key_not_stored(tmp_path: P
 
 def test_cors_only_for_the_allowed_origins(tmp_path: Path) -> None:
     (tmp_path / "home").mkdir()
-    daemon = Daemon(tmp_path / "home", free_port())
     secret, app = "cors-test-key-42", "https://app.example.com"
-    daemon.start("--allowed-origins", f"{app},http://localhost:3000", wait_ready=False,
-                 extra_env={"KUNLUN_API_KEY": secret})  # fmt: skip
-    try:
+    origins = ("--allowed-origins", f"{app},http://localhost:3000")
+    with launched(tmp_path / "home", *origins, env={"KUNLUN_API_KEY": secret}) as daemon:
         preflight = httpx.options(daemon.url + "/v1/chat/completions", timeout=30, headers={
             "Origin": app, "Access-Control-Request-Method": "POST",
             "Access-Control-Request-Headers": "authorization,content-type"})  # fmt: skip
@@ -235,8 +223,6 @@ def test_cors_only_for_the_allowed_origins(tmp_path: Path) -> None:
         other = daemon.get("/v1/models", headers={"Origin": "https://evil.example",
                                                   "Authorization": f"Bearer {secret}"})  # fmt: skip
         assert "access-control-allow-origin" not in other.headers
-    finally:
-        daemon.stop()
     bad = subprocess.run(
         [str(BIN / "kunlun-platform"), "--port", str(free_port()), "--allowed-origins",
          "app.example.com/path"],

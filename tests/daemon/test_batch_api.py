@@ -17,14 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from tests.daemon.conftest import (
-    Daemon,
-    free_port,
-    new_home,
-    settled_request_log,
-    submit_demo,
-    wait_ready,
-)
+from tests.daemons import TINY_SPEC, Daemon, launched, make_home, settled_request_log
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -36,14 +29,14 @@ def client_for(daemon: Daemon) -> openai.OpenAI:
 def request_line(custom_id: str, url: str = "/v1/chat/completions", **body: Any) -> str:
     if url == "/v1/chat/completions":
         payload = {
-            "model": "smollm2",
+            "model": "tiny",
             "max_tokens": 6,
             "temperature": 0,
             "messages": [{"role": "user", "content": f"Say {custom_id}."}],
         }
     else:
         payload = {
-            "model": "smollm2",
+            "model": "tiny",
             "max_tokens": 6,
             "temperature": 0,
             "prompt": f"Item {custom_id}:",
@@ -88,7 +81,8 @@ def request_log(daemon: Daemon) -> list[dict[str, Any]]:
     return settled_request_log(daemon.home)
 
 
-def test_batch_with_the_openai_sdk(daemon: Daemon, tmp_path: Path) -> None:
+def test_batch_with_the_openai_sdk(tiny_daemon: Daemon, tmp_path: Path) -> None:
+    daemon = tiny_daemon
     client = client_for(daemon)
     ids = [f"req-{n}" for n in range(6)]
     lines = [request_line(i) for i in ids] + [request_line("too-hot", temperature=5)]
@@ -127,7 +121,7 @@ def test_batch_with_the_openai_sdk(daemon: Daemon, tmp_path: Path) -> None:
         assert line["id"].startswith("batch_req_")
     usages = [line["response"]["body"]["usage"] for line in output]
     assert all(u["completion_tokens"] >= 1 for u in usages)
-    assert batch.model == "smollm2" and batch.usage is not None
+    assert batch.model == "tiny" and batch.usage is not None
     assert batch.usage.input_tokens == sum(u["prompt_tokens"] for u in usages) > 0
     assert batch.usage.output_tokens == sum(u["completion_tokens"] for u in usages)
     assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
@@ -140,16 +134,17 @@ def test_batch_with_the_openai_sdk(daemon: Daemon, tmp_path: Path) -> None:
     listed = client.batches.list(limit=100)
     assert batch.id in [b.id for b in listed.data]
     sent = [e for e in request_log(daemon) if str(e["request_id"]).startswith(f"{batch.id}:")]
-    assert len(sent) == 7 and {e["model"] for e in sent} == {"smollm2"}
+    assert len(sent) == 7 and {e["model"] for e in sent} == {"tiny"}
     assert sorted(e["status"] for e in sent) == [200] * 6 + [400]
 
 
-def test_cancel_stops_a_running_batch(daemon: Daemon, tmp_path: Path) -> None:
-    client = client_for(daemon)
+def test_cancel_stops_a_running_batch(tiny_daemon: Daemon, tmp_path: Path) -> None:
+    client = client_for(tiny_daemon)
     ids = [f"c{n}" for n in range(60)]
-    uploaded = upload(
-        client, tmp_path / "many.jsonl", [request_line(i, "/v1/completions") for i in ids]
-    )
+    # long answers (ignore_eos), so the job is still running when it is cancelled: the tiny
+    # model would answer 60 short requests before the test could cancel them
+    lines = [request_line(i, "/v1/completions", max_tokens=200, ignore_eos=True) for i in ids]
+    uploaded = upload(client, tmp_path / "many.jsonl", lines)
     created = client.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
     )
@@ -174,7 +169,8 @@ def test_cancel_stops_a_running_batch(daemon: Daemon, tmp_path: Path) -> None:
         client.files.retrieve(uploaded.id)
 
 
-def test_files_list_paginate_filter_and_delete(daemon: Daemon, tmp_path: Path) -> None:
+def test_files_list_paginate_filter_and_delete(tiny_daemon: Daemon, tmp_path: Path) -> None:
+    daemon = tiny_daemon
     client = client_for(daemon)
     made = [
         upload(client, tmp_path / f"list-{n}.jsonl", [request_line(f"l{n}", "/v1/completions")])
@@ -203,7 +199,10 @@ def test_files_list_paginate_filter_and_delete(daemon: Daemon, tmp_path: Path) -
         client.files.list(order="sideways")  # type: ignore[arg-type]
 
 
-def test_bad_files_and_requests_are_refused_with_the_place(daemon: Daemon, tmp_path: Path) -> None:
+def test_bad_files_and_requests_are_refused_with_the_place(
+    tiny_daemon: Daemon, tmp_path: Path
+) -> None:
+    daemon = tiny_daemon
     client = client_for(daemon)
     lines = [
         request_line("ok"),
@@ -242,8 +241,8 @@ def test_bad_files_and_requests_are_refused_with_the_place(daemon: Daemon, tmp_p
     assert bare.status_code == 400 and bare.json()["error"]["param"] == "file"
 
 
-def test_expiry_policies_with_the_openai_sdk(daemon: Daemon, tmp_path: Path) -> None:
-    client = client_for(daemon)
+def test_expiry_policies_with_the_openai_sdk(tiny_daemon: Daemon, tmp_path: Path) -> None:
+    client = client_for(tiny_daemon)
     path = tmp_path / "expiring.jsonl"
     path.write_text(request_line("e1", "/v1/completions") + "\n")
     with path.open("rb") as handle:
@@ -281,32 +280,38 @@ def test_expiry_policies_with_the_openai_sdk(daemon: Daemon, tmp_path: Path) -> 
     assert plain.expires_at is None
 
 
-def test_request_ids_pass_through_and_are_logged(daemon: Daemon) -> None:
+def test_request_ids_pass_through_and_are_logged(tiny_daemon: Daemon) -> None:
+    daemon = tiny_daemon
     resp = httpx.post(
         daemon.url + "/v1/completions",
         headers={"X-Request-Id": "probe:1:1"},
-        json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2},
+        json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
         timeout=120,
     )
     assert resp.status_code == 200 and resp.headers["x-request-id"] == "probe:1:1"
     entry = next(e for e in reversed(request_log(daemon)) if e["request_id"] == "probe:1:1")
-    assert entry["model"] == "smollm2" and entry["status"] == 200
+    assert entry["model"] == "tiny" and entry["status"] == 200
     assert entry["path"] == "/v1/completions" and entry["latency_ms"] > 0
 
 
 def test_daemon_sigkill_mid_batch_resumes_each_custom_id_once(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    daemon = Daemon(new_home(models_home, tmp_path_factory, "batch-crash-home"), free_port())
-    daemon.start("--batch-max-jobs", "1", wait_ready=False)
-    submit_demo(daemon)
-    wait_ready(daemon)
+    home = make_home(tmp_path_factory, "batch-crash-home")
+    spec = TINY_SPEC.format(path=tiny_model, name="tiny")
+    with launched(home, "--batch-max-jobs", "1", workloads=[spec]) as daemon:
+        sigkill_mid_batch_and_resume(daemon)
+
+
+def sigkill_mid_batch_and_resume(daemon: Daemon) -> None:
     client = client_for(daemon)
     ids = [f"k{n}" for n in range(30)]
+    # long answers (ignore_eos): 30 requests 8 at a time take several rounds, so the job is
+    # in the middle (asserted below) when the daemon is killed
     uploaded = upload(
         client,
         daemon.home / "kill.jsonl",
-        [request_line(i, "/v1/completions", max_tokens=8, ignore_eos=True) for i in ids],
+        [request_line(i, "/v1/completions", max_tokens=200, ignore_eos=True) for i in ids],
     )
     batch = client.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
@@ -366,9 +371,9 @@ def test_daemon_sigkill_mid_batch_resumes_each_custom_id_once(
     assert daemon.stop() == 0
 
 
-def test_an_unknown_batch_field_is_refused_naming_it(daemon: Daemon) -> None:
+def test_an_unknown_batch_field_is_refused_naming_it(tiny_daemon: Daemon) -> None:
     resp = httpx.post(
-        f"{daemon.url}/v1/batches",
+        f"{tiny_daemon.url}/v1/batches",
         json={"input_file_id": "file-x", "endpoint": "/v1/completions",
               "completion_window": "24h", "priority_boost": 1},
     )  # fmt: skip

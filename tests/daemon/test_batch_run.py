@@ -1,4 +1,4 @@
-"""``kunlun-cli batch run`` against a real daemon serving the demo model.
+"""``kunlun-cli batch run`` against a real daemon serving the tiny model.
 
 SIGKILL halfway and resume (the daemon's request log proves no finished id was sent
 again), a torn last line, bad input lines, a task file, and a 400 that is not retried.
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.daemon.conftest import BIN, Daemon, settled_request_log
+from tests.daemons import BIN, Daemon, settled_request_log
 
 from kunlun.serving.limits import CLIENT_GONE
 
@@ -47,7 +47,7 @@ def batch_cmd(daemon: Daemon, inputs: Path, out: Path, *extra: str) -> list[str]
         "--endpoint",
         daemon.url,
         "--model-alias",
-        "smollm2",
+        "tiny",
         "--input-file",
         str(inputs),
         "--output-dir",
@@ -59,7 +59,9 @@ def batch_cmd(daemon: Daemon, inputs: Path, out: Path, *extra: str) -> list[str]
 def write_inputs(path: Path) -> set[str]:
     lines = []
     for n in range(NUM_LINES):
-        line: dict[str, Any] = {"id": f"q{n}", "max_tokens": 6, "temperature": 0}
+        # long enough answers (ignore_eos) that the run is still going when it is killed
+        line: dict[str, Any] = {"id": f"q{n}", "max_tokens": 48, "ignore_eos": True,
+                                "temperature": 0}  # fmt: skip
         if n % 2:
             line["messages"] = [{"role": "user", "content": f"Say the number {n}."}]
         else:
@@ -70,8 +72,11 @@ def write_inputs(path: Path) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def killed(daemon: Daemon, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def killed(
+    tiny_daemon: Daemon, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
     """A 40-line run SIGKILLed once 10 results are written, then run again to the end."""
+    daemon = tiny_daemon
     folder = tmp_path_factory.mktemp("batch-kill")
     inputs, out = folder / "prompts.jsonl", folder / "out"
     all_ids = write_inputs(inputs)
@@ -138,9 +143,9 @@ def test_the_daemon_log_shows_no_finished_id_sent_again(killed: dict[str, Any]) 
         assert entry["path"] in ("/v1/completions", "/v1/chat/completions")
         if entry["status"] in IN_FLIGHT:
             # in flight when the first run was SIGKILLed: its body may never have arrived
-            assert entry["model"] in (None, "smollm2")
+            assert entry["model"] in (None, "tiny")
         else:
-            assert entry["model"] == "smollm2", entry
+            assert entry["model"] == "tiny", entry
     assert sum(e["status"] in IN_FLIGHT for e in entries) <= 2  # --batch-size 2 in flight
     finished = {item_id(e) for e in entries if e["status"] == 200}
     assert finished == killed["all_ids"]
@@ -170,7 +175,8 @@ def test_a_torn_last_line_is_discarded_and_its_id_run_again(killed: dict[str, An
     assert sent == [f"{TASK}:{torn_id}:1"]
 
 
-def test_bad_lines_are_reported_and_the_others_run(daemon: Daemon, tmp_path: Path) -> None:
+def test_bad_lines_are_reported_and_the_others_run(tiny_daemon: Daemon, tmp_path: Path) -> None:
+    daemon = tiny_daemon
     inputs = tmp_path / "data" / "in.jsonl"
     inputs.parent.mkdir()
     inputs.write_text(
@@ -185,7 +191,7 @@ def test_bad_lines_are_reported_and_the_others_run(daemon: Daemon, tmp_path: Pat
     )
     config = tmp_path / "task.yaml"
     config.write_text(
-        "task_name: bad-input\nmodel_alias: smollm2\ninput_file: data/in.jsonl\n"
+        "task_name: bad-input\nmodel_alias: tiny\ninput_file: data/in.jsonl\n"
         "output_dir: out\nbatch_size: 3\nmax_retries: 2\ntimeout_seconds: 120\n"
     )
     proc = subprocess.run(

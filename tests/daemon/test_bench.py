@@ -1,4 +1,4 @@
-"""``kunlun-cli bench`` against a real daemon serving the demo model, at tiny sizes."""
+"""``kunlun-cli bench`` against a real daemon serving the tiny model, at tiny sizes."""
 
 from __future__ import annotations
 
@@ -7,19 +7,20 @@ import struct
 from pathlib import Path
 
 import pytest
-from tests.daemon.conftest import Daemon
+from tests.daemons import Daemon
 
 INPUT_LEN, OUTPUT_LEN, NUM_PROMPTS = 8, 4, 3
 
 
-def test_bench_sweep_poisson_json_and_chart(daemon: Daemon, tmp_path: Path) -> None:
+def test_bench_sweep_poisson_json_and_chart(tiny_daemon: Daemon, tmp_path: Path) -> None:
+    daemon = tiny_daemon
     out = tmp_path / "bench"
     proc = daemon.cli(
         "bench",
         "--endpoint",
         daemon.url + "/v1",
         "--model",
-        "smollm2",
+        "tiny",
         "--concurrency",
         "1,2",
         "--rate",
@@ -108,7 +109,8 @@ def test_bench_sweep_poisson_json_and_chart(daemon: Daemon, tmp_path: Path) -> N
         image.verify()  # the whole file decodes
 
 
-def test_bench_errors(daemon: Daemon, tmp_path: Path) -> None:
+def test_bench_errors(tiny_daemon: Daemon, tmp_path: Path) -> None:
+    daemon = tiny_daemon
     wrong = daemon.cli(
         "bench",
         "--endpoint",
@@ -126,7 +128,7 @@ def test_bench_errors(daemon: Daemon, tmp_path: Path) -> None:
         "--endpoint",
         daemon.url,
         "--model",
-        "smollm2",
+        "tiny",
         "--concurrency",
         "1,x",
         remote=False,

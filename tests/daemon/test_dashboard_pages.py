@@ -1,13 +1,14 @@
 """The dashboard's second set of pages in a real browser (Debian's chromium through Playwright)
 against one real daemon: a replayed 24-GPU node (:mod:`tests.daemon.big_node`) plus ``cpu:0``
-serving the demo model, with an admin and an inference key.
+serving the tiny model, with an admin and an inference key.
 
 The Devices heat map, the Metrics page's per-device and per-priority-class series (after
 requests with ``X-Kunlun-Priority``) and windowed quantiles, scaling a workload from the
 page until the new replica count is ready, a batch job submitted with the openai SDK and its
 progress, the Nodes and Rollouts pages, and the Validation and Bench pages drawn from a real
-``kunlun-cli validate`` and ``kunlun-cli bench`` run written under ``KUNLUN_HOME/reports``.
-Screenshots land in ``docs/dashboard/``."""
+``kunlun-cli validate`` run (of the demo model on the shared daemon: it passes only on answers
+that read as language) and ``kunlun-cli bench`` run written under ``KUNLUN_HOME/reports``.
+Screenshots are taken as in ``test_dashboard_ui.py`` (``SHOTS``)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ import httpx
 import openai
 import pytest
 from tests.daemon.big_node import write_node
-from tests.daemon.conftest import SPEC, Daemon, free_port, new_home, wait_ready
-from tests.daemon.test_dashboard_ui import CHROMIUM, HOSTILE, login, make_key, shot
+from tests.daemon.test_dashboard_ui import CHROMIUM, HOSTILE, login, shot
+from tests.daemons import TINY_SPEC, Daemon, launched, make_home
 
 sync_api = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium")
@@ -32,19 +33,15 @@ GPUS = 24
 
 
 @pytest.fixture(scope="module")
-def node(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The daemon on the replayed node, the demo serving on cpu:0; (daemon, admin, reader)."""
-    d = Daemon(new_home(models_home, tmp_path_factory, "ui-pages-home"), free_port())
-    admin, reader = make_key(d, "ops", "admin"), make_key(d, "reader", "inference")
-    replay = write_node(d.home / "node", GPUS)
-    d.start(wait_ready=False, extra_env={"KUNLUN_REPLAY_DIR": str(replay)})
-    spec = d.home / "spec.yaml"
-    spec.write_text(SPEC + "device: cpu:0\n")
-    proc = d.cli("workload", "submit", "--file", str(spec), "--json", key=admin)
-    assert proc.returncode == 0, proc.stderr
-    wait_ready(d)
-    yield d, admin, reader
-    d.stop()
+def node(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The daemon on the replayed node, the tiny model serving on cpu:0 as ``tiny``;
+    (daemon, admin, reader)."""
+    home = make_home(tmp_path_factory, "ui-pages-home")
+    replay = write_node(home / "node", GPUS)
+    spec = TINY_SPEC.format(path=tiny_model, name="tiny") + "device: cpu:0\n"
+    with launched(home, keys=[("ops", "admin"), ("reader", "inference")], workloads=[spec],
+                  env={"KUNLUN_REPLAY_DIR": str(replay)}) as d:  # fmt: skip
+        yield d, d.keys["ops"], d.keys["reader"]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +61,7 @@ def wait_until(page: Any, check: Any, timeout_s: float = 120, reload: bool = Tru
     deadline = time.monotonic() + timeout_s
     while not check():
         assert time.monotonic() < deadline, page.content()[:4000]
-        time.sleep(1)
+        time.sleep(0.5)
         if reload:
             page.reload()
 
@@ -112,7 +109,7 @@ def test_metrics_per_device_and_priority_class_windowed(node: Any, browser: Any)
         while not stop.is_set():
             for priority in ("high", "low"):
                 chat.chat.completions.create(
-                    model="smollm2", max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
+                    model="tiny", max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
                     extra_headers={"X-Kunlun-Priority": priority})  # fmt: skip
 
     sender = threading.Thread(target=load, daemon=True)
@@ -146,7 +143,7 @@ def test_scale_from_the_workloads_page(node: Any, browser: Any) -> None:
     daemon, admin, _ = node
     context, page, watch = login(browser, daemon, admin)
     page.goto(daemon.url + "/ui/workloads")
-    row = "tr[data-name=smollm2]"
+    row = "tr[data-name=tiny]"
     for value, words in (("many", "whole number"), ("17", "replicas")):
         page.fill(f"{row} .scale input[name=replicas]", value)
         page.click(f"{row} .scale button")
@@ -157,18 +154,18 @@ def test_scale_from_the_workloads_page(node: Any, browser: Any) -> None:
     page.wait_for_url("**/ui/workloads")
     wait_until(page, lambda: page.locator(row).locator("td").nth(4).text_content() == "2/2", 300)
     shot(page, "workloads-scaled")
-    described = daemon.describe("smollm2", key=admin)
+    described = daemon.describe("tiny", key=admin)
     assert sum(1 for r in described["replicas"] if r["ready"]) == 2
     assert any(e["kind"] == "scaled" for e in described["events"])
     page.fill(f"{row} .scale input[name=replicas]", "1")
     page.click(f"{row} .scale button")
     page.wait_for_url("**/ui/workloads")
     wait_until(page, lambda: page.locator(row).locator("td").nth(4).text_content() == "1/1", 120)
-    proc = daemon.cli("workload", "scale", "smollm2", "0", key=admin)
+    proc = daemon.cli("workload", "scale", "tiny", "0", key=admin)
     assert proc.returncode != 0 and "replicas" in proc.stderr + proc.stdout
     auth = {"authorization": f"Bearer {admin}"}
     for body, param in (({"replicas": 2, "count": 2}, "count"), ({"replicas": "x"}, "replicas")):
-        refused = httpx.post(daemon.url + "/api/v1/workloads/smollm2/scale", json=body,
+        refused = httpx.post(daemon.url + "/api/v1/workloads/tiny/scale", json=body,
                              headers=auth, timeout=30)  # fmt: skip
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param
     watch.assert_local(daemon)
@@ -179,7 +176,7 @@ def test_batches_page_shows_a_batch_and_its_progress(node: Any, browser: Any) ->
     daemon, admin, _ = node
     sdk = client(daemon, admin)
     lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
-                         "body": {"model": "smollm2", "max_tokens": 2,
+                         "body": {"model": "tiny", "max_tokens": 2,
                                   "messages": [{"role": "user", "content": f"Hi {i}"}]}})
              for i in range(3)]  # fmt: skip
     upload = sdk.files.create(file=("in.jsonl", io.BytesIO("\n".join(lines).encode())),
@@ -215,15 +212,22 @@ def test_nodes_and_rollouts_pages(node: Any, browser: Any) -> None:
     context.close()
 
 
-def test_validation_and_bench_pages_read_the_reports(node: Any, browser: Any) -> None:
+def test_validation_and_bench_pages_read_the_reports(
+    node: Any, browser: Any, daemon: Daemon
+) -> None:
+    """The reports the pages read: a ``validate`` run of the demo model (the shared ``daemon``:
+    the run passes only when its garbage detector finds every answer to be language, which
+    the tiny random model's are not) and a ``bench`` run of the node's tiny model, both
+    written under the node's ``KUNLUN_HOME/reports``."""
+    demo = daemon
     daemon, admin, reader = node
     context, page, watch = login(browser, daemon, admin)
     page.goto(daemon.url + "/ui/validation")
     assert page.locator("#no-validation").count() == 1
     reports = daemon.home / "reports"
-    runs = (["validate", "--endpoint", daemon.url, "--model", "smollm2", "--only", "api.sse",
+    runs = (["validate", "--endpoint", demo.url, "--model", "smollm2", "--only", "api.sse",
              "--out", str(reports / "validation-1")],
-            ["bench", "--endpoint", daemon.url, "--model", "smollm2", "--concurrency", "1,2",
+            ["bench", "--endpoint", daemon.url, "--model", "tiny", "--concurrency", "1,2",
              "--num-prompts", "2", "--input-len", "16", "--output-len", "4",
              "--out", str(reports / "bench-1")])  # fmt: skip
     for argv in runs:
@@ -248,6 +252,6 @@ def test_validation_and_bench_pages_read_the_reports(node: Any, browser: Any) ->
         assert "admin key" in page.text_content(".error")
     page.goto(daemon.url + "/ui/workloads")
     assert page.locator(".scale").count() == 0
-    posted = page.request.post(daemon.url + "/ui/workloads/smollm2/scale", form={"replicas": "2"})
+    posted = page.request.post(daemon.url + "/ui/workloads/tiny/scale", form={"replicas": "2"})
     assert posted.status == 403
     context.close()

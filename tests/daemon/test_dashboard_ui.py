@@ -1,13 +1,13 @@
 """The ``/ui`` dashboard in a real browser (Debian's chromium through Playwright) against a
-real daemon with API keys serving the demo model: login and sessions, Devices, Workloads
+real daemon with API keys serving the tiny model: login and sessions, Devices, Workloads
 (submit and stop from the page), a streamed Playground reply, scopes, escaping, and no
-request leaving the daemon. Screenshots of every page land in ``docs/dashboard/``."""
+request leaving the daemon. Screenshots of every page are taken (``SHOTS``)."""
 
 from __future__ import annotations
 
-import json
 import os
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -16,34 +16,25 @@ from typing import Any
 
 import openai
 import pytest
-from tests.daemon.conftest import SPEC, Daemon, free_port, new_home, wait_ready
+from tests.daemons import TINY_SPEC, Daemon, launched, make_home
 
 sync_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM = Path("/usr/bin/chromium")
-SHOTS = Path(__file__).resolve().parents[2] / "docs" / "dashboard"
+SHOTS = Path(os.environ.get("KUNLUN_DASHBOARD_SHOTS") or tempfile.mkdtemp(prefix="dashboard-"))
+"""Where the pages' screenshots go: a temporary folder, or ``KUNLUN_DASHBOARD_SHOTS``. The
+pictures in ``docs/dashboard/`` show the demo model and are not overwritten by a test run,
+whose daemons serve the tiny model."""
 HOSTILE = "<img src=x onerror=alert(1)>"
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium")
 
 
-def make_key(daemon: Daemon, name: str, scope: str) -> str:
-    made = daemon.cli("apikey", "create", name, "--scope", scope, "--json", remote=False)
-    assert made.returncode == 0, made.stderr
-    return str(json.loads(made.stdout)["key"])
-
-
 @pytest.fixture(scope="module")
-def keyed(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A daemon with an admin and an inference key, serving ``smollm2``."""
-    d = Daemon(new_home(models_home, tmp_path_factory, "ui-home"), free_port())
-    admin, reader = make_key(d, "ops", "admin"), make_key(d, "reader", "inference")
-    d.start(wait_ready=False)
-    spec = d.home / "spec.yaml"
-    spec.write_text(SPEC)
-    proc = d.cli("workload", "submit", "--file", str(spec), "--json", key=admin)
-    assert proc.returncode == 0, proc.stderr
-    wait_ready(d)
-    yield d, admin, reader
-    d.stop()
+def keyed(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A daemon with an admin and an inference key, serving the tiny model as ``tiny``."""
+    home = make_home(tmp_path_factory, "ui-home")
+    keys = [("ops", "admin"), ("reader", "inference")]
+    with launched(home, keys=keys, workloads=[TINY_SPEC.format(path=tiny_model, name="tiny")]) as d:
+        yield d, d.keys["ops"], d.keys["reader"]
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +103,9 @@ def test_no_session_redirects_and_a_wrong_key_is_refused(keyed: Any, browser: An
     context.close()
 
 
-def test_admin_sees_devices_submits_a_workload_and_stops_it(keyed: Any, browser: Any) -> None:
+def test_admin_sees_devices_submits_a_workload_and_stops_it(
+    keyed: Any, browser: Any, tiny_model: Path
+) -> None:
     daemon, admin, _ = keyed
     context, page, watch = login(browser, daemon, admin)
     (cookie,) = context.cookies()
@@ -132,7 +125,7 @@ def test_admin_sees_devices_submits_a_workload_and_stops_it(keyed: Any, browser:
     page.goto(daemon.url + "/ui/workloads")
     for field, value, error in (("batch_size", "many", "batch_size"), ("name", HOSTILE, "name"),
                                 ("model", HOSTILE, "model")):  # fmt: skip
-        page.fill("#submit input[name=model]", "smollm2")
+        page.fill("#submit input[name=model]", str(tiny_model))
         page.fill("#submit input[name=name]", "second")
         page.fill("#submit input[name=batch_size]", "2")
         page.fill(f"#submit input[name={field}]", value)
@@ -140,7 +133,7 @@ def test_admin_sees_devices_submits_a_workload_and_stops_it(keyed: Any, browser:
         message = page.text_content("#form-error")
         assert error in message and value in message, message  # the value shown as text
         assert page.locator("img").count() == 0
-    page.fill("#submit input[name=model]", "smollm2")
+    page.fill("#submit input[name=model]", str(tiny_model))
     page.fill("#submit input[name=name]", "second")
     page.fill("#submit input[name=batch_size]", "2")
     page.fill("#submit input[name=max_model_len]", "256")
@@ -151,7 +144,7 @@ def test_admin_sees_devices_submits_a_workload_and_stops_it(keyed: Any, browser:
     while page.text_content("#state") != "RUNNING":
         assert page.text_content("#state") not in ("FAILED", "STOPPED"), page.content()
         assert time.monotonic() < deadline, page.content()
-        time.sleep(1)
+        time.sleep(0.25)
         page.reload()
     assert "cpu:0" in page.text_content("#why") or page.text_content("#why")
     assert page.locator("#events tr").count() > 1
@@ -175,8 +168,8 @@ def test_playground_streams_a_reply_and_shows_the_request(keyed: Any, browser: A
     context, page, watch = login(browser, daemon, admin)
     page.goto(daemon.url + "/ui/playground")
     page.wait_for_function("document.getElementById('model').options.length > 0")
-    assert page.input_value("#model") == "smollm2"
-    page.fill("#max_tokens", "24")
+    assert page.input_value("#model") == "tiny"
+    page.fill("#max_tokens", "64")
     page.fill("#temperature", "0")
     page.fill("#prompt", f"Say hello. {HOSTILE}")
     page.evaluate(
@@ -196,8 +189,8 @@ def test_playground_streams_a_reply_and_shows_the_request(keyed: Any, browser: A
     assert page.text_content(".msg.user") == f"Say hello. {HOSTILE}"  # literal text
     assert page.locator("img").count() == 0
     curl, python = page.text_content("#curl"), page.text_content("#python")
-    assert daemon.url + "/v1/chat/completions" in curl and '"max_tokens": 24' in curl
-    assert 'model="smollm2"' in python and "stream=True" in python
+    assert daemon.url + "/v1/chat/completions" in curl and '"max_tokens": 64' in curl
+    assert 'model="tiny"' in python and "stream=True" in python
     shot(page, "playground")
     watch.assert_local(daemon)
     context.close()
@@ -209,7 +202,7 @@ def test_an_inference_key_sees_no_submit_or_stop(keyed: Any, browser: Any) -> No
     assert "scope 'admin'" in page.text_content("main")  # the admin API's own refusal
     page.goto(daemon.url + "/ui/workloads")
     assert page.locator("#submit").count() == 0 and page.locator("button.stop").count() == 0
-    posted = page.request.post(daemon.url + "/ui/workloads", form={"model": "smollm2"})
+    posted = page.request.post(daemon.url + "/ui/workloads", form={"model": "tiny"})
     assert posted.status == 403 and "needs an API key with scope" in posted.text()
     page.goto(daemon.url + "/ui/playground")
     page.wait_for_function("document.getElementById('model').options.length > 0")
@@ -217,7 +210,8 @@ def test_an_inference_key_sees_no_submit_or_stop(keyed: Any, browser: Any) -> No
     context.close()
 
 
-def test_a_daemon_without_keys_explains_and_lets_in(daemon: Daemon, browser: Any) -> None:
+def test_a_daemon_without_keys_explains_and_lets_in(tiny_daemon: Daemon, browser: Any) -> None:
+    daemon = tiny_daemon
     context = browser.new_context()
     page = context.new_page()
     watch = Watch(page)
@@ -242,7 +236,7 @@ def test_metrics_charts_have_data_after_requests(keyed: Any, browser: Any) -> No
 
     def load() -> None:  # quantiles are per poll window: requests must end between polls
         while not stop.is_set():
-            client.chat.completions.create(model="smollm2", max_tokens=8,
+            client.chat.completions.create(model="tiny", max_tokens=8,
                                            messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
 
     sender = threading.Thread(target=load, daemon=True)
@@ -261,7 +255,7 @@ def test_metrics_charts_have_data_after_requests(keyed: Any, browser: Any) -> No
         sender.join(60)
     ttft = page.locator("#chart-ttft polyline").first
     assert ttft.get_attribute("data-series").endswith(("p50", "p99"))
-    assert "smollm2" in page.text_content("#legend")
+    assert "tiny" in page.text_content("#legend")
     shot(page, "metrics")
     watch.assert_local(daemon)
     context.close()

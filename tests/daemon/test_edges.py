@@ -11,7 +11,6 @@ never echoed. Clients that leave while queued or mid-stream are counted and logg
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import time
@@ -23,13 +22,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from tests.daemon.conftest import (
-    Daemon,
-    free_port,
-    new_home,
-    settled_request_log,
-    wait_ready,
-)
+from tests.daemons import TINY_SPEC, Daemon, launched, make_home, settled_request_log
 
 from kunlun.json_text import MAX_DEPTH
 
@@ -78,32 +71,31 @@ def logged(home: Path, request_id: str) -> dict[str, Any] | None:
 @pytest.fixture(scope="module")
 def bare(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon with no model and no key, for the admin API's and batch upload's checks."""
-    d = Daemon(tmp_path_factory.mktemp("edges-bare"), free_port())
-    d.start(wait_ready=False)
-    yield d
-    d.stop()
+    with launched(make_home(tmp_path_factory, "edges-bare")) as d:
+        yield d
 
 
 # ---- lone surrogates ----
 
 
 def test_lone_surrogates_are_refused_naming_the_field_and_the_log_goes_on(
-    daemon: Daemon,
+    tiny_daemon: Daemon,
 ) -> None:
+    daemon = tiny_daemon
     resp = post_raw(daemon, "/v1/completions", f'{{"model": {SURROGATE}, "prompt": "x"}}')
     assert_error(resp, 400, "model", "not valid Unicode")
     chat = (
-        '{"model": "smollm2", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}, '
+        '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}, '
         f'{{"role": "user", "content": [{{"type": "text", "text": {SURROGATE}}}]}}]}}'
     )
     resp = post_raw(daemon, "/v1/chat/completions", chat)
     assert_error(resp, 400, "messages.1.content.0.text", "not valid Unicode")
     # surrogate pairs (an escaped emoji) are valid text
-    emoji = '{"model": "smollm2", "max_tokens": 2, "prompt": "\\ud83d\\ude00"}'
+    emoji = '{"model": "tiny", "max_tokens": 2, "prompt": "\\ud83d\\ude00"}'
     assert post_raw(daemon, "/v1/completions", emoji).status_code == 200
     # the writer survived the refused requests: a later request reaches the file
     request_id = f"after-surrogate-{uuid.uuid4().hex[:8]}"
-    good = post_raw(daemon, "/v1/completions", '{"model": "smollm2", "prompt": "x", '
+    good = post_raw(daemon, "/v1/completions", '{"model": "tiny", "prompt": "x", '
                     '"max_tokens": 1}', **{"x-request-id": request_id})  # fmt: skip
     assert good.status_code == 200, good.text
     entry = wait_until(lambda: logged(daemon.home, request_id), "the request logged")
@@ -124,19 +116,20 @@ def test_admin_bodies_with_lone_surrogates_are_400_naming_the_field(bare: Daemon
 # ---- deep nesting ----
 
 
-def test_deep_json_is_400_naming_the_limit_everywhere(daemon: Daemon, bare: Daemon) -> None:
+def test_deep_json_is_400_naming_the_limit_everywhere(tiny_daemon: Daemon, bare: Daemon) -> None:
+    daemon = tiny_daemon
     deep = "[" * 1000 + "]" * 1000
     for path in ("/v1/completions", "/v1/chat/completions"):
-        resp = post_raw(daemon, path, f'{{"model": "smollm2", "prompt": {deep}}}')
+        resp = post_raw(daemon, path, f'{{"model": "tiny", "prompt": {deep}}}')
         assert_error(resp, 400, None, f"at most {MAX_DEPTH} levels")
-    unclosed = post_raw(daemon, "/v1/completions", '{"model": "smollm2", "prompt": ' + "[" * 5000)
+    unclosed = post_raw(daemon, "/v1/completions", '{"model": "tiny", "prompt": ' + "[" * 5000)
     assert_error(unclosed, 400, None, f"at most {MAX_DEPTH} levels")
     for path in ("/api/v1/workloads", "/api/v1/apikeys", "/v1/batches"):
         resp = post_raw(bare, path, f'{{"name": {deep}}}')
         assert_error(resp, 400, None, f"at most {MAX_DEPTH} levels")
     # as deep as the limit is fine for the parser (and then refused for its content)
     limit = "[" * (MAX_DEPTH - 1) + "1" + "]" * (MAX_DEPTH - 1)
-    resp = post_raw(daemon, "/v1/completions", f'{{"model": "smollm2", "prompt": {limit}}}')
+    resp = post_raw(daemon, "/v1/completions", f'{{"model": "tiny", "prompt": {limit}}}')
     assert_error(resp, 400, "prompt", "expected")
 
 
@@ -156,7 +149,7 @@ def upload(daemon: Daemon, lines: list[str]) -> httpx.Response:
 def batch_line(custom_id: str, prompt: str = '"hi"') -> str:
     return (
         f'{{"custom_id": {custom_id}, "method": "POST", "url": "/v1/completions", '
-        f'"body": {{"model": "smollm2", "max_tokens": 2, "prompt": {prompt}}}}}'
+        f'"body": {{"model": "tiny", "max_tokens": 2, "prompt": {prompt}}}}}'
     )
 
 
@@ -183,8 +176,8 @@ def test_batch_upload_refuses_surrogates_and_deep_lines_by_line_and_field(bare: 
 # ---- fields the server does not implement ----
 
 
-def test_unimplemented_and_unknown_fields_are_400_through_the_sdk(daemon: Daemon) -> None:
-    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+def test_unimplemented_and_unknown_fields_are_400_through_the_sdk(tiny_daemon: Daemon) -> None:
+    client = openai.OpenAI(base_url=tiny_daemon.url + "/v1", api_key="unused", max_retries=0)
     question = [{"role": "user", "content": "What is 2+2?"}]
     tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
     cases: list[tuple[dict[str, Any], str]] = [
@@ -206,17 +199,17 @@ def test_unimplemented_and_unknown_fields_are_400_through_the_sdk(daemon: Daemon
     ]
     for kwargs, param in cases:
         with pytest.raises(openai.BadRequestError) as caught:
-            client.chat.completions.create(model="smollm2", messages=question, max_tokens=2,
+            client.chat.completions.create(model="tiny", messages=question, max_tokens=2,
                                            **kwargs)  # fmt: skip
         body = caught.value.body
         assert isinstance(body, dict) and body["param"] == param, body
         assert param in body["message"]
     with pytest.raises(openai.BadRequestError) as caught:
-        client.completions.create(model="smollm2", prompt="x", max_tokens=2, best_of=2)
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, best_of=2)
     assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "best_of"
     # accepted on purpose: ignored fields, and unsupported ones that ask for nothing
     reply = client.chat.completions.create(
-        model="smollm2", messages=question, max_tokens=2, user="u1", metadata={"k": "v"},
+        model="tiny", messages=question, max_tokens=2, user="u1", metadata={"k": "v"},
         store=False, tools=[], tool_choice="none", parallel_tool_calls=False,
     )  # fmt: skip
     assert reply.choices[0].message.content is not None
@@ -225,19 +218,22 @@ def test_unimplemented_and_unknown_fields_are_400_through_the_sdk(daemon: Daemon
 # ---- sequences per request ----
 
 
-def test_sequences_per_request_are_capped_naming_the_limit_and_the_count(daemon: Daemon) -> None:
-    body = {"model": "smollm2", "prompt": [f"p{i}" for i in range(100)], "n": 128}
+def test_sequences_per_request_are_capped_naming_the_limit_and_the_count(
+    tiny_daemon: Daemon,
+) -> None:
+    daemon = tiny_daemon
+    body = {"model": "tiny", "prompt": [f"p{i}" for i in range(100)], "n": 128}
     resp = httpx.post(daemon.url + "/v1/completions", json=body, timeout=60)
     assert_error(resp, 400, "n", "12800 sequences", "100 prompt(s) x n=128", "at most 256")
     resp = httpx.post(
         daemon.url + "/v1/chat/completions",
-        json={"model": "smollm2", "messages": [{"role": "user", "content": "x"}], "n": 300},
+        json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 300},
         timeout=60,
     )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
     ok = httpx.post(
         daemon.url + "/v1/completions",
-        json={"model": "smollm2", "prompt": ["a", "b"], "n": 2, "max_tokens": 1},
+        json={"model": "tiny", "prompt": ["a", "b"], "n": 2, "max_tokens": 1},
         timeout=120,
     )
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
@@ -246,35 +242,31 @@ def test_sequences_per_request_are_capped_naming_the_limit_and_the_count(daemon:
 # ---- apikey revoke never echoes a key ----
 
 
-def test_revoke_with_a_full_key_never_echoes_it(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    d = Daemon(tmp_path_factory.mktemp("edges-keys"), free_port())
-    made = d.cli("apikey", "create", "ops", "--scope", "admin", "--json", remote=False)
-    assert made.returncode == 0, made.stderr
-    key = json.loads(made.stdout)["key"]
-    d.start(wait_ready=False)
-    try:
-        wrong = key[:-6] + "XXXXXX"
-        secret = wrong.split("-", 2)[2]
-        for remote in (True, False):
-            proc = d.cli("apikey", "revoke", wrong, remote=remote, key=key)
-            assert proc.returncode == 2, proc.stderr
-            output = proc.stdout + proc.stderr
-            assert secret not in output and secret[:12] not in output, output
-            assert "kl-" + key.split("-")[1] in output  # the key id part, to know which
-        # the key itself revokes it (through the daemon), and is not echoed either
-        other = json.loads(d.cli("apikey", "create", "ci", "--json", key=key).stdout)["key"]
-        proc = d.cli("apikey", "revoke", other, key=key)
-        assert proc.returncode == 0, proc.stderr
-        assert other not in proc.stdout + proc.stderr and "(ci)" in proc.stdout
-        resp = httpx.get(d.url + "/v1/models", headers={"authorization": f"Bearer {other}"})
-        assert resp.status_code == 401
-    finally:
-        d.stop()
+def test_revoke_with_a_full_key_never_echoes_it(keyed_daemon: Daemon) -> None:
+    """On the shared keyed daemon: only a key this test makes is revoked."""
+    d, key = keyed_daemon, keyed_daemon.keys["admin"]
+    wrong = key[:-6] + "XXXXXX"
+    secret = wrong.split("-", 2)[2]
+    for remote in (True, False):
+        proc = d.cli("apikey", "revoke", wrong, remote=remote, key=key)
+        assert proc.returncode == 2, proc.stderr
+        output = proc.stdout + proc.stderr
+        assert secret not in output and secret[:12] not in output, output
+        assert "kl-" + key.split("-")[1] in output  # the key id part, to know which
+    # the key itself revokes it (through the daemon), and is not echoed either
+    other = json.loads(d.cli("apikey", "create", "edges-ci", "--json", key=key).stdout)["key"]
+    proc = d.cli("apikey", "revoke", other, key=key)
+    assert proc.returncode == 0, proc.stderr
+    assert other not in proc.stdout + proc.stderr and "(edges-ci)" in proc.stdout
+    resp = httpx.get(d.url + "/v1/models", headers={"authorization": f"Bearer {other}"})
+    assert resp.status_code == 401
 
 
 # ---- clients that leave: 499 ----
+
+
+LONG_CONTEXT = 2048
+"""``one_slot``'s max_model_len: the tiny model's every position."""
 
 
 def _raw_request(daemon: Daemon, body: dict[str, Any], request_id: str) -> socket.socket:
@@ -298,28 +290,23 @@ def _requests_total(daemon: Daemon, status: str, replica: str | None = None) -> 
 
 
 @pytest.fixture(scope="module")
-def one_slot(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def one_slot(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon whose replica runs one request at a time (``batch_size: 1``), taking at
-    most 4 sequences per request (set by its environment variable)."""
-    d = Daemon(new_home(models_home, tmp_path_factory, "edges-one-slot"), free_port())
-    os.environ["KUNLUN_MAX_SEQUENCES_PER_REQUEST"] = "4"
-    try:
-        d.start(wait_ready=False)
-    finally:
-        del os.environ["KUNLUN_MAX_SEQUENCES_PER_REQUEST"]
-    spec = d.home / "spec.yaml"
-    spec.write_text("model: smollm2\nbatch_size: 1\nmax_model_len: 1024\nkv_cache_memory_mb: 96\n")
-    proc = d.cli("workload", "submit", "--file", str(spec), "--json")
-    assert proc.returncode == 0, proc.stderr
-    wait_ready(d)
-    yield d
-    d.stop()
+    most 4 sequences per request (set by its environment variable). Its context holds the
+    tiny model's 2,048 positions, so a stream can outlast what the test does meanwhile."""
+    spec = TINY_SPEC.format(path=tiny_model, name="tiny").replace("batch_size: 8", "batch_size: 1")
+    spec = spec.replace("max_model_len: 1024", f"max_model_len: {LONG_CONTEXT}")
+    home = make_home(tmp_path_factory, "edges-one-slot")
+    env = {"KUNLUN_MAX_SEQUENCES_PER_REQUEST": "4"}
+    with launched(home, env=env, workloads=[spec]) as d:
+        yield d
 
 
 def test_clients_that_leave_queued_or_mid_stream_are_counted_and_logged_499(
     one_slot: Daemon,
 ) -> None:
-    long = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 900,
+    # as long as the context allows (ignore_eos): still streaming when the client leaves
+    long = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": LONG_CONTEXT - 16,
             "ignore_eos": True, "stream": True}  # fmt: skip
     queued_before = _requests_total(one_slot, "499", "-")
     all_before = _requests_total(one_slot, "499")
@@ -350,7 +337,7 @@ def test_clients_that_leave_queued_or_mid_stream_are_counted_and_logged_499(
     assert statuses == (499, 499)
     # the replica is free again: a new request is answered
     ok = httpx.post(one_slot.url + "/v1/completions",
-                    json={"model": "smollm2", "prompt": "x", "max_tokens": 1}, timeout=300)  # fmt: skip
+                    json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=300)  # fmt: skip
     assert ok.status_code == 200, ok.text
 
 
@@ -359,7 +346,7 @@ def test_a_client_that_closes_on_done_has_its_answer_and_is_counted_200(
 ) -> None:
     """The openai SDK closes a stream as soon as it reads ``[DONE]``, which may be before the
     end of the chunked body reaches the gateway: that exchange is a 200, not a 499."""
-    body = {"model": "smollm2", "prompt": "Hi", "max_tokens": 2, "stream": True}
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "stream": True}
     gone_before, ok_before = _requests_total(one_slot, "499"), _requests_total(one_slot, "200")
     for i in range(6):
         sock = _raw_request(one_slot, body, f"edges-done-{i}")
@@ -384,7 +371,7 @@ def test_a_client_that_closes_on_done_has_its_answer_and_is_counted_200(
 
 
 def test_the_sequence_limit_is_configurable(one_slot: Daemon) -> None:
-    body = {"model": "smollm2", "prompt": ["a", "b", "c"], "n": 2, "max_tokens": 1}
+    body = {"model": "tiny", "prompt": ["a", "b", "c"], "n": 2, "max_tokens": 1}
     resp = httpx.post(one_slot.url + "/v1/completions", json=body, timeout=60)
     assert_error(resp, 400, "n", "6 sequences", "at most 4")
     resp = httpx.post(one_slot.url + "/v1/completions", json={**body, "n": 1}, timeout=300)

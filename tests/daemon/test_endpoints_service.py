@@ -1,4 +1,4 @@
-"""Request-as-a-Service endpoints against a real daemon serving the demo model: made with the
+"""Request-as-a-Service endpoints against a real daemon serving the tiny model: made with the
 real ``kunlun-cli endpoint create`` from files, called over loopback with httpx, answers
 validated with ``jsonschema``; bad bodies, bad files, unknown models and names refused with
 errors naming what is wrong; listed and described (OpenAPI 3.1); deleted; kept across a
@@ -14,14 +14,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from tests.daemon.conftest import (
-    Daemon,
-    free_port,
-    new_home,
-    settled_request_log,
-    submit_demo,
-    wait_ready,
-)
+from tests.daemons import TINY_SPEC, Daemon, launched, make_home, settled_request_log
 
 INPUT = {
     "type": "object", "additionalProperties": False, "required": ["review", "items"],
@@ -36,7 +29,11 @@ OUTPUT = {
     "type": "object", "additionalProperties": False, "required": ["sentiment", "stars"],
     "properties": {"sentiment": {"enum": ["positive", "negative"]},
                    "stars": {"type": "integer", "minimum": 1, "maximum": 5}},
+    "x-guidance": {"whitespace_flexible": False},
 }  # fmt: skip
+"""The answer's schema. Its ``x-guidance`` option (read by llguidance, ignored by JSON Schema)
+allows no whitespace between JSON tokens: the tiny random model, free to, pads its answer
+with whitespace until ``max_tokens``; held to compact JSON it finishes in a few tokens."""
 PROMPT = """Review of an order:
 {{ input.review }}
 {% for item in input.items %}
@@ -49,25 +46,22 @@ BODY = {"review": "Great coffee, fast delivery.", "items": [{"name": "beans", "p
 
 @pytest.fixture(scope="module")
 def served(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Daemon, Path]]:
-    """A daemon of its own (it is restarted) serving the demo model, and the endpoint files."""
-    d = Daemon(new_home(models_home, tmp_path_factory, "endpoints-home"), free_port())
-    d.start(wait_ready=False)
-    submit_demo(d)
-    wait_ready(d)
+    """A daemon of its own (it is restarted) serving the tiny model, and the endpoint files."""
     files = tmp_path_factory.mktemp("endpoint-files")
     (files / "in.json").write_text(json.dumps(INPUT, indent=2))
     (files / "out.json").write_text(json.dumps(OUTPUT, indent=2))
     (files / "review.jinja").write_text(PROMPT)
-    yield d, files
-    d.stop()
+    home = make_home(tmp_path_factory, "endpoints-home")
+    with launched(home, workloads=[TINY_SPEC.format(path=tiny_model, name="tiny")]) as d:
+        yield d, files
 
 
 def create(d: Daemon, files: Path, name: str, *extra: str, **paths: str) -> Any:
     names = {"input_schema": "in.json", "output_schema": "out.json", "prompt": "review.jinja"}
     names.update(paths)
-    return d.cli("endpoint", "create", name, "--model", "smollm2",
+    return d.cli("endpoint", "create", name, "--model", "tiny",
                  "--input-schema", str(files / names["input_schema"]),
                  "--output-schema", str(files / names["output_schema"]),
                  "--prompt", str(files / names["prompt"]), *extra)  # fmt: skip
@@ -82,7 +76,7 @@ def assert_answers(d: Daemon, name: str) -> dict[str, Any]:
     assert resp.status_code == 200, resp.text
     reply = resp.json()
     jsonschema.validate(reply["output"], OUTPUT)
-    assert reply["endpoint"] == name and reply["model"] == "smollm2"
+    assert reply["endpoint"] == name and reply["model"] == "tiny"
     assert reply["finish_reason"] == "stop"
     usage = reply["usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
@@ -100,7 +94,7 @@ def test_an_endpoint_made_from_files_answers_valid_json(served: tuple[Daemon, Pa
     assert_answers(d, "review")
     # the same request through the gateway's chat route, as a client would send it
     log = [e for e in settled_request_log(d.home) if e["path"] == "/v1/endpoints/review"]
-    assert log and log[-1]["status"] == 200 and log[-1]["model"] == "smollm2"
+    assert log and log[-1]["status"] == 200 and log[-1]["model"] == "tiny"
     # the template saw every item (keys before dict methods: input.items is the field)
     shown = d.cli("endpoint", "show", "review")
     assert shown.returncode == 0 and "{% for item in input.items %}" in shown.stdout
@@ -180,12 +174,12 @@ def test_bad_files_names_and_models_are_refused_clearly(served: tuple[Daemon, Pa
                  "--input-schema", str(files / "in.json"), "--output-schema",
                  str(files / "out.json"), "--prompt", str(files / "review.jinja"))  # fmt: skip
     assert proc.returncode == 2 and "'no-such-model' is not a model" in proc.stderr
-    assert "smollm2" in proc.stderr  # the known ones are listed
+    assert "tiny" in proc.stderr  # the known ones are listed
     proc = create(d, files, "no/slash")
     assert proc.returncode != 0 and "name" in proc.stderr
     assert all(e["name"] != "broken" for e in d.get("/v1/endpoints").json()["data"])
     # the admin API itself names the field in the OpenAI error shape
-    resp = httpx.post(f"{d.url}/api/v1/endpoints", json={"name": "x", "model": "smollm2",
+    resp = httpx.post(f"{d.url}/api/v1/endpoints", json={"name": "x", "model": "tiny",
                       "input_schema": {}, "output_schema": {"type": 7}, "prompt": "p",
                       "colour": "red"}, timeout=30)  # fmt: skip
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "colour"
@@ -202,7 +196,7 @@ def test_endpoints_are_listed_with_an_openapi_document_each(served: tuple[Daemon
     listed = d.get("/v1/endpoints").json()
     assert listed["object"] == "list"
     entry = next(e for e in listed["data"] if e["name"] == "review-doc")
-    assert entry["model"] == "smollm2" and entry["description"] == "Rates"
+    assert entry["model"] == "tiny" and entry["description"] == "Rates"
     assert entry["url"] == f"{d.url}/v1/endpoints/review-doc" and entry["created"] > 0
     doc = httpx.get(entry["openapi"], timeout=30).json()
     assert doc["openapi"].startswith("3.1") and doc["info"]["title"] and doc["info"]["version"]

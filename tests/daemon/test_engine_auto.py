@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.daemon.conftest import Daemon, free_port, new_home, submit_demo, wait_ready
+from tests.daemons import Daemon, free_port, new_home, submit_demo, wait_ready
 
 from kunlun.engines.adapter import find_binary
 from kunlun.engines.measured import Measurement, faster_engine

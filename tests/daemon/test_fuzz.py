@@ -12,8 +12,10 @@ each run is written to ``fuzz-report.json`` beside the test's output and printed
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,35 +24,36 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.daemon.conftest import BIN, Daemon, free_port, new_home, settled_request_log, wait_ready
+from tests.daemons import Daemon, launched, make_home, settled_request_log
 
-MAX_EXAMPLES = 25
-"""Cases per API operation and phase; about 30 operations, so some thousands of requests."""
+MAX_EXAMPLES = int(os.environ.get("KUNLUN_FUZZ_EXAMPLES", "6"))
+"""Cases per API operation and phase (about 30 operations, three phases): a fixed, bounded
+count in CI; ``KUNLUN_FUZZ_EXAMPLES=25`` (or more) is the longer run (docs/testing.md)."""
+BODY_EXAMPLES = 10 * MAX_EXAMPLES
+"""Cases of the hypothesis test over the inference request bodies."""
 SEED = 20261201
+SCHEMATHESIS = (
+    "import sys; sys.setrecursionlimit(20000); "
+    "from schemathesis.cli import schemathesis; sys.argv[0] = 'schemathesis'; "
+    "sys.exit(schemathesis())"
+)
+"""schemathesis's own command, with a deeper recursion limit. CPython 3.11 (3.11.7 here)
+leaves its AST constructor's depth counter wrong after one RecursionError inside
+``ast.parse`` (cpython gh-106905); hypothesis parses lambda sources to describe strategies,
+deep in schemathesis's recursive schema strategies, and every later parse then raises
+``SystemError: AST constructor recursion depth mismatch``: the fuzzer crashes drawing cases,
+which says nothing of the server. With room on the stack the first RecursionError never
+happens."""
 
 
 @pytest.fixture(scope="module")
 def fuzzed(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Daemon, str]]:
-    from kunlun.engine.tiny import build_tiny_model
-
-    home = new_home(models_home, tmp_path_factory, "fuzz-home")
-    tiny = build_tiny_model(
-        "LlamaForCausalLM", False, home / "tiny", tokenizer_dir=models_home / "models" / "smollm2"
-    )
-    daemon = Daemon(home, free_port())
-    created = daemon.cli("apikey", "create", "fuzz", "--scope", "admin", "--json", remote=False)
-    assert created.returncode == 0, created.stderr
-    key = json.loads(created.stdout)["key"]
-    daemon.start(wait_ready=False)
-    spec = home / "tiny.yaml"
-    spec.write_text(f"model: {tiny}\nname: tiny\nmax_model_len: 128\nkv_cache_memory_mb: 16\n")
-    submitted = daemon.cli("workload", "submit", "--file", str(spec), "--json", key=key)
-    assert submitted.returncode == 0, submitted.stderr
-    wait_ready(daemon)
-    yield daemon, key
-    daemon.stop()
+    spec = f"model: {tiny_model}\nname: tiny\nmax_model_len: 128\nkv_cache_memory_mb: 16\n"
+    home = make_home(tmp_path_factory, "fuzz-home")
+    with launched(home, keys=[("fuzz", "admin")], workloads=[spec]) as daemon:
+        yield daemon, daemon.keys["fuzz"]
 
 
 FUZZER_CRASH = "AST constructor recursion depth mismatch"
@@ -64,7 +67,7 @@ def test_schemathesis_finds_no_server_error(fuzzed: tuple[Daemon, str], tmp_path
 
     def run(seed: int) -> subprocess.CompletedProcess[str]:
         command = [
-            str(BIN / "schemathesis"), "run", f"{daemon.url}/openapi.json",
+            sys.executable, "-c", SCHEMATHESIS, "run", f"{daemon.url}/openapi.json",
             "--checks", "not_a_server_error",
             "--phases", "examples,coverage,fuzzing",
             "--max-examples", str(MAX_EXAMPLES),
@@ -82,13 +85,16 @@ def test_schemathesis_finds_no_server_error(fuzzed: tuple[Daemon, str], tmp_path
         ]  # fmt: skip
         return subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=tmp_path)
 
-    # The fuzzer itself can crash drawing a case (a CPython 3.11 ast.parse bug inside
-    # hypothesis, at some stack depths: the same seed crashes the same way again), which is
-    # not the server's failure: then the next seed runs, and one run must pass whole.
+    # Should the fuzzer still crash drawing a case (see SCHEMATHESIS), that is not the
+    # server's failure: the next seed runs; if none can draw its cases, the test says so as a
+    # skip naming the fuzzer's error, and the hypothesis test below still fuzzes the bodies.
     for attempt in range(3):
         proc = run(SEED + attempt)
         if proc.returncode == 0 or FUZZER_CRASH not in proc.stdout + proc.stderr:
             break
+    else:
+        pytest.skip(f"schemathesis could not draw its cases (a fuzzer error, not a server "
+                    f"one): {FUZZER_CRASH}")  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
     doc = json.loads(report.read_text())
     print(json.dumps(doc.get("summary", doc), indent=1)[:2000])
@@ -165,7 +171,7 @@ def test_hypothesis_request_bodies_get_no_server_error(fuzzed: tuple[Daemon, str
     ) as client:
 
         @settings(
-            max_examples=300,
+            max_examples=BODY_EXAMPLES,
             deadline=None,
             derandomize=True,
             suppress_health_check=list(HealthCheck),
@@ -184,5 +190,5 @@ def test_hypothesis_request_bodies_get_no_server_error(fuzzed: tuple[Daemon, str
 
         one()
     print("status counts:", dict(sorted(seen.items())))
-    assert sum(seen.values()) == 300
+    assert sum(seen.values()) == BODY_EXAMPLES
     assert_alive_and_logging(daemon, key)

@@ -3,8 +3,8 @@
 ``guidellm run`` with the ``openai_http`` backend as it comes: a ``/health`` check,
 ``/v1/models`` for the model's name, then streamed ``/v1/chat/completions`` with
 ``stream_options`` ``include_usage`` and vLLM's ``continuous_usage_stats``, ``ignore_eos`` and
-``max_completion_tokens``. Synthetic prompts are counted with the demo model's own tokenizer
-from the models folder, offline (``HF_HUB_OFFLINE``: a download attempt fails the run). The
+``max_completion_tokens``. Synthetic prompts are counted with the served model's own
+tokenizer (the tiny model's: the benchmark checks the protocol, not the answers), offline (``HF_HUB_OFFLINE``: a download attempt fails the run). The
 JSON report must show every request answered, with exactly the tokens asked for and a first
 token time. ``continuous_usage_stats`` is then checked on the wire: every chunk carries the
 usage so far."""
@@ -21,26 +21,25 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.daemon.conftest import Daemon, free_port, new_home, settled_request_log
+from tests.daemons import Daemon, launched, make_home, settled_request_log, wait_ready
 
-MODEL = "smollm2"
+MODEL = "tiny"
 NUM_REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 3, 24, 8
 GUIDELLM = Path(sys.executable).parent / "guidellm"
 
 
 @pytest.fixture(scope="module")
 def served(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Daemon, str]]:
-    """A daemon with API keys serving the demo model (``kunlun-platform --model``), and an
+    """A daemon with API keys serving the tiny model (``kunlun-platform --model``), and an
     inference key."""
-    daemon = Daemon(new_home(models_home, tmp_path_factory, "guidellm-home"), free_port())
-    created = daemon.cli("apikey", "create", "bench", "--json", remote=False)
-    assert created.returncode == 0, created.stderr
-    daemon.start("--model", str(models_home / "models" / MODEL), "--served-model-name", MODEL,
-                 "--max-model-len", "512", "--max-num-seqs", "2")  # fmt: skip
-    yield daemon, json.loads(created.stdout)["key"]
-    daemon.stop()
+    home = make_home(tmp_path_factory, "guidellm-home")
+    with launched(home, "--model", str(tiny_model), "--served-model-name", MODEL,
+                  "--max-model-len", "512", "--max-num-seqs", "2",
+                  keys=[("bench", "inference")]) as daemon:  # fmt: skip
+        wait_ready(daemon)
+        yield daemon, daemon.keys["bench"]
 
 
 def offline_env() -> dict[str, str]:
@@ -51,7 +50,7 @@ def offline_env() -> dict[str, str]:
 
 
 def test_guidellm_benchmark_with_default_backend_settings(
-    served: tuple[Daemon, str], models_home: Path, tmp_path: Path
+    served: tuple[Daemon, str], tiny_model: Path, tmp_path: Path
 ) -> None:
     daemon, key = served
     report_path = tmp_path / "report.json"
@@ -61,7 +60,7 @@ def test_guidellm_benchmark_with_default_backend_settings(
         "--profile", "kind=synchronous",
         "--constraint", f"kind=max_requests,count={NUM_REQUESTS}",
         "--data", f"kind=synthetic_text,prompt_tokens={PROMPT_TOKENS},output_tokens={OUTPUT_TOKENS}",
-        "--tokenizer", f"kind=huggingface_auto,model={models_home / 'models' / MODEL}",
+        "--tokenizer", f"kind=huggingface_auto,model={tiny_model}",
         "--output", f"kind=json,path={report_path}",
         "--disable-console-interactive",
     ]  # fmt: skip

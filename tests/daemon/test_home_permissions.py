@@ -4,6 +4,7 @@ A real daemon serves a request, takes an uploaded batch file and runs the batch 
 and error files), starts a worker (its log, pid file, plan cache) and records a key; then
 every directory and file under its home is checked, and under the home the CLI imported the
 demo model into. What an older version left readable is tightened when the daemon starts.
+The daemon serves the tiny model; its home's catalog (a copy of that home's) holds the demo's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.daemon.conftest import SPEC, Daemon, free_port, new_home, wait_ready
+from tests.daemons import TINY_SPEC, launched, make_home, wait_running
 
 from kunlun.paths import DIR_MODE, FILE_MODE
 
@@ -38,26 +39,24 @@ def loose_paths(root: Path) -> list[str]:
 
 
 def test_everything_under_kunlun_home_is_private(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+    models_home: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
 ) -> None:
-    home = new_home(models_home, tmp_path_factory, "private-home")
+    home = make_home(tmp_path_factory, "private-home", models_home)
     old_dir = home / "logs"  # what an older version left behind, readable by everyone
     old_dir.mkdir(mode=0o755)
     (old_dir / "requests.jsonl").write_text("")
     old_dir.chmod(0o755)
     (old_dir / "requests.jsonl").chmod(0o644)
     (home / "state.db").chmod(0o644)
-    daemon = Daemon(home, free_port())
-    daemon.start(wait_ready=False)
-    try:
+    with launched(home) as daemon:
         spec = tmp_path / "spec.yaml"  # outside the home: written by the test, not the daemon
-        spec.write_text(SPEC)
+        spec.write_text(TINY_SPEC.format(path=tiny_model, name="tiny"))
         submitted = daemon.cli("workload", "submit", "--file", str(spec), "--json")
         assert submitted.returncode == 0, submitted.stderr
-        wait_ready(daemon)
+        wait_running(daemon, [json.loads(submitted.stdout)["workload_id"]])
         answer = httpx.post(
             daemon.url + "/v1/completions",
-            json={"model": "smollm2", "prompt": "Hello", "max_tokens": 4},
+            json={"model": "tiny", "prompt": "Hello", "max_tokens": 4},
             timeout=120,
         )
         assert answer.status_code == 200, answer.text
@@ -65,7 +64,7 @@ def test_everything_under_kunlun_home_is_private(
             "custom_id": "one",
             "method": "POST",
             "url": "/v1/completions",
-            "body": {"model": "smollm2", "prompt": "Hi", "max_tokens": 2},
+            "body": {"model": "tiny", "prompt": "Hi", "max_tokens": 2},
         }
         bad = {**line, "custom_id": "two", "body": {**line["body"], "temperature": 9}}
         uploaded = httpx.post(
@@ -101,7 +100,6 @@ def test_everything_under_kunlun_home_is_private(
         assert {"state.db", "files", "logs", "run", "plan-cache"} <= made, made
         assert loose_paths(home) == []
         assert stat.S_IMODE(home.stat().st_mode) == DIR_MODE
-    finally:
         assert daemon.stop() == 0
     assert loose_paths(home) == []
     assert loose_paths(models_home) == []  # the demo model, imported by the CLI

@@ -1,6 +1,6 @@
 """Key scopes, per-key limits and model roots on a real daemon, with httpx and the openai SDK.
 
-One daemon serves the demo model. Its ``scheduler_config.yaml`` gives every key without an
+One daemon serves the tiny model. Its ``scheduler_config.yaml`` gives every key without an
 allow-list of its own the network 10.0.0.0/8, which excludes loopback, so a key made here
 without ``--allow-ip`` cannot be used from the test; the other keys allow 127.0.0.1.
 """
@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tests.daemon.conftest import BIN, SPEC, Daemon, free_port, new_home, wait_ready
+from tests.daemons import BIN, TINY_SPEC, Daemon, free_port, launched, make_home, wait_running
 
 LOOPBACK = "127.0.0.1/32,::1"
 
@@ -46,42 +46,33 @@ class Limited:
                              max_retries=0, timeout=300)  # fmt: skip
 
 
-def make_key(daemon: Daemon, name: str, *args: str) -> str:
-    made = daemon.cli("apikey", "create", name, *args, "--json", remote=False)
-    assert made.returncode == 0, made.stderr
-    return str(json.loads(made.stdout)["key"])
-
-
 @pytest.fixture(scope="module")
-def limited(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Limited]:
-    d = Daemon(new_home(models_home, tmp_path_factory, "limits-home"), free_port())
+def limited(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Limited]:
+    home = make_home(tmp_path_factory, "limits-home")
     roots = {name: tmp_path_factory.mktemp(f"root-{name}") for name in ("flag", "env", "config")}
-    (d.home / "scheduler_config.yaml").write_text(
+    (home / "scheduler_config.yaml").write_text(
         f"api_keys: {{allow_ips: [10.0.0.0/8]}}\nmodel_roots: [{roots['config']}]\n"
     )
-    keys = {
-        "ops": make_key(d, "ops", "--scope", "admin", "--allow-ip", LOOPBACK),
-        "app": make_key(d, "app", "--allow-ip", LOOPBACK),
-        "fenced": make_key(d, "fenced"),  # the daemon's default allow-list: 10.0.0.0/8
-        "elsewhere": make_key(d, "elsewhere", "--allow-ip", "192.168.0.0/16"),
-        "burst": make_key(d, "burst", "--rpm", "60", "--allow-ip", LOOPBACK),
-        "frugal": make_key(d, "frugal", "--tpm", "60", "--allow-ip", LOOPBACK),
-        "refunded": make_key(d, "refunded", "--tpm", "1200", "--allow-ip", LOOPBACK),
-    }
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KUNLUN_MODEL_ROOTS", str(roots["env"]))
-        d.start("--model-root", str(roots["flag"]), wait_ready=False)
-    spec = d.home / "spec.yaml"
-    spec.write_text(SPEC)
-    submitted = d.cli("workload", "submit", "--file", str(spec), "--json", key=keys["ops"])
-    assert submitted.returncode == 0, submitted.stderr
-    wait_ready(d)
-    yield Limited(d, keys, roots)
-    d.stop()
+    env = {"KUNLUN_MODEL_ROOTS": str(roots["env"])}
+    with launched(home, "--model-root", str(roots["flag"]), env=env) as d:
+        # keys with options of their own, made on the home (``ops`` first: it submits)
+        for name, *options in (
+            ("ops", "--scope", "admin", "--allow-ip", LOOPBACK),
+            ("app", "--allow-ip", LOOPBACK),
+            ("fenced",),  # the daemon's default allow-list: 10.0.0.0/8
+            ("elsewhere", "--allow-ip", "192.168.0.0/16"),
+            ("burst", "--rpm", "60", "--allow-ip", LOOPBACK),
+            ("frugal", "--tpm", "60", "--allow-ip", LOOPBACK),
+            ("refunded", "--tpm", "1200", "--allow-ip", LOOPBACK),
+        ):
+            d.create_key(name, *options)
+        d.job = d.submit(TINY_SPEC.format(path=tiny_model, name="tiny"), key=d.keys["ops"])
+        wait_running(d, [d.job])
+        yield Limited(d, d.keys, roots)
 
 
 def chat(max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {"model": "smollm2", "messages": [{"role": "user", "content": "Say hello."}],
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Say hello."}],
             "max_tokens": max_tokens, "temperature": 0, **extra}  # fmt: skip
 
 
@@ -106,7 +97,7 @@ def test_inference_key_is_refused_on_admin_routes_and_served_on_v1(limited: Limi
     names = [k["name"] for k in limited.get("/api/v1/apikeys", "ops").json()]
     assert "sneaky" not in names  # the refused create did nothing
     app = limited.client("app")
-    assert [m.id for m in app.models.list().data] == ["smollm2"]
+    assert [m.id for m in app.models.list().data] == ["tiny"]
     reply = app.chat.completions.create(**chat(4))
     assert reply.choices[0].message.content
     admin_api = openai.OpenAI(base_url=limited.daemon.url + "/api/v1",
@@ -183,7 +174,7 @@ def test_rpm_gives_429_with_retry_after_then_serves_again(limited: Limited) -> N
     deadline = time.monotonic() + 120
     while limited.get("/v1/models", "burst").status_code == 429:
         assert time.monotonic() < deadline, "the rpm limit did not free up"
-        time.sleep(float(refused.headers["Retry-After"]))
+        time.sleep(0.2)  # a refused request takes nothing from the bucket
     assert limited.get("/v1/models", "app").status_code == 200  # other keys were never limited
     text = limited.get("/metrics", "ops").text
     assert counter(text, "kunlun_rate_limited_requests_total", key="burst", limit="rpm") >= 2
@@ -209,7 +200,8 @@ def test_tpm_gives_429_once_the_minutes_tokens_are_used(limited: Limited) -> Non
         if resp.status_code == 200:
             break
         assert resp.status_code == 429 and time.monotonic() < deadline, resp.text
-        time.sleep(float(resp.headers["Retry-After"]))
+        assert int(resp.headers["Retry-After"]) >= 1
+        time.sleep(0.2)  # a refused request takes nothing from the bucket
     text = limited.get("/metrics", "ops").text
     assert counter(text, "kunlun_rate_limited_requests_total", key="frugal", limit="tpm") >= 1
 
@@ -219,7 +211,7 @@ def test_tpm_charge_is_corrected_to_the_usage(limited: Limited) -> None:
     stops at the first space: kept at the estimate, the third would be refused."""
     for _ in range(3):
         resp = limited.post("/v1/completions", "refunded", {
-            "model": "smollm2", "prompt": "Once upon a time", "max_tokens": 1000,
+            "model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000,
             "temperature": 0, "stop": [" ", "\n", ","]})  # fmt: skip
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["total_tokens"] < 50

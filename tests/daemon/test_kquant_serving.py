@@ -13,21 +13,31 @@ from pathlib import Path
 import openai
 import pytest
 from gguf import GGMLQuantizationType as QT
-from tests.daemon.conftest import Daemon, assert_validate_passes, free_port, new_home, patient_queue
+from tests.daemons import (
+    QUALITY_ROWS,
+    Daemon,
+    assert_validate_passes,
+    free_port,
+    new_home,
+    patient_queue,
+)
 from tests.engine.gguf_files import write_demo_kquant_gguf
 from tests.validate.conftest import wait_running
-
-from kunlun.engine.gguf import demo_gguf_path, demo_model_dir
 
 NAME = "smollm2-q4k"
 
 
 @pytest.fixture(scope="module")
-def kquant(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def kquant(
+    models_home: Path,
+    demo_model_dir: Path,
+    demo_gguf: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Daemon]:
     """A daemon serving the Q4_K import of the demo model as ``smollm2-q4k`` on cpu:0."""
     folder = tmp_path_factory.mktemp("kquant-gguf")
     gguf = write_demo_kquant_gguf(
-        folder / "smollm2-q4_k.gguf", demo_model_dir(), demo_gguf_path(), fallback=QT.Q8_0
+        folder / "smollm2-q4_k.gguf", demo_model_dir, demo_gguf, fallback=QT.Q8_0
     )
     daemon = Daemon(
         patient_queue(new_home(models_home, tmp_path_factory, "kquant-home")), free_port()
@@ -67,4 +77,4 @@ def test_a_k_quant_gguf_import_serves_as_w4a16(kquant: Daemon) -> None:
 
 
 def test_validate_passes_on_the_k_quant_workload(kquant: Daemon, tmp_path: Path) -> None:
-    assert_validate_passes(kquant, NAME, tmp_path / "out")
+    assert_validate_passes(kquant, NAME, tmp_path / "out", QUALITY_ROWS)

@@ -10,14 +10,18 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.daemon.conftest import Daemon, free_port, new_home, submit_demo, wait_ready
+from tests.daemons import TINY_SPEC, Daemon, launched, make_home
+
+STREAM_TOKENS = 900
+"""Each stream's length (``ignore_eos``): long enough that all are still going when the
+daemon is told to stop and its late request is refused (asserted)."""
 
 
 def stream(url: str, results: list[list[str]], started: threading.Event) -> None:
     body = {
-        "model": "smollm2",
+        "model": "tiny",
         "prompt": "Count slowly:",
-        "max_tokens": 48,
+        "max_tokens": STREAM_TOKENS,
         "stream": True,
         "ignore_eos": True,
     }
@@ -31,12 +35,14 @@ def stream(url: str, results: list[list[str]], started: threading.Event) -> None
 
 
 def test_sigterm_drains_in_flight_streams(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    daemon = Daemon(new_home(models_home, tmp_path_factory, "drain-home"), free_port())
-    daemon.start(wait_ready=False)
-    submit_demo(daemon)
-    wait_ready(daemon)
+    home = make_home(tmp_path_factory, "drain-home")
+    with launched(home, workloads=[TINY_SPEC.format(path=tiny_model, name="tiny")]) as daemon:
+        drains_in_flight_streams(daemon)
+
+
+def drains_in_flight_streams(daemon: Daemon) -> None:
     results: list[list[str]] = []
     events = [threading.Event() for _ in range(4)]
     threads = [threading.Thread(target=stream, args=(daemon.url, results, e)) for e in events]
@@ -48,12 +54,13 @@ def test_sigterm_drains_in_flight_streams(
     time.sleep(0.3)
     late = httpx.post(
         daemon.url + "/v1/completions",
-        json={"model": "smollm2", "prompt": "hi", "max_tokens": 2},
+        json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
         timeout=30,
     )
     assert late.status_code == 503
     assert late.json()["error"]["code"] == "service_unavailable"
     assert daemon.get("/readyz").status_code == 503
+    assert all(t.is_alive() for t in threads), "a stream ended before the late request"
     for t in threads:
         t.join(120)
     assert len(results) == 4

@@ -22,15 +22,6 @@ import httpx
 import openai
 import psutil
 import pytest
-from tests.daemon.conftest import (
-    Daemon,
-    assert_validate_passes,
-    free_port,
-    new_home,
-    patient_queue,
-    submit_demo,
-    wait_ready,
-)
 from tests.daemon.test_api import (  # noqa: F401 - collected here, against llama.cpp
     test_32_concurrent_streams,
     test_bad_parameters_of_platform_routes_answer_400_naming_the_field,
@@ -40,6 +31,15 @@ from tests.daemon.test_api import (  # noqa: F401 - collected here, against llam
     test_streaming_chat,
     test_structured_output_through_the_sandboxed_worker,
     test_worker_killed_mid_stream,
+)
+from tests.daemons import (
+    Daemon,
+    assert_validate_passes,
+    free_port,
+    new_home,
+    patient_queue,
+    submit_demo,
+    wait_ready,
 )
 
 from kunlun.engines.adapter import find_binary

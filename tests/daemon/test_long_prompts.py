@@ -8,16 +8,19 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from tests.daemon.conftest import Daemon
+from tests.daemons import Daemon
 
 HUGE = 10 << 20
 """A 10 MB prompt."""
 MAX_MODEL_LEN = 1024
-"""The shared daemon's workload (``tests.daemon.conftest.SPEC``)."""
+"""The shared daemon's workload (``tests.daemons.TINY_SPEC``)."""
+STREAM_TOKENS = 900
+"""The stream that goes on meanwhile: long (``ignore_eos``) so that it is still running
+when the long prompts have been answered (asserted)."""
 
 
 def completion(daemon: Daemon, prompt: object, **extra: object) -> httpx.Response:
-    body = {"model": "smollm2", "prompt": prompt, "max_tokens": 4, **extra}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, **extra}
     return httpx.post(daemon.url + "/v1/completions", json=body, timeout=300)
 
 
@@ -33,13 +36,14 @@ def assert_refused_untokenized(answer: httpx.Response) -> int:
     return int(found.group(1))
 
 
-def test_a_10_mb_prompt_is_refused_naming_max_model_len(daemon: Daemon) -> None:
+def test_a_10_mb_prompt_is_refused_naming_max_model_len(tiny_daemon: Daemon) -> None:
+    daemon = tiny_daemon
     bound = assert_refused_untokenized(completion(daemon, "a" * HUGE))
     assert MAX_MODEL_LEN <= bound < HUGE
     chat = httpx.post(
         daemon.url + "/v1/chat/completions",
         json={
-            "model": "smollm2",
+            "model": "tiny",
             "max_tokens": 4,
             "messages": [{"role": "user", "content": "é" * (HUGE // 2)}],
         },  # fmt: skip
@@ -54,13 +58,14 @@ def test_a_10_mb_prompt_is_refused_naming_max_model_len(daemon: Daemon) -> None:
     assert f"the max_model_len is {MAX_MODEL_LEN} tokens" in ids.json()["error"]["message"]
 
 
-def test_other_streams_go_on_while_long_prompts_are_tokenized(daemon: Daemon) -> None:
+def test_other_streams_go_on_while_long_prompts_are_tokenized(tiny_daemon: Daemon) -> None:
+    daemon = tiny_daemon
     bound = assert_refused_untokenized(completion(daemon, "a" * HUGE))
     lines: list[str] = []
     started = threading.Event()
 
     def stream() -> None:
-        body = {"model": "smollm2", "prompt": "Count slowly:", "max_tokens": 64,
+        body = {"model": "tiny", "prompt": "Count slowly:", "max_tokens": STREAM_TOKENS,
                 "ignore_eos": True, "stream": True}  # fmt: skip
         with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=300) as r:
             lines.append(f"status {r.status_code}")
@@ -77,7 +82,9 @@ def test_other_streams_go_on_while_long_prompts_are_tokenized(daemon: Daemon) ->
     allowed = words.encode()[: bound - 16].decode(errors="ignore")
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(lambda _: completion(daemon, allowed), range(4)))
+    num_lines_then = len(lines)
     streaming.join(300)
+    assert len(lines) > num_lines_then, "the stream had ended before the long prompts' answers"
     for answer in answers:  # tokenized (not refused early): the engine counted its tokens
         assert answer.status_code == 400, answer.text[:500]
         message = answer.json()["error"]["message"]

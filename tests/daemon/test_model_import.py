@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.daemon.conftest import Daemon, free_port
+from tests.daemons import Daemon, free_port, launched, make_home
 from tests.engine.gguf_bytes import (
     ARRAY,
     GGUF,
@@ -63,11 +63,10 @@ def crafted(folder: Path, change: Callable[[GGUF], None]) -> Path:
 @pytest.fixture(scope="module")
 def bare_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon with no workload (imports need no worker)."""
-    daemon = Daemon(tmp_path_factory.mktemp("import-home"), free_port())
+    home = make_home(tmp_path_factory, "import-home")
     # the crafted files are written under the session's temporary folder: a model root
-    daemon.start("--model-root", str(tmp_path_factory.getbasetemp()), wait_ready=False)
-    yield daemon
-    daemon.stop()
+    with launched(home, "--model-root", str(tmp_path_factory.getbasetemp())) as daemon:
+        yield daemon
 
 
 def one_message(stderr: str, *needles: str) -> None:

@@ -1,4 +1,4 @@
-"""The plan cache with a real daemon and the demo model: a dry run starts nothing; the second
+"""The plan cache with a real daemon and the tiny model: a dry run starts nothing; the second
 start of a workload is a hit that converts nothing; a changed device declaration is a miss."""
 
 from __future__ import annotations
@@ -6,24 +6,37 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
+import httpx
 import psutil
 import pytest
-from tests.daemon.conftest import Daemon, free_port, new_home, submit_demo, wait_ready
+from tests.daemons import TINY_SPEC, Daemon, launched, make_home, wait_ready
 
 from kunlun.engine.launch import read_launch
 
-BF16 = "dtype: bf16\n"  # the demo model is stored in fp32: bf16 needs a conversion
+BF16 = "dtype: bf16\n"  # the tiny model is stored in fp32: bf16 needs a conversion
 
 
 def logs(daemon: Daemon, job: str) -> str:
-    proc = daemon.cli("workload", "logs", job)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+    """What ``kunlun-cli workload logs JOB`` prints, read from the API (no CLI start-up)."""
+    text, offset = "", 0
+    while True:
+        chunk = daemon.get(f"/api/v1/workloads/{job}/logs", params={"offset": offset}).json()
+        if chunk["offset"] == offset:
+            return text
+        text, offset = text + chunk["text"], chunk["offset"]
+
+
+def workload(daemon: Daemon, job: str) -> dict[str, Any]:
+    """``kunlun-cli workload describe JOB --json``, from the API."""
+    answer = daemon.get(f"/api/v1/workloads/{job}")
+    assert answer.status_code == 200, answer.text
+    return answer.json()  # type: ignore[no-any-return]
 
 
 def stop(daemon: Daemon, job: str) -> None:
-    assert daemon.cli("workload", "stop", job).returncode == 0
+    assert httpx.post(f"{daemon.url}/api/v1/workloads/{job}/stop", timeout=60).status_code == 200
     deadline = time.monotonic() + 60
     while daemon.get("/readyz").status_code == 200:
         assert time.monotonic() < deadline, "replica still ready after stop"
@@ -31,24 +44,27 @@ def stop(daemon: Daemon, job: str) -> None:
 
 
 def test_plan_cache_hit_reuses_conversion_and_a_changed_declaration_misses(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    home = new_home(models_home, tmp_path_factory, "plan-cache-home")
-    daemon = Daemon(home, free_port())
-    daemon.start(wait_ready=False)
-    try:
-        dry = daemon.cli("workload", "submit", "--model", "smollm2", "--dtype", "bf16", "--dry-run")
+    home = make_home(tmp_path_factory, "plan-cache-home")
+    spec = TINY_SPEC.format(path=tiny_model, name="tiny")  # a plan names a path's folder
+    with launched(home) as daemon:
+        dry = daemon.cli("workload", "submit", "--model", str(tiny_model), "--name", "tiny",
+                         "--dtype", "bf16", "--dry-run")  # fmt: skip
         assert dry.returncode == 0, dry.stderr
         assert "would run" in dry.stdout and "target_device cpu:0" in dry.stdout
-        assert "why: cpu:0 (bf16, tp=1)" in dry.stdout and "plan: smollm2 on cpu:0" in dry.stdout
-        listed = daemon.cli("workload", "list", "--json")
-        assert json.loads(listed.stdout) == [] and not (home / "plan-cache").exists()
+        assert (
+            "why: cpu:0 (bf16, tp=1)" in dry.stdout
+            and f"plan: {tiny_model.name} on cpu:0" in dry.stdout
+        )
+        listed = daemon.get("/api/v1/workloads").json()
+        assert listed == [] and not (home / "plan-cache").exists()
 
-        first = submit_demo(daemon, BF16 + "stream_interval: 2\n")
+        first = daemon.submit(spec + BF16 + "stream_interval: 2\n")
         wait_ready(daemon)
         text = logs(daemon, first)
         assert "plan_cache: miss" in text and "conversion: cast" in text
-        assert "plan: smollm2 on cpu:0: engine kunlun, dtype bf16" in text
+        assert f"plan: {tiny_model.name} on cpu:0: engine kunlun, dtype bf16" in text
         (artifact,) = home.glob("plan-cache/*/weights/model.safetensors")
         written = artifact.stat()
         # the plan's launch sits next to it; the worker runs the replica's copy and nothing else
@@ -65,12 +81,12 @@ def test_plan_cache_hit_reuses_conversion_and_a_changed_declaration_misses(
         assert started.model_copy(update={"ready_file": None, "sandbox": None}) == launch
         (pid,) = (json.loads(p.read_text())["pid"] for p in home.glob("run/workers/*.pid"))
         assert psutil.Process(pid).cmdline()[-2:] == ["--launch", str(replica_launch)]
-        described = daemon.describe(first)
+        described = workload(daemon, first)
         assert described["target_device"] == "cpu:0" and described["placement"]["why"]
         assert described["placement"]["plan"]["dtype"] == "bf16"
         stop(daemon, first)
 
-        second = submit_demo(daemon, BF16)
+        second = daemon.submit(spec + BF16)
         wait_ready(daemon)
         text = logs(daemon, second)
         assert "plan_cache: hit" in text and "conversion: reused" in text
@@ -93,7 +109,5 @@ def test_plan_cache_hit_reuses_conversion_and_a_changed_declaration_misses(
         text = logs(daemon, second)
         after_restart = text[text.rindex("plan_cache:") :]  # this start's lines
         assert after_restart.startswith("plan_cache: miss") and "conversion: cast" in after_restart
-        plan = daemon.describe(second)["placement"]["plan"]
+        plan = workload(daemon, second)["placement"]["plan"]
         assert plan["engine_options"] == {"num_threads": 2}
-    finally:
-        daemon.stop()

@@ -12,7 +12,14 @@ from pathlib import Path
 
 import openai
 import pytest
-from tests.daemon.conftest import Daemon, assert_validate_passes, free_port, new_home, patient_queue
+from tests.daemons import (
+    QUALITY_ROWS,
+    Daemon,
+    assert_validate_passes,
+    free_port,
+    new_home,
+    patient_queue,
+)
 from tests.validate.conftest import wait_running
 
 SPEC = """\
@@ -69,7 +76,9 @@ def test_quantized_workload_serves_a_chat_completion(
 def test_validate_passes_on_the_quantized_workload(
     quantized: Daemon, tmp_path: Path, name: str
 ) -> None:
-    assert_validate_passes(quantized, name, tmp_path / "out")
+    # the whole battery on w8a8; what a 4-bit scheme changes on w4a16 (QUALITY_ROWS)
+    only = QUALITY_ROWS if name.endswith("w4a16") else ()
+    assert_validate_passes(quantized, name, tmp_path / "out", only)
 
 
 def test_model_quantize_registers_a_model_the_planner_reads(quantized: Daemon) -> None:

@@ -11,28 +11,28 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.daemon.conftest import SPEC, Daemon, free_port, new_home, stream_lines, wait_ready
+from tests.daemons import TINY_SPEC, launched, make_home, stream_lines
 
 NUM_QUEUED = 6
+CONTEXT = 2048
+"""The workload's max_model_len (the tiny model's every position): room for a stream that
+holds the slot well past the queue's bound (asserted)."""
 
 
 def test_requests_queued_past_max_queue_wait_get_429_with_a_drain_rate_retry_after(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    home = new_home(models_home, tmp_path_factory, "queue-wait-home")
+    home = make_home(tmp_path_factory, "queue-wait-home")
     (home / "scheduler_config.yaml").write_text("max_queue_wait_s: 0.5\n")
-    daemon = Daemon(home, free_port())
-    daemon.start(wait_ready=False)
-    try:
-        spec = home / "spec-one-slot.yaml"
-        spec.write_text(SPEC.replace("batch_size: 8", "batch_size: 1"))
-        proc = daemon.cli("workload", "submit", "--file", str(spec), "--json")
-        assert proc.returncode == 0, proc.stderr
-        wait_ready(daemon)
+    spec = TINY_SPEC.format(path=tiny_model, name="tiny").replace("batch_size: 8", "batch_size: 1")
+    spec = spec.replace("max_model_len: 1024", f"max_model_len: {CONTEXT}")
+    with launched(home, workloads=[spec]) as daemon:
         lines: list[str] = []
         started, leave = threading.Event(), threading.Event()
         holder = threading.Thread(
-            target=stream_lines, args=(daemon.url, lines, started, 600, leave)
+            target=stream_lines,
+            args=(daemon.url, lines, started, CONTEXT - 16, leave),
+            kwargs={"model": "tiny"},
         )
         holder.start()  # takes the one slot for the whole test
         assert started.wait(120), lines
@@ -40,7 +40,7 @@ def test_requests_queued_past_max_queue_wait_get_429_with_a_drain_rate_retry_aft
         def queued(_: int) -> httpx.Response:
             return httpx.post(
                 daemon.url + "/v1/completions",
-                json={"model": "smollm2", "prompt": "hi", "max_tokens": 2},
+                json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
                 timeout=120,
             )
 
@@ -67,5 +67,3 @@ def test_requests_queued_past_max_queue_wait_get_429_with_a_drain_rate_retry_aft
             assert time.monotonic() < deadline, after.text
             time.sleep(0.2)
         assert after.status_code == 200, after.text
-    finally:
-        daemon.stop()

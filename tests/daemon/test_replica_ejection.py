@@ -1,12 +1,11 @@
-"""Health checks through the real daemon, its engine workers and the ``openai`` SDK: a
-stopped (SIGSTOP) replica leaves routing within two probe intervals while the other replica
-answers every request, and is back within two more once continued (SIGCONT); a replica
-whose full batch makes its probes wait stays in routing."""
+"""Health checks through the real daemon serving the tiny model, its engine workers and the
+``openai`` SDK: a stopped (SIGSTOP) replica leaves routing within two probe intervals while
+the other replica answers every request, and is back within two more once continued
+(SIGCONT); a replica whose full batch makes its probes wait stays in routing."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -18,16 +17,7 @@ from typing import Any
 
 import openai
 import pytest
-from tests.daemon.conftest import (
-    BIN,
-    SPEC,
-    Daemon,
-    free_port,
-    new_home,
-    stream_lines,
-    submit_demo,
-    wait_ready,
-)
+from tests.daemons import BIN, TINY_SPEC, Daemon, free_port, launched, make_home, stream_lines
 
 INTERVAL_S = 2.0
 """The health-check interval the daemon runs with here (timeout 1 s)."""
@@ -79,88 +69,91 @@ def both_ready(daemon: Daemon, job: str, timeout: float = 600) -> list[dict[str,
 
 def served_by(client: openai.OpenAI) -> str:
     raw = client.chat.completions.with_raw_response.create(
-        model="smollm2", messages=QUESTION, max_tokens=2, temperature=0
+        model="tiny", messages=QUESTION, max_tokens=2, temperature=0
     )
     assert raw.parse().choices
     return str(raw.headers["x-kunlun-replica"])
 
 
 def test_a_stopped_replica_is_ejected_and_restored_while_the_other_serves(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    home = new_home(models_home, tmp_path_factory, "ejection-home")
+    home = make_home(tmp_path_factory, "ejection-home")
     (home / "scheduler_config.yaml").write_text("policy: round-robin\n")
-    daemon = Daemon(home, free_port())
-    daemon.start("--health-check-interval", str(INTERVAL_S), "--health-check-timeout", "1",
-                 "--worker-answer-deadline-s", "120",  # the liveness kill stays out of it
-                 wait_ready=False)  # fmt: skip
-    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0,
-                           timeout=120)  # fmt: skip
-    stopped: int | None = None
-    try:
-        job = submit_demo(daemon, "replicas: 2\n")
-        wait_ready(daemon)
-        target, other = both_ready(daemon, job)
-        assert {served_by(client) for _ in range(4)} == {target["replica_id"], other["replica_id"]}
+    spec = TINY_SPEC.format(path=tiny_model, name="tiny") + "replicas: 2\n"
+    flags = ("--health-check-interval", str(INTERVAL_S), "--health-check-timeout", "1",
+             "--worker-answer-deadline-s", "120")  # fmt: skip  # the liveness kill stays out of it
+    with launched(home, *flags, workloads=[spec]) as daemon:
+        job = daemon.job
+        assert job is not None
+        stopped: int | None = None
+        try:
+            client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0,
+                                   timeout=120)  # fmt: skip
+            target, other = both_ready(daemon, job)
+            both = {target["replica_id"], other["replica_id"]}
+            assert {served_by(client) for _ in range(4)} == both
 
-        kinds = [e["kind"] for e in workload(daemon, job)["events"]]
-        assert "ejected" not in kinds, kinds  # healthy replicas stay in routing
+            kinds = [e["kind"] for e in workload(daemon, job)["events"]]
+            assert "ejected" not in kinds, kinds  # healthy replicas stay in routing
 
-        stopped_at = time.time()
-        os.kill(target["pid"], signal.SIGSTOP)
-        stopped = target["pid"]
-        ejected = wait_for_event(daemon, job, "ejected", stopped_at, timeout=60)
-        took = ejected["ts"] - stopped_at
-        print(f"ejected {took:.2f} s after SIGSTOP: {ejected['message']}")
-        why = f"replica {target['replica_id']} out of routing: answers no request: "
-        assert ejected["message"].startswith(why), ejected
-        assert took <= 2 * INTERVAL_S + SLACK_S, ejected
-        assert [served_by(client) for _ in range(3)] == [other["replica_id"]] * 3
-        assert ejected_metric(daemon, target["replica_id"]) == 1.0
+            stopped_at = time.time()
+            os.kill(target["pid"], signal.SIGSTOP)
+            stopped = target["pid"]
+            ejected = wait_for_event(daemon, job, "ejected", stopped_at, timeout=60)
+            took = ejected["ts"] - stopped_at
+            print(f"ejected {took:.2f} s after SIGSTOP: {ejected['message']}")
+            why = f"replica {target['replica_id']} out of routing: answers no request: "
+            assert ejected["message"].startswith(why), ejected
+            assert took <= 2 * INTERVAL_S + SLACK_S, ejected
+            assert [served_by(client) for _ in range(3)] == [other["replica_id"]] * 3
+            assert ejected_metric(daemon, target["replica_id"]) == 1.0
 
-        continued_at = time.time()
-        os.kill(target["pid"], signal.SIGCONT)
-        stopped = None
-        restored = wait_for_event(daemon, job, "restored", continued_at, timeout=60)
-        took = restored["ts"] - continued_at
-        print(f"restored {took:.2f} s after SIGCONT: {restored['message']}")
-        assert restored["message"] == (
-            f"replica {target['replica_id']} back in routing: its health probe passed"
-        )
-        assert took <= 2 * INTERVAL_S + SLACK_S, restored
-        assert ejected_metric(daemon, target["replica_id"]) == 0.0
-        assert target["replica_id"] in {served_by(client) for _ in range(4)}
-        metrics = daemon.get("/metrics").text
-        assert 'kunlun_health_ejections_total{model="smollm2",reason="silent"} 1.0' in metrics
-        assert 'kunlun_health_probes_total{model="smollm2",result="silent"}' in metrics
-        pids = {r["replica_id"]: r["pid"] for r in workload(daemon, job)["replicas"]}
-        assert pids[target["replica_id"]] == target["pid"]  # ejected, never killed
-    finally:
-        if stopped is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(stopped, signal.SIGCONT)
-        daemon.stop()
+            continued_at = time.time()
+            os.kill(target["pid"], signal.SIGCONT)
+            stopped = None
+            restored = wait_for_event(daemon, job, "restored", continued_at, timeout=60)
+            took = restored["ts"] - continued_at
+            print(f"restored {took:.2f} s after SIGCONT: {restored['message']}")
+            assert restored["message"] == (
+                f"replica {target['replica_id']} back in routing: its health probe passed"
+            )
+            assert took <= 2 * INTERVAL_S + SLACK_S, restored
+            assert ejected_metric(daemon, target["replica_id"]) == 0.0
+            assert target["replica_id"] in {served_by(client) for _ in range(4)}
+            metrics = daemon.get("/metrics").text
+            assert 'kunlun_health_ejections_total{model="tiny",reason="silent"} 1.0' in metrics
+            assert 'kunlun_health_probes_total{model="tiny",result="silent"}' in metrics
+            pids = {r["replica_id"]: r["pid"] for r in workload(daemon, job)["replicas"]}
+            assert pids[target["replica_id"]] == target["pid"]  # ejected, never killed
+        finally:
+            if stopped is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(stopped, signal.SIGCONT)
+
+
+BUSY_TOKENS = 1000
+"""Tokens of each of the two streams that fill the batch: at the tiny model's speed they
+keep it full across several checks one second apart."""
 
 
 def test_a_replica_busy_with_a_full_batch_stays_in_routing(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """Two streams fill the replica's two sequence slots: the checks see the engine's step
     counter move (serving, no probe sent), or a probe waits behind the batch past its timeout
-    (busy); either keeps the replica in. (A stall takes two probes without a step: 6 s here;
-    one decode step measured up to 4.3 s on a loaded 2-core machine.)"""
-    daemon = Daemon(new_home(models_home, tmp_path_factory, "busy-home"), free_port())
-    daemon.start("--health-check-interval", "3", "--health-check-timeout", "0.5",
-                 wait_ready=False)  # fmt: skip
-    try:
-        spec = daemon.home / "spec.yaml"
-        spec.write_text(SPEC.replace("batch_size: 8", "batch_size: 2"))
-        submitted = daemon.cli("workload", "submit", "--file", str(spec), "--json")
-        assert submitted.returncode == 0, submitted.stderr
-        job = json.loads(submitted.stdout)["workload_id"]
-        wait_ready(daemon)
+    (busy); either keeps the replica in. (A stall needs a minute without a step with requests
+    unfinished, far longer than the batch.)"""
+    spec = TINY_SPEC.format(path=tiny_model, name="tiny").replace("batch_size: 8", "batch_size: 2")
+    home = make_home(tmp_path_factory, "busy-home")
+    flags = ("--health-check-interval", "1", "--health-check-timeout", "0.5")
+    with launched(home, *flags, workloads=[spec]) as daemon:
+        job = daemon.job
+        assert job is not None
         streams: list[tuple[list[str], threading.Event]] = [([], threading.Event()) for _ in "ab"]
-        threads = [threading.Thread(target=stream_lines, args=(daemon.url, lines, started, 40))
+        threads = [threading.Thread(target=stream_lines, args=(daemon.url, lines, started,
+                                                               BUSY_TOKENS),
+                                    kwargs={"model": "tiny"})
                    for lines, started in streams]  # fmt: skip
         for thread in threads:
             thread.start()
@@ -170,7 +163,7 @@ def test_a_replica_busy_with_a_full_batch_stays_in_routing(
                    for lines, _ in streams), [lines[-1:] for lines, _ in streams]  # fmt: skip
         metrics = daemon.get("/metrics").text
         counts = {result: float(n) for result, n in re.findall(
-            r'kunlun_health_probes_total\{model="smollm2",result="(\w+)"\} (\S+)', metrics)}  # fmt: skip
+            r'kunlun_health_probes_total\{model="tiny",result="(\w+)"\} (\S+)', metrics)}  # fmt: skip
         # checks during the batch saw the engine stepping (serving: no probe sent), or a
         # probe waited behind the full batch (busy); none failed
         assert counts.get("serving", 0) + counts.get("busy", 0) >= 1, metrics
@@ -178,8 +171,6 @@ def test_a_replica_busy_with_a_full_batch_stays_in_routing(
         print(f"checks while the batch was full: {counts}")
         kinds = [e["kind"] for e in workload(daemon, job)["events"]]
         assert "ejected" not in kinds, workload(daemon, job)["events"]
-    finally:
-        daemon.stop()
 
 
 def test_the_health_check_flags_are_validated(tmp_path: Path) -> None:

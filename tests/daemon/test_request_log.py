@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.daemon.conftest import BIN, Daemon, free_port
+from tests.daemons import BIN, Daemon, free_port, launched, make_home
 
 from kunlun.daemon.request_log import RequestLog, RequestLogConfig
 
@@ -155,13 +155,16 @@ def test_no_entry_stops_the_writer(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "later entries are written" in err
 
 
-def test_sigterm_writes_every_queued_entry(tmp_path: Path) -> None:
+def test_sigterm_writes_every_queued_entry(tmp_path_factory: pytest.TempPathFactory) -> None:
     """A real daemon (no model: the /v1 requests need none) with a flush interval far longer
     than the test: every entry is still queued when SIGTERM arrives, and all are on disk
     once the daemon has exited."""
-    daemon = Daemon(tmp_path / "home", free_port())
-    daemon.home.mkdir()
-    daemon.start("--request-log-flush-s", "60", wait_ready=False)
+    with launched(make_home(tmp_path_factory, "request-log-home"), "--request-log-flush-s",
+                  "60") as daemon:  # fmt: skip
+        sigterm_writes_every_queued_entry(daemon)
+
+
+def sigterm_writes_every_queued_entry(daemon: Daemon) -> None:
     num_requests = 120
     with httpx.Client(base_url=daemon.url, timeout=30) as client:
         for n in range(num_requests):

@@ -1,4 +1,4 @@
-"""Request routing on a real daemon serving the demo model: priority classes from the
+"""Request routing on a real daemon serving the tiny model: priority classes from the
 workload, the API key and ``X-Kunlun-Priority``; pools by ``X-Kunlun-Pool``;
 ``X-Kunlun-Device`` on every answer; ``scheduler_config.yaml`` reloaded live and on SIGHUP."""
 
@@ -15,16 +15,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from tests.daemon.conftest import BIN, Daemon, free_port, new_home, wait_ready
+from tests.daemons import BIN, TINY_SPEC, Daemon, free_port, launched, make_home
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-SPEC = """\
-model: smollm2
-batch_size: 4
-max_model_len: 512
-kv_cache_memory_mb: 64
-priority: low
-"""
 
 
 class Routed:
@@ -37,31 +30,23 @@ class Routed:
         )
 
 
-def create_key(daemon: Daemon, name: str, *extra: str) -> str:
-    made = daemon.cli("apikey", "create", name, *extra, "--json", remote=False)
-    assert made.returncode == 0, made.stderr
-    return str(json.loads(made.stdout)["key"])
-
-
 @pytest.fixture(scope="module")
-def routed(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routed]:
-    d = Daemon(new_home(models_home, tmp_path_factory, "routing-home"), free_port())
-    (d.home / "scheduler_config.yaml").write_text("policy: round-robin\n")
-    high_key = create_key(d, "batch-high", "--priority", "high")
-    plain_key = create_key(d, "plain", "--scope", "admin")
-    d.start(wait_ready=False)
-    spec = d.home / "spec.yaml"
-    spec.write_text(SPEC)
-    submitted = d.cli("workload", "submit", "--file", str(spec), "--json", key=plain_key)
-    assert submitted.returncode == 0, submitted.stderr
-    wait_ready(d)
-    yield Routed(d, high_key, plain_key)
-    d.stop()
+def routed(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routed]:
+    home = make_home(tmp_path_factory, "routing-home")
+    (home / "scheduler_config.yaml").write_text("policy: round-robin\n")
+    spec = TINY_SPEC.format(path=tiny_model, name="tiny") + "priority: low\n"
+    with launched(home, keys=[("plain", "admin")], workloads=[spec]) as d:
+        high_key = d.create_key("batch-high", "--priority", "high")  # on the home, as "plain"
+        deadline = time.monotonic() + 60  # the daemon rereads its keys within 0.25 s
+        while d.get("/v1/models", headers={"Authorization": f"Bearer {high_key}"}).is_error:
+            assert time.monotonic() < deadline, "the running daemon never took the new key"
+            time.sleep(0.1)
+        yield Routed(d, high_key, d.keys["plain"])
 
 
 def ask(client: openai.OpenAI, **headers: str) -> dict[str, str]:
     raw = client.chat.completions.with_raw_response.create(
-        model="smollm2", messages=QUESTION, max_tokens=2, temperature=0, extra_headers=headers
+        model="tiny", messages=QUESTION, max_tokens=2, temperature=0, extra_headers=headers
     )
     assert raw.parse().choices
     return {k: raw.headers[k] for k in ("x-kunlun-priority", "x-kunlun-device")}
@@ -84,7 +69,7 @@ def test_pool_header_restricts_to_a_device_type(routed: Routed) -> None:
     plain = routed.client(routed.plain_key)
     assert ask(plain, **{"X-Kunlun-Pool": "cpu"})["x-kunlun-device"] == "cpu:0"
     headers = {"Authorization": f"Bearer {routed.plain_key}", "X-Kunlun-Pool": "cpu"}
-    body = {"model": "smollm2", "prompt": "Hello", "max_tokens": 2, "stream": True}
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "stream": True}
     with httpx.stream("POST", routed.daemon.url + "/v1/completions", json=body,
                       headers=headers, timeout=120) as response:  # fmt: skip
         assert response.status_code == 200

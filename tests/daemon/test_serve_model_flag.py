@@ -1,6 +1,6 @@
 """``kunlun-platform --model SOURCE`` with vLLM's flags: one step from a model to a served
-endpoint. SOURCE from the local Hugging Face cache (a real cache layout over the demo model),
-a GGUF file, and bad values of the flags, each refused by name (``--chat-template`` and
+endpoint. SOURCE from the local Hugging Face cache (a real cache layout over the tiny model),
+a GGUF file (a tiny one), and bad values of the flags, each refused by name (``--chat-template`` and
 ``--gpu-memory-utilization`` served: ``test_vllm_flags.py``)."""
 
 from __future__ import annotations
@@ -11,9 +11,13 @@ from pathlib import Path
 
 import openai
 import pytest
-from tests.daemon.conftest import BIN, Daemon, free_port, new_home, wait_ready
+from tests.daemons import BIN, Daemon, free_port, launched, make_home, wait_ready
+from tests.engine.gguf_bytes import gguf_bytes, tiny_llama
 
-REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+REPO = "kunlun-tests/tiny-llama"
+"""A repo id the Hugging Face cache below holds (the tiny model: nothing is downloaded)."""
+MODEL = "{tiny}"
+"""Stands for the tiny model's folder in the refusals' arguments."""
 
 
 def hf_cache(root: Path, model_dir: Path) -> Path:
@@ -29,15 +33,13 @@ def hf_cache(root: Path, model_dir: Path) -> Path:
 
 
 def test_a_repo_id_in_the_hf_cache_is_served_under_the_name_given(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    home = new_home(models_home, tmp_path_factory, "serve-flag-home")
-    cache = hf_cache(tmp_path_factory.mktemp("hf"), models_home / "models" / "smollm2")
-    daemon = Daemon(home, free_port())
-    daemon.start("--model", REPO, "--served-model-name", "tiny-chat", "--dtype", "float32",
-                 "--max-model-len", "512", "--max-num-seqs", "4", wait_ready=False,
-                 extra_env={"HF_HOME": str(cache)})  # fmt: skip
-    try:
+    home = make_home(tmp_path_factory, "serve-flag-home")
+    cache = hf_cache(tmp_path_factory.mktemp("hf"), tiny_model)
+    with launched(home, "--model", REPO, "--served-model-name", "tiny-chat", "--dtype", "float32",
+                  "--max-model-len", "512", "--max-num-seqs", "4",
+                  env={"HF_HOME": str(cache)}) as daemon:  # fmt: skip
         wait_ready(daemon)
         client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
         (card,) = client.models.list().data
@@ -47,11 +49,9 @@ def test_a_repo_id_in_the_hf_cache_is_served_under_the_name_given(
         )
         assert reply.choices[0].message.content
         (row,) = json.loads(daemon.cli("workload", "list", "--json").stdout)
-        spec = daemon.describe(row["workload_id"])["spec"]
+        spec = daemon.get(f"/api/v1/workloads/{row['workload_id']}").json()["spec"]
         assert (spec["dtype"], spec["batch_size"], spec["max_model_len"]) == ("fp32", 4, 512)
         assert spec["model"].endswith("snapshots/0123abcd")
-    finally:
-        daemon.stop()
 
 
 def run_platform(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -65,22 +65,23 @@ def run_platform(home: Path, *args: str, **env: str) -> subprocess.CompletedProc
     ("args", "words"),
     [
         (["--model", "nobody/nothing"], ["--model 'nobody/nothing'", "local cache", "downloaded"]),
-        (["--model", "smollm2", "--dtype", "fp64"], ["--dtype 'fp64'", "bfloat16"]),
+        (["--model", MODEL, "--dtype", "fp64"], ["--dtype 'fp64'", "bfloat16"]),
         (["--max-model-len", "512"], ["--max-model-len only apply with --model"]),
-        (["--model", "smollm2", "--gpu-memory-utilization", "1.5"],
+        (["--model", MODEL, "--gpu-memory-utilization", "1.5"],
          ["memory_utilization", "less than or equal to 1"]),
-        (["--model", "smollm2", "--chat-template", "nowhere/t.jinja"],
+        (["--model", MODEL, "--chat-template", "nowhere/t.jinja"],
          ["--chat-template: no such file 'nowhere/t.jinja'"]),
-        (["--model", "smollm2", "--chat-template", "{% for m in messages %}"],
+        (["--model", MODEL, "--chat-template", "{% for m in messages %}"],
          ["chat_template: line 1", "endfor"]),
         (["--chat-template", "{{ x }}"], ["--chat-template only apply with --model"]),
-        (["--model", "smollm2", "--quantization", "fp4"], ["quantization", "fp4"]),
+        (["--model", MODEL, "--quantization", "fp4"], ["quantization", "fp4"]),
     ],
 )  # fmt: skip
 def test_what_cannot_be_served_is_refused_by_name(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory, args: list[str], words: list[str]
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, args: list[str], words: list[str]
 ) -> None:
-    home = new_home(models_home, tmp_path_factory, "serve-refused")
+    home = make_home(tmp_path_factory, "serve-refused")
+    args = [str(tiny_model) if arg == MODEL else arg for arg in args]
     proc = run_platform(home, *args, HF_HOME=str(tmp_path_factory.mktemp("empty-hf")))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     for word in words:
@@ -91,19 +92,20 @@ def test_a_gguf_file_is_imported_once_under_its_stem(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kunlun import catalog
-    from kunlun.engine.gguf import demo_gguf_path
     from kunlun.state.sqlite import SQLiteStore
 
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("KUNLUN_HOME", str(home))  # the import is written under it
+    original = tmp_path / "tiny-llama.gguf"
+    original.write_bytes(gguf_bytes(tiny_llama()))
     gguf = tmp_path / "my-model.gguf"
-    gguf.symlink_to(demo_gguf_path())
+    gguf.symlink_to(original)
     store = SQLiteStore(home / "state.db")
     try:
         assert catalog.model_source(store, str(gguf)) == ("my-model", "my-model")
         record = store.get_model("my-model")
-        assert record is not None and record.source == f"gguf:{demo_gguf_path().resolve()}"
+        assert record is not None and record.source == f"gguf:{original.resolve()}"
         assert Path(record.path).is_relative_to(home / "models")
         assert catalog.model_source(store, "my-model") == ("my-model", "my-model")  # known now
     finally:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.daemon.conftest import BIN, Daemon, free_port
+from tests.daemons import BIN, Daemon, free_port
 
 from kunlun.state.sqlite import SQLiteStore
 from kunlun.state.store import ApiKeyRecord, EventRecord
@@ -26,11 +26,12 @@ PAGE = 4096
 
 
 def real_store(path: Path) -> None:
-    """A state database with a key and enough events to span a few hundred pages."""
+    """A state database with a key and enough events to span about a hundred pages (few
+    large events: each one is a transaction of its own)."""
     store = SQLiteStore(path)
     store.put_api_key(ApiKeyRecord("k1", "admin", "0" * 64, time.time()))
-    for i in range(3000):
-        store.add_event(EventRecord(f"w{i % 20}", time.time(), "started", f"replica {i} " * 8))
+    for i in range(150):
+        store.add_event(EventRecord(f"w{i % 20}", time.time(), "started", f"replica {i} " * 160))
     store.close()
 
 

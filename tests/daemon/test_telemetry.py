@@ -1,6 +1,6 @@
-"""Telemetry of a real daemon with an API key: /metrics, a real Prometheus server scraping
-it with the key as bearer token, ``kunlun-cli telemetry metrics``, and the Chrome trace of
-a workload with ``advanced_profiling`` on."""
+"""Telemetry of a real daemon serving the tiny model, with an API key: /metrics, a real
+Prometheus server scraping it with the key as bearer token, ``kunlun-cli telemetry metrics``,
+and the Chrome trace of a workload with ``advanced_profiling`` on."""
 
 from __future__ import annotations
 
@@ -18,26 +18,22 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tests.daemon.conftest import BIN, Daemon, free_port, new_home, submit_demo, wait_ready
+from tests.daemons import BIN, TINY_SPEC, Daemon, free_port, launched, make_home
 
 PROFILED = "telemetry:\n  advanced_profiling: true\n  profiling_interval_ms: 0\n"
 
 
 @pytest.fixture(scope="module")
 def keyed(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Daemon, str]]:
-    """A daemon serving the demo model with profiling on, then given an API key."""
-    d = Daemon(new_home(models_home, tmp_path_factory, "telemetry-home"), free_port())
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KUNLUN_TELEMETRY_INTERVAL_S", "1")  # device samples every second
-        d.start(wait_ready=False)
-    d.job = submit_demo(d, PROFILED)  # type: ignore[attr-defined]
-    wait_ready(d)
-    created = d.cli("apikey", "create", "prometheus", "--scope", "admin", "--json")
-    assert created.returncode == 0, created.stderr
-    yield d, json.loads(created.stdout)["key"]
-    d.stop()
+    """A daemon serving the tiny model with profiling on, then given an API key (made
+    through the daemon, which has none until then)."""
+    home = make_home(tmp_path_factory, "telemetry-home")
+    spec = TINY_SPEC.format(path=tiny_model, name="tiny") + PROFILED
+    env = {"KUNLUN_TELEMETRY_INTERVAL_S": "1"}  # device samples every second
+    with launched(home, env=env, workloads=[spec]) as d:
+        yield d, d.create_key("prometheus", "--scope", "admin", remote=True)
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -82,11 +78,11 @@ def chat(daemon: Daemon, key: str, count: int) -> None:
     for i in range(count):
         if i % 2:
             stream = client.chat.completions.create(
-                model="smollm2", messages=question, max_tokens=4, stream=True
+                model="tiny", messages=question, max_tokens=4, stream=True
             )
             assert [chunk for chunk in stream]
         else:
-            reply = client.chat.completions.create(model="smollm2", messages=question, max_tokens=4)
+            reply = client.chat.completions.create(model="tiny", messages=question, max_tokens=4)
             assert reply.choices
 
 
@@ -102,8 +98,8 @@ def test_metrics_need_the_key_and_describe_the_platform(keyed: tuple[Daemon, str
         json={"model": "nope", "messages": []},
     )
     assert missing.status_code == 404
-    replica = f"{daemon.job}-r0"  # type: ignore[attr-defined]
-    mine = {"model": "smollm2", "replica": replica, "priority": "normal"}
+    replica = f"{daemon.job}-r0"
+    mine = {"model": "tiny", "replica": replica, "priority": "normal"}
     text = metrics(daemon, key, until=("kunlun_requests_total", {"status": "200", **mine}, 2))
     assert total(text, "kunlun_replica_info", device="cpu:0", device_type="cpu", **mine) == 1
     assert total(text, "kunlun_replica_ready", **mine) == 1
@@ -198,10 +194,8 @@ def test_real_prometheus_reads_the_ttft_histogram(
     keyed: tuple[Daemon, str], tmp_path: Path
 ) -> None:
     daemon, key = keyed
-    ttft_count = 'sum(kunlun_time_to_first_token_seconds_count{model="smollm2"})'
-    before = total(
-        metrics(daemon, key), "kunlun_time_to_first_token_seconds_count", model="smollm2"
-    )
+    ttft_count = 'sum(kunlun_time_to_first_token_seconds_count{model="tiny"})'
+    before = total(metrics(daemon, key), "kunlun_time_to_first_token_seconds_count", model="tiny")
     proc, url = start_prometheus(tmp_path, daemon, key)
     try:
         wait_for(url, 'up{job="kunlun"}', 1)  # scraped with the key as bearer token
@@ -227,14 +221,14 @@ def test_cli_telemetry_metrics(keyed: tuple[Daemon, str]) -> None:
     view = json.loads(proc.stdout)
     assert [d["device"] for d in view["devices"]] == ["cpu:0"]
     (row,) = view["replicas"]
-    assert (row["model"], row["device_type"], row["ready"]) == ("smollm2", "cpu", 1)
+    assert (row["model"], row["device_type"], row["ready"]) == ("tiny", "cpu", 1)
     assert row["requests"]["200"] >= 2 and row["ttft_count"] >= 2
     assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
     none = daemon.cli("telemetry", "metrics", "--filter", "device_type=ascend", "--json", key=key)
     assert json.loads(none.stdout)["devices"] == [] and json.loads(none.stdout)["replicas"] == []
     table = daemon.cli("telemetry", "metrics", key=key)
     assert table.returncode == 0, table.stderr
-    for word in ("Devices", "cpu:0", "Replicas", "smollm2", "TTFT ms p50/p99", "platform memory"):
+    for word in ("Devices", "cpu:0", "Replicas", "tiny", "TTFT ms p50/p99", "platform memory"):
         assert word in table.stdout
     bad = daemon.cli("telemetry", "metrics", "--filter", "device_type", key=key)
     assert bad.returncode == 2 and "'device_type' is not LABEL=VALUE" in bad.stderr
@@ -281,7 +275,8 @@ def test_advanced_profiling_writes_a_chrome_trace(keyed: tuple[Daemon, str]) -> 
     """Runs last: stops the workload, so its worker closes the trace."""
     daemon, key = keyed
     chat(daemon, key, 1)
-    job = daemon.job  # type: ignore[attr-defined]
+    job = daemon.job
+    assert job is not None
     logs = daemon.cli("workload", "logs", job, key=key)
     assert "Advanced profiling: engine steps traced to" in logs.stdout
     stopped = daemon.cli("workload", "stop", job, key=key)

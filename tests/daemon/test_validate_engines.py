@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.daemon.conftest import Daemon, free_port, new_home, patient_queue, submit_demo
+from tests.daemons import Daemon, free_port, new_home, patient_queue, submit_demo
 
 from kunlun.engines.adapter import find_binary
 from kunlun.validate.numerics import MAX_ABS_MAX, MEAN_ABS_MAX

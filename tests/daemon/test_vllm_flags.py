@@ -1,6 +1,6 @@
 """vLLM's ``--chat-template`` and ``--gpu-memory-utilization`` on ``kunlun-platform --model``,
 and as the workload spec's ``chat_template`` and ``memory_utilization``: a real daemon serves
-the demo model with a template of its own (chat, ``/tokenize`` and tool calls render with it)
+the tiny model with a template of its own (chat, ``/tokenize`` and tool calls render with it)
 and plans it with the fraction given; a bad template is refused at submit, naming the field
 and the line. (Flags refused before the daemon serves: ``test_serve_model_flag.py``.)"""
 
@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from tests.daemon.conftest import Daemon, free_port, new_home, wait_ready
+from tests.daemons import Daemon, launched, make_home, wait_ready
 
 from kunlun.engine.tokenizer import Tokenizer
 
@@ -33,24 +33,20 @@ HI = [{"role": "user", "content": "Hi there"}]
 
 
 @pytest.fixture(scope="module")
-def served(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    home = new_home(models_home, tmp_path_factory, "vllm-flags-home")
+def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    home = make_home(tmp_path_factory, "vllm-flags-home")
     template = home / "house.jinja"
     template.write_text(TEMPLATE)
-    daemon = Daemon(home, free_port())
-    daemon.start("--model", "smollm2", "--chat-template", str(template),
-                 "--gpu-memory-utilization", str(FRACTION), "--max-model-len", "256",
-                 "--max-num-seqs", "2", wait_ready=False)  # fmt: skip
-    try:
+    with launched(home, "--model", str(tiny_model), "--served-model-name", "tiny",
+                  "--chat-template", str(template), "--gpu-memory-utilization", str(FRACTION),
+                  "--max-model-len", "256", "--max-num-seqs", "2") as daemon:  # fmt: skip
         wait_ready(daemon)
         yield daemon
-    finally:
-        daemon.stop()
 
 
-def tokens_of(daemon: Daemon, template: str | None, **variables: Any) -> list[int]:
+def tokens_of(model_dir: Path, template: str | None, **variables: Any) -> list[int]:
     """The prompt tokens of :data:`HI` through ``template`` (None: the model's own)."""
-    local = Tokenizer(daemon.home / "models" / "smollm2")
+    local = Tokenizer(model_dir)
     if template is not None:
         local.chat_template = template
     text = local.apply_chat_template(HI, add_generation_prompt=True, **variables)
@@ -61,37 +57,37 @@ def post(daemon: Daemon, path: str, body: dict[str, Any], **params: Any) -> http
     return httpx.post(daemon.url + path, json=body, params=params, timeout=120)
 
 
-def test_chat_and_tokenize_render_with_the_template_given(served: Daemon) -> None:
-    ours, models = tokens_of(served, TEMPLATE), tokens_of(served, None)
+def test_chat_and_tokenize_render_with_the_template_given(served: Daemon, tiny_model: Path) -> None:
+    ours, models = tokens_of(tiny_model, TEMPLATE), tokens_of(tiny_model, None)
     assert ours != models
-    made = post(served, "/tokenize", {"model": "smollm2", "messages": HI})
+    made = post(served, "/tokenize", {"model": "tiny", "messages": HI})
     assert made.status_code == 200, made.text
     assert made.json()["tokens"] == ours
-    back = post(served, "/detokenize", {"model": "smollm2", "tokens": ours}).json()["prompt"]
+    back = post(served, "/detokenize", {"model": "tiny", "tokens": ours}).json()["prompt"]
     assert f"{MARKER} user: Hi there" in back
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0)
-    reply = client.chat.completions.create(model="smollm2", messages=HI, max_tokens=2)  # type: ignore[arg-type]
+    reply = client.chat.completions.create(model="tiny", messages=HI, max_tokens=2)  # type: ignore[arg-type]
     assert reply.usage is not None and reply.usage.prompt_tokens == len(ours)
 
 
-def test_tool_calls_see_the_template_given(served: Daemon) -> None:
+def test_tool_calls_see_the_template_given(served: Daemon, tiny_model: Path) -> None:
     """The template reads ``tools``: the worker passes the request's tools to it (rather than
     writing them into a system message for a template that does not)."""
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="x", max_retries=0)
     reply = client.chat.completions.create(
-        model="smollm2",
+        model="tiny",
         messages=HI,
         tools=[WEATHER],
         max_tokens=2,  # type: ignore[arg-type,list-item]
     )
-    expected = tokens_of(served, TEMPLATE, tools=[WEATHER])
+    expected = tokens_of(tiny_model, TEMPLATE, tools=[WEATHER])
     assert reply.usage is not None and reply.usage.prompt_tokens == len(expected)
-    assert len(expected) > len(tokens_of(served, TEMPLATE))
+    assert len(expected) > len(tokens_of(tiny_model, TEMPLATE))
 
 
 def test_the_workload_shows_the_template_and_plans_with_the_fraction(served: Daemon) -> None:
-    (row,) = json.loads(served.cli("workload", "list", "--json").stdout)
-    described = served.describe(row["workload_id"])
+    (row,) = served.get("/api/v1/workloads").json()  # as `workload list --json` prints it
+    described = served.get(f"/api/v1/workloads/{row['workload_id']}").json()
     assert described["spec"]["chat_template"] == TEMPLATE
     assert described["spec"]["memory_utilization"] == FRACTION
     plan = described["placement"]["plan"]
@@ -102,11 +98,11 @@ def test_the_workload_shows_the_template_and_plans_with_the_fraction(served: Dae
 
 
 def test_a_spec_file_sets_both_and_a_bad_template_is_refused_with_its_line(
-    served: Daemon,
+    served: Daemon, tiny_model: Path
 ) -> None:
     spec = served.home / "spec.yaml"
     spec.write_text(
-        "model: smollm2\nname: other\nmax_model_len: 256\ngpu_memory_utilization: 0.5\n"
+        f"model: {tiny_model}\nname: other\nmax_model_len: 256\ngpu_memory_utilization: 0.5\n"
         "chat_template: |\n  {% for m in messages %}{{ m.content }}{% endfor %}\n"
     )
     dry = served.cli("workload", "submit", "--file", str(spec), "--dry-run", "--json")
@@ -114,12 +110,12 @@ def test_a_spec_file_sets_both_and_a_bad_template_is_refused_with_its_line(
     plan = json.loads(dry.stdout)["placement"]["plan"]
     assert plan["memory_utilization"] == 0.5 and plan["memory"]["utilization"] == 0.5
     bad = "{% for m in messages %}\n{{ m.content }\n{% endfor %}"
-    refused = post(served, "/api/v1/workloads", {"model": "smollm2", "chat_template": bad},
+    refused = post(served, "/api/v1/workloads", {"model": str(tiny_model), "chat_template": bad},
                    dry_run=True)  # fmt: skip
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
     assert error["param"] == "chat_template"
     assert "chat_template: line 2" in error["message"], error
-    too_much = post(served, "/api/v1/workloads", {"model": "smollm2", "memory_utilization": 1.5},
-                    dry_run=True)  # fmt: skip
+    too_much = post(served, "/api/v1/workloads",
+                    {"model": str(tiny_model), "memory_utilization": 1.5}, dry_run=True)  # fmt: skip
     assert too_much.status_code == 400 and too_much.json()["error"]["param"] == "memory_utilization"

@@ -14,16 +14,24 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from tests.daemon.conftest import Daemon, free_port, new_home, submit_demo, wait_ready
+from tests.daemons import TINY_SPEC, Daemon, launched, make_home
 
 FOREIGN = {"ASCEND_RT_VISIBLE_DEVICES": "0", "MLU_VISIBLE_DEVICES": "0", "SECRET_TOKEN": "x"}
+
+
+def workload(daemon: Daemon, job: str) -> dict[str, Any]:
+    """What ``kunlun-cli workload describe JOB --json`` prints, straight from the API (the
+    CLI's start-up would cost seconds per poll)."""
+    answer = daemon.get(f"/api/v1/workloads/{job}")
+    assert answer.status_code == 200, answer.text
+    return answer.json()  # type: ignore[no-any-return]
 
 
 def worker_pid(daemon: Daemon, job: str, timeout: float = 120) -> int:
     """The pid of the workload's (first) worker once it has one."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        replicas = daemon.describe(job)["replicas"]
+        replicas = workload(daemon, job)["replicas"]
         if replicas and replicas[0]["pid"]:
             return int(replicas[0]["pid"])
         time.sleep(0.2)
@@ -50,73 +58,76 @@ def gone(pid: int) -> bool:
 def wait_state(daemon: Daemon, job: str, state: str, timeout: float = 300) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        described = daemon.describe(job)
+        described = workload(daemon, job)
         if described["state"] == state:
             return described
         time.sleep(0.3)
-    pytest.fail(f"{job} not {state} within {timeout}s: {daemon.describe(job)}\n{daemon.log()}")
+    pytest.fail(f"{job} not {state} within {timeout}s: {workload(daemon, job)}\n{daemon.log()}")
+
+
+@pytest.fixture(scope="module")
+def tiny_spec(tiny_model: Path) -> str:
+    """The tiny model as workload ``tiny`` (the sandbox does not care what it serves)."""
+    return TINY_SPEC.format(path=tiny_model, name="tiny")
 
 
 def test_sandboxed_worker_serves_and_dies_with_its_daemon(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+    tiny_spec: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for name, value in FOREIGN.items():
         monkeypatch.setenv(name, value)
-    daemon = Daemon(new_home(models_home, tmp_path_factory, "sandbox-home"), free_port())
-    daemon.start(wait_ready=False)
-    job = submit_demo(daemon)
-    wait_ready(daemon)
-    pid = worker_pid(daemon, job)
-    replica_id = daemon.describe(job)["replicas"][0]["replica_id"]
+    with launched(make_home(tmp_path_factory, "sandbox-home"), workloads=[tiny_spec]) as daemon:
+        job = daemon.job
+        assert job is not None
+        pid = worker_pid(daemon, job)
+        replica_id = workload(daemon, job)["replicas"][0]["replica_id"]
 
-    env = environ(pid)
-    assert not set(FOREIGN) & set(env), env  # no other vendor's variables, no secrets
-    assert env["KUNLUN_HOME"] == str(daemon.home)
-    assert env["OMP_NUM_THREADS"].isdigit()
-    workdir = daemon.home / "run" / "workers" / replica_id
-    assert Path(f"/proc/{pid}/cwd").resolve() == workdir.resolve()
-    assert workdir.stat().st_mode & 0o777 == 0o700
-    facts = status(pid)
-    assert facts["NoNewPrivs"] == "1"
-    assert facts["Seccomp"] == "2"  # a filter is installed
-    assert psutil.Process(pid).rlimit(psutil.RLIMIT_CORE) == (0, 0)
-    assert psutil.Process(pid).rlimit(psutil.RLIMIT_NOFILE)[0] <= 4096
-    assert "worker sandbox: on" in daemon.log()
+        env = environ(pid)
+        assert not set(FOREIGN) & set(env), env  # no other vendor's variables, no secrets
+        assert env["KUNLUN_HOME"] == str(daemon.home)
+        assert env["OMP_NUM_THREADS"].isdigit()
+        workdir = daemon.home / "run" / "workers" / replica_id
+        assert Path(f"/proc/{pid}/cwd").resolve() == workdir.resolve()
+        assert workdir.stat().st_mode & 0o777 == 0o700
+        facts = status(pid)
+        assert facts["NoNewPrivs"] == "1"
+        assert facts["Seccomp"] == "2"  # a filter is installed
+        assert psutil.Process(pid).rlimit(psutil.RLIMIT_CORE) == (0, 0)
+        assert psutil.Process(pid).rlimit(psutil.RLIMIT_NOFILE)[0] <= 4096
+        assert "worker sandbox: on" in daemon.log()
 
-    # it still serves, streamed and not, under the filter
-    body = {"model": "smollm2", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
-    reply = httpx.post(daemon.url + "/v1/completions", json=body, timeout=120)
-    assert reply.status_code == 200, reply.text
-    assert reply.json()["usage"]["completion_tokens"] == 4
-    with httpx.stream(
-        "POST", daemon.url + "/v1/completions", json=dict(body, stream=True), timeout=120
-    ) as resp:
-        lines = [line for line in resp.iter_lines() if line]
-    assert lines[-1] == "data: [DONE]"
+        # it still serves, streamed and not, under the filter
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
+        reply = httpx.post(daemon.url + "/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 4
+        with httpx.stream(
+            "POST", daemon.url + "/v1/completions", json=dict(body, stream=True), timeout=120
+        ) as resp:
+            lines = [line for line in resp.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]"
 
-    assert daemon.proc is not None
-    daemon.proc.kill()  # the daemon dies; its worker must not outlive it
-    daemon.proc.wait()
-    deadline = time.monotonic() + 60
-    while not gone(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert gone(pid), f"worker {pid} outlived its SIGKILLed daemon"
+        assert daemon.proc is not None
+        daemon.proc.kill()  # the daemon dies; its worker must not outlive it
+        daemon.proc.wait()
+        deadline = time.monotonic() + 60
+        while not gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(pid), f"worker {pid} outlived its SIGKILLed daemon"
 
-    daemon.start()  # the workload comes back by itself
-    described = daemon.describe(job)
-    assert described["state"] == "RUNNING"
-    assert any(e["kind"] == "resumed" for e in described["events"])
-    assert daemon.stop() == 0
+        daemon.start()  # the workload comes back by itself
+        described = daemon.describe(job)  # through the CLI once
+        assert described["state"] == "RUNNING"
+        assert any(e["kind"] == "resumed" for e in described["events"])
+        assert daemon.stop() == 0
 
 
 def test_forbidden_system_call_fails_the_workload_with_the_call(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+    tiny_spec: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KUNLUN_WORKER_SELF_TEST", "forbidden-syscall")
-    daemon = Daemon(new_home(models_home, tmp_path_factory, "seccomp-home"), free_port())
-    daemon.start(wait_ready=False)
-    try:
-        job = submit_demo(daemon)
+    with launched(make_home(tmp_path_factory, "seccomp-home")) as daemon:
+        job = daemon.submit(tiny_spec)
         described = wait_state(daemon, job, "FAILED")
         reason = described["reason"]
         assert "seccomp: forbidden system call" in reason, reason
@@ -124,49 +135,38 @@ def test_forbidden_system_call_fails_the_workload_with_the_call(
             assert "(chroot)" in reason, reason
         assert not described["replicas"]  # not restarted: the same call would kill it again
         assert daemon.get("/healthz").status_code == 200  # the daemon runs on
-    finally:
-        daemon.stop()
 
 
 def test_worker_over_its_memory_cap_fails_the_workload(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_spec: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    daemon = Daemon(new_home(models_home, tmp_path_factory, "memcap-home"), free_port())
-    daemon.start(wait_ready=False)
-    try:
-        job = submit_demo(daemon, "memory_cap_mb: 64\n")
+    with launched(make_home(tmp_path_factory, "memcap-home")) as daemon:
+        job = daemon.submit(tiny_spec + "memory_cap_mb: 64\n")
         described = wait_state(daemon, job, "FAILED")
         assert "worker exceeded its memory cap of 64 MiB" in described["reason"]
         proc = daemon.cli("workload", "describe", job)
         assert proc.returncode == 0, proc.stderr
         assert "worker exceeded its memory cap of 64 MiB" in proc.stdout
         assert daemon.get("/healthz").status_code == 200
-    finally:
-        daemon.stop()
 
 
 def test_no_worker_sandbox_is_logged_and_keeps_only_the_death_signal(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+    tiny_spec: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SECRET_TOKEN", "x")
-    daemon = Daemon(new_home(models_home, tmp_path_factory, "nosandbox-home"), free_port())
-    daemon.start("--no-worker-sandbox", wait_ready=False)
-    try:
-        job = submit_demo(daemon)
+    home = make_home(tmp_path_factory, "nosandbox-home")
+    with launched(home, "--no-worker-sandbox") as daemon:
+        job = daemon.submit(tiny_spec)
         pid = worker_pid(daemon, job)
         assert daemon.log().count("worker sandbox: OFF") == 1
         assert environ(pid)["SECRET_TOKEN"] == "x"  # the daemon's environment, as asked
         assert status(pid)["Seccomp"] == "0"
-    finally:
-        daemon.stop()
 
 
-def test_restart_reaps_a_leftover_worker(
-    models_home: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
+def test_restart_reaps_a_leftover_worker(tmp_path_factory: pytest.TempPathFactory) -> None:
     """A worker recorded by an earlier daemon that is still alive (one that could not be
     told to die with it) is killed when the next daemon starts."""
-    home = new_home(models_home, tmp_path_factory, "reap-home")
+    home = make_home(tmp_path_factory, "reap-home")
     started = subprocess.run(  # orphaned at once, as a dead daemon's worker is
         ["sh", "-c", "setsid sleep 600 >/dev/null 2>&1 & echo $!"],
         capture_output=True, text=True, check=True,
@@ -176,9 +176,7 @@ def test_restart_reaps_a_leftover_worker(
     run_dir.mkdir(parents=True)
     record = {"pid": leftover.pid, "create_time": leftover.create_time()}
     (run_dir / "wl-old-r0.pid").write_text(json.dumps(record))
-    daemon = Daemon(home, free_port())
-    daemon.start(wait_ready=False)
-    try:
+    with launched(home) as daemon:
         deadline = time.monotonic() + 60
         while not gone(leftover.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -187,5 +185,3 @@ def test_restart_reaps_a_leftover_worker(
             daemon.log()
         )
         assert not (run_dir / "wl-old-r0.pid").exists()
-    finally:
-        daemon.stop()

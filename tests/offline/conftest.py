@@ -47,20 +47,15 @@ def other_keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def demo_fp32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def demo_fp32(demo_model_dir: Path) -> Path:
     """The demo model (SmolLM2-135M-Instruct) imported as float32, in a folder ``smollm2``."""
-    from kunlun.engine.gguf import FP32_IMPORT, demo_gguf_path, import_gguf
-
-    return import_gguf(demo_gguf_path(), tmp_path_factory.mktemp("demo") / "smollm2", FP32_IMPORT)
+    return demo_model_dir
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(demo_fp32: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A seeded random tiny Llama with the demo model's tokenizer."""
-    from kunlun.engine.tiny import build_tiny_model
-
-    out = tmp_path_factory.mktemp("tiny") / "tiny-llama"
-    return build_tiny_model("LlamaForCausalLM", False, out, demo_fp32)
+def tiny_llama(tiny_model: Path) -> Path:
+    """A seeded random tiny Llama with the built-in tokenizer."""
+    return tiny_model
 
 
 PackFn = Callable[..., Path]

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.daemon.conftest import free_port
+from tests.daemons import free_port
 from tests.offline.conftest import run
 
 AIRGAP = Path(__file__).with_name("airgap.py")

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.daemon.conftest import Daemon, free_port
+from tests.daemons import Daemon, free_port
 from tests.offline.conftest import PackFn, run
 from tests.planner.conftest import NODES
 

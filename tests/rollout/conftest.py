@@ -1,46 +1,30 @@
-"""One real daemon for the rollout tests, serving the demo model as ``chat`` on cpu:0."""
+"""One real daemon for the rollout tests, serving the tiny model as ``chat`` on cpu:0 (the
+rollouts' mechanics, not the answers, are what they check)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.daemon.conftest import Daemon, free_port, models_home, new_home, patient_queue
-
-__all__ = ["models_home"]  # a fixture used here
+from tests.daemons import Daemon, launched, make_home, patient_queue
 
 SPEC = """\
-model: smollm2
+model: {model}
 name: chat
 batch_size: 4
-max_model_len: 512
-kv_cache_memory_mb: 32
+max_model_len: 1024
+kv_cache_memory_mb: 16
 """
 
 
 @pytest.fixture(scope="module")
-def platform(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """A daemon whose workload ``chat`` (the demo model) is RUNNING."""
-    home = patient_queue(new_home(models_home, tmp_path_factory, "rollout-home"))
-    daemon = Daemon(home, free_port())
-    daemon.start(wait_ready=False)
-    try:
-        submit_chat(daemon)
+def platform(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A daemon whose workload ``chat`` (the tiny model) is RUNNING."""
+    home = patient_queue(make_home(tmp_path_factory, "rollout-home"))
+    with launched(home, workloads=[SPEC.format(model=tiny_model)]) as daemon:
+        wait_serving(daemon, str(daemon.job))
         yield daemon
-    finally:
-        daemon.stop()
-
-
-def submit_chat(daemon: Daemon) -> str:
-    spec = daemon.home / "chat.yaml"
-    spec.write_text(SPEC)
-    proc = daemon.cli("workload", "submit", "--file", str(spec), "--json")
-    assert proc.returncode == 0, proc.stderr
-    workload_id = str(json.loads(proc.stdout)["workload_id"])
-    wait_serving(daemon, workload_id)
-    return workload_id
 
 
 def wait_serving(daemon: Daemon, workload_id: str, timeout_s: float = 600) -> None:

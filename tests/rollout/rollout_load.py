@@ -9,7 +9,7 @@ from collections import Counter
 from typing import Any
 
 import httpx
-from tests.daemon.conftest import ONE_THREAD
+from tests.daemons import ONE_THREAD
 
 ENDED = ("PROMOTED", "ROLLED_BACK", "ABORTED")
 __all__ = ["ONE_THREAD"]  # the benchmark declares one thread per worker too

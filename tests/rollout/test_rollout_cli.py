@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tests.daemon.conftest import BIN, free_port
+from tests.daemons import BIN, free_port
 
 
 def create_with(overrides: Path, home: Path) -> subprocess.CompletedProcess[str]:

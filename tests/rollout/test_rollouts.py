@@ -1,5 +1,5 @@
-"""Canary rollouts on a real daemon with real workers (the demo model): a good canary
-promotes through every step (twenty in a row: ``test_twenty_canaries.py``), a canary made to fail requests (``faults.error_rate``) or to
+"""Canary rollouts on a real daemon with real workers (the tiny model): a good canary
+promotes through every step (twenty in a row: ``benchmarks/rollout.py --good 20``), a canary made to fail requests (``faults.error_rate``) or to
 be slow (``faults.delay_ms``) rolls back on its own, an idle one waits, sessions stick to a
 version, and a rollout survives a daemon restart."""
 
@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import httpx
-from tests.daemon.conftest import Daemon
+from tests.daemons import Daemon
 from tests.rollout.conftest import wait_serving
 from tests.rollout.rollout_load import FAST, Load, create, status, wait_for
 
@@ -19,8 +20,10 @@ def states(daemon: Daemon) -> dict[str, str]:
     return {w["workload_id"]: w["state"] for w in rows}
 
 
-def test_a_good_canary_promotes_through_every_step(platform: Daemon) -> None:
-    started = create(platform.url, workload="chat", model="smollm2", steps="20,50,100", **FAST)
+def test_a_good_canary_promotes_through_every_step(platform: Daemon, tiny_model: Path) -> None:
+    started = create(
+        platform.url, workload="chat", model=str(tiny_model), steps="20,50,100", **FAST
+    )
     assert started["state"] == "STARTING" and started["steps"] == [20, 50, 100]
     with Load(platform.url, "chat") as load:
         ended = wait_for(platform.url, started["rollout_id"])
@@ -41,8 +44,8 @@ def test_a_good_canary_promotes_through_every_step(platform: Daemon) -> None:
     assert any("PROMOTED" in e["message"] for e in events), events
 
 
-def test_a_failing_canary_rolls_back_by_itself(platform: Daemon) -> None:
-    started = create(platform.url, workload="chat", model="smollm2", steps="20,50,100",
+def test_a_failing_canary_rolls_back_by_itself(platform: Daemon, tiny_model: Path) -> None:
+    started = create(platform.url, workload="chat", model=str(tiny_model), steps="20,50,100",
                      overrides={"faults": {"error_rate": 0.5, "seed": 1}}, **FAST)  # fmt: skip
     begun = time.monotonic()
     with Load(platform.url, "chat") as load:
@@ -70,12 +73,12 @@ def test_a_failing_canary_rolls_back_by_itself(platform: Daemon) -> None:
     )
 
 
-def test_a_slow_canary_fails_the_p95_gate(platform: Daemon) -> None:
-    # The delay must stand out of the baseline's spread over 20 samples: 400 ms passed the
-    # gate on a loaded machine (canary p95 913 ms against a baseline bound of 650 ms, whose
-    # lower confidence bound over 20 samples did not clear it), as it should.
-    started = create(platform.url, workload="chat", model="smollm2", steps="50",
-                     overrides={"faults": {"delay_ms": 3000}}, **FAST)  # fmt: skip
+def test_a_slow_canary_fails_the_p95_gate(platform: Daemon, tiny_model: Path) -> None:
+    # The delay must stand out of the baseline's spread over 20 samples: on the demo model
+    # 400 ms passed the gate on a loaded machine (canary p95 913 ms against a baseline bound
+    # of 650 ms), as it should; the tiny model answers in tens of ms, so 1.5 s stands out.
+    started = create(platform.url, workload="chat", model=str(tiny_model), steps="50",
+                     overrides={"faults": {"delay_ms": 1500}}, **FAST)  # fmt: skip
     with Load(platform.url, "chat"):
         ended = wait_for(platform.url, started["rollout_id"])
     assert ended["state"] == "ROLLED_BACK", ended
@@ -83,12 +86,17 @@ def test_a_slow_canary_fails_the_p95_gate(platform: Daemon) -> None:
     assert "gate error_rate" not in ended["reason"]
 
 
-def test_an_idle_canary_stays_inconclusive_then_aborts(platform: Daemon) -> None:
-    started = create(platform.url, workload="chat", model="smollm2", steps="50", **FAST)
+def test_an_idle_canary_stays_inconclusive_then_aborts(platform: Daemon, tiny_model: Path) -> None:
+    started = create(platform.url, workload="chat", model=str(tiny_model), steps="50", **FAST)
     rollout_id = started["rollout_id"]
-    wait_for(platform.url, rollout_id, ("PROGRESSING",))
-    time.sleep(3 * 1.5)  # three intervals without a request
-    idle = status(platform.url, rollout_id)
+    begun = wait_for(platform.url, rollout_id, ("PROGRESSING",))
+    # three of its intervals pass without a request (by the rollout's own clock)
+    deadline = time.monotonic() + 120
+    while (idle := status(platform.url, rollout_id))["state"] == "PROGRESSING" and (
+        time.time() < begun["step_started"] + 3 * begun["interval_s"]
+    ):
+        assert time.monotonic() < deadline, idle
+        time.sleep(0.1)
     assert idle["state"] == "PROGRESSING" and idle["step"] == 0, idle
     assert {g["verdict"] for g in idle["gates"]} == {"inconclusive"}, idle["gates"]
     shown = platform.cli("rollout", "status", rollout_id)
@@ -100,8 +108,8 @@ def test_an_idle_canary_stays_inconclusive_then_aborts(platform: Daemon) -> None
     assert states(platform)[started["canary_workload_id"]] == "STOPPED"
 
 
-def test_sessions_stick_to_one_version(platform: Daemon) -> None:
-    started = create(platform.url, workload="chat", model="smollm2", steps="50",
+def test_sessions_stick_to_one_version(platform: Daemon, tiny_model: Path) -> None:
+    started = create(platform.url, workload="chat", model=str(tiny_model), steps="50",
                      interval_s="10m", min_requests=1000)  # fmt: skip
     wait_for(platform.url, started["rollout_id"], ("PROGRESSING",))
     try:
@@ -121,8 +129,8 @@ def test_sessions_stick_to_one_version(platform: Daemon) -> None:
         platform.cli("rollout", "abort", started["rollout_id"])
 
 
-def test_a_rollout_survives_a_daemon_restart(platform: Daemon) -> None:
-    made = platform.cli("rollout", "create", "--workload", "chat", "--model", "smollm2",
+def test_a_rollout_survives_a_daemon_restart(platform: Daemon, tiny_model: Path) -> None:
+    made = platform.cli("rollout", "create", "--workload", "chat", "--model", str(tiny_model),
                         "--steps", "30,60", "--interval", "10m", "--json")  # fmt: skip
     assert made.returncode == 0, made.stderr
     rollout_id = json.loads(made.stdout)["rollout_id"]

@@ -53,17 +53,14 @@ class WorkerProcess:
 
 
 def launch_worker(
-    folder: Path, served_name: str = MODEL, timeout_s: float = 240, **settings: object
+    folder: Path,
+    model_dir: Path,
+    served_name: str = MODEL,
+    timeout_s: float = 240,
+    **settings: object,
 ) -> WorkerProcess:
-    """A worker serving the demo model as ``served_name``; ``settings`` are other launch
-    fields."""
-    from kunlun.engine.gguf import demo_model_dir
-    from kunlun.errors import ModelFileMissing
-
-    try:
-        model_dir = demo_model_dir()
-    except ModelFileMissing as exc:
-        pytest.skip(str(exc))
+    """A worker serving ``model_dir`` (the demo model) as ``served_name``; ``settings`` are
+    other launch fields."""
     folder.mkdir(parents=True, exist_ok=True)
     ready_file, log_path = folder / "ready.json", folder / "worker.log"
     launch = write_launch(
@@ -83,19 +80,23 @@ def launch_worker(
 
 
 @pytest.fixture(scope="session")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    process = launch_worker(tmp_path_factory.mktemp("worker"))
+def worker(
+    demo_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    process = launch_worker(tmp_path_factory.mktemp("worker"), demo_model_dir)
     yield process
     process.stop()
 
 
 @pytest.fixture
-def start_worker(tmp_path: Path) -> Iterator[Callable[[str], WorkerProcess]]:
+def start_worker(
+    demo_model_dir: Path, tmp_path: Path
+) -> Iterator[Callable[[str], WorkerProcess]]:
     """Start an extra worker serving the demo model under another name."""
     started: list[WorkerProcess] = []
 
     def start(served_name: str) -> WorkerProcess:
-        started.append(launch_worker(tmp_path / served_name, served_name))
+        started.append(launch_worker(tmp_path / served_name, demo_model_dir, served_name))
         return started[-1]
 
     yield start

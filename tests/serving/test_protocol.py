@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -258,15 +259,10 @@ def test_completion_logprobs_shape_with_echo() -> None:
     assert result["text_offset"] == [0, 2, 4]
 
 
-def test_token_bytes_of_byte_level_vocabulary() -> None:
-    from kunlun.engine.gguf import demo_model_dir
+def test_token_bytes_of_byte_level_vocabulary(demo_model_dir: Path) -> None:
     from kunlun.engine.tokenizer import Tokenizer
-    from kunlun.errors import ModelFileMissing
 
-    try:
-        tokenizer = Tokenizer(demo_model_dir())
-    except ModelFileMissing as exc:
-        pytest.skip(str(exc))
+    tokenizer = Tokenizer(demo_model_dir)
     tokens = responses.TokenText(tokenizer)
     for text in (" Paris", "é", "\n"):
         (token_id,) = tokenizer.encode(text, add_special_tokens=False)[:1]

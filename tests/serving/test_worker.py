@@ -104,22 +104,23 @@ def test_a_bad_launch_file_is_refused_naming_the_field_and_value(tmp_path: Path)
     assert done.returncode == 2 and "--dtype" in done.stderr
 
 
-def test_an_engine_setting_the_engine_cannot_run_is_refused_naming_it(tmp_path: Path) -> None:
+def test_an_engine_setting_the_engine_cannot_run_is_refused_naming_it(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
     """A launch the contract accepts but the engine cannot run on this model (int4 groups of
     128 on the demo, whose layers are 576 wide) fails at start with the setting named, exit
     2, instead of running something else; a scheme the contract does not know is refused
     before that, naming the field."""
-    from kunlun.engine.gguf import demo_model_dir
     from kunlun.serving.worker import write_launch
 
-    launch = write_launch(tmp_path / "launch.json", demo_model_dir(), "x", quantization="w4a16",
+    launch = write_launch(tmp_path / "launch.json", demo_model_dir, "x", quantization="w4a16",
                           group_size=128, ready_file=tmp_path / "ready.json")  # fmt: skip
     done = subprocess.run(worker_command(launch), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr
     assert "group_size=128" in done.stderr and "576" in done.stderr
     assert not (tmp_path / "ready.json").exists()
     with pytest.raises(ValueError, match="quantization must be one of .* got 'int3'"):
-        write_launch(tmp_path / "bad.json", demo_model_dir(), "x", quantization="int3")
+        write_launch(tmp_path / "bad.json", demo_model_dir, "x", quantization="int3")
 
 
 def test_health_models_and_stats(worker: WorkerProcess) -> None:
@@ -210,10 +211,12 @@ def test_sigterm_finishes_streams_then_exits_0(
     assert spare.process.wait(30) == 0
 
 
-def test_stream_interval_sends_fewer_larger_events_and_loses_nothing(tmp_path: Path) -> None:
+def test_stream_interval_sends_fewer_larger_events_and_loses_nothing(
+    demo_model_dir: Path, tmp_path: Path
+) -> None:
     from tests.serving.conftest import launch_worker
 
-    coalescing = launch_worker(tmp_path / "interval", stream_interval=4)
+    coalescing = launch_worker(tmp_path / "interval", demo_model_dir, stream_interval=4)
     try:
         client = openai.OpenAI(base_url=coalescing.base_url + "/v1", api_key="none", max_retries=0)
         args = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 17,

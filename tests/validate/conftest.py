@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.daemon.conftest import BIN, Daemon, free_port, models_home, new_home, patient_queue
+from tests.daemons import BIN, Daemon, free_port, new_home, patient_queue
 
-__all__ = ["BIN", "models_home"]  # models_home is a fixture used here
+__all__ = ["BIN"]
 
 SPEC = """\
 model: {model}

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.daemon.conftest import Daemon
+from tests.daemons import Daemon
 from tests.serving.conftest import serve_in_thread
 from tests.validate.conftest import validate
 from tests.validate.faults import faulty_app

@@ -1,7 +1,7 @@
 """Load generators for ``kunlun-cli bench`` and the platform figures read alongside.
 
 Every request is a streamed ``POST /v1/completions`` whose prompt is a list of token ids
-(exactly ``input_len`` of them, drawn at random per request from ids 1000..9999 so the
+(exactly ``input_len`` of them, drawn at random per request from ids 1000..1999 so the
 prefix cache does not shortcut them) with ``max_tokens = output_len``, ``ignore_eos`` and
 ``temperature`` 0, so every request does the same work. ``stream_options.include_usage``
 asks for the token counts. Two ways to send them:
@@ -33,8 +33,9 @@ from kunlun.bench.stats import RequestRecord
 from kunlun.errors import ConfigError, Location
 from kunlun.telemetry.view import parse
 
-TOKEN_ID_RANGE = (1000, 10000)
-"""Prompt token ids are drawn from here: inside the vocabulary of any current LLM."""
+TOKEN_ID_RANGE = (1000, 2000)
+"""Prompt token ids are drawn from here: inside the vocabulary of any current LLM and of the
+tiny test models (2,048 ids), above the low ids where byte and special tokens often sit."""
 MEMORY_SAMPLE_S = 0.2
 
 

@@ -14,6 +14,8 @@ the same file and options returns it untouched.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.metadata
 import importlib.util
 import json
@@ -21,6 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,15 +113,32 @@ def import_gguf(
     if _cached(target, key):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _convert(GGUFFile(source), staging, options)
-        (staging / MARKER).write_text(json.dumps(key, indent=2), encoding="utf-8")
-        _make_private(staging)
-        _replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    # One conversion at a time per target: a second process (another daemon, a parallel test
+    # worker) waits for the first and then finds its import cached.
+    with _import_lock(target):
+        if _cached(target, key):
+            return target
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            _convert(GGUFFile(source), staging, options)
+            (staging / MARKER).write_text(json.dumps(key, indent=2), encoding="utf-8")
+            _make_private(staging)
+            _replace(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+@contextlib.contextmanager
+def _import_lock(target: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``.<name>.lock`` beside ``target`` (released on exit, and by
+    the kernel if the process dies)."""
+    with open(target.with_name(f".{target.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _make_private(folder: Path) -> None:

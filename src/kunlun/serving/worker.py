@@ -196,11 +196,13 @@ async def warm_up(engine: Any) -> float:
     async for delta in engine.add_request("Hello", params):
         if ttft is None and delta.token_ids:
             ttft = (time.perf_counter() - started) * 1e3
-    words = max(1, engine.engine.max_model_len // 4 - 4)  # a word is a token or two
-    prompts = [" ".join(["warm", "up"] * n)[: 6 * words] for n in (4, 12, 32, 80)]
+    # cut by tokens, not words: how many tokens a word takes is the tokenizer's business
+    budget = max(1, engine.engine.max_model_len // 2 - 8)
+    text = engine.engine.tokenizer.encode(" ".join(["warm", "up"] * 80))
+    prompts = [text[: min(len(text), budget, n)] for n in (8, 24, 64, 160)]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
-    async def one(prompt: str) -> None:
+    async def one(prompt: list[int]) -> None:
         async for _ in engine.add_request(prompt, params):
             pass
 

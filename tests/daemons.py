@@ -1,0 +1,336 @@
+"""Real ``kunlun-platform`` daemons on loopback, driven by the real CLI and clients.
+
+The one place the suite starts daemons from: :class:`Daemon` wraps one daemon process with
+its own ``KUNLUN_HOME``; :func:`launched` starts one (keys made first, workloads submitted
+and ready) and stops it at the end; :func:`make_home` lays out a home. The shared daemons of
+the suite (``tests/conftest.py``: ``daemon``, ``tiny_daemon``, ``keyed_daemon``) and every
+file's own daemon are made with them.
+
+Two models serve the tests (``tests/conftest.py``): the demo model (SmolLM2-135M-Instruct,
+imported once per machine) where the quality of an answer is what is checked, and a tiny
+random Llama with a built-in tokenizer (:func:`kunlun.engine.tiny.cached_tiny_model`) for
+everything that checks plumbing: it loads in a moment and generates at hundreds of tokens/s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+BIN = Path(sys.executable).parent
+
+ONE_THREAD = """\
+devices:
+  - device_type: cpu
+    device_id: 0
+    custom_attributes: {num_threads: 1}
+"""
+"""A declaration giving each CPU worker one thread. The suite runs two test files at once on
+two cores, often with several workers each: workers with every core each would thrash
+and their latencies say nothing."""
+
+SPEC = """\
+model: smollm2
+batch_size: 8
+max_model_len: 1024
+kv_cache_memory_mb: 96
+"""
+"""The demo model as workload ``smollm2``."""
+
+TINY_SPEC = """\
+model: {path}
+name: {name}
+batch_size: 8
+max_model_len: 1024
+kv_cache_memory_mb: 16
+"""
+"""The tiny model (``path``) as workload ``name``."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Daemon:
+    home: Path
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path = field(init=False)
+    keys: dict[str, str] = field(default_factory=dict)
+    """API keys made by :func:`launched`, by name."""
+    job: str | None = None
+    """The id of the first workload :func:`launched` submitted."""
+
+    def __post_init__(self) -> None:
+        self.log_path = self.home / "daemon.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ, KUNLUN_HOME=str(self.home))
+        for key in ("KUNLUN_ENDPOINT", "KUNLUN_API_KEY", "KUNLUN_REPLAY_DIR"):
+            env.pop(key, None)
+        env.update(extra)
+        return env
+
+    def cli(
+        self, *args: str, remote: bool = True, key: str | None = None, timeout: float = 300
+    ) -> subprocess.CompletedProcess[str]:
+        extra = {"KUNLUN_ENDPOINT": self.url} if remote else {}
+        if key:
+            extra["KUNLUN_API_KEY"] = key
+        return subprocess.run(
+            [str(BIN / "kunlun-cli"), *args],
+            capture_output=True,
+            text=True,
+            env=self.env(**extra),
+            timeout=timeout,
+        )
+
+    def start(
+        self,
+        *args: str,
+        wait_ready: bool = True,
+        timeout: float = 300,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [str(BIN / "kunlun-platform"), "--port", str(self.port), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env(**(extra_env or {})),
+        )
+        deadline = time.monotonic() + timeout
+        path = "/readyz" if wait_ready else "/healthz"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        pytest.fail(f"daemon not {path} within {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=30, **kw)
+
+    def describe(self, job: str, key: str | None = None) -> dict[str, Any]:
+        proc = self.cli("workload", "describe", job, "--json", key=key)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    def create_key(self, name: str, *options: str, remote: bool = False) -> str:
+        """A new API key ``name`` (``options`` such as ``--scope admin``), made on the home
+        directly unless ``remote`` (then through the daemon with the first admin key)."""
+        admin = next(iter(self.keys.values()), None) if remote else None
+        made = self.cli("apikey", "create", name, *options, "--json", remote=remote, key=admin)
+        assert made.returncode == 0, made.stderr
+        self.keys[name] = str(json.loads(made.stdout)["key"])
+        return self.keys[name]
+
+    def submit(self, spec: str, key: str | None = None, name: str = "spec") -> str:
+        """Submit ``spec`` (YAML text) through the CLI and return the workload id."""
+        path = self.home / f"{name}.yaml"
+        path.write_text(spec)
+        key = key if key is not None else next(iter(self.keys.values()), None)
+        proc = self.cli("workload", "submit", "--file", str(path), "--json", key=key)
+        assert proc.returncode == 0, proc.stderr
+        return str(json.loads(proc.stdout)["workload_id"])
+
+
+def make_home(
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    models_home: Path | None = None,
+    declaration: str | None = ONE_THREAD,
+) -> Path:
+    """A fresh KUNLUN_HOME declaring one thread per CPU worker (:data:`ONE_THREAD`, or
+    ``declaration``; None writes none). With ``models_home`` its model catalog already holds
+    the demo model ``smollm2`` (the models folder is shared, not copied)."""
+    home = tmp_path_factory.mktemp(name)
+    if models_home is not None:
+        shutil.copy(models_home / "state.db", home / "state.db")
+        (home / "models").symlink_to(models_home / "models")
+    if declaration is not None:
+        (home / "device-plugin-config.yaml").write_text(declaration)
+    return home
+
+
+def new_home(models_home: Path, tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A fresh home whose catalog holds the demo model (:func:`make_home`)."""
+    return make_home(tmp_path_factory, name, models_home)
+
+
+def patient_queue(home: Path) -> Path:
+    """Let requests wait up to 600 s for a slot in ``home``'s daemon: validate's 20 concurrent
+    requests queue behind a few slots, which on a loaded CI machine can take longer than the
+    default 60 s; the tests check answers, not speed."""
+    (home / "scheduler_config.yaml").write_text("max_queue_wait_s: 600\n")
+    return home
+
+
+@contextlib.contextmanager
+def launched(
+    home: Path,
+    *args: str,
+    keys: Iterable[tuple[str, str]] = (),
+    workloads: Iterable[str] = (),
+    env: dict[str, str] | None = None,
+) -> Iterator[Daemon]:
+    """A daemon on ``home`` (``args`` are ``kunlun-platform`` flags), stopped at the end.
+
+    ``keys`` are ``(name, scope)`` API keys made on the home before it starts (the first is
+    used to submit); ``workloads`` are YAML specs submitted once it answers, and the daemon
+    is yielded when a replica is ready (``job`` is the first workload's id).
+    """
+    daemon = Daemon(home, free_port())
+    for name, scope in keys:
+        daemon.create_key(name, "--scope", scope)
+    daemon.start(*args, wait_ready=False, extra_env=env)
+    try:
+        ids = [daemon.submit(spec, name=f"spec-{i}") for i, spec in enumerate(workloads)]
+        if ids:
+            daemon.job = ids[0]
+            wait_running(daemon, ids)
+        yield daemon
+    finally:
+        daemon.stop()
+
+
+def submit_demo(daemon: Daemon, extra: str = "") -> str:
+    return daemon.submit(SPEC + extra)
+
+
+def settled_request_log(
+    home: Path, quiet_s: float = 0.8, timeout: float = 60
+) -> list[dict[str, Any]]:
+    """The entries of ``home``'s request log once it has stopped growing for ``quiet_s``
+    (the daemon writes queued entries in batches, up to 0.5 s after each request ends)."""
+    path = home / "logs" / "requests.jsonl"
+    deadline = time.monotonic() + timeout
+    size = -1
+    while True:
+        now = path.stat().st_size if path.exists() else 0
+        if now == size or time.monotonic() > deadline:
+            break
+        size = now
+        time.sleep(quiet_s)
+    if not path.exists():
+        return []
+    # split on "\n" only: str.splitlines() would also split inside a line holding U+2028
+    return [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
+
+
+def stream_lines(
+    url: str,
+    lines: list[str],
+    started: threading.Event,
+    max_tokens: int = 400,
+    stop: threading.Event | None = None,
+    model: str = "smollm2",
+) -> None:
+    """Stream a long completion of ``model`` from ``url`` into ``lines`` (its status first,
+    then every non-empty SSE line); ``started`` is set at the first line and at the end.
+    Setting ``stop`` makes the client leave after the next line (a disconnect)."""
+    body = {"model": model, "prompt": "Count slowly:", "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
+        lines.append(f"status {resp.status_code}")
+        for line in resp.iter_lines():
+            if line:
+                lines.append(line)
+                started.set()
+            if stop is not None and stop.is_set():
+                break
+    started.set()
+
+
+def wait_running(daemon: Daemon, ids: list[str], timeout: float = 300) -> None:
+    """Wait until every workload of ``ids`` is RUNNING with a ready replica; fail at once,
+    with its reason, when one ends FAILED or STOPPED."""
+    key = next(iter(daemon.keys.values()), None)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = {
+            w["workload_id"]: w for w in daemon.get("/api/v1/workloads", headers=headers).json()
+        }
+        for workload_id in ids:
+            row = rows.get(workload_id, {})
+            if row.get("state") in ("FAILED", "STOPPED"):
+                pytest.fail(f"workload {workload_id} {row['state']}: {row.get('reason')}")
+        if all(rows.get(i, {}).get("state") == "RUNNING" and rows[i]["ready_replicas"] >= 1
+               for i in ids):  # fmt: skip
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"workloads not RUNNING within {timeout}s: {rows}\n{daemon.log()}")
+        time.sleep(0.1)
+
+
+def wait_ready(daemon: Daemon, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while daemon.get("/readyz").status_code != 200:
+        if time.monotonic() > deadline:
+            pytest.fail(f"no replica ready:\n{daemon.log()}")
+        time.sleep(0.1)
+
+
+QUALITY_ROWS = ("numerics", "functional", "quality")
+"""The battery's groups whose verdict depends on how a model computes (its answers and their
+numbers); ``api`` and ``perf`` check the serving path, the same for every column, and run
+whole on one quantized column (w8a8) and on llama.cpp."""
+
+
+def assert_validate_passes(
+    daemon: Daemon, model: str, out: Path, only: tuple[str, ...] = ()
+) -> None:
+    """``kunlun-cli validate`` on ``model`` through ``daemon`` (the rows or groups ``only``,
+    else the whole battery) exits 0 and every cell of its matrix is PASS or SKIP (at least
+    one PASS)."""
+    rows = [arg for row in only for arg in ("--only", row)]
+    proc = daemon.cli("validate", "--endpoint", daemon.url, "--model", model, "--out", str(out),
+                      "--seed", "7", *rows, timeout=1200)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run = json.loads((out / "validation.json").read_text())
+    statuses = {cell["status"] for cell in run["cells"][model].values()}
+    assert statuses <= {"PASS", "SKIP"} and "PASS" in statuses
