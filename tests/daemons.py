@@ -78,6 +78,8 @@ class Daemon:
     """API keys made by :func:`launched`, by name."""
     job: str | None = None
     """The id of the first workload :func:`launched` submitted."""
+    jobs: list[str] = field(default_factory=list)
+    """The ids of every workload :func:`launched` submitted, in order."""
 
     def __post_init__(self) -> None:
         self.log_path = self.home / "daemon.log"
@@ -230,7 +232,7 @@ def launched(
     try:
         ids = [daemon.submit(spec, name=f"spec-{i}") for i, spec in enumerate(workloads)]
         if ids:
-            daemon.job = ids[0]
+            daemon.job, daemon.jobs = ids[0], ids
             wait_running(daemon, ids)
         yield daemon
     finally:
@@ -315,10 +317,11 @@ def wait_ready(daemon: Daemon, timeout: float = 300) -> None:
         time.sleep(0.1)
 
 
-QUALITY_ROWS = ("numerics", "functional", "quality")
+QUALITY_ROWS = ("numerics", "functional")
 """The battery's groups whose verdict depends on how a model computes (its answers and their
-numbers); ``api`` and ``perf`` check the serving path, the same for every column, and run
-whole on one quantized column (w8a8) and on llama.cpp."""
+numbers; the ``quality`` rows run with every selection); ``api`` and ``perf`` check the
+serving path, the same for every column, and run whole on one quantized column (w8a8) and on
+llama.cpp."""
 
 
 def assert_validate_passes(

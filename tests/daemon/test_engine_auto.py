@@ -9,13 +9,12 @@ the test checks that ``auto`` follows the figures the daemon kept (and says them
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from tests.daemons import Daemon, free_port, new_home, submit_demo, wait_ready
+from tests.daemons import SPEC, Daemon, launched, new_home, submit_demo
 
 from kunlun.engines.adapter import find_binary
 from kunlun.engines.measured import Measurement, faster_engine
@@ -28,18 +27,10 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def daemon(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """The demo model twice: ``smollm2`` on the embedded engine, ``smollm2-llama`` on llama.cpp."""
-    d = Daemon(new_home(models_home, tmp_path_factory, "engine-auto-home"), free_port())
-    d.start(wait_ready=False)
-    d.jobs = [submit_demo(d), submit_demo(d, "name: smollm2-llama\nengine: llama.cpp\n")]  # type: ignore[attr-defined]
-    wait_ready(d)
-    for name in ("smollm2", "smollm2-llama"):  # both replicas, not only the first one ready
-        deadline = time.monotonic() + 300
-        while httpx.post(d.url + "/v1/completions", timeout=120, json={
-                "model": name, "prompt": "Hi", "max_tokens": 1}).status_code != 200:  # fmt: skip
-            assert time.monotonic() < deadline, d.log()
-            time.sleep(0.5)
-    yield d
-    d.stop()
+    home = new_home(models_home, tmp_path_factory, "engine-auto-home")
+    specs = [SPEC, SPEC + "name: smollm2-llama\nengine: llama.cpp\n"]
+    with launched(home, workloads=specs) as d:  # both RUNNING with a ready replica
+        yield d
 
 
 def bench(daemon: Daemon, workload: str, tmp_path: Path) -> dict[str, float]:

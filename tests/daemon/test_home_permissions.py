@@ -39,7 +39,11 @@ def loose_paths(root: Path) -> list[str]:
 
 
 def test_everything_under_kunlun_home_is_private(
-    models_home: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+    models_home: Path,
+    demo_model_dir: Path,
+    tiny_model: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path: Path,
 ) -> None:
     home = make_home(tmp_path_factory, "private-home", models_home)
     old_dir = home / "logs"  # what an older version left behind, readable by everyone
@@ -102,4 +106,5 @@ def test_everything_under_kunlun_home_is_private(
         assert stat.S_IMODE(home.stat().st_mode) == DIR_MODE
         assert daemon.stop() == 0
     assert loose_paths(home) == []
-    assert loose_paths(models_home) == []  # the demo model, imported by the CLI
+    assert loose_paths(models_home) == []  # the home the CLI registered the demo model in
+    assert loose_paths(demo_model_dir) == []  # the demo model's files, imported once per machine

@@ -33,13 +33,12 @@ from tests.daemon.test_api import (  # noqa: F401 - collected here, against llam
     test_worker_killed_mid_stream,
 )
 from tests.daemons import (
+    SPEC,
     Daemon,
     assert_validate_passes,
-    free_port,
+    launched,
     new_home,
     patient_queue,
-    submit_demo,
-    wait_ready,
 )
 
 from kunlun.engines.adapter import find_binary
@@ -56,12 +55,8 @@ HELLO = [{"role": "user", "content": "Say hello to the reader."}]
 def daemon(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon whose only workload serves the demo model as ``smollm2`` on llama.cpp."""
     home = patient_queue(new_home(models_home, tmp_path_factory, "llama-cpp-home"))
-    d = Daemon(home, free_port())
-    d.start(wait_ready=False)
-    d.job = submit_demo(d, "engine: llama.cpp\n")  # type: ignore[attr-defined]
-    wait_ready(d)
-    yield d
-    d.stop()
+    with launched(home, workloads=[SPEC + "engine: llama.cpp\n"]) as d:
+        yield d
 
 
 @pytest.fixture

@@ -12,13 +12,12 @@ llama.cpp column against the embedded one.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from tests.daemons import Daemon, free_port, new_home, patient_queue, submit_demo
+from tests.daemons import SPEC, Daemon, launched, new_home, patient_queue
 
 from kunlun.engines.adapter import find_binary
 from kunlun.validate.numerics import MAX_ABS_MAX, MEAN_ABS_MAX
@@ -32,17 +31,12 @@ SMALL = "engine: {}\nbatch_size: 4\n"  # two plans on one cpu:0, small KV caches
 @pytest.fixture(scope="module")
 def engines(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A daemon serving ``smollm2`` on the embedded engine and on llama.cpp, both on cpu:0
-    with one thread each; ``d.jobs`` maps engine -> workload id."""
-    d = Daemon(patient_queue(new_home(models_home, tmp_path_factory, "engines-home")), free_port())
-    d.start(wait_ready=False)
-    d.jobs = {e: submit_demo(d, SMALL.format(e)) for e in ("kunlun", "llama.cpp")}  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 600
-    while not all(w["ready_replicas"] for w in d.get("/api/v1/workloads").json()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"not both ready:\n{d.log()}")
-        time.sleep(0.5)
-    yield d
-    d.stop()
+    with one thread each; ``d.by_engine`` maps engine -> workload id."""
+    home = patient_queue(new_home(models_home, tmp_path_factory, "engines-home"))
+    engines = ("kunlun", "llama.cpp")
+    with launched(home, workloads=[SPEC + SMALL.format(e) for e in engines]) as d:
+        d.by_engine = dict(zip(engines, d.jobs, strict=True))  # type: ignore[attr-defined]
+        yield d
 
 
 def complete(daemon: Daemon, pool: str) -> httpx.Response:
@@ -52,7 +46,7 @@ def complete(daemon: Daemon, pool: str) -> httpx.Response:
 
 
 def test_an_engine_pool_routes_only_to_that_engines_replicas(engines: Daemon) -> None:
-    for engine, job in engines.jobs.items():  # type: ignore[attr-defined]
+    for engine, job in engines.by_engine.items():  # type: ignore[attr-defined]
         for _ in range(3):
             reply = complete(engines, f"cpu/{engine}")
             assert reply.status_code == 200, reply.text
@@ -103,7 +97,7 @@ def test_validate_all_pools_compares_the_engines(engines: Daemon, tmp_path: Path
     for row in ("numerics.prompt_logprobs", "numerics.greedy_divergence"):  # echo: kunlun only
         assert llama[row]["status"] == "SKIP" and "lacks echo" in llama[row]["detail"]
     # each column's completions came from its own engine's replica, and only from it
-    jobs = engines.jobs  # type: ignore[attr-defined]
+    jobs = engines.by_engine  # type: ignore[attr-defined]
     for cells, engine in ((kunlun, "kunlun"), (llama, "llama.cpp")):
         routing = cells["quality.routing"]
         assert routing["status"] == "PASS" and routing["figure"] == "cpu:0"
