@@ -89,9 +89,7 @@ def worker(
 
 
 @pytest.fixture
-def start_worker(
-    demo_model_dir: Path, tmp_path: Path
-) -> Iterator[Callable[[str], WorkerProcess]]:
+def start_worker(demo_model_dir: Path, tmp_path: Path) -> Iterator[Callable[[str], WorkerProcess]]:
     """Start an extra worker serving the demo model under another name."""
     started: list[WorkerProcess] = []
 
