@@ -84,7 +84,7 @@ def test_require_signed_serves_a_package_and_refuses_a_plain_directory(
     audit = [json.loads(x) for x in (home / "logs" / "audit.jsonl").read_text().splitlines()]
     kinds = [(a["event"], a.get("kind")) for a in audit]
     assert ("verified", "device_config") in kinds and ("verified", "package") in kinds
-    assert any(a["event"] == "refused" and "tiny-llama" in a["path"] for a in audit)
+    assert any(a["event"] == "refused" and tiny_llama.name in a["path"] for a in audit)
 
 
 def wait_state(daemon: Daemon, job: str, state: str, timeout: float = 180) -> dict:

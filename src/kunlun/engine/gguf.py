@@ -131,14 +131,14 @@ def import_gguf(
 
 @contextlib.contextmanager
 def _import_lock(target: Path) -> Iterator[None]:
-    """An exclusive ``flock`` on ``.<name>.lock`` beside ``target`` (released on exit, and by
-    the kernel if the process dies)."""
-    with open(target.with_name(f".{target.name}.lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    """An exclusive ``flock`` on the directory ``target`` is made in (released on exit, and
+    by the kernel if the process dies); no lock file is left behind."""
+    fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the lock
 
 
 def _make_private(folder: Path) -> None:
