@@ -324,6 +324,16 @@ serving path, the same for every column, and run whole on one quantized column (
 llama.cpp."""
 
 
+def battery_groups() -> tuple[str, ...]:
+    """Every group of validate's battery, in its order. The tests that run the whole battery
+    run it one group per test (each a minute or less on two cores; together the same rows),
+    and a group added to the battery is run by them without a change here."""
+    from kunlun.validate.battery import all_checks
+    from kunlun.validate.check import Settings
+
+    return tuple(dict.fromkeys(check.row.group for check in all_checks(Settings(Path(".")))))
+
+
 def assert_validate_passes(
     daemon: Daemon, model: str, out: Path, only: tuple[str, ...] = ()
 ) -> None:

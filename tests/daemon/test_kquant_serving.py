@@ -76,5 +76,8 @@ def test_a_k_quant_gguf_import_serves_as_w4a16(kquant: Daemon) -> None:
     assert kquant.describe(job)["placement"]["plan"]["quantization"] == "w4a16"
 
 
-def test_validate_passes_on_the_k_quant_workload(kquant: Daemon, tmp_path: Path) -> None:
-    assert_validate_passes(kquant, NAME, tmp_path / "out", QUALITY_ROWS)
+@pytest.mark.parametrize("group", QUALITY_ROWS)
+def test_validate_passes_on_the_k_quant_workload(
+    kquant: Daemon, tmp_path: Path, group: str
+) -> None:
+    assert_validate_passes(kquant, NAME, tmp_path / "out", (group,))

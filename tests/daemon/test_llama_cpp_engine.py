@@ -36,6 +36,7 @@ from tests.daemons import (
     SPEC,
     Daemon,
     assert_validate_passes,
+    battery_groups,
     launched,
     new_home,
     patient_queue,
@@ -194,8 +195,9 @@ def test_llama_cpp_metrics_are_in_the_daemon_metrics(client: openai.OpenAI, daem
     assert progress["num_steps"] >= 3 and progress["num_unfinished_requests"] == 0
 
 
-def test_validate_passes_on_llama_cpp(daemon: Daemon, tmp_path: Path) -> None:
-    assert_validate_passes(daemon, "smollm2", tmp_path / "validate")
+@pytest.mark.parametrize("group", battery_groups())
+def test_validate_passes_on_llama_cpp(daemon: Daemon, tmp_path: Path, group: str) -> None:
+    assert_validate_passes(daemon, "smollm2", tmp_path / "validate", (group,))
 
 
 def test_sigterm_drains_a_llama_cpp_stream_then_stops_its_server(daemon: Daemon) -> None:

@@ -16,7 +16,8 @@ from tests.daemons import (
     QUALITY_ROWS,
     Daemon,
     assert_validate_passes,
-    free_port,
+    battery_groups,
+    launched,
     new_home,
     patient_queue,
 )
@@ -31,23 +32,35 @@ kv_cache_memory_mb: 64
 WORKLOADS = {"smollm2-w8a8": ("--quantization", "w8a8"), "smollm2-w4a16": ("--quantize", "w4a16")}
 
 
-@pytest.fixture(scope="module")
-def quantized(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """A daemon running the demo model as w8a8 and as w4a16 on cpu:0."""
-    home = patient_queue(new_home(models_home, tmp_path_factory, "quant-home"))
-    daemon = Daemon(home, free_port())
-    daemon.start(wait_ready=False)
-    spec = daemon.home / "spec.yaml"
-    spec.write_text(SPEC)
-    try:
-        for name, flags in WORKLOADS.items():
-            proc = daemon.cli("workload", "submit", "--file", str(spec), "--model", "smollm2",
-                              *flags, "--device", "cpu:0", "--name", name, "--json")  # fmt: skip
-            assert proc.returncode == 0, proc.stderr
-        wait_running(daemon, tuple(WORKLOADS))
+def serve_quantized(home: Path, name: str) -> Iterator[Daemon]:
+    """A daemon on ``home`` running the demo model as workload ``name`` on cpu:0."""
+    with launched(patient_queue(home)) as daemon:
+        spec = daemon.home / "spec.yaml"
+        spec.write_text(SPEC)
+        proc = daemon.cli("workload", "submit", "--file", str(spec), "--model", "smollm2",
+                          *WORKLOADS[name], "--device", "cpu:0", "--name", name,
+                          "--json")  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        wait_running(daemon, (name,))
         yield daemon
-    finally:
-        daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def w8a8(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    yield from serve_quantized(new_home(models_home, tmp_path_factory, "w8a8-home"), "smollm2-w8a8")
+
+
+@pytest.fixture(scope="module")
+def w4a16(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    yield from serve_quantized(new_home(models_home, tmp_path_factory, "w4a16-home"),
+                               "smollm2-w4a16")  # fmt: skip
+
+
+@pytest.fixture
+def quantized(request: pytest.FixtureRequest, name: str) -> Daemon:
+    """The daemon serving workload ``name`` (one daemon per scheme: each starts in well
+    under a minute; the two together took longer)."""
+    return request.getfixturevalue(name.removeprefix("smollm2-"))  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize(("name", "scheme"), [("smollm2-w8a8", "w8a8"), ("smollm2-w4a16", "w4a16")])
@@ -72,16 +85,22 @@ def test_quantized_workload_serves_a_chat_completion(
     assert f"quantized 210 layers to {scheme}" in logs, logs
 
 
-@pytest.mark.parametrize("name", ["smollm2-w4a16", "smollm2-w8a8"])
-def test_validate_passes_on_the_quantized_workload(
-    quantized: Daemon, tmp_path: Path, name: str
-) -> None:
+@pytest.mark.parametrize(
+    ("name", "group"),
     # the whole battery on w8a8; what a 4-bit scheme changes on w4a16 (QUALITY_ROWS)
-    only = QUALITY_ROWS if name.endswith("w4a16") else ()
-    assert_validate_passes(quantized, name, tmp_path / "out", only)
+    [
+        *(("smollm2-w8a8", group) for group in battery_groups()),
+        *(("smollm2-w4a16", group) for group in QUALITY_ROWS),
+    ],  # fmt: skip
+)
+def test_validate_passes_on_the_quantized_workload(
+    quantized: Daemon, tmp_path: Path, name: str, group: str
+) -> None:
+    assert_validate_passes(quantized, name, tmp_path / "out", (group,))
 
 
-def test_model_quantize_registers_a_model_the_planner_reads(quantized: Daemon) -> None:
+def test_model_quantize_registers_a_model_the_planner_reads(w8a8: Daemon) -> None:
+    quantized = w8a8
     made = quantized.cli("model", "quantize", "--model", "smollm2", "--quantize", "w8a16",
                          "--name", "smollm2-int8")  # fmt: skip
     assert made.returncode == 0, made.stderr

@@ -16,12 +16,11 @@ DEMO_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n",
     "Once upon a time, in a small village,",
-    "List three primary colors:",
-    "1, 2, 3, 5, 8,",
     "中国的首都是",
-    "Translate to French: I love programming.",
-    "The quick brown fox",
 ]
+"""One prompt of each kind the test tells apart (through the chat template and chunked,
+raw, through the chat template, raw and chunked; English, code, Chinese); the LLM-level
+greedy tests of ``test_llm_engine.py`` compare eight more prompts with transformers."""
 
 
 def greedy(

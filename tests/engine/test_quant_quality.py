@@ -11,6 +11,7 @@ The demo's hidden size (576) is not a multiple of 128, so w4a16 runs in groups o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -76,31 +77,59 @@ def _engine(model_dir: Path, scheme: str) -> LLM:
 
 
 @pytest.fixture(scope="module")
-def fp32_reference(demo_model_dir: Path) -> tuple[float, list[list[int]]]:
-    llm = _engine(demo_model_dir, "none")
-    return perplexity(llm, _text_body()), greedy(llm)
+def fp32_engine(demo_model_dir: Path) -> LLM:
+    return _engine(demo_model_dir, "none")
 
 
-def test_the_text_is_about_two_thousand_tokens(demo_model_dir: Path) -> None:
+@pytest.fixture(scope="module")
+def quantized(demo_model_dir: Path) -> Callable[[str], LLM]:
+    """The demo model quantized with a scheme, made once per scheme for the module."""
+    made: dict[str, LLM] = {}
+
+    def get(scheme: str) -> LLM:
+        if scheme not in made:
+            made[scheme] = _engine(demo_model_dir, scheme)
+        return made[scheme]
+
+    return get
+
+
+def test_the_text_is_about_two_thousand_tokens(fp32_engine: LLM) -> None:
     assert TEXT.read_text().startswith("Source: The Declaration of Independence")
-    llm = _engine(demo_model_dir, "none")
-    assert 1800 <= len(llm.tokenizer.encode(_text_body())) <= 2300
+    assert 1800 <= len(fp32_engine.tokenizer.encode(_text_body())) <= 2300
+
+
+@pytest.fixture(scope="module")
+def fp32_perplexity(fp32_engine: LLM) -> float:
+    return perplexity(fp32_engine, _text_body())
 
 
 @pytest.mark.parametrize("scheme", list(BOUNDS))
-def test_quantized_perplexity_and_greedy_agreement(
-    demo_model_dir: Path, fp32_reference: tuple[float, list[list[int]]], scheme: str
+def test_quantized_perplexity_is_close_to_fp32(
+    fp32_perplexity: float, quantized: Callable[[str], LLM], scheme: str
 ) -> None:
-    reference_ppl, reference_tokens = fp32_reference
-    llm = _engine(demo_model_dir, scheme)
+    reference = fp32_perplexity
+    llm = quantized(scheme)
     ppl = perplexity(llm, _text_body())
-    same, prefix = agreement(greedy(llm), reference_tokens)
     spec = llm.engine.runner.quant_spec
     assert spec is not None
-    print(f"\n{spec.describe()}: perplexity {ppl:.3f} vs fp32 {reference_ppl:.3f} "
-          f"({(ppl / reference_ppl - 1) * 100:+.2f} %); greedy agreement over 8 x 32 tokens: "
-          f"{same:.1%} of positions, common prefix {prefix:.1%}")  # fmt: skip
-    assert ppl <= reference_ppl * (1 + BOUNDS[scheme])
+    print(f"\n{spec.describe()}: perplexity {ppl:.3f} vs fp32 {reference:.3f} "
+          f"({(ppl / reference - 1) * 100:+.2f} %)")  # fmt: skip
+    assert ppl <= reference * (1 + BOUNDS[scheme])
+
+
+@pytest.fixture(scope="module")
+def fp32_greedy(fp32_engine: LLM) -> list[list[int]]:
+    return greedy(fp32_engine)
+
+
+@pytest.mark.parametrize("scheme", list(BOUNDS))
+def test_quantized_greedy_agrees_with_fp32(
+    fp32_greedy: list[list[int]], quantized: Callable[[str], LLM], scheme: str
+) -> None:
+    same, prefix = agreement(greedy(quantized(scheme)), fp32_greedy)
+    print(f"\n{scheme}: greedy agreement over 8 x 32 tokens: {same:.1%} of positions, "
+          f"common prefix {prefix:.1%}")  # fmt: skip
     assert same >= (0.5 if scheme != "w8a8" else 0.3)
 
 

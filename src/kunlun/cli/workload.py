@@ -21,8 +21,14 @@ from kunlun.cli.options import (
     TpSize,
 )
 from kunlun.cli.output import console, handle_errors, print_json
-from kunlun.planner.plan import ExecutionPlan
-from kunlun.workload.spec import load_spec_file, parse_spec
+
+
+def plan_summary(plan: dict[str, Any]) -> str:
+    """One line for a placement's plan (the planner is imported only to print one)."""
+    from kunlun.planner.plan import ExecutionPlan
+
+    return ExecutionPlan.from_dict(plan).summary()
+
 
 app = typer.Typer(
     help="Workloads: submit, list, describe, logs, stop, scale.", no_args_is_help=True
@@ -67,6 +73,8 @@ def submit(
     json: JsonOpt = False,
 ) -> None:
     """Submit a workload: `--model M [options]` or `--file spec.yaml` (flags override the file)."""
+    from kunlun.workload.spec import load_spec_file, parse_spec
+
     data: dict[str, Any] = load_spec_file(file).model_dump(exclude_unset=True) if file else {}
     flags = {
         "model": model,
@@ -107,9 +115,7 @@ def submit(
     if placement.get("why"):
         console.print(f"  why: {placement['why']}", markup=False)
     if placement.get("plan"):
-        console.print(
-            "  plan: " + ExecutionPlan.from_dict(placement["plan"]).summary(), markup=False
-        )
+        console.print("  plan: " + plan_summary(placement["plan"]), markup=False)
     if dry_run:
         for device, why in (placement.get("rejected") or {}).items():
             console.print(f"  rejected {device}: {why}", markup=False)
@@ -158,7 +164,7 @@ def describe(job: str, json: JsonOpt = False) -> None:
     if placement.get("why"):
         console.print(f"why: {placement['why']}", markup=False)
     if placement.get("plan"):
-        console.print("plan: " + ExecutionPlan.from_dict(placement["plan"]).summary(), markup=False)
+        console.print("plan: " + plan_summary(placement["plan"]), markup=False)
     for device, why in (placement.get("rejected") or {}).items():
         console.print(f"  rejected {device}: {why}", markup=False)
     for r in d["replicas"]:
