@@ -239,6 +239,41 @@ def launched(
         daemon.stop()
 
 
+def answers(url: str) -> bool:
+    """Whether a daemon answers ``/healthz`` at ``url``."""
+    try:
+        return httpx.get(url + "/healthz", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def refused(
+    home: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess[str]:
+    """``kunlun-platform`` on ``home`` (``args`` its flags after ``--port``; ``env`` added to
+    a clean environment), which must refuse to start: its exit status and output. Fails the
+    test at once, stopping it, if it serves instead. Every start-up refusal in the suite
+    goes through here; none needs a worker."""
+    daemon = Daemon(home, port if port is not None else free_port())
+    taken = port is not None and answers(daemon.url)  # another daemon's: not ours serving
+    proc = subprocess.Popen([str(BIN / "kunlun-platform"), "--port", str(daemon.port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=daemon.env(**(env or {})))  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        if (not taken and answers(daemon.url)) or time.monotonic() > deadline:
+            proc.terminate()
+            out, err = proc.communicate(timeout=60)
+            pytest.fail(f"kunlun-platform {' '.join(args)} did not refuse to start:\n{out}{err}")
+        time.sleep(0.1)
+    stdout, stderr = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 def submit_demo(daemon: Daemon, extra: str = "") -> str:
     return daemon.submit(SPEC + extra)
 

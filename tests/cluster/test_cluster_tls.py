@@ -15,7 +15,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from tests.cluster.etcd_cluster import EtcdCluster
 from tests.cluster.platform_nodes import ClusterNodeProc, make_node
-from tests.daemons import BIN
+from tests.daemons import BIN, refused
 
 from kunlun.cluster.certs import MemberTLS
 
@@ -48,11 +48,8 @@ def test_cluster_certs_command(tmp_path: Path) -> None:
 
 
 def _refused(node: ClusterNodeProc, *args: str) -> str:
-    proc = subprocess.run(
-        [str(BIN / "kunlun-platform"), "--port", str(node.port), "--peer-port",
-         str(node.peer_port), "--node-name", node.name, *args],
-        capture_output=True, text=True, env=node.env(), timeout=120,
-    )  # fmt: skip
+    proc = refused(node.home, "--peer-port", str(node.peer_port), "--node-name", node.name,
+                   *args, port=node.port, env=node.env())  # fmt: skip
     assert proc.returncode != 0, proc.stdout
     return proc.stdout + proc.stderr
 

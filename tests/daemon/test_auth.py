@@ -5,9 +5,7 @@ environment."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from tests.daemons import BIN, Daemon, free_port, launched, make_home
+from tests.daemons import Daemon, launched, make_home, refused
 
 OPEN = {"/healthz", "/readyz", "/health"}
 
@@ -156,15 +154,8 @@ def test_key_revoked_on_disk_takes_effect_in_the_running_daemon(keyed: tuple[Dae
     assert status == 401
 
 
-def run_platform(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, KUNLUN_HOME=str(home))
-    return subprocess.run(
-        [str(BIN / "kunlun-platform"), *args], capture_output=True, text=True, env=env, timeout=60
-    )
-
-
 def test_non_loopback_bind_without_key_is_refused(tmp_path: Path) -> None:
-    proc = run_platform(tmp_path, "--host", "0.0.0.0", "--port", str(free_port()))
+    proc = refused(tmp_path, "--host", "0.0.0.0")
     assert proc.returncode == 2
     assert "refusing to listen on 0.0.0.0 with no API key" in proc.stderr
     assert "--allow-insecure" in proc.stderr
@@ -172,11 +163,11 @@ def test_non_loopback_bind_without_key_is_refused(tmp_path: Path) -> None:
 
 def test_port_in_use_names_the_port_and_holder(keyed: tuple[Daemon, str], tmp_path: Path) -> None:
     daemon, _ = keyed
-    proc = run_platform(tmp_path, "--port", str(daemon.port))
+    proc = refused(tmp_path, port=daemon.port)
     assert proc.returncode == 2
     assert f"port {daemon.port} on 127.0.0.1 is already in use by" in proc.stderr
     assert "kunlun-platform" in proc.stderr or "python" in proc.stderr
-    again = run_platform(daemon.home, "--port", str(free_port()))
+    again = refused(daemon.home)
     assert again.returncode == 2 and "a daemon already runs" in again.stderr
 
 
@@ -193,10 +184,7 @@ def test_a_fixed_key_from_the_environment_is_an_admin_key_not_stored(tmp_path: P
         assert admin.status_code == 200 and admin.json() == []
         assert daemon.get("/health").status_code == 503  # open: no replica is ready
     assert secret not in (daemon.home / "state.db").read_bytes().decode("latin-1")
-    short = subprocess.run(
-        [str(BIN / "kunlun-platform"), "--port", str(free_port())],
-        env=daemon.env(KUNLUN_API_KEY="short"), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    short = refused(daemon.home, env={"KUNLUN_API_KEY": "short"})
     assert short.returncode == 2, short.stdout + short.stderr
     assert "KUNLUN_API_KEY" in short.stderr and "too short" in short.stderr
 
@@ -218,16 +206,12 @@ def test_cors_only_for_the_allowed_origins(tmp_path: Path) -> None:
         )
         assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == app
         assert "x-request-id" in listed.headers["access-control-expose-headers"].lower()
-        refused = daemon.get("/v1/models", headers={"Origin": app})
-        assert refused.status_code == 401  # CORS lets the browser read the answer, not skip keys
+        keyless = daemon.get("/v1/models", headers={"Origin": app})
+        assert keyless.status_code == 401  # CORS lets the browser read the answer, not skip keys
         other = daemon.get("/v1/models", headers={"Origin": "https://evil.example",
                                                   "Authorization": f"Bearer {secret}"})  # fmt: skip
         assert "access-control-allow-origin" not in other.headers
-    bad = subprocess.run(
-        [str(BIN / "kunlun-platform"), "--port", str(free_port()), "--allowed-origins",
-         "app.example.com/path"],
-        env=daemon.env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    bad = refused(daemon.home, "--allowed-origins", "app.example.com/path")
     assert bad.returncode == 2 and "--allowed-origins" in bad.stderr, bad.stdout + bad.stderr
     assert "'app.example.com/path' is not an origin" in bad.stderr
 

@@ -8,8 +8,6 @@ without ``--allow-ip`` cannot be used from the test; the other keys allow 127.0.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,7 +18,14 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tests.daemons import BIN, TINY_SPEC, Daemon, free_port, launched, make_home, wait_running
+from tests.daemons import (
+    TINY_SPEC,
+    Daemon,
+    launched,
+    make_home,
+    refused,
+    wait_running,
+)
 
 LOOPBACK = "127.0.0.1/32,::1"
 
@@ -258,10 +263,6 @@ def test_a_model_root_that_is_not_a_directory_stops_the_start(tmp_path: Path) ->
         (["--model-root", str(tmp_path / "nowhere")], {}, "--model-root"),
         ([], {"KUNLUN_MODEL_ROOTS": f"{tmp_path}:{tmp_path / 'gone'}"}, "KUNLUN_MODEL_ROOTS"),
     ):
-        proc = subprocess.run(
-            [str(BIN / "kunlun-platform"), "--port", str(free_port()), *args],
-            capture_output=True, text=True, timeout=120,
-            env=dict(os.environ, KUNLUN_HOME=str(home), **env),
-        )  # fmt: skip
+        proc = refused(home, *args, env=env)
         assert proc.returncode == 2, proc.stderr
         assert named in proc.stderr and "is not a directory" in proc.stderr

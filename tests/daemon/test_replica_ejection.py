@@ -9,7 +9,6 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -17,7 +16,14 @@ from typing import Any
 
 import openai
 import pytest
-from tests.daemons import BIN, TINY_SPEC, Daemon, free_port, launched, make_home, stream_lines
+from tests.daemons import (
+    TINY_SPEC,
+    Daemon,
+    launched,
+    make_home,
+    refused,
+    stream_lines,
+)
 
 INTERVAL_S = 2.0
 """The health-check interval the daemon runs with here (timeout 1 s)."""
@@ -174,10 +180,7 @@ def test_a_replica_busy_with_a_full_batch_stays_in_routing(
 
 
 def test_the_health_check_flags_are_validated(tmp_path: Path) -> None:
-    daemon = Daemon(tmp_path, free_port())
     for flag, value in (("--health-check-interval", "0.1"), ("--health-check-failures", "0")):
-        proc = subprocess.run([str(BIN / "kunlun-platform"), "--port", str(daemon.port), flag,
-                               value], capture_output=True, text=True, env=daemon.env(),
-                              timeout=60)  # fmt: skip
+        proc = refused(tmp_path, flag, value)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         assert flag in proc.stderr

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from tests.daemons import BIN, Daemon, free_port, launched, make_home
+from tests.daemons import Daemon, launched, make_home, refused
 
 from kunlun.daemon.request_log import RequestLog, RequestLogConfig
 
@@ -189,17 +188,10 @@ def sigterm_writes_every_queued_entry(daemon: Daemon) -> None:
 
 
 def test_bad_request_log_settings_are_refused_by_name(tmp_path: Path) -> None:
-    env = Daemon(tmp_path, free_port()).env(COLUMNS="200")
     for args, extra, named in (
         (["--request-log-max-mb", "0"], {}, "'--request-log-max-mb'"),
         ([], {"KUNLUN_REQUEST_LOG_BACKUPS": "-1"}, "'KUNLUN_REQUEST_LOG_BACKUPS'"),
     ):
-        proc = subprocess.run(
-            [str(BIN / "kunlun-platform"), *args],
-            capture_output=True,
-            text=True,
-            env={**env, **extra},
-            timeout=60,
-        )
+        proc = refused(tmp_path, *args, env={"COLUMNS": "200", **extra})
         assert proc.returncode == 2, proc.stderr
         assert named in proc.stderr and "greater than or equal to" in proc.stderr

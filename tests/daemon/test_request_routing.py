@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from tests.daemons import BIN, TINY_SPEC, Daemon, free_port, launched, make_home
+from tests.daemons import TINY_SPEC, Daemon, launched, make_home, refused
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -128,13 +127,7 @@ def test_scheduler_config_reloads_live_and_a_bad_one_keeps_the_old(routed: Route
 def test_a_bad_scheduler_config_stops_the_daemon_from_starting(tmp_path: Path) -> None:
     bad = tmp_path / "sched.yaml"
     bad.write_text("policy: round-robin\nqueue_limits:\n  hihg: 3\n")
-    proc = subprocess.run(
-        [str(BIN / "kunlun-platform"), "--port", str(free_port()), "--scheduler-config", str(bad)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, KUNLUN_HOME=str(tmp_path / "home")),
-        timeout=120,
-    )
+    proc = refused(tmp_path / "home", "--scheduler-config", str(bad))
     assert proc.returncode == 2
     output = proc.stdout + proc.stderr
     assert f"{bad}:3 (queue_limits.hihg)" in output and "did you mean 'high'" in output

@@ -6,12 +6,11 @@ a GGUF file (a tiny one), and bad values of the flags, each refused by name (``-
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import openai
 import pytest
-from tests.daemons import BIN, Daemon, free_port, launched, make_home, wait_ready
+from tests.daemons import launched, make_home, refused, wait_ready
 from tests.engine.gguf_bytes import gguf_bytes, tiny_llama
 
 REPO = "kunlun-tests/tiny-llama"
@@ -54,13 +53,6 @@ def test_a_repo_id_in_the_hf_cache_is_served_under_the_name_given(
         assert spec["model"].endswith("snapshots/0123abcd")
 
 
-def run_platform(home: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(BIN / "kunlun-platform"), "--port", str(free_port()), *args],
-        env=Daemon(home, 0).env(**env), capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-
-
 @pytest.mark.parametrize(
     ("args", "words"),
     [
@@ -82,7 +74,7 @@ def test_what_cannot_be_served_is_refused_by_name(
 ) -> None:
     home = make_home(tmp_path_factory, "serve-refused")
     args = [str(tiny_model) if arg == MODEL else arg for arg in args]
-    proc = run_platform(home, *args, HF_HOME=str(tmp_path_factory.mktemp("empty-hf")))
+    proc = refused(home, *args, env={"HF_HOME": str(tmp_path_factory.mktemp("empty-hf"))})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     for word in words:
         assert word in proc.stderr, proc.stderr

@@ -15,9 +15,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
-from tests.daemons import BIN, Daemon, free_port
+from tests.daemons import Daemon, free_port, refused
 
 from kunlun.state.sqlite import SQLiteStore
 from kunlun.state.store import ApiKeyRecord, EventRecord
@@ -87,31 +86,6 @@ def one_clear_message(proc: subprocess.CompletedProcess[str], path: Path, proble
     assert "restore state.db from a backup" in message and f"sqlite3 {path} .recover" in message
 
 
-def start_refused(daemon: Daemon, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    """Start ``kunlun-platform`` on ``daemon.home``, which must refuse to start; fails the
-    test at once (stopping the daemon) if it serves instead."""
-    proc = subprocess.Popen(
-        [str(BIN / "kunlun-platform"), "--port", str(daemon.port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=daemon.env(),
-    )
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            served = httpx.get(daemon.url + "/healthz", timeout=2).status_code == 200
-        except httpx.TransportError:
-            served = False
-        if served:
-            proc.terminate()
-            proc.communicate(timeout=60)
-            pytest.fail("the daemon started on an unusable state database")
-        time.sleep(0.2)
-    stdout, stderr = proc.communicate(timeout=60)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-
 @pytest.mark.parametrize(
     ("make", "problem"), [case[1:] for case in CASES], ids=[case[0] for case in CASES]
 )
@@ -124,7 +98,7 @@ def test_unusable_state_db_stops_the_daemon_and_the_cli(
     make(path)
     before = path.read_bytes() if path.exists() else None
     daemon = Daemon(home, free_port())
-    one_clear_message(start_refused(daemon), path, problem)
+    one_clear_message(refused(home), path, problem)
     one_clear_message(daemon.cli("apikey", "create", "ops", remote=False), path, problem)
     after = path.read_bytes() if path.exists() else None
     assert after == before  # left as it was: nothing written over what can still be saved

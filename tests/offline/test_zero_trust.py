@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from tests.daemons import Daemon, free_port
+from tests.daemons import Daemon, free_port, refused
 from tests.offline.conftest import PackFn, run
 from tests.planner.conftest import NODES
 
@@ -23,36 +21,27 @@ def installed_home(tmp_path: Path, package: Path, keys: Path) -> Path:
     return home
 
 
-def start_fails(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    daemon = Daemon(home, free_port())
-    return subprocess.run(
-        [str(Path(sys.executable).parent / "kunlun-platform"), "--port", str(daemon.port),
-         *args],
-        capture_output=True, text=True, env=daemon.env(), timeout=120,
-    )  # fmt: skip
-
-
 def test_require_signed_needs_keys_and_a_signed_device_config(
     keys: Path, other_keys: Path, tmp_path: Path
 ) -> None:
     home = tmp_path / "home"
     home.mkdir()
-    done = start_fails(home, "--require-signed")
+    done = refused(home, "--require-signed")
     assert done.returncode == 2 and "--require-signed needs trusted keys" in done.stderr
     config = tmp_path / "device-plugin-config.yaml"
     config.write_bytes((NODES / "mixed" / "device-plugin-config.yaml").read_bytes())
     trust = ["--require-signed", "--trusted-keys", str(keys), "--config", str(config)]
-    done = start_fails(home, *trust)
+    done = refused(home, *trust)
     assert done.returncode == 3, done.stdout + done.stderr
     assert f"{config}: no detached signature device-plugin-config.yaml.sig" in done.stderr
     run("kunlun-cli", "keys", "sign", str(config), "--key", str(other_keys / "kunlun-signing.key"),
         home=home)  # fmt: skip
-    done = start_fails(home, *trust)
+    done = refused(home, *trust)
     assert done.returncode == 3 and "does not verify with any trusted key" in done.stderr
     run("kunlun-cli", "keys", "sign", str(config), "--key", str(keys / "kunlun-signing.key"),
         home=home)  # fmt: skip
     config.write_bytes(config.read_bytes() + b"\n# edited after signing\n")
-    done = start_fails(home, *trust)
+    done = refused(home, *trust)
     assert done.returncode == 3 and "does not verify with any trusted key" in done.stderr
 
 
