@@ -26,6 +26,22 @@ from pathlib import Path
 import pytest
 from tests.daemons import BIN, SPEC, TINY_SPEC, Daemon, launched, make_home
 
+
+def share_the_cores() -> None:
+    """Give each pytest-xdist worker its share of the cores for the torch it runs in-process
+    (the engine tests, transformers' references) and for what it starts without a thread
+    count of its own (the CLI, exports): two workers on two cores, each running two-thread
+    kernels, thrash (OpenMP threads spin on a core the other worker holds); a demo-model
+    engine test beside one busy core ran 2.3x slower with two threads than with one. Engine
+    workers are not affected: the daemon gives each the thread count its plan says."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        share = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+
+
+share_the_cores()  # before anything imports torch
+
 FIRST = (
     "tests/validate/test_validate.py",
     "tests/engine/test_llm_engine.py",

@@ -163,11 +163,18 @@ def test_admin_sees_devices_submits_a_workload_and_stops_it(
     context.close()
 
 
+def models_listed(page: Any) -> None:
+    """Wait until the playground has listed the served models. A locator's wait, not
+    ``wait_for_function``: that polls by eval inside the page, which the dashboard's CSP
+    forbids (it passed only when the list was already there at the first look)."""
+    page.locator("#model option").first.wait_for(state="attached", timeout=60_000)
+
+
 def test_playground_streams_a_reply_and_shows_the_request(keyed: Any, browser: Any) -> None:
     daemon, admin, _ = keyed
     context, page, watch = login(browser, daemon, admin)
     page.goto(daemon.url + "/ui/playground")
-    page.wait_for_function("document.getElementById('model').options.length > 0")
+    models_listed(page)
     assert page.input_value("#model") == "tiny"
     page.fill("#max_tokens", "64")
     page.fill("#temperature", "0")
@@ -205,7 +212,7 @@ def test_an_inference_key_sees_no_submit_or_stop(keyed: Any, browser: Any) -> No
     posted = page.request.post(daemon.url + "/ui/workloads", form={"model": "tiny"})
     assert posted.status == 403 and "needs an API key with scope" in posted.text()
     page.goto(daemon.url + "/ui/playground")
-    page.wait_for_function("document.getElementById('model').options.length > 0")
+    models_listed(page)
     watch.assert_local(daemon)
     context.close()
 
