@@ -24,12 +24,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
-import torch
 
 from kunlun.errors import Location, RequestError
 
 if TYPE_CHECKING:
     import llguidance
+    import torch
 
     from kunlun.engine.tokenizer import Tokenizer
 
@@ -129,6 +129,8 @@ class GuidedDecoding:
     def mask(self, scores: torch.Tensor, matchers: list[tuple[Any, int]]) -> None:
         """Set to -inf, in place, every token of ``scores`` (rows: the batch) that the
         matcher of its row does not allow; ``matchers``: (matcher, row) of the guided rows."""
+        import torch  # here, not at the top: the daemon's gateway reads guides without torch
+
         rows, vocab = len(matchers), scores.shape[-1]
         words = (vocab + 31) // 32
         bits = torch.full((rows, words), -1, dtype=torch.int32)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kunlun.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # torch is imported where a generator is made: the gateway reads outputs
+    import torch
 
 TopLogprobs = dict[int, float]
 """Token id -> logprob at one position: the chosen (or prompt) token plus the top ones."""
@@ -127,6 +128,8 @@ class Sequence:
         if self.params.seed is None:
             return None
         if self.generator is None or self.generator.device != device:
+            import torch
+
             self.generator = torch.Generator(device=device)
             seed = self.params.seed if self.index == 0 else hash((self.params.seed, self.index))
             self.generator.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
