@@ -19,7 +19,9 @@ greedy decoding with ``logprobs=5`` on ``/v1/completions``:
    below its own choice, and this column had the reference's token among its top 5 at most
    as far below (a near tie); flips may be at most
    :data:`~kunlun.validate.numerics.MAX_FLIPS` of the positions compared. The walk then goes
-   on from the text with the reference's token (teacher forcing, one request per flip).
+   on from the text with the reference's token (teacher forcing, one request per flip);
+   a flip that is not a near tie fails the row, and that prompt's walk stops there (a broken
+   column costs one re-sent prompt per greedy prompt, not :data:`MAX_RESENDS`).
 
 A re-sent prompt that the target tokenizes into another number of tokens than the
 reference's prompt plus continuation (a token boundary the text does not keep) ends that
@@ -181,8 +183,12 @@ def walk(ctx: Context, prompt: str, mine: Decode, ref: Decode, found: Walk, ends
                 return
             continue
         # the first token after exactly the reference's text differs: a flip
-        found.flips.append((prompt, j, *flip_gap(decode, ref, j)))
+        flip = (prompt, j, *flip_gap(decode, ref, j))
+        found.flips.append(flip)
         if j + 1 == len(ref.tokens):
+            return
+        if flip[3] is None or flip[3] > NEAR_TIE:  # not a near tie: the row fails already
+            found.cut.append(f"{prompt!r}: stopped at the flip at token {j}, not a near tie")
             return
         decode, start = resend(j + 1), j + 1
         if decode.num_prompt != ref.num_prompt + start:
