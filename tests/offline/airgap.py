@@ -57,13 +57,15 @@ prefix, home = work / "prefix", work / "home"
 with tarfile.open(work / "kunlun-offline.tar") as tar:  # the installer comes out of the bundle
     tar.extract("kunlun-installer.pyz", work, filter="data")
 key = work / "keys" / "kunlun-signing.pub"
+started = time.monotonic()
 installed = subprocess.run(
     [sys.executable, "-S", str(work / "kunlun-installer.pyz"), "install", "--bundle",
      str(work / "kunlun-offline.tar"), "--public-key", str(key), "--prefix", str(prefix),
      "--home", str(home), "--package", str(work / "model.kunlunpkg")],
     capture_output=True, text=True, env={**os.environ, "PIP_NO_CACHE_DIR": "1"},
 )  # fmt: skip
-found["install"] = {"rc": installed.returncode, "out": installed.stdout, "err": installed.stderr}
+found["install"] = {"rc": installed.returncode, "out": installed.stdout, "err": installed.stderr,
+                    "seconds": round(time.monotonic() - started, 1)}  # fmt: skip
 if installed.returncode != 0:
     print(json.dumps(found))
     sys.exit(0)
@@ -99,7 +101,8 @@ try:
     status, answer = call("POST", "/v1/chat/completions", {
         "model": "smollm2", "max_tokens": 16, "temperature": 0,
         "messages": [{"role": "user", "content": "What is the capital of France?"}]})  # fmt: skip
-    found["chat"] = {"status": status, "answer": answer}
+    found["chat"] = {"status": status, "answer": answer,
+                     "seconds": round(time.monotonic() - started, 1)}  # fmt: skip
     logs = subprocess.run([str(prefix / "bin" / "kunlun-cli"), "workload", "logs", job],
                           capture_output=True, text=True, env=env)  # fmt: skip
     found["logs"] = logs.stdout

@@ -26,19 +26,26 @@ def namespace_command() -> list[str]:
     pytest.skip("cannot make a network namespace here (unshare -n and -rn both fail)")
 
 
-def test_pack_bundle_then_install_and_serve_with_no_network(
-    demo_fp32: Path, keys: Path, tmp_path: Path
-) -> None:
-    work = tmp_path / "work"
+@pytest.fixture(scope="module")
+def packed(demo_fp32: Path, keys: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The connected half: the demo model packed and the platform bundled, signed, into a
+    folder that is all the air-gapped half gets (with the public key)."""
+    base = tmp_path_factory.mktemp("airgap")
+    work = base / "work"
     (work / "keys").mkdir(parents=True)
     shutil.copy(keys / "kunlun-signing.pub", work / "keys")
     key = str(keys / "kunlun-signing.key")
     run("kunlun-cli", "model", "pack", "--model", str(demo_fp32), "--target-device", "cpu:0",
-        "--key", key, "-o", str(work / "model.kunlunpkg"), home=tmp_path / "packer")  # fmt: skip
+        "--key", key, "-o", str(work / "model.kunlunpkg"), home=base / "packer")  # fmt: skip
     run("kunlun-installer", "bundle", "-o", str(work / "kunlun-offline.tar"), "--key", key,
-        home=tmp_path / "packer")  # fmt: skip
+        home=base / "packer")  # fmt: skip
+    return work
+
+
+def test_pack_bundle_then_install_and_serve_with_no_network(packed: Path, tmp_path: Path) -> None:
+    work = packed
     info = json.loads(run("kunlun-cli", "model", "inspect", str(work / "model.kunlunpkg"),
-                          "--json", home=tmp_path / "packer").stdout)  # fmt: skip
+                          "--json", home=tmp_path / "reader").stdout)  # fmt: skip
     assert info["license"] == "apache-2.0" and info["name"] == "smollm2"  # from the GGUF file
     python = str(Path(sys.base_prefix) / "bin" / "python3")  # the machine's, not this venv
     inside = f"ip link set lo up && exec {python} {AIRGAP} {work} {free_port()}"
@@ -46,6 +53,7 @@ def test_pack_bundle_then_install_and_serve_with_no_network(
                           text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     found = json.loads(done.stdout.strip().splitlines()[-1])
+    print("TIMING", found["install"].get("seconds"), found.get("chat", {}).get("seconds"))
     assert found["internet"] != "connected" and found["interfaces"] == ["lo"]
     assert found["install"]["rc"] == 0, found["install"]
     out = found["install"]["out"]
