@@ -8,10 +8,15 @@ each other (a near tie, where either token is a correct greedy choice).
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from tests.conftest import machine_cache
 from transformers import AutoModelForCausalLM
 
 from kunlun.engine.engine_config import EngineConfig
@@ -41,6 +46,8 @@ class Reference:
     """transformers greedy output of one prompt and the first near-tie position in it."""
 
     def __init__(self, model, prompt_ids: list[int], max_new_tokens: int, eos: set[int]) -> None:
+        if model is None:  # filled by from_json
+            return
         out = model.generate(
             torch.tensor([prompt_ids]),
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
@@ -58,6 +65,15 @@ class Reference:
             if (top[0] - top[1]).item() < NEAR_TIE:
                 self.near_tie = step
                 break
+
+    def to_json(self) -> dict[str, Any]:
+        return {"token_ids": self.token_ids, "near_tie": self.near_tie}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Reference:
+        reference = cls(None, [], 0, set())
+        reference.token_ids, reference.near_tie = list(data["token_ids"]), int(data["near_tie"])
+        return reference
 
     @property
     def has_near_tie(self) -> bool:
@@ -89,11 +105,28 @@ def demo_hf(demo_model_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def demo_references(demo_llm: LLM, demo_hf) -> list[Reference]:
+def demo_references(demo_llm: LLM, demo_model_dir: Path) -> list[Reference]:
+    """transformers' greedy decodes of :data:`PROMPTS`, made once per machine: kept under the
+    test-model cache, keyed by the weights file, the transformers and torch versions and
+    the prompts (a change to any makes them again). transformers' generate takes about
+    half a minute of a busy core for them; the engine's side is computed by every run."""
+    import transformers
+
+    weights = demo_model_dir / "model.safetensors"
+    stat = weights.stat()
     eos = demo_llm.tokenizer.eos_token_ids
-    return [
-        Reference(demo_hf, demo_llm.tokenizer.encode(p), GREEDY.max_tokens, eos) for p in PROMPTS
-    ]
+    key = json.dumps([str(weights), stat.st_size, stat.st_mtime_ns, transformers.__version__,
+                      torch.__version__, PROMPTS, GREEDY.max_tokens, NEAR_TIE, sorted(eos)])  # fmt: skip
+    path = machine_cache() / "references" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if path.exists():
+        return [Reference.from_json(item) for item in json.loads(path.read_text())]
+    model = hf_model(demo_model_dir)
+    made = [Reference(model, demo_llm.tokenizer.encode(p), GREEDY.max_tokens, eos) for p in PROMPTS]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.part")  # two workers may race: the same text
+    partial.write_text(json.dumps([r.to_json() for r in made]))
+    partial.replace(path)
+    return made
 
 
 # ---- greedy equality ----
