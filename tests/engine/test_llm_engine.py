@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -42,12 +42,17 @@ PROMPTS = [
 
 
 # ---- references from transformers ----
+@dataclass
 class Reference:
     """transformers greedy output of one prompt and the first near-tie position in it."""
 
-    def __init__(self, model, prompt_ids: list[int], max_new_tokens: int, eos: set[int]) -> None:
-        if model is None:  # filled by from_json
-            return
+    token_ids: list[int]
+    near_tie: int
+
+    @classmethod
+    def generate(
+        cls, model, prompt_ids: list[int], max_new_tokens: int, eos: set[int]
+    ) -> Reference:
         out = model.generate(
             torch.tensor([prompt_ids]),
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
@@ -58,22 +63,14 @@ class Reference:
             eos_token_id=sorted(eos) or None,
             pad_token_id=sorted(eos)[0] if eos else 0,
         )
-        self.token_ids = out.sequences[0, len(prompt_ids) :].tolist()
-        self.near_tie = len(self.token_ids)
+        token_ids = out.sequences[0, len(prompt_ids) :].tolist()
+        near_tie = len(token_ids)
         for step, logits in enumerate(out.logits):
             top = torch.topk(logits[0].float(), 2).values
             if (top[0] - top[1]).item() < NEAR_TIE:
-                self.near_tie = step
+                near_tie = step
                 break
-
-    def to_json(self) -> dict[str, Any]:
-        return {"token_ids": self.token_ids, "near_tie": self.near_tie}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Reference:
-        reference = cls(None, [], 0, set())
-        reference.token_ids, reference.near_tie = list(data["token_ids"]), int(data["near_tie"])
-        return reference
+        return cls(token_ids, near_tie)
 
     @property
     def has_near_tie(self) -> bool:
@@ -119,12 +116,15 @@ def demo_references(demo_llm: LLM, demo_model_dir: Path) -> list[Reference]:
                       torch.__version__, PROMPTS, GREEDY.max_tokens, NEAR_TIE, sorted(eos)])  # fmt: skip
     path = machine_cache() / "references" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists():
-        return [Reference.from_json(item) for item in json.loads(path.read_text())]
+        return [Reference(**item) for item in json.loads(path.read_text())]
     model = hf_model(demo_model_dir)
-    made = [Reference(model, demo_llm.tokenizer.encode(p), GREEDY.max_tokens, eos) for p in PROMPTS]
+    made = [
+        Reference.generate(model, demo_llm.tokenizer.encode(p), GREEDY.max_tokens, eos)
+        for p in PROMPTS
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.part")  # two workers may race: the same text
-    partial.write_text(json.dumps([r.to_json() for r in made]))
+    partial.write_text(json.dumps([asdict(r) for r in made]))
     partial.replace(path)
     return made
 
@@ -160,7 +160,7 @@ def test_tiny_models_match_transformers(make_tiny_model, arch: str, tied: bool) 
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in (5, 17, 70)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    references = [Reference(model, p, 12, set()) for p in prompts]
+    references = [Reference.generate(model, p, 12, set()) for p in prompts]
     for prompt, reference in zip(prompts, references, strict=True):
         reference.check(llm.generate([prompt], params)[0].outputs[0].token_ids)
     for out, reference in zip(llm.generate(prompts, params), references, strict=True):
@@ -181,7 +181,7 @@ def test_sixteen_requests_in_room_for_three_finish_with_their_solo_output(make_t
     prompts = [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in lengths]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     model = hf_model(model_dir)
-    references = [Reference(model, p, 24, set()) for p in prompts]
+    references = [Reference.generate(model, p, 24, set()) for p in prompts]
     assert sum(not r.has_near_tie for r in references) >= 12
     outs = llm.generate(prompts, params)
     for out, reference in zip(outs, references, strict=True):
