@@ -237,6 +237,23 @@ def launched(
         yield daemon
     finally:
         daemon.stop()
+        prune(home)
+
+
+LARGE = 1 << 20
+"""Files from this size up (weights, exports, packages, write-ahead logs) are removed from a
+stopped daemon's home, or a stopped etcd's data, by :func:`prune`."""
+
+
+def prune(root: Path) -> None:
+    """Remove the large files under ``root`` once what wrote them has stopped: a run makes
+    GBs of them (converted weights in plan caches, GGUF exports, etcd's preallocated logs)
+    and keeps its folders to the end (or, red, after it); what is read to see why a test
+    failed (logs, state, plans) is small and stays."""
+    for path in root.rglob("*"):
+        kept = path.is_symlink() or not path.is_file() or path.name.endswith(".log")
+        if not kept and path.stat().st_size >= LARGE:
+            path.unlink()
 
 
 def answers(url: str) -> bool:

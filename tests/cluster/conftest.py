@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from tests.cluster.etcd_cluster import ETCD, EtcdCluster
+from tests.daemons import prune
 
 from kunlun.cluster.certs import make_certs
 
@@ -31,6 +32,7 @@ def _running(cluster: EtcdCluster) -> Iterator[EtcdCluster]:
         yield cluster
     finally:
         cluster.stop()
+        prune(cluster.root)
 
 
 @pytest.fixture(scope="module")

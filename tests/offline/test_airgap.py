@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,9 +28,10 @@ def namespace_command() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def packed(demo_fp32: Path, keys: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def packed(demo_fp32: Path, keys: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The connected half: the demo model packed and the platform bundled, signed, into a
-    folder that is all the air-gapped half gets (with the public key)."""
+    folder that is all the air-gapped half gets (with the public key). Removed at the end:
+    with the installed prefix it holds GBs."""
     base = tmp_path_factory.mktemp("airgap")
     work = base / "work"
     (work / "keys").mkdir(parents=True)
@@ -39,7 +41,8 @@ def packed(demo_fp32: Path, keys: Path, tmp_path_factory: pytest.TempPathFactory
         "--key", key, "-o", str(work / "model.kunlunpkg"), home=base / "packer")  # fmt: skip
     run("kunlun-installer", "bundle", "-o", str(work / "kunlun-offline.tar"), "--key", key,
         home=base / "packer")  # fmt: skip
-    return work
+    yield work
+    shutil.rmtree(base)
 
 
 def test_pack_bundle_then_install_and_serve_with_no_network(packed: Path, tmp_path: Path) -> None:

@@ -196,8 +196,12 @@ class RolloutController:
             out["next_step_in_s"] = round(max(0.0, left), 1)
         return out
 
-    def request(self, rollout_id: str, action: str, wait_s: float = 60.0) -> RolloutRecord:
-        """Ask for ``promote`` or ``abort``; waits (up to ``wait_s``) until it is done."""
+    def request(
+        self, rollout_id: str, action: str, wait_s: float = DRAIN_S + 30.0
+    ) -> RolloutRecord:
+        """Ask for ``promote`` or ``abort``; waits (up to ``wait_s``) until it is done: the
+        rollout ended and the losing version stopped (``retired``), so that what the caller
+        reads next (``workload list``) already shows it."""
         record = self.get(rollout_id)
         if record.state not in RUNNING_STATES:
             raise ConfigError(
@@ -215,7 +219,7 @@ class RolloutController:
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             current = self.get(record.rollout_id)
-            if current.state not in RUNNING_STATES:
+            if current.state not in RUNNING_STATES and current.retired is not None:
                 return current
             time.sleep(0.1)
         return self.get(record.rollout_id)
