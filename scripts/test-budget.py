@@ -25,7 +25,7 @@ def slowest(report: Path, count: int = SHOWN) -> list[tuple[float, str]]:
 
 
 def by_directory(report: Path) -> dict[str, float]:
-    """Seconds per test directory (``tests/daemon``, ...), summed over both workers."""
+    """Seconds per test directory (``tests/daemon``, ...), summed over the workers."""
     totals: dict[str, float] = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         parts = (case.get("classname") or "").split(".")
@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
         print(f"test-budget: no JUnit report at {report}", file=sys.stderr)
         return 2
     print(f"test-budget: the tests took {took:.0f} s of a {budget:.0f} s budget (CI_BUDGET_S)")
-    print("test-budget: seconds per directory (both workers together):")
+    print("test-budget: seconds per directory (the workers together):")
     for folder, seconds in by_directory(report).items():
         print(f"  {seconds:8.1f} s  {folder}")
     if took <= budget:

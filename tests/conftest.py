@@ -12,7 +12,7 @@ as ``tiny``, no keys) and ``keyed_daemon`` (the tiny model as ``tiny``; keys ``a
 ``user`` in ``.keys``). A test that changes daemon-wide state starts its own with
 :func:`tests.daemons.launched`.
 
-``make test`` runs the suite on two workers (pytest-xdist, one file per worker at a time).
+``make test`` runs the suite on three workers (pytest-xdist, one file per worker at a time).
 Starting the longest files first keeps the two busy to the end.
 """
 
@@ -30,7 +30,7 @@ from tests.daemons import BIN, SPEC, TINY_SPEC, Daemon, launched, make_home
 def share_the_cores() -> None:
     """Give each pytest-xdist worker its share of the cores for the torch it runs in-process
     (the engine tests, transformers' references) and for what it starts without a thread
-    count of its own (the CLI, exports): two workers on two cores, each running two-thread
+    count of its own (the CLI, exports): several workers on two cores, each running two-thread
     kernels, thrash (OpenMP threads spin on a core the other worker holds); a demo-model
     engine test beside one busy core ran 2.3x slower with two threads than with one. Engine
     workers are not affected: the daemon gives each the thread count its plan says."""

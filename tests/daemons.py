@@ -372,8 +372,8 @@ def wait_ready(daemon: Daemon, timeout: float = 300) -> None:
 QUALITY_ROWS = ("numerics", "functional")
 """The battery's groups whose verdict depends on how a model computes (its answers and their
 numbers; the ``quality`` rows run with every selection); ``api`` and ``perf`` check the
-serving path, the same for every column, and run whole on one quantized column (w8a8) and on
-llama.cpp."""
+serving path, the same for every column whatever its weights, and run whole on the demo's
+fp32 and bf16 columns (``tests/validate/test_validate.py``) and on llama.cpp."""
 
 
 def battery_groups() -> tuple[str, ...]:

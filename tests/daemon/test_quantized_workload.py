@@ -16,7 +16,6 @@ from tests.daemons import (
     QUALITY_ROWS,
     Daemon,
     assert_validate_passes,
-    battery_groups,
     launched,
     new_home,
     patient_queue,
@@ -87,11 +86,8 @@ def test_quantized_workload_serves_a_chat_completion(
 
 @pytest.mark.parametrize(
     ("name", "group"),
-    # the whole battery on w8a8; what a 4-bit scheme changes on w4a16 (QUALITY_ROWS)
-    [
-        *(("smollm2-w8a8", group) for group in battery_groups()),
-        *(("smollm2-w4a16", group) for group in QUALITY_ROWS),
-    ],  # fmt: skip
+    # what a scheme changes (QUALITY_ROWS); the serving path's rows run on fp32 and bf16
+    [(name, group) for name in WORKLOADS for group in QUALITY_ROWS],
 )
 def test_validate_passes_on_the_quantized_workload(
     quantized: Daemon, tmp_path: Path, name: str, group: str

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.daemons import BIN, Daemon, free_port, new_home, patient_queue
+from tests.daemons import BIN, Daemon, free_port, new_home, patient_queue, prune
 
 __all__ = ["BIN"]
 
@@ -71,6 +71,7 @@ def platform(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield daemon
     finally:
         daemon.stop()
+        prune(home)
 
 
 def wait_running(daemon: Daemon, names: tuple[str, ...], timeout_s: float = 600) -> None:
