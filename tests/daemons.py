@@ -62,6 +62,14 @@ kv_cache_memory_mb: 16
 """The tiny model (``path``) as workload ``name``."""
 
 
+PORT_TAKEN = "is already in use by"
+PORT_TAKEN_HINT = "pass --port)"
+"""How the daemon refuses a port another process holds (``--port: port N on 127.0.0.1 is
+already in use by ... (hint: stop that process or pass --port)``): a port :func:`free_port`
+found free can be taken by another test's process before the daemon binds it, and the
+starts here then try another."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,18 +124,20 @@ class Daemon:
         timeout: float = 300,
         extra_env: dict[str, str] | None = None,
     ) -> None:
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [str(BIN / "kunlun-platform"), "--port", str(self.port), *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=self.env(**(extra_env or {})),
-        )
         deadline = time.monotonic() + timeout
         path = "/readyz" if wait_ready else "/healthz"
+        tries = 3
+        self.proc = self._spawn(args, extra_env)
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                pytest.fail(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+                said = self.log()
+                tries -= 1
+                if tries and said.rstrip().endswith(PORT_TAKEN_HINT) and PORT_TAKEN in said:
+                    # another process took the free port between its choice and this start
+                    self.port = free_port()
+                    self.proc = self._spawn(args, extra_env)
+                    continue
+                pytest.fail(f"daemon exited with {self.proc.returncode}:\n{said}")
             try:
                 if httpx.get(self.url + path, timeout=2).status_code == 200:
                     return
@@ -135,6 +145,17 @@ class Daemon:
                 pass
             time.sleep(0.1)
         pytest.fail(f"daemon not {path} within {timeout}s:\n{self.log()}")
+
+    def _spawn(
+        self, args: tuple[str, ...], extra_env: dict[str, str] | None
+    ) -> subprocess.Popen[bytes]:
+        with self.log_path.open("ab") as log:
+            return subprocess.Popen(
+                [str(BIN / "kunlun-platform"), "--port", str(self.port), *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env(**(extra_env or {})),
+            )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -277,17 +298,23 @@ def refused(
     goes through here; none needs a worker."""
     daemon = Daemon(home, port if port is not None else free_port())
     taken = port is not None and answers(daemon.url)  # another daemon's: not ours serving
-    proc = subprocess.Popen([str(BIN / "kunlun-platform"), "--port", str(daemon.port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=daemon.env(**(env or {})))  # fmt: skip
     deadline = time.monotonic() + timeout
-    while proc.poll() is None:
-        if (not taken and answers(daemon.url)) or time.monotonic() > deadline:
-            proc.terminate()
-            out, err = proc.communicate(timeout=60)
-            pytest.fail(f"kunlun-platform {' '.join(args)} did not refuse to start:\n{out}{err}")
-        time.sleep(0.1)
-    stdout, stderr = proc.communicate(timeout=60)
+    for _ in range(3):
+        proc = subprocess.Popen([str(BIN / "kunlun-platform"), "--port", str(daemon.port),
+                                 *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=daemon.env(**(env or {})))  # fmt: skip
+        while proc.poll() is None:
+            if (not taken and answers(daemon.url)) or time.monotonic() > deadline:
+                proc.terminate()
+                out, err = proc.communicate(timeout=60)
+                pytest.fail(
+                    f"kunlun-platform {' '.join(args)} did not refuse to start:\n{out}{err}"
+                )
+            time.sleep(0.1)
+        stdout, stderr = proc.communicate(timeout=60)
+        if taken or PORT_TAKEN not in stdout + stderr:
+            break
+        daemon.port = free_port()  # another process took the free port meanwhile: not the refusal
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import psutil
-from tests.daemons import BIN, ONE_THREAD, Daemon, free_port
+from tests.daemons import BIN, ONE_THREAD, PORT_TAKEN, PORT_TAKEN_HINT, Daemon, free_port
 
 from kunlun.state import ModelRecord
 
@@ -35,18 +35,25 @@ class ClusterNodeProc(Daemon):
 
     def launch(self, *extra: str) -> None:
         """Start the daemon (in a session of its own) and wait for /healthz."""
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(
-            [str(BIN / "kunlun-platform"), "--port", str(self.port), "--peer-port",
-             str(self.peer_port), "--node-name", self.name, *self.args, *extra],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True,
-        )  # fmt: skip
+
+        def spawn() -> subprocess.Popen[bytes]:
+            with self.log_path.open("ab") as log:
+                return subprocess.Popen(
+                    [str(BIN / "kunlun-platform"), "--port", str(self.port), "--peer-port",
+                     str(self.peer_port), "--node-name", self.name, *self.args, *extra],
+                    stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True,
+                )  # fmt: skip
+
+        self.proc, tries = spawn(), 3
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(
-                    f"{self.name} exited with {self.proc.returncode}:\n{self.log()}"
-                )
+                said, tries = self.log(), tries - 1
+                if tries and said.rstrip().endswith(PORT_TAKEN_HINT) and PORT_TAKEN in said:
+                    self.port = free_port()  # taken by another process since it was chosen
+                    self.proc = spawn()
+                    continue
+                raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{said}")
             try:
                 if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
                     return
