@@ -13,7 +13,7 @@ as ``tiny``, no keys) and ``keyed_daemon`` (the tiny model as ``tiny``; keys ``a
 :func:`tests.daemons.launched`.
 
 ``make test`` runs the suite on three workers (pytest-xdist, one file per worker at a time).
-Starting the longest files first keeps the two busy to the end.
+Starting the longest files first keeps them all busy to the end.
 """
 
 from __future__ import annotations
