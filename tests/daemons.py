@@ -70,6 +70,11 @@ found free can be taken by another test's process before the daemon binds it, an
 starts here then try another."""
 
 
+def lost_port(output: str) -> bool:
+    """Whether a daemon's output ends with its refusal of a ``--port`` another process holds."""
+    return output.rstrip().endswith(PORT_TAKEN_HINT) and PORT_TAKEN in output
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -132,7 +137,7 @@ class Daemon:
             if self.proc.poll() is not None:
                 said = self.log()
                 tries -= 1
-                if tries and said.rstrip().endswith(PORT_TAKEN_HINT) and PORT_TAKEN in said:
+                if tries and lost_port(said):
                     # another process took the free port between its choice and this start
                     self.port = free_port()
                     self.proc = self._spawn(args, extra_env)
@@ -312,7 +317,7 @@ def refused(
                 )
             time.sleep(0.1)
         stdout, stderr = proc.communicate(timeout=60)
-        if taken or PORT_TAKEN not in stdout + stderr:
+        if taken or not lost_port(stdout + stderr):
             break
         daemon.port = free_port()  # another process took the free port meanwhile: not the refusal
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import psutil
-from tests.daemons import BIN, ONE_THREAD, PORT_TAKEN, PORT_TAKEN_HINT, Daemon, free_port
+from tests.daemons import BIN, ONE_THREAD, Daemon, free_port, lost_port
 
 from kunlun.state import ModelRecord
 
@@ -49,7 +49,7 @@ class ClusterNodeProc(Daemon):
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 said, tries = self.log(), tries - 1
-                if tries and said.rstrip().endswith(PORT_TAKEN_HINT) and PORT_TAKEN in said:
+                if tries and lost_port(said):
                     self.port = free_port()  # taken by another process since it was chosen
                     self.proc = spawn()
                     continue
