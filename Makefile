@@ -54,7 +54,7 @@ $(LLAMA_SERVER): scripts/build-llama-server.sh | $(STAMP)
 	PY=$(BIN)/python bash scripts/build-llama-server.sh $@
 
 # The 25 slowest tests and the total are printed at the end of every run (docs/testing.md).
-PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 test: $(STAMP) $(SGLANG_FRONTEND)/.installed $(LLAMA_SERVER)
 	$(PYTEST) $(PYTEST_ARGS)
 

@@ -6,25 +6,26 @@ the quality of an answer), ``models_home`` (a KUNLUN_HOME whose catalog holds it
 ``smollm2``) and ``tiny_model`` (a tiny random Llama with a built-in tokenizer, for the
 tests that check plumbing).
 
-Shared daemons (:mod:`tests.daemons`), one per test worker, for the files that only read
-them: ``daemon`` (the demo model as ``smollm2``, no keys), ``tiny_daemon`` (the tiny model
-as ``tiny``, no keys) and ``keyed_daemon`` (the tiny model as ``tiny``; keys ``admin`` and
-``user`` in ``.keys``). A test that changes daemon-wide state starts its own with
-:func:`tests.daemons.launched`.
+Shared daemons (:mod:`tests.daemons`), one per run, for the files that only read them:
+``daemon`` (the demo model as ``smollm2``, no keys), ``tiny_daemon`` (the tiny model as
+``tiny``, no keys), ``keyed_daemon`` (the tiny model as ``tiny``; keys ``admin`` and ``user``
+in ``.keys``) and ``bare_daemon`` (nothing served). A file that changes daemon-wide state has
+its own (:func:`tests.daemons.daemon_fixture`), and a test its own (``daemons``).
 
-``make test`` runs the suite on three workers (pytest-xdist, one file per worker at a time).
-Starting the longest files first keeps them all busy to the end.
+``make test`` runs the suite on three workers (pytest-xdist, ``--dist loadgroup``): each gets
+whole files, and the files sharing a daemon go to one worker together
+(:func:`worker_groups`), so the shared daemons start once. Starting the longest files first
+keeps the workers busy to the end.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.daemons import BIN, SPEC, TINY_SPEC, Daemon, launched, make_home
+from tests.daemons import BIN, SPEC, TINY, Daemons, Profile, daemon_fixture, shared_profiles
 
 
 def share_the_cores() -> None:
@@ -55,6 +56,7 @@ SLOW_FILES = ("tests/daemon/test_dashboard_", "tests/daemon/test_llama_cpp_engin
 """Files marked ``slow`` as a whole: a real browser, llama.cpp's server."""
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
         path = item.nodeid.split("::", 1)[0]
@@ -64,7 +66,32 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & SLOW_FIXTURES or item.nodeid.startswith(SLOW_FILES):
             item.add_marker(pytest.mark.slow)
+    for group, members in worker_groups(items).items():
+        for item in members:
+            item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=rank)  # stable: the collection order within each rank
+
+
+def worker_groups(items: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
+    """The units ``make test`` hands to its workers (``--dist loadgroup``): a test file, or
+    every file using the same session-wide daemon (``daemon``, ``tiny_daemon``,
+    ``keyed_daemon``), whose daemon then starts once per run, not once per worker. Files
+    are grouped whole, so a module's own fixtures are set up once too."""
+    parent: dict[str, str] = {}  # union-find over files and shared daemons' homes
+
+    def root(node: str) -> str:
+        while parent.setdefault(node, node) != node:
+            node = parent[node]
+        return node
+
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        for profile in shared_profiles(item):  # the file joins the daemon's group
+            parent[root(path)] = root(profile.name)
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        groups.setdefault(root(item.nodeid.split("::", 1)[0]), []).append(item)
+    return groups
 
 
 def machine_cache() -> Path:
@@ -126,27 +153,24 @@ def tiny_model() -> Path:
     return cached_tiny_model()
 
 
-@pytest.fixture(scope="session")
-def daemon(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """A shared daemon (no API keys) serving the demo model as ``smollm2``."""
-    home = make_home(tmp_path_factory, "daemon-home", models_home)
-    with launched(home, workloads=[SPEC]) as d:
-        yield d
+daemon = daemon_fixture(Profile("daemon-home", (SPEC,), demo=True), "session")
+"""The demo model as ``smollm2``, no API keys."""
+tiny_daemon = daemon_fixture(Profile("tiny-daemon-home", (TINY,)), "session")
+"""The tiny model as ``tiny``, no API keys."""
+keyed_daemon = daemon_fixture(
+    Profile("keyed-daemon-home", (TINY,), keys=(("admin", "admin"), ("user", "inference"))),
+    "session",
+)
+"""The tiny model as ``tiny``, with an admin key ``admin`` and an inference key ``user``
+(``.keys``)."""
+bare_daemon = daemon_fixture(
+    Profile("bare-daemon-home", args=("--model-root", "{base}")), "session"
+)
+"""No workload, no API keys; the run's temporary folder is a model root (files the tests
+write may be imported)."""
 
 
-@pytest.fixture(scope="session")
-def tiny_daemon(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """A shared daemon (no API keys) serving the tiny model as ``tiny``."""
-    home = make_home(tmp_path_factory, "tiny-daemon-home")
-    with launched(home, workloads=[TINY_SPEC.format(path=tiny_model, name="tiny")]) as d:
-        yield d
-
-
-@pytest.fixture(scope="session")
-def keyed_daemon(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """A shared daemon serving the tiny model as ``tiny``, with an admin key ``admin`` and an
-    inference key ``user`` (``.keys``)."""
-    home = make_home(tmp_path_factory, "keyed-daemon-home")
-    keys = [("admin", "admin"), ("user", "inference")]
-    with launched(home, keys=keys, workloads=[TINY_SPEC.format(path=tiny_model, name="tiny")]) as d:
-        yield d
+@pytest.fixture
+def daemons(request: pytest.FixtureRequest) -> Daemons:
+    """Starts a test's own daemon of a :class:`tests.daemons.Profile` (``daemons.serve``)."""
+    return Daemons(request)

@@ -1,10 +1,13 @@
 """Real ``kunlun-platform`` daemons on loopback, driven by the real CLI and clients.
 
-The one place the suite starts daemons from: :class:`Daemon` wraps one daemon process with
-its own ``KUNLUN_HOME``; :func:`launched` starts one (keys made first, workloads submitted
-and ready) and stops it at the end; :func:`make_home` lays out a home. The shared daemons of
-the suite (``tests/conftest.py``: ``daemon``, ``tiny_daemon``, ``keyed_daemon``) and every
-file's own daemon are made with them.
+The one place the suite starts daemons from. A daemon is described as data, a
+:class:`Profile` (what it serves, its flags, keys, environment and files); :func:`serve`
+starts one (keys made first, workloads submitted and ready) and stops it at the end, on a
+home :func:`make_home` lays out. Tests get one through :func:`daemon_fixture` (the fixture
+factory: one daemon per module, or per run for the shared daemons of ``tests/conftest.py``)
+or, for a daemon of their own, the ``daemons`` fixture (:class:`Daemons`). :class:`Daemon`
+wraps the process; :meth:`Daemon.start` again is how a test that stopped its daemon on
+purpose restarts it.
 
 Two models serve the tests (``tests/conftest.py``): the demo model (SmolLM2-135M-Instruct,
 imported once per machine) where the quality of an answer is what is checked, and a tiny
@@ -24,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,11 +91,11 @@ class Daemon:
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path = field(init=False)
     keys: dict[str, str] = field(default_factory=dict)
-    """API keys made by :func:`launched`, by name."""
+    """API keys made by :func:`serve`, by name."""
     job: str | None = None
-    """The id of the first workload :func:`launched` submitted."""
+    """The id of the first workload :func:`serve` submitted."""
     jobs: list[str] = field(default_factory=list)
-    """The ids of every workload :func:`launched` submitted, in order."""
+    """The ids of every workload :func:`serve` submitted, in order."""
 
     def __post_init__(self) -> None:
         self.log_path = self.home / "daemon.log"
@@ -224,46 +227,133 @@ def make_home(
     return home
 
 
-def new_home(models_home: Path, tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
-    """A fresh home whose catalog holds the demo model (:func:`make_home`)."""
-    return make_home(tmp_path_factory, name, models_home)
+PATIENT = ("scheduler_config.yaml", "max_queue_wait_s: 600\n")
+"""A :class:`Profile` file letting requests wait up to 600 s for a slot: validate's 20
+concurrent requests queue behind a few slots, which on a loaded CI machine can take longer
+than the default 60 s; the tests check answers, not speed."""
 
 
-def patient_queue(home: Path) -> Path:
-    """Let requests wait up to 600 s for a slot in ``home``'s daemon: validate's 20 concurrent
-    requests queue behind a few slots, which on a loaded CI machine can take longer than the
-    default 60 s; the tests check answers, not speed."""
-    (home / "scheduler_config.yaml").write_text("max_queue_wait_s: 600\n")
-    return home
+TINY = TINY_SPEC.format(path="{tiny}", name="tiny")
+"""The tiny model as workload ``tiny``, in a :class:`Profile`."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A daemon of the suite: what it serves and how it is set up, as data.
+
+    Every daemon the tests start is one of these, started by :func:`serve` (the one place a
+    daemon is started; a test that stops its daemon on purpose restarts it with
+    :meth:`Daemon.restart`). ``{tiny}`` in a workload, flag, environment value or file is the
+    tiny model's path, ``{home}`` the daemon's home and ``{base}`` the run's temporary root.
+    """
+
+    name: str
+    """The home's folder name."""
+    workloads: tuple[str, ...] = ()
+    """YAML specs submitted once the daemon answers; it is ready when each has a replica."""
+    args: tuple[str, ...] = ()
+    """``kunlun-platform`` flags."""
+    keys: tuple[tuple[str, ...], ...] = ()
+    """``(name, scope, *options)`` API keys made on the home before it starts (options of
+    ``apikey create``, such as ``--allow-ip``); the first submits the workloads."""
+    env: tuple[tuple[str, str], ...] = ()
+    files: tuple[tuple[str, str], ...] = ()
+    """``(path in the home, text)`` written before it starts (``scheduler_config.yaml``...)."""
+    demo: bool = False
+    """The home's catalog holds the demo model as ``smollm2``."""
+    declaration: str | None = ONE_THREAD
+    """The home's device declaration (None: none)."""
+    ready: bool = False
+    """Wait for ``/readyz`` too (a model served by ``--model`` rather than a workload)."""
+
+    def needs(self, placeholder: str) -> bool:
+        texts = (
+            *self.workloads,
+            *self.args,
+            *(v for _, v in self.env),
+            *(t for _, t in self.files),
+        )
+        return any(placeholder in text for text in texts)
 
 
 @contextlib.contextmanager
-def launched(
-    home: Path,
-    *args: str,
-    keys: Iterable[tuple[str, str]] = (),
-    workloads: Iterable[str] = (),
-    env: dict[str, str] | None = None,
-) -> Iterator[Daemon]:
-    """A daemon on ``home`` (``args`` are ``kunlun-platform`` flags), stopped at the end.
+def serve(profile: Profile, home: Path, values: dict[str, str] | None = None) -> Iterator[Daemon]:
+    """A daemon of ``profile`` on ``home`` (made by :func:`make_home`, or by the test),
+    yielded once it is ready, stopped (and its large files pruned) at the end. ``values``
+    fill the profile's placeholders (``tiny``, ``base``)."""
+    fill = {"home": str(home), **(values or {})}
 
-    ``keys`` are ``(name, scope)`` API keys made on the home before it starts (the first is
-    used to submit); ``workloads`` are YAML specs submitted once it answers, and the daemon
-    is yielded when a replica is ready (``job`` is the first workload's id).
-    """
+    def filled(text: str) -> str:
+        for name, value in fill.items():
+            text = text.replace("{" + name + "}", value)
+        return text
+
+    for path, text in profile.files:
+        (home / path).write_text(filled(text))
     daemon = Daemon(home, free_port())
-    for name, scope in keys:
-        daemon.create_key(name, "--scope", scope)
-    daemon.start(*args, wait_ready=False, extra_env=env)
+    for name, scope, *options in profile.keys:
+        daemon.create_key(name, "--scope", scope, *options)
+    env = {name: filled(value) for name, value in profile.env}
+    daemon.start(*map(filled, profile.args), wait_ready=False, extra_env=env)
     try:
-        ids = [daemon.submit(spec, name=f"spec-{i}") for i, spec in enumerate(workloads)]
+        specs = [filled(spec) for spec in profile.workloads]
+        ids = [daemon.submit(spec, name=f"spec-{i}") for i, spec in enumerate(specs)]
         if ids:
             daemon.job, daemon.jobs = ids[0], ids
-            wait_running(daemon, ids)
+            wait_running(daemon, ids, timeout=600)
+        if profile.ready:
+            wait_ready(daemon)
         yield daemon
     finally:
         daemon.stop()
         prune(home)
+
+
+class Daemons:
+    """Starts daemons of :class:`Profile` for a test (the ``daemons`` fixture), filling the
+    placeholders from the session's fixtures (the tiny model is made only when asked for)."""
+
+    def __init__(self, request: pytest.FixtureRequest) -> None:
+        self.request = request
+        self.factory: pytest.TempPathFactory = request.getfixturevalue("tmp_path_factory")
+
+    def home(self, profile: Profile) -> Path:
+        models = self.request.getfixturevalue("models_home") if profile.demo else None
+        return make_home(self.factory, profile.name, models, profile.declaration)
+
+    def values(self, profile: Profile) -> dict[str, str]:
+        values = {"base": str(self.factory.getbasetemp())}
+        if profile.needs("{tiny}"):
+            values["tiny"] = str(self.request.getfixturevalue("tiny_model"))
+        return values
+
+    def serve(
+        self, profile: Profile, home: Path | None = None
+    ) -> contextlib.AbstractContextManager[Daemon]:
+        """:func:`serve` on ``home``, or a new home for ``profile``."""
+        return serve(profile, home or self.home(profile), self.values(profile))
+
+
+def daemon_fixture(profile: Profile, scope: str = "module") -> Any:
+    """The fixture of a daemon of ``profile``, started once per ``scope`` (``session``: once
+    per run for every file that asks, see ``tests/conftest.py``)."""
+
+    def fixture(request: pytest.FixtureRequest) -> Iterator[Daemon]:
+        with Daemons(request).serve(profile) as daemon:
+            yield daemon
+
+    fixture.shared_profile = profile if scope == "session" else None  # type: ignore[attr-defined]
+    return pytest.fixture(scope=scope)(fixture)  # type: ignore[call-overload]
+
+
+def shared_profiles(item: pytest.Item) -> list[Profile]:
+    """The profiles of the session-wide daemons ``item`` uses."""
+    info = getattr(item, "_fixtureinfo", None)
+    return [
+        profile
+        for defs in (info.name2fixturedefs.values() if info else ())
+        if (profile := getattr(defs[-1].func, "shared_profile", None)) is not None
+    ]
 
 
 LARGE = 1 << 20

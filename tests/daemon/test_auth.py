@@ -7,25 +7,26 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from tests.daemons import Daemon, launched, make_home, refused
+from tests.daemons import Daemon, Daemons, Profile, daemon_fixture, refused
 
 OPEN = {"/healthz", "/readyz", "/health"}
 
 
+auth_daemon = daemon_fixture(Profile("auth-home", keys=(("ops", "admin"),)))
+"""A daemon with no workload and one admin key ``ops``, made directly on KUNLUN_HOME."""
+
+
 @pytest.fixture(scope="module")
-def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, str]]:
-    """A daemon with no workload and one admin key ``ops``, made directly on KUNLUN_HOME."""
-    with launched(make_home(tmp_path_factory, "auth-home"), keys=[("ops", "admin")]) as d:
-        key = d.keys["ops"]
-        for stored in d.home.glob("state.db*"):  # the database and its journal files
-            assert key not in stored.read_bytes().decode("latin-1")  # only a hash is stored
-        yield d, key
+def keyed(auth_daemon: Daemon) -> tuple[Daemon, str]:
+    key = auth_daemon.keys["ops"]
+    for stored in auth_daemon.home.glob("state.db*"):  # the database and its journal files
+        assert key not in stored.read_bytes().decode("latin-1")  # only a hash is stored
+    return auth_daemon, key
 
 
 def route_table(tmp_path: Path) -> list[tuple[str, str]]:
@@ -171,10 +172,9 @@ def test_port_in_use_names_the_port_and_holder(keyed: tuple[Daemon, str], tmp_pa
     assert again.returncode == 2 and "a daemon already runs" in again.stderr
 
 
-def test_a_fixed_key_from_the_environment_is_an_admin_key_not_stored(tmp_path: Path) -> None:
-    (tmp_path / "home").mkdir()
+def test_a_fixed_key_from_the_environment_is_an_admin_key_not_stored(daemons: Daemons) -> None:
     secret = "ci-fixed-key-0123"
-    with launched(tmp_path / "home", env={"KUNLUN_API_KEY": secret}) as daemon:
+    with daemons.serve(Profile("fixed-key-home", env=(("KUNLUN_API_KEY", secret),))) as daemon:
         assert daemon.get("/v1/models").status_code == 401
         wrong = daemon.get("/v1/models", headers={"Authorization": "Bearer ci-fixed-key-0124"})
         assert wrong.status_code == 401
@@ -189,11 +189,11 @@ def test_a_fixed_key_from_the_environment_is_an_admin_key_not_stored(tmp_path: P
     assert "KUNLUN_API_KEY" in short.stderr and "too short" in short.stderr
 
 
-def test_cors_only_for_the_allowed_origins(tmp_path: Path) -> None:
-    (tmp_path / "home").mkdir()
+def test_cors_only_for_the_allowed_origins(daemons: Daemons) -> None:
     secret, app = "cors-test-key-42", "https://app.example.com"
     origins = ("--allowed-origins", f"{app},http://localhost:3000")
-    with launched(tmp_path / "home", *origins, env={"KUNLUN_API_KEY": secret}) as daemon:
+    cors = Profile("cors-home", args=origins, env=(("KUNLUN_API_KEY", secret),))
+    with daemons.serve(cors) as daemon:
         preflight = httpx.options(daemon.url + "/v1/chat/completions", timeout=30, headers={
             "Origin": app, "Access-Control-Request-Method": "POST",
             "Access-Control-Request-Headers": "authorization,content-type"})  # fmt: skip

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from tests.daemons import TINY_SPEC, Daemon, launched, make_home, settled_request_log
+from tests.daemons import TINY, Daemon, Daemons, Profile, settled_request_log
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -294,12 +294,9 @@ def test_request_ids_pass_through_and_are_logged(tiny_daemon: Daemon) -> None:
     assert entry["path"] == "/v1/completions" and entry["latency_ms"] > 0
 
 
-def test_daemon_sigkill_mid_batch_resumes_each_custom_id_once(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    home = make_home(tmp_path_factory, "batch-crash-home")
-    spec = TINY_SPEC.format(path=tiny_model, name="tiny")
-    with launched(home, "--batch-max-jobs", "1", workloads=[spec]) as daemon:
+def test_daemon_sigkill_mid_batch_resumes_each_custom_id_once(daemons: Daemons) -> None:
+    crash = Profile("batch-crash-home", (TINY,), args=("--batch-max-jobs", "1"))
+    with daemons.serve(crash) as daemon:
         sigkill_mid_batch_and_resume(daemon)
 
 

@@ -17,7 +17,6 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,22 +24,27 @@ import openai
 import pytest
 from tests.daemon.big_node import write_node
 from tests.daemon.test_dashboard_ui import CHROMIUM, HOSTILE, login, shot
-from tests.daemons import TINY_SPEC, Daemon, launched, make_home
+from tests.daemons import TINY, Daemon, Daemons, Profile
 
 sync_api = pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium")
 GPUS = 24
 
 
+REPLAYED = Profile(
+    "ui-pages-home", (TINY + "device: cpu:0\n",), keys=(("ops", "admin"), ("reader", "inference")),
+    env=(("KUNLUN_REPLAY_DIR", "{home}/node"),),
+)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def node(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The daemon on the replayed node, the tiny model serving on cpu:0 as ``tiny``;
-    (daemon, admin, reader)."""
-    home = make_home(tmp_path_factory, "ui-pages-home")
-    replay = write_node(home / "node", GPUS)
-    spec = TINY_SPEC.format(path=tiny_model, name="tiny") + "device: cpu:0\n"
-    with launched(home, keys=[("ops", "admin"), ("reader", "inference")], workloads=[spec],
-                  env={"KUNLUN_REPLAY_DIR": str(replay)}) as d:  # fmt: skip
+def node(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The daemon on the replayed node (:func:`write_node`), the tiny model serving on cpu:0
+    as ``tiny``; (daemon, admin, reader)."""
+    daemons = Daemons(request)
+    home = daemons.home(REPLAYED)
+    write_node(home / "node", GPUS)
+    with daemons.serve(REPLAYED, home) as d:
         yield d, d.keys["ops"], d.keys["reader"]
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import openai
 import pytest
-from tests.daemons import TINY_SPEC, Daemon, launched, make_home
+from tests.daemons import TINY, Daemon, Profile, daemon_fixture
 
 sync_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM = Path("/usr/bin/chromium")
@@ -28,13 +28,15 @@ HOSTILE = "<img src=x onerror=alert(1)>"
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium")
 
 
+ui_daemon = daemon_fixture(
+    Profile("ui-home", (TINY,), keys=(("ops", "admin"), ("reader", "inference")))
+)
+"""A daemon with an admin and an inference key, serving the tiny model as ``tiny``."""
+
+
 @pytest.fixture(scope="module")
-def keyed(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A daemon with an admin and an inference key, serving the tiny model as ``tiny``."""
-    home = make_home(tmp_path_factory, "ui-home")
-    keys = [("ops", "admin"), ("reader", "inference")]
-    with launched(home, keys=keys, workloads=[TINY_SPEC.format(path=tiny_model, name="tiny")]) as d:
-        yield d, d.keys["ops"], d.keys["reader"]
+def keyed(ui_daemon: Daemon) -> tuple[Daemon, str, str]:
+    return ui_daemon, ui_daemon.keys["ops"], ui_daemon.keys["reader"]
 
 
 @pytest.fixture(scope="module")

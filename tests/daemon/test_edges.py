@@ -15,14 +15,13 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from tests.daemons import TINY_SPEC, Daemon, launched, make_home, settled_request_log
+from tests.daemons import TINY, Daemon, Profile, daemon_fixture, settled_request_log
 
 from kunlun.json_text import MAX_DEPTH
 
@@ -69,10 +68,9 @@ def logged(home: Path, request_id: str) -> dict[str, Any] | None:
 
 
 @pytest.fixture(scope="module")
-def bare(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def bare(bare_daemon: Daemon) -> Daemon:
     """A daemon with no model and no key, for the admin API's and batch upload's checks."""
-    with launched(make_home(tmp_path_factory, "edges-bare")) as d:
-        yield d
+    return bare_daemon
 
 
 # ---- lone surrogates ----
@@ -289,17 +287,15 @@ def _requests_total(daemon: Daemon, status: str, replica: str | None = None) -> 
     return total
 
 
-@pytest.fixture(scope="module")
-def one_slot(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """A daemon whose replica runs one request at a time (``batch_size: 1``), taking at
-    most 4 sequences per request (set by its environment variable). Its context holds the
-    tiny model's 2,048 positions, so a stream can outlast what the test does meanwhile."""
-    spec = TINY_SPEC.format(path=tiny_model, name="tiny").replace("batch_size: 8", "batch_size: 1")
-    spec = spec.replace("max_model_len: 1024", f"max_model_len: {LONG_CONTEXT}")
-    home = make_home(tmp_path_factory, "edges-one-slot")
-    env = {"KUNLUN_MAX_SEQUENCES_PER_REQUEST": "4"}
-    with launched(home, env=env, workloads=[spec]) as d:
-        yield d
+one_slot = daemon_fixture(Profile(
+    "edges-one-slot",
+    (TINY.replace("batch_size: 8", "batch_size: 1").replace("max_model_len: 1024",
+                                                            f"max_model_len: {LONG_CONTEXT}"),),
+    env=(("KUNLUN_MAX_SEQUENCES_PER_REQUEST", "4"),),
+))  # fmt: skip
+"""A daemon whose replica runs one request at a time (``batch_size: 1``), taking at most 4
+sequences per request (set by its environment variable). Its context holds the tiny model's
+2,048 positions, so a stream can outlast what the test does meanwhile."""
 
 
 def test_clients_that_leave_queued_or_mid_stream_are_counted_and_logged_499(

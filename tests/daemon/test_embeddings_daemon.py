@@ -22,25 +22,31 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.daemons import Daemon, launched, make_home
+from tests.daemons import Daemon, Daemons, Profile
 
 TEXTS = ["The cat sat on the mat.", "Embeddings are pooled hidden states", "hi"]
 MAX_LEN = 64
 
 
+EMBED = Profile(
+    "embed-home",
+    (f"model: {{home}}/tiny\nname: tiny-last\ntask: embed\npooling: last\n"
+     f"dtype: fp32\nmax_model_len: {MAX_LEN}\nkv_cache_memory_mb: 8\n",),
+    args=("--model", "{home}/tiny", "--served-model-name", "tiny-embed", "--task", "embed",
+          "--dtype", "float32", "--max-model-len", str(MAX_LEN)),
+)  # fmt: skip
+"""The home's copy of the tiny model served for embeddings twice (``--model`` with mean
+pooling, a workload ``tiny-last`` with last-token pooling)."""
+
+
 @pytest.fixture(scope="module")
-def served(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Daemon, Path]]:
-    home = make_home(tmp_path_factory, "embed-home")
+def served(tiny_model: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Daemon, Path]]:
+    daemons = Daemons(request)
+    home = daemons.home(EMBED)
     tiny = Path(shutil.copytree(tiny_model, home / "tiny"))  # the cached model stays as it is
     config = json.loads((tiny / "config.json").read_text())  # Matryoshka sizes it "declares"
     (tiny / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [16, 32]}))
-    last = (f"model: {tiny}\nname: tiny-last\ntask: embed\npooling: last\n"
-            f"dtype: fp32\nmax_model_len: {MAX_LEN}\nkv_cache_memory_mb: 8\n")  # fmt: skip
-    with launched(home, "--model", str(tiny), "--served-model-name", "tiny-embed", "--task",
-                  "embed", "--dtype", "float32", "--max-model-len", str(MAX_LEN),
-                  workloads=[last]) as daemon:  # fmt: skip
+    with daemons.serve(EMBED, home) as daemon:
         proc = daemon.cli("workload", "submit", "--model", str(tiny), "--name", "tiny-gen",
                           "--dtype", "fp32", "--json")  # fmt: skip
         assert proc.returncode == 0, proc.stdout + proc.stderr

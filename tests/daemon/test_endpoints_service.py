@@ -7,14 +7,13 @@ restart of the daemon."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import pytest
-from tests.daemons import TINY_SPEC, Daemon, launched, make_home, settled_request_log
+from tests.daemons import TINY, Daemon, Profile, daemon_fixture, settled_request_log
 
 INPUT = {
     "type": "object", "additionalProperties": False, "required": ["review", "items"],
@@ -44,18 +43,20 @@ Answer with JSON: the sentiment and 1 to 5 stars.
 BODY = {"review": "Great coffee, fast delivery.", "items": [{"name": "beans", "price": 12.5}]}
 
 
+endpoints_daemon = daemon_fixture(Profile("endpoints-home", (TINY,)))
+"""A daemon of its own (it is restarted) serving the tiny model."""
+
+
 @pytest.fixture(scope="module")
 def served(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Daemon, Path]]:
-    """A daemon of its own (it is restarted) serving the tiny model, and the endpoint files."""
+    endpoints_daemon: Daemon, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Daemon, Path]:
+    """The daemon, and the endpoint files."""
     files = tmp_path_factory.mktemp("endpoint-files")
     (files / "in.json").write_text(json.dumps(INPUT, indent=2))
     (files / "out.json").write_text(json.dumps(OUTPUT, indent=2))
     (files / "review.jinja").write_text(PROMPT)
-    home = make_home(tmp_path_factory, "endpoints-home")
-    with launched(home, workloads=[TINY_SPEC.format(path=tiny_model, name="tiny")]) as d:
-        yield d, files
+    return endpoints_daemon, files
 
 
 def create(d: Daemon, files: Path, name: str, *extra: str, **paths: str) -> Any:

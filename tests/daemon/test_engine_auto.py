@@ -9,12 +9,11 @@ the test checks that ``auto`` follows the figures the daemon kept (and says them
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from tests.daemons import SPEC, Daemon, launched, new_home, submit_demo
+from tests.daemons import SPEC, Daemon, Profile, daemon_fixture, submit_demo
 
 from kunlun.engines.adapter import find_binary
 from kunlun.engines.measured import Measurement, faster_engine
@@ -24,13 +23,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def daemon(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """The demo model twice: ``smollm2`` on the embedded engine, ``smollm2-llama`` on llama.cpp."""
-    home = new_home(models_home, tmp_path_factory, "engine-auto-home")
-    specs = [SPEC, SPEC + "name: smollm2-llama\nengine: llama.cpp\n"]
-    with launched(home, workloads=specs) as d:  # both RUNNING with a ready replica
-        yield d
+daemon = daemon_fixture(Profile(
+    "engine-auto-home", (SPEC, SPEC + "name: smollm2-llama\nengine: llama.cpp\n"), demo=True
+))  # fmt: skip
+"""The demo model twice: ``smollm2`` on the embedded engine, ``smollm2-llama`` on llama.cpp."""
 
 
 def bench(daemon: Daemon, workload: str, tmp_path: Path) -> dict[str, float]:

@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.daemons import Daemon, launched, make_home, settled_request_log
+from tests.daemons import Daemon, Profile, daemon_fixture, settled_request_log
 
 MAX_EXAMPLES = int(os.environ.get("KUNLUN_FUZZ_EXAMPLES", "6"))
 """Cases per API operation and phase (about 30 operations, three phases): a fixed, bounded
@@ -46,14 +45,15 @@ which says nothing of the server. With room on the stack the first RecursionErro
 happens."""
 
 
+fuzz_daemon = daemon_fixture(Profile(
+    "fuzz-home", ("model: {tiny}\nname: tiny\nmax_model_len: 128\nkv_cache_memory_mb: 16\n",),
+    keys=(("fuzz", "admin"),),
+))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def fuzzed(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Daemon, str]]:
-    spec = f"model: {tiny_model}\nname: tiny\nmax_model_len: 128\nkv_cache_memory_mb: 16\n"
-    home = make_home(tmp_path_factory, "fuzz-home")
-    with launched(home, keys=[("fuzz", "admin")], workloads=[spec]) as daemon:
-        yield daemon, daemon.keys["fuzz"]
+def fuzzed(fuzz_daemon: Daemon) -> tuple[Daemon, str]:
+    return fuzz_daemon, fuzz_daemon.keys["fuzz"]
 
 
 FUZZER_CRASH = "AST constructor recursion depth mismatch"

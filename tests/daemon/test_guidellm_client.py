@@ -15,31 +15,29 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from tests.daemons import Daemon, launched, make_home, settled_request_log, wait_ready
+from tests.daemons import Daemon, Profile, daemon_fixture, settled_request_log
 
 MODEL = "tiny"
 NUM_REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 3, 24, 8
 GUIDELLM = Path(sys.executable).parent / "guidellm"
 
 
+guidellm_daemon = daemon_fixture(Profile(
+    "guidellm-home", args=("--model", "{tiny}", "--served-model-name", MODEL, "--max-model-len",
+                           "512", "--max-num-seqs", "2"),
+    keys=(("bench", "inference"),), ready=True))  # fmt: skip
+"""A daemon with API keys serving the tiny model (``kunlun-platform --model``)."""
+
+
 @pytest.fixture(scope="module")
-def served(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Daemon, str]]:
-    """A daemon with API keys serving the tiny model (``kunlun-platform --model``), and an
-    inference key."""
-    home = make_home(tmp_path_factory, "guidellm-home")
-    with launched(home, "--model", str(tiny_model), "--served-model-name", MODEL,
-                  "--max-model-len", "512", "--max-num-seqs", "2",
-                  keys=[("bench", "inference")]) as daemon:  # fmt: skip
-        wait_ready(daemon)
-        yield daemon, daemon.keys["bench"]
+def served(guidellm_daemon: Daemon) -> tuple[Daemon, str]:
+    """The daemon and its inference key."""
+    return guidellm_daemon, guidellm_daemon.keys["bench"]
 
 
 def offline_env() -> dict[str, str]:

@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
-from tests.daemons import TINY_SPEC, launched, make_home, wait_running
+from tests.daemons import TINY_SPEC, Daemons, Profile, wait_running
 
 from kunlun.paths import DIR_MODE, FILE_MODE
 
@@ -42,17 +41,18 @@ def test_everything_under_kunlun_home_is_private(
     models_home: Path,
     demo_model_dir: Path,
     tiny_model: Path,
-    tmp_path_factory: pytest.TempPathFactory,
+    daemons: Daemons,
     tmp_path: Path,
 ) -> None:
-    home = make_home(tmp_path_factory, "private-home", models_home)
+    private = Profile("private-home", demo=True)
+    home = daemons.home(private)
     old_dir = home / "logs"  # what an older version left behind, readable by everyone
     old_dir.mkdir(mode=0o755)
     (old_dir / "requests.jsonl").write_text("")
     old_dir.chmod(0o755)
     (old_dir / "requests.jsonl").chmod(0o644)
     (home / "state.db").chmod(0o644)
-    with launched(home) as daemon:
+    with daemons.serve(private, home) as daemon:
         spec = tmp_path / "spec.yaml"  # outside the home: written by the test, not the daemon
         spec.write_text(TINY_SPEC.format(path=tiny_model, name="tiny"))
         submitted = daemon.cli("workload", "submit", "--file", str(spec), "--json")

@@ -18,14 +18,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tests.daemons import (
-    TINY_SPEC,
-    Daemon,
-    launched,
-    make_home,
-    refused,
-    wait_running,
-)
+from tests.daemons import TINY, Daemon, Daemons, Profile, refused
 
 LOOPBACK = "127.0.0.1/32,::1"
 
@@ -52,27 +45,27 @@ class Limited:
 
 
 @pytest.fixture(scope="module")
-def limited(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Limited]:
-    home = make_home(tmp_path_factory, "limits-home")
+def limited(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Limited]:
     roots = {name: tmp_path_factory.mktemp(f"root-{name}") for name in ("flag", "env", "config")}
-    (home / "scheduler_config.yaml").write_text(
-        f"api_keys: {{allow_ips: [10.0.0.0/8]}}\nmodel_roots: [{roots['config']}]\n"
-    )
-    env = {"KUNLUN_MODEL_ROOTS": str(roots["env"])}
-    with launched(home, "--model-root", str(roots["flag"]), env=env) as d:
+    profile = Profile(
+        "limits-home", (TINY,), args=("--model-root", str(roots["flag"])),
         # keys with options of their own, made on the home (``ops`` first: it submits)
-        for name, *options in (
-            ("ops", "--scope", "admin", "--allow-ip", LOOPBACK),
-            ("app", "--allow-ip", LOOPBACK),
-            ("fenced",),  # the daemon's default allow-list: 10.0.0.0/8
-            ("elsewhere", "--allow-ip", "192.168.0.0/16"),
-            ("burst", "--rpm", "60", "--allow-ip", LOOPBACK),
-            ("frugal", "--tpm", "60", "--allow-ip", LOOPBACK),
-            ("refunded", "--tpm", "1200", "--allow-ip", LOOPBACK),
-        ):
-            d.create_key(name, *options)
-        d.job = d.submit(TINY_SPEC.format(path=tiny_model, name="tiny"), key=d.keys["ops"])
-        wait_running(d, [d.job])
+        keys=(
+            ("ops", "admin", "--allow-ip", LOOPBACK),
+            ("app", "inference", "--allow-ip", LOOPBACK),
+            ("fenced", "inference"),  # the daemon's default allow-list: 10.0.0.0/8
+            ("elsewhere", "inference", "--allow-ip", "192.168.0.0/16"),
+            ("burst", "inference", "--rpm", "60", "--allow-ip", LOOPBACK),
+            ("frugal", "inference", "--tpm", "60", "--allow-ip", LOOPBACK),
+            ("refunded", "inference", "--tpm", "1200", "--allow-ip", LOOPBACK),
+        ),
+        env=(("KUNLUN_MODEL_ROOTS", str(roots["env"])),),
+        files=(("scheduler_config.yaml", "api_keys: {allow_ips: [10.0.0.0/8]}\n"
+                f"model_roots: [{roots['config']}]\n"),),
+    )  # fmt: skip
+    with Daemons(request).serve(profile) as d:
         yield Limited(d, d.keys, roots)
 
 

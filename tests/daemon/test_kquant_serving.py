@@ -13,23 +13,22 @@ from pathlib import Path
 import openai
 import pytest
 from gguf import GGMLQuantizationType as QT
-from tests.daemons import (
-    QUALITY_ROWS,
-    Daemon,
-    assert_validate_passes,
-    free_port,
-    new_home,
-    patient_queue,
-)
+from tests.daemons import PATIENT, QUALITY_ROWS, Daemon, Daemons, Profile, assert_validate_passes
 from tests.engine.gguf_files import write_demo_kquant_gguf
-from tests.validate.conftest import wait_running
 
 NAME = "smollm2-q4k"
+KQUANT = Profile(
+    "kquant-home",
+    (f"model: {NAME}\nname: {NAME}\ndevice: cpu:0\nbatch_size: 4\nmax_model_len: 1024\n"
+     "kv_cache_memory_mb: 64\n",),
+    files=(PATIENT,), demo=True,
+)  # fmt: skip
+"""The Q4_K import (made in the home before the daemon starts) as workload ``smollm2-q4k``."""
 
 
 @pytest.fixture(scope="module")
 def kquant(
-    models_home: Path,
+    request: pytest.FixtureRequest,
     demo_model_dir: Path,
     demo_gguf: Path,
     tmp_path_factory: pytest.TempPathFactory,
@@ -39,26 +38,15 @@ def kquant(
     gguf = write_demo_kquant_gguf(
         folder / "smollm2-q4_k.gguf", demo_model_dir, demo_gguf, fallback=QT.Q8_0
     )
-    daemon = Daemon(
-        patient_queue(new_home(models_home, tmp_path_factory, "kquant-home")), free_port()
-    )
-    imported = daemon.cli("model", "import-gguf", str(gguf), "--name", NAME, remote=False,
-                          timeout=900)  # fmt: skip
+    daemons = Daemons(request)
+    home = daemons.home(KQUANT)
+    imported = Daemon(home, 0).cli("model", "import-gguf", str(gguf), "--name", NAME,
+                                   remote=False, timeout=900)  # fmt: skip
     assert imported.returncode == 0, imported.stderr
-    config = json.loads((daemon.home / "models" / NAME / "config.json").read_text())
+    config = json.loads((home / "models" / NAME / "config.json").read_text())
     assert config["quantization_config"]["scheme"] == "w4a16"
-    daemon.start(wait_ready=False)
-    try:
-        spec = daemon.home / "spec.yaml"
-        spec.write_text(f"model: {NAME}\nbatch_size: 4\nmax_model_len: 1024\n"
-                        "kv_cache_memory_mb: 64\n")  # fmt: skip
-        proc = daemon.cli("workload", "submit", "--file", str(spec), "--device", "cpu:0",
-                          "--name", NAME, "--json")  # fmt: skip
-        assert proc.returncode == 0, proc.stderr
-        wait_running(daemon, (NAME,))
+    with daemons.serve(KQUANT, home) as daemon:
         yield daemon
-    finally:
-        daemon.stop()
 
 
 def test_a_k_quant_gguf_import_serves_as_w4a16(kquant: Daemon) -> None:

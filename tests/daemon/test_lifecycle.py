@@ -6,11 +6,9 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
-import pytest
-from tests.daemons import TINY_SPEC, Daemon, launched, make_home
+from tests.daemons import TINY, Daemon, Daemons, Profile
 
 STREAM_TOKENS = 900
 """Each stream's length (``ignore_eos``): long enough that all are still going when the
@@ -34,11 +32,8 @@ def stream(url: str, results: list[list[str]], started: threading.Event) -> None
     results.append(lines)
 
 
-def test_sigterm_drains_in_flight_streams(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    home = make_home(tmp_path_factory, "drain-home")
-    with launched(home, workloads=[TINY_SPEC.format(path=tiny_model, name="tiny")]) as daemon:
+def test_sigterm_drains_in_flight_streams(daemons: Daemons) -> None:
+    with daemons.serve(Profile("drain-home", (TINY,))) as daemon:
         drains_in_flight_streams(daemon)
 
 

@@ -21,7 +21,6 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -30,7 +29,7 @@ import jsonschema
 import numpy as np
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
-from tests.daemons import TINY_SPEC, Daemon, launched, make_home, settled_request_log
+from tests.daemons import TINY, Daemon, Profile, daemon_fixture, settled_request_log
 from tests.serving.test_tool_calling import ASK, TOOLS, check_call
 
 MODEL, EMBED = "tiny", "tiny-embed"
@@ -60,15 +59,19 @@ def wait_workloads_ready(daemon: Daemon, admin: str, count: int, timeout: float 
         time.sleep(0.3)
 
 
+litellm_daemon = daemon_fixture(Profile(
+    "litellm-home", (TINY,),
+    args=("--model", "{tiny}", "--served-model-name", EMBED, "--task", "embed", "--dtype",
+          "float32", "--max-model-len", "64"),
+    keys=(("ops", "admin"), ("app", "inference")),
+))  # fmt: skip
+"""The tiny model twice: ``tiny`` for chat, ``tiny-embed`` for embeddings (``--model``)."""
+
+
 @pytest.fixture(scope="module")
-def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    keys = [("ops", "admin"), ("app", "inference")]
-    with launched(make_home(tmp_path_factory, "litellm-home"), "--model", str(tiny_model),
-                  "--served-model-name", EMBED, "--task", "embed", "--dtype", "float32",
-                  "--max-model-len", "64", keys=keys,
-                  workloads=[TINY_SPEC.format(path=tiny_model, name=MODEL)]) as daemon:  # fmt: skip
-        wait_workloads_ready(daemon, daemon.keys["ops"], 2)
-        yield Served(daemon, daemon.keys["app"])
+def served(litellm_daemon: Daemon) -> Served:
+    wait_workloads_ready(litellm_daemon, litellm_daemon.keys["ops"], 2)
+    return Served(litellm_daemon, litellm_daemon.keys["app"])
 
 
 class NetworkWatch:

@@ -10,12 +10,10 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import psutil
-import pytest
-from tests.daemons import TINY_SPEC, Daemon, launched, make_home, stream_lines, wait_ready
+from tests.daemons import TINY, Daemon, Daemons, Profile, stream_lines, wait_ready
 
 DEADLINE_S = 3.0
 """The worker answer deadline the daemon runs with here (a test-sized value)."""
@@ -36,14 +34,15 @@ def worker_pid(daemon: Daemon, job: str) -> int:
     return int(daemon.describe(job)["replicas"][0]["pid"])
 
 
-def test_a_stopped_worker_fails_its_requests_with_504_and_is_restarted(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    spec = TINY_SPEC.format(path=tiny_model, name="tiny").replace(
-        "max_model_len: 1024", f"max_model_len: {LONG + 48}"
-    )
-    home = make_home(tmp_path_factory, "liveness-home")
-    with launched(home, "--worker-answer-deadline-s", str(DEADLINE_S), workloads=[spec]) as daemon:
+LIVENESS = Profile(
+    "liveness-home",
+    (TINY.replace("max_model_len: 1024", f"max_model_len: {LONG + 48}"),),
+    args=("--worker-answer-deadline-s", str(DEADLINE_S)),
+)
+
+
+def test_a_stopped_worker_fails_its_requests_with_504_and_is_restarted(daemons: Daemons) -> None:
+    with daemons.serve(LIVENESS) as daemon:
         job = daemon.job
         assert job is not None
         old_pid = worker_pid(daemon, job)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -33,13 +32,13 @@ from tests.daemon.test_api import (  # noqa: F401 - collected here, against llam
     test_worker_killed_mid_stream,
 )
 from tests.daemons import (
+    PATIENT,
     SPEC,
     Daemon,
+    Profile,
     assert_validate_passes,
     battery_groups,
-    launched,
-    new_home,
-    patient_queue,
+    daemon_fixture,
 )
 
 from kunlun.engines.adapter import find_binary
@@ -52,12 +51,11 @@ pytestmark = pytest.mark.skipif(
 HELLO = [{"role": "user", "content": "Say hello to the reader."}]
 
 
-@pytest.fixture(scope="module")
-def daemon(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """A daemon whose only workload serves the demo model as ``smollm2`` on llama.cpp."""
-    home = patient_queue(new_home(models_home, tmp_path_factory, "llama-cpp-home"))
-    with launched(home, workloads=[SPEC + "engine: llama.cpp\n"]) as d:
-        yield d
+daemon = daemon_fixture(
+    Profile("llama-cpp-home", (SPEC + "engine: llama.cpp\n",), files=(PATIENT,), demo=True)
+)
+"""A daemon whose only workload serves the demo model as ``smollm2`` on llama.cpp (the
+daemon of the tests imported from test_api)."""
 
 
 @pytest.fixture

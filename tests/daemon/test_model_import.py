@@ -7,12 +7,12 @@ and no traceback.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
-from tests.daemons import Daemon, free_port, launched, make_home
+from tests.daemons import Daemon, free_port
 from tests.engine.gguf_bytes import (
     ARRAY,
     GGUF,
@@ -58,15 +58,6 @@ def crafted(folder: Path, change: Callable[[GGUF], None]) -> Path:
     path = folder / "crafted.gguf"
     path.write_bytes(gguf_bytes(model))
     return path
-
-
-@pytest.fixture(scope="module")
-def bare_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """A daemon with no workload (imports need no worker)."""
-    home = make_home(tmp_path_factory, "import-home")
-    # the crafted files are written under the session's temporary folder: a model root
-    with launched(home, "--model-root", str(tmp_path_factory.getbasetemp())) as daemon:
-        yield daemon
 
 
 def one_message(stderr: str, *needles: str) -> None:

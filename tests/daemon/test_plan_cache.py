@@ -10,8 +10,7 @@ from typing import Any
 
 import httpx
 import psutil
-import pytest
-from tests.daemons import TINY_SPEC, Daemon, launched, make_home, wait_ready
+from tests.daemons import TINY_SPEC, Daemon, Daemons, Profile, wait_ready
 
 from kunlun.engine.launch import read_launch
 
@@ -44,11 +43,11 @@ def stop(daemon: Daemon, job: str) -> None:
 
 
 def test_plan_cache_hit_reuses_conversion_and_a_changed_declaration_misses(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, daemons: Daemons
 ) -> None:
-    home = make_home(tmp_path_factory, "plan-cache-home")
     spec = TINY_SPEC.format(path=tiny_model, name="tiny")  # a plan names a path's folder
-    with launched(home) as daemon:
+    with daemons.serve(Profile("plan-cache-home")) as daemon:
+        home = daemon.home
         dry = daemon.cli("workload", "submit", "--model", str(tiny_model), "--name", "tiny",
                          "--dtype", "bf16", "--dry-run")  # fmt: skip
         assert dry.returncode == 0, dry.stderr

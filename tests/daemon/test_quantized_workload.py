@@ -13,12 +13,12 @@ from pathlib import Path
 import openai
 import pytest
 from tests.daemons import (
+    PATIENT,
     QUALITY_ROWS,
     Daemon,
+    Daemons,
+    Profile,
     assert_validate_passes,
-    launched,
-    new_home,
-    patient_queue,
 )
 from tests.validate.conftest import wait_running
 
@@ -31,9 +31,9 @@ kv_cache_memory_mb: 64
 WORKLOADS = {"smollm2-w8a8": ("--quantization", "w8a8"), "smollm2-w4a16": ("--quantize", "w4a16")}
 
 
-def serve_quantized(home: Path, name: str) -> Iterator[Daemon]:
-    """A daemon on ``home`` running the demo model as workload ``name`` on cpu:0."""
-    with launched(patient_queue(home)) as daemon:
+def serve_quantized(request: pytest.FixtureRequest, name: str) -> Iterator[Daemon]:
+    """A daemon running the demo model as workload ``name`` on cpu:0."""
+    with Daemons(request).serve(Profile(f"{name}-home", demo=True, files=(PATIENT,))) as daemon:
         spec = daemon.home / "spec.yaml"
         spec.write_text(SPEC)
         proc = daemon.cli("workload", "submit", "--file", str(spec), "--model", "smollm2",
@@ -45,14 +45,13 @@ def serve_quantized(home: Path, name: str) -> Iterator[Daemon]:
 
 
 @pytest.fixture(scope="module")
-def w8a8(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    yield from serve_quantized(new_home(models_home, tmp_path_factory, "w8a8-home"), "smollm2-w8a8")
+def w8a8(request: pytest.FixtureRequest) -> Iterator[Daemon]:
+    yield from serve_quantized(request, "smollm2-w8a8")
 
 
 @pytest.fixture(scope="module")
-def w4a16(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    yield from serve_quantized(new_home(models_home, tmp_path_factory, "w4a16-home"),
-                               "smollm2-w4a16")  # fmt: skip
+def w4a16(request: pytest.FixtureRequest) -> Iterator[Daemon]:
+    yield from serve_quantized(request, "smollm2-w4a16")
 
 
 @pytest.fixture

@@ -7,11 +7,9 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
-import pytest
-from tests.daemons import TINY_SPEC, launched, make_home, stream_lines
+from tests.daemons import TINY, Daemons, Profile, stream_lines
 
 NUM_QUEUED = 6
 CONTEXT = 2048
@@ -19,14 +17,18 @@ CONTEXT = 2048
 holds the slot well past the queue's bound (asserted)."""
 
 
+ONE_SLOT = Profile(
+    "queue-wait-home",
+    (TINY.replace("batch_size: 8", "batch_size: 1").replace("max_model_len: 1024",
+                                                            f"max_model_len: {CONTEXT}"),),
+    files=(("scheduler_config.yaml", "max_queue_wait_s: 0.5\n"),),
+)  # fmt: skip
+
+
 def test_requests_queued_past_max_queue_wait_get_429_with_a_drain_rate_retry_after(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    daemons: Daemons,
 ) -> None:
-    home = make_home(tmp_path_factory, "queue-wait-home")
-    (home / "scheduler_config.yaml").write_text("max_queue_wait_s: 0.5\n")
-    spec = TINY_SPEC.format(path=tiny_model, name="tiny").replace("batch_size: 8", "batch_size: 1")
-    spec = spec.replace("max_model_len: 1024", f"max_model_len: {CONTEXT}")
-    with launched(home, workloads=[spec]) as daemon:
+    with daemons.serve(ONE_SLOT) as daemon:
         lines: list[str] = []
         started, leave = threading.Event(), threading.Event()
         holder = threading.Thread(

@@ -16,14 +16,7 @@ from typing import Any
 
 import openai
 import pytest
-from tests.daemons import (
-    TINY_SPEC,
-    Daemon,
-    launched,
-    make_home,
-    refused,
-    stream_lines,
-)
+from tests.daemons import TINY, Daemon, Daemons, Profile, refused, stream_lines
 
 INTERVAL_S = 2.0
 """The health-check interval the daemon runs with here (timeout 1 s)."""
@@ -81,15 +74,22 @@ def served_by(client: openai.OpenAI) -> str:
     return str(raw.headers["x-kunlun-replica"])
 
 
+TWO_REPLICAS = Profile(
+    "ejection-home", (TINY + "replicas: 2\n",),
+    args=("--health-check-interval", str(INTERVAL_S), "--health-check-timeout", "1",
+          "--worker-answer-deadline-s", "120"),  # the liveness kill stays out of it
+    files=(("scheduler_config.yaml", "policy: round-robin\n"),),
+)  # fmt: skip
+BUSY = Profile(
+    "busy-home", (TINY.replace("batch_size: 8", "batch_size: 2"),),
+    args=("--health-check-interval", "1", "--health-check-timeout", "0.5"),
+)  # fmt: skip
+
+
 def test_a_stopped_replica_is_ejected_and_restored_while_the_other_serves(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    daemons: Daemons,
 ) -> None:
-    home = make_home(tmp_path_factory, "ejection-home")
-    (home / "scheduler_config.yaml").write_text("policy: round-robin\n")
-    spec = TINY_SPEC.format(path=tiny_model, name="tiny") + "replicas: 2\n"
-    flags = ("--health-check-interval", str(INTERVAL_S), "--health-check-timeout", "1",
-             "--worker-answer-deadline-s", "120")  # fmt: skip  # the liveness kill stays out of it
-    with launched(home, *flags, workloads=[spec]) as daemon:
+    with daemons.serve(TWO_REPLICAS) as daemon:
         job = daemon.job
         assert job is not None
         stopped: int | None = None
@@ -143,17 +143,12 @@ BUSY_TOKENS = 1000
 keep it full across several checks one second apart."""
 
 
-def test_a_replica_busy_with_a_full_batch_stays_in_routing(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
+def test_a_replica_busy_with_a_full_batch_stays_in_routing(daemons: Daemons) -> None:
     """Two streams fill the replica's two sequence slots: the checks see the engine's step
     counter move (serving, no probe sent), or a probe waits behind the batch past its timeout
     (busy); either keeps the replica in. (A stall needs a minute without a step with requests
     unfinished, far longer than the batch.)"""
-    spec = TINY_SPEC.format(path=tiny_model, name="tiny").replace("batch_size: 8", "batch_size: 2")
-    home = make_home(tmp_path_factory, "busy-home")
-    flags = ("--health-check-interval", "1", "--health-check-timeout", "0.5")
-    with launched(home, *flags, workloads=[spec]) as daemon:
+    with daemons.serve(BUSY) as daemon:
         job = daemon.job
         assert job is not None
         streams: list[tuple[list[str], threading.Event]] = [([], threading.Event()) for _ in "ab"]

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from tests.daemons import Daemon, launched, make_home, refused
+from tests.daemons import Daemon, Daemons, Profile, refused
 
 from kunlun.daemon.request_log import RequestLog, RequestLogConfig
 
@@ -154,12 +154,11 @@ def test_no_entry_stops_the_writer(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "later entries are written" in err
 
 
-def test_sigterm_writes_every_queued_entry(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_sigterm_writes_every_queued_entry(daemons: Daemons) -> None:
     """A real daemon (no model: the /v1 requests need none) with a flush interval far longer
     than the test: every entry is still queued when SIGTERM arrives, and all are on disk
     once the daemon has exited."""
-    with launched(make_home(tmp_path_factory, "request-log-home"), "--request-log-flush-s",
-                  "60") as daemon:  # fmt: skip
+    with daemons.serve(Profile("request-log-home", args=("--request-log-flush-s", "60"))) as daemon:
         sigterm_writes_every_queued_entry(daemon)
 
 

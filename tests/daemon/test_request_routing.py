@@ -8,13 +8,12 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from tests.daemons import TINY_SPEC, Daemon, launched, make_home, refused
+from tests.daemons import TINY, Daemon, Profile, daemon_fixture, refused
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -29,18 +28,21 @@ class Routed:
         )
 
 
+low_priority = daemon_fixture(Profile(
+    "routing-home", (TINY + "priority: low\n",), keys=(("plain", "admin"),),
+    files=(("scheduler_config.yaml", "policy: round-robin\n"),),
+))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def routed(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Routed]:
-    home = make_home(tmp_path_factory, "routing-home")
-    (home / "scheduler_config.yaml").write_text("policy: round-robin\n")
-    spec = TINY_SPEC.format(path=tiny_model, name="tiny") + "priority: low\n"
-    with launched(home, keys=[("plain", "admin")], workloads=[spec]) as d:
-        high_key = d.create_key("batch-high", "--priority", "high")  # on the home, as "plain"
-        deadline = time.monotonic() + 60  # the daemon rereads its keys within 0.25 s
-        while d.get("/v1/models", headers={"Authorization": f"Bearer {high_key}"}).is_error:
-            assert time.monotonic() < deadline, "the running daemon never took the new key"
-            time.sleep(0.1)
-        yield Routed(d, high_key, d.keys["plain"])
+def routed(low_priority: Daemon) -> Routed:
+    d = low_priority
+    high_key = d.create_key("batch-high", "--priority", "high")  # on the home, as "plain"
+    deadline = time.monotonic() + 60  # the daemon rereads its keys within 0.25 s
+    while d.get("/v1/models", headers={"Authorization": f"Bearer {high_key}"}).is_error:
+        assert time.monotonic() < deadline, "the running daemon never took the new key"
+        time.sleep(0.1)
+    return Routed(d, high_key, d.keys["plain"])
 
 
 def ask(client: openai.OpenAI, **headers: str) -> dict[str, str]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from tests.daemons import launched, make_home, refused, wait_ready
+from tests.daemons import Daemons, Profile, make_home, refused
 from tests.engine.gguf_bytes import gguf_bytes, tiny_llama
 
 REPO = "kunlun-tests/tiny-llama"
@@ -31,15 +31,21 @@ def hf_cache(root: Path, model_dir: Path) -> Path:
     return root
 
 
+HF_REPO = Profile(
+    "serve-flag-home",
+    args=("--model", REPO, "--served-model-name", "tiny-chat", "--dtype", "float32",
+          "--max-model-len", "512", "--max-num-seqs", "4"),
+    env=(("HF_HOME", "{home}/hf"),), ready=True,
+)  # fmt: skip
+"""``REPO`` served by ``--model`` from the Hugging Face cache in the home (:func:`hf_cache`)."""
+
+
 def test_a_repo_id_in_the_hf_cache_is_served_under_the_name_given(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, daemons: Daemons
 ) -> None:
-    home = make_home(tmp_path_factory, "serve-flag-home")
-    cache = hf_cache(tmp_path_factory.mktemp("hf"), tiny_model)
-    with launched(home, "--model", REPO, "--served-model-name", "tiny-chat", "--dtype", "float32",
-                  "--max-model-len", "512", "--max-num-seqs", "4",
-                  env={"HF_HOME": str(cache)}) as daemon:  # fmt: skip
-        wait_ready(daemon)
+    home = daemons.home(HF_REPO)
+    hf_cache(home / "hf", tiny_model)
+    with daemons.serve(HF_REPO, home) as daemon:
         client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
         (card,) = client.models.list().data
         assert card.id == "tiny-chat" and card.model_extra["max_model_len"] == 512  # type: ignore[index]

@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,22 +17,22 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tests.daemons import BIN, TINY_SPEC, Daemon, free_port, launched, make_home
+from tests.daemons import BIN, TINY, Daemon, Profile, daemon_fixture, free_port
 
 PROFILED = "telemetry:\n  advanced_profiling: true\n  profiling_interval_ms: 0\n"
 
 
+profiled = daemon_fixture(Profile(
+    "telemetry-home", (TINY + PROFILED,),
+    env=(("KUNLUN_TELEMETRY_INTERVAL_S", "1"),),  # device samples every second
+))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def keyed(
-    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Daemon, str]]:
-    """A daemon serving the tiny model with profiling on, then given an API key (made
+def keyed(profiled: Daemon) -> tuple[Daemon, str]:
+    """The daemon serving the tiny model with profiling on, then given an API key (made
     through the daemon, which has none until then)."""
-    home = make_home(tmp_path_factory, "telemetry-home")
-    spec = TINY_SPEC.format(path=tiny_model, name="tiny") + PROFILED
-    env = {"KUNLUN_TELEMETRY_INTERVAL_S": "1"}  # device samples every second
-    with launched(home, env=env, workloads=[spec]) as d:
-        yield d, d.create_key("prometheus", "--scope", "admin", remote=True)
+    return profiled, profiled.create_key("prometheus", "--scope", "admin", remote=True)
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

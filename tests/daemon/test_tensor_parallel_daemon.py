@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import httpx
 import openai
 import pytest
 import torch
-from tests.daemons import TINY_SPEC, Daemon, launched, make_home, wait_ready, wait_running
+from tests.daemons import TINY_SPEC, Daemon, Profile, daemon_fixture, wait_ready, wait_running
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The capital of France is"
@@ -33,16 +32,20 @@ NEAR_TIE = 1e-4
 this close (the ranks' all-reduce sums in another order: the last bits differ)."""
 
 
+empty_daemon = daemon_fixture(Profile("tp-home"))
+
+
 @pytest.fixture(scope="module")
-def tp_daemon(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    with launched(make_home(tmp_path_factory, "tp-home")) as d:
-        spec = d.home / "spec.yaml"
-        spec.write_text(TINY_SPEC.format(path=tiny_model, name="tiny"))
-        made = d.cli("workload", "submit", "--file", str(spec), "--tp-size", "2", "--json")
-        assert made.returncode == 0, made.stderr
-        d.job = json.loads(made.stdout)["workload_id"]
-        wait_running(d, [d.job])
-        yield d
+def tp_daemon(tiny_model: Path, empty_daemon: Daemon) -> Daemon:
+    """The tiny model on two ranks (``workload submit --tp-size 2``)."""
+    d = empty_daemon
+    spec = d.home / "spec.yaml"
+    spec.write_text(TINY_SPEC.format(path=tiny_model, name="tiny"))
+    made = d.cli("workload", "submit", "--file", str(spec), "--tp-size", "2", "--json")
+    assert made.returncode == 0, made.stderr
+    d.job = json.loads(made.stdout)["workload_id"]
+    wait_running(d, [d.job])
+    return d
 
 
 def workload(daemon: Daemon) -> dict[str, Any]:

@@ -12,12 +12,11 @@ llama.cpp column against the embedded one.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from tests.daemons import SPEC, Daemon, launched, new_home, patient_queue
+from tests.daemons import PATIENT, SPEC, Daemon, Profile, daemon_fixture
 
 from kunlun.engines.adapter import find_binary
 from kunlun.validate.numerics import MAX_ABS_MAX, MEAN_ABS_MAX
@@ -28,15 +27,19 @@ pytestmark = pytest.mark.skipif(
 SMALL = "engine: {}\nbatch_size: 4\n"  # two plans on one cpu:0, small KV caches each
 
 
+ENGINES = ("kunlun", "llama.cpp")
+two_engines = daemon_fixture(Profile(
+    "engines-home", tuple(SPEC + SMALL.format(e) for e in ENGINES), files=(PATIENT,), demo=True
+))  # fmt: skip
+"""A daemon serving ``smollm2`` on the embedded engine and on llama.cpp, both on cpu:0 with
+one thread each."""
+
+
 @pytest.fixture(scope="module")
-def engines(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    """A daemon serving ``smollm2`` on the embedded engine and on llama.cpp, both on cpu:0
-    with one thread each; ``d.by_engine`` maps engine -> workload id."""
-    home = patient_queue(new_home(models_home, tmp_path_factory, "engines-home"))
-    engines = ("kunlun", "llama.cpp")
-    with launched(home, workloads=[SPEC + SMALL.format(e) for e in engines]) as d:
-        d.by_engine = dict(zip(engines, d.jobs, strict=True))  # type: ignore[attr-defined]
-        yield d
+def engines(two_engines: Daemon) -> Daemon:
+    """The daemon; ``d.by_engine`` maps engine -> workload id."""
+    two_engines.by_engine = dict(zip(ENGINES, two_engines.jobs, strict=True))  # type: ignore[attr-defined]
+    return two_engines
 
 
 def complete(daemon: Daemon, pool: str) -> httpx.Response:

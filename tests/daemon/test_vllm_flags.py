@@ -7,14 +7,12 @@ and the line. (Flags refused before the daemon serves: ``test_serve_model_flag.p
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
-import pytest
-from tests.daemons import Daemon, launched, make_home, wait_ready
+from tests.daemons import Daemon, Profile, daemon_fixture
 
 from kunlun.engine.tokenizer import Tokenizer
 
@@ -32,16 +30,14 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 HI = [{"role": "user", "content": "Hi there"}]
 
 
-@pytest.fixture(scope="module")
-def served(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    home = make_home(tmp_path_factory, "vllm-flags-home")
-    template = home / "house.jinja"
-    template.write_text(TEMPLATE)
-    with launched(home, "--model", str(tiny_model), "--served-model-name", "tiny",
-                  "--chat-template", str(template), "--gpu-memory-utilization", str(FRACTION),
-                  "--max-model-len", "256", "--max-num-seqs", "2") as daemon:  # fmt: skip
-        wait_ready(daemon)
-        yield daemon
+served = daemon_fixture(Profile(
+    "vllm-flags-home",
+    args=("--model", "{tiny}", "--served-model-name", "tiny", "--chat-template",
+          "{home}/house.jinja", "--gpu-memory-utilization", str(FRACTION), "--max-model-len",
+          "256", "--max-num-seqs", "2"),
+    files=(("house.jinja", TEMPLATE),), ready=True,
+))  # fmt: skip
+"""The tiny model served by ``--model`` with vLLM's flags (a chat template of the house)."""
 
 
 def tokens_of(model_dir: Path, template: str | None, **variables: Any) -> list[int]:

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from tests.daemons import TINY_SPEC, Daemon, launched, make_home
+from tests.daemons import TINY, TINY_SPEC, Daemon, Daemons, Profile
 
 FOREIGN = {"ASCEND_RT_VISIBLE_DEVICES": "0", "MLU_VISIBLE_DEVICES": "0", "SECRET_TOKEN": "x"}
 
@@ -72,11 +72,11 @@ def tiny_spec(tiny_model: Path) -> str:
 
 
 def test_sandboxed_worker_serves_and_dies_with_its_daemon(
-    tiny_spec: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+    daemons: Daemons, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for name, value in FOREIGN.items():
         monkeypatch.setenv(name, value)
-    with launched(make_home(tmp_path_factory, "sandbox-home"), workloads=[tiny_spec]) as daemon:
+    with daemons.serve(Profile("sandbox-home", (TINY,))) as daemon:
         job = daemon.job
         assert job is not None
         pid = worker_pid(daemon, job)
@@ -123,10 +123,10 @@ def test_sandboxed_worker_serves_and_dies_with_its_daemon(
 
 
 def test_forbidden_system_call_fails_the_workload_with_the_call(
-    tiny_spec: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+    tiny_spec: str, daemons: Daemons
 ) -> None:
-    monkeypatch.setenv("KUNLUN_WORKER_SELF_TEST", "forbidden-syscall")
-    with launched(make_home(tmp_path_factory, "seccomp-home")) as daemon:
+    self_test = Profile("seccomp-home", env=(("KUNLUN_WORKER_SELF_TEST", "forbidden-syscall"),))
+    with daemons.serve(self_test) as daemon:
         job = daemon.submit(tiny_spec)
         described = wait_state(daemon, job, "FAILED")
         reason = described["reason"]
@@ -137,10 +137,8 @@ def test_forbidden_system_call_fails_the_workload_with_the_call(
         assert daemon.get("/healthz").status_code == 200  # the daemon runs on
 
 
-def test_worker_over_its_memory_cap_fails_the_workload(
-    tiny_spec: str, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    with launched(make_home(tmp_path_factory, "memcap-home")) as daemon:
+def test_worker_over_its_memory_cap_fails_the_workload(tiny_spec: str, daemons: Daemons) -> None:
+    with daemons.serve(Profile("memcap-home")) as daemon:
         job = daemon.submit(tiny_spec + "memory_cap_mb: 64\n")
         described = wait_state(daemon, job, "FAILED")
         assert "worker exceeded its memory cap of 64 MiB" in described["reason"]
@@ -151,11 +149,10 @@ def test_worker_over_its_memory_cap_fails_the_workload(
 
 
 def test_no_worker_sandbox_is_logged_and_keeps_only_the_death_signal(
-    tiny_spec: str, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+    tiny_spec: str, daemons: Daemons, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SECRET_TOKEN", "x")
-    home = make_home(tmp_path_factory, "nosandbox-home")
-    with launched(home, "--no-worker-sandbox") as daemon:
+    with daemons.serve(Profile("nosandbox-home", args=("--no-worker-sandbox",))) as daemon:
         job = daemon.submit(tiny_spec)
         pid = worker_pid(daemon, job)
         assert daemon.log().count("worker sandbox: OFF") == 1
@@ -163,10 +160,11 @@ def test_no_worker_sandbox_is_logged_and_keeps_only_the_death_signal(
         assert status(pid)["Seccomp"] == "0"
 
 
-def test_restart_reaps_a_leftover_worker(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_restart_reaps_a_leftover_worker(daemons: Daemons) -> None:
     """A worker recorded by an earlier daemon that is still alive (one that could not be
     told to die with it) is killed when the next daemon starts."""
-    home = make_home(tmp_path_factory, "reap-home")
+    reap = Profile("reap-home")
+    home = daemons.home(reap)
     started = subprocess.run(  # orphaned at once, as a dead daemon's worker is
         ["sh", "-c", "setsid sleep 600 >/dev/null 2>&1 & echo $!"],
         capture_output=True, text=True, check=True,
@@ -176,7 +174,7 @@ def test_restart_reaps_a_leftover_worker(tmp_path_factory: pytest.TempPathFactor
     run_dir.mkdir(parents=True)
     record = {"pid": leftover.pid, "create_time": leftover.create_time()}
     (run_dir / "wl-old-r0.pid").write_text(json.dumps(record))
-    with launched(home) as daemon:
+    with daemons.serve(reap, home) as daemon:
         deadline = time.monotonic() + 60
         while not gone(leftover.pid) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.daemons import Daemon, free_port, refused
+from tests.daemons import Daemon, Daemons, Profile, refused
 from tests.offline.conftest import PackFn, run
 from tests.planner.conftest import NODES
 
@@ -46,16 +46,15 @@ def test_require_signed_needs_keys_and_a_signed_device_config(
 
 
 def test_require_signed_serves_a_package_and_refuses_a_plain_directory(
-    pack_tiny: PackFn, keys: Path, tiny_llama: Path, tmp_path: Path
+    pack_tiny: PackFn, keys: Path, tiny_llama: Path, tmp_path: Path, daemons: Daemons
 ) -> None:
     home = installed_home(tmp_path, pack_tiny(), keys)
     config = tmp_path / "device-plugin-config.yaml"
     config.write_text("devices: []\n")
     run("kunlun-cli", "keys", "sign", str(config), "--key", str(keys / "kunlun-signing.key"),
         home=home)  # fmt: skip
-    daemon = Daemon(home, free_port())
-    daemon.start("--require-signed", "--config", str(config), wait_ready=False)
-    try:
+    signed_only = Profile("signed-only", args=("--require-signed", "--config", str(config)))
+    with daemons.serve(signed_only, home) as daemon:
         plain = daemon.cli("workload", "submit", "--model", str(tiny_llama), "--name", "plain")
         assert plain.returncode != 0 and "-> 403" in plain.stderr, plain.stdout + plain.stderr
         assert "is not an installed signed package" in plain.stderr
@@ -68,8 +67,6 @@ def test_require_signed_serves_a_package_and_refuses_a_plain_directory(
         assert stat.S_IMODE((model / "config.json").stat().st_mode) == 0o444
         logs = daemon.cli("workload", "logs", job).stdout
         assert "plan_cache: hit" in logs and "conversion: none" in logs, logs
-    finally:
-        daemon.stop()
     audit = [json.loads(x) for x in (home / "logs" / "audit.jsonl").read_text().splitlines()]
     kinds = [(a["event"], a.get("kind")) for a in audit]
     assert ("verified", "device_config") in kinds and ("verified", "package") in kinds
@@ -88,12 +85,10 @@ def wait_state(daemon: Daemon, job: str, state: str, timeout: float = 180) -> di
 
 
 def test_a_file_changed_under_a_served_package_stops_it_until_repaired(
-    pack_tiny: PackFn, keys: Path, tmp_path: Path
+    pack_tiny: PackFn, keys: Path, tmp_path: Path, daemons: Daemons
 ) -> None:
     home = installed_home(tmp_path, pack_tiny(), keys)
-    daemon = Daemon(home, free_port())
-    daemon.start("--integrity-interval", "1", wait_ready=False)
-    try:
+    with daemons.serve(Profile("integrity", args=("--integrity-interval", "1")), home) as daemon:
         job = json.loads(daemon.cli("workload", "submit", "--model", "tiny", "--json").stdout)[
             "workload_id"
         ]
@@ -120,8 +115,6 @@ def test_a_file_changed_under_a_served_package_stops_it_until_repaired(
         run("kunlun-installer", "--repair", "--home", str(home), home=home)
         fixed = daemon.cli("workload", "submit", "--model", "tiny", "--name", "fixed", "--json")
         wait_state(daemon, json.loads(fixed.stdout)["workload_id"], "RUNNING")
-    finally:
-        daemon.stop()
     audit = [json.loads(x) for x in (home / "logs" / "audit.jsonl").read_text().splitlines()]
     failure = next(a for a in audit if a["event"] == "integrity_failure")
     assert failure["name"] == "tiny" and failure["version"] == 1

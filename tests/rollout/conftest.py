@@ -4,10 +4,9 @@ rollouts' mechanics, not the answers, are what they check)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from tests.daemons import Daemon, launched, make_home, patient_queue
+from tests.daemons import PATIENT, Daemon, Daemons, Profile
 
 SPEC = """\
 model: {model}
@@ -18,11 +17,13 @@ kv_cache_memory_mb: 16
 """
 
 
+ROLLOUT = Profile("rollout-home", (SPEC.format(model="{tiny}"),), files=(PATIENT,))
+
+
 @pytest.fixture(scope="module")
-def platform(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def platform(request: pytest.FixtureRequest) -> Iterator[Daemon]:
     """A daemon whose workload ``chat`` (the tiny model) is RUNNING."""
-    home = patient_queue(make_home(tmp_path_factory, "rollout-home"))
-    with launched(home, workloads=[SPEC.format(model=tiny_model)]) as daemon:
+    with Daemons(request).serve(ROLLOUT) as daemon:
         wait_serving(daemon, str(daemon.job))
         yield daemon
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from tests.daemons import BIN, Daemon, free_port, new_home, patient_queue, prune
+from tests.daemons import BIN, PATIENT, Daemon, Daemons, Profile
 
 __all__ = ["BIN"]
 
@@ -29,6 +29,12 @@ max_model_len: 1024
 kv_cache_memory_mb: 96
 """
 WORKLOADS = ("smollm2-fp32", "smollm2-bf16", "smollm2-perturbed")
+SOURCES = (("smollm2", "fp32"), ("smollm2", "bf16"), ("{home}/perturbed", "fp32"))
+THREE_WAYS = Profile("validate-home", tuple(
+    SPEC.format(model=model, name=name, dtype=dtype)
+    for name, (model, dtype) in zip(WORKLOADS, SOURCES, strict=True)
+), files=(PATIENT,), demo=True)  # fmt: skip
+"""The demo model at two dtypes, and its perturbed copy (:func:`perturbed_copy`) in the home."""
 PERTURBATION = 0.05
 """Noise added to each linear weight, as a fraction of that weight's standard deviation."""
 
@@ -53,25 +59,13 @@ def perturbed_copy(source: Path, target: Path, scale: float = PERTURBATION) -> P
 
 
 @pytest.fixture(scope="module")
-def platform(models_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def platform(models_home: Path, request: pytest.FixtureRequest) -> Iterator[Daemon]:
     """A daemon with the three workloads RUNNING (one replica each on cpu:0)."""
-    home = patient_queue(new_home(models_home, tmp_path_factory, "validate-home"))
-    daemon = Daemon(home, free_port())
-    daemon.start(wait_ready=False)
-    perturbed = perturbed_copy(models_home / "models" / "smollm2", home / "perturbed")
-    sources = {"smollm2-fp32": ("smollm2", "fp32"), "smollm2-bf16": ("smollm2", "bf16"),
-               "smollm2-perturbed": (str(perturbed), "fp32")}  # fmt: skip
-    for name, (model, dtype) in sources.items():
-        spec = home / f"{name}.yaml"
-        spec.write_text(SPEC.format(model=model, name=name, dtype=dtype))
-        proc = daemon.cli("workload", "submit", "--file", str(spec), "--json")
-        assert proc.returncode == 0, proc.stderr
-    try:
-        wait_running(daemon, WORKLOADS)
+    daemons = Daemons(request)
+    home = daemons.home(THREE_WAYS)
+    perturbed_copy(models_home / "models" / "smollm2", home / "perturbed")
+    with daemons.serve(THREE_WAYS, home) as daemon:
         yield daemon
-    finally:
-        daemon.stop()
-        prune(home)
 
 
 def wait_running(daemon: Daemon, names: tuple[str, ...], timeout_s: float = 600) -> None:
