@@ -56,8 +56,7 @@ SLOW_FILES = ("tests/daemon/test_dashboard_", "tests/daemon/test_llama_cpp_engin
 """Files marked ``slow`` as a whole: a real browser, llama.cpp's server."""
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
         path = item.nodeid.split("::", 1)[0]
         return FIRST.index(path) if path in FIRST else len(FIRST)
@@ -66,10 +65,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & SLOW_FIXTURES or item.nodeid.startswith(SLOW_FILES):
             item.add_marker(pytest.mark.slow)
-    for group, members in worker_groups(items).items():
-        for item in members:
-            item.add_marker(pytest.mark.xdist_group(group))
+    if config.getoption("loadgroup", False):  # an xdist worker under --dist loadgroup
+        for group, members in worker_groups(items).items():
+            for item in members:
+                in_group(item, group)
     items.sort(key=rank)  # stable: the collection order within each rank
+
+
+def in_group(item: pytest.Item, group: str) -> None:
+    """Put ``item`` in xdist's work unit ``group``: its node id gets the ``@group`` suffix
+    that ``--dist loadgroup`` splits on. (pytest-xdist 3.8 adds it for ``xdist_group`` marks
+    by setting ``Item._nodeid``, which pytest 9 no longer reads: the node id is ``_id``; the
+    marks alone hand out single tests, and a module's fixtures then start on every worker.)"""
+    from _pytest.nodeid import coerce_node_id
+
+    item._id = coerce_node_id(f"{item.nodeid}@{group}")  # type: ignore[attr-defined]
+    assert item.nodeid.endswith(f"@{group}"), f"pytest ignored the group of {item.nodeid}"
 
 
 def worker_groups(items: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
@@ -89,8 +100,9 @@ def worker_groups(items: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
         for profile in shared_profiles(item):  # the file joins the daemon's group
             parent[root(path)] = root(profile.name)
     groups: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        groups.setdefault(root(item.nodeid.split("::", 1)[0]), []).append(item)
+    for item in items:  # named by the shared daemon's home, or the file's name
+        group = root(item.nodeid.split("::", 1)[0]).rsplit("/", 1)[-1].removesuffix(".py")
+        groups.setdefault(group, []).append(item)
     return groups
 
 

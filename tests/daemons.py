@@ -498,14 +498,32 @@ serving path, the same for every column whatever its weights, and run whole on t
 fp32 and bf16 columns (``tests/validate/test_validate.py``) and on llama.cpp."""
 
 
-def battery_groups() -> tuple[str, ...]:
-    """Every group of validate's battery, in its order. The tests that run the whole battery
-    run it one group per test (each a minute or less on two cores; together the same rows),
-    and a group added to the battery is run by them without a change here."""
+HALVED = ("functional",)
+"""Groups run as two tests of every other row each: their rows decode the most (a 3,000
+character text, 20 concurrent requests, a batch of 10), and a whole group took up to 67 s
+under a full run's load."""
+
+
+def battery_parts(groups: tuple[str, ...] | None = None) -> dict[str, tuple[str, ...]]:
+    """The tests that run validate's battery (or ``groups`` of it) run it one part per test:
+    part name -> its row ids, every row in exactly one part, in the battery's order. A part
+    is a group, or half of one of :data:`HALVED` (``functional-1``, ``functional-2``); a row
+    or group added to the battery is run without a change here."""
     from kunlun.validate.battery import all_checks
     from kunlun.validate.check import Settings
 
-    return tuple(dict.fromkeys(check.row.group for check in all_checks(Settings(Path(".")))))
+    rows: dict[str, list[str]] = {}
+    for check in all_checks(Settings(Path("."))):
+        rows.setdefault(check.row.group, []).append(check.row.id)
+    parts: dict[str, tuple[str, ...]] = {}
+    for group, ids in rows.items():
+        if groups is not None and group not in groups:
+            continue
+        if group in HALVED:
+            parts[f"{group}-1"], parts[f"{group}-2"] = tuple(ids[0::2]), tuple(ids[1::2])
+        else:
+            parts[group] = tuple(ids)
+    return parts
 
 
 def assert_validate_passes(

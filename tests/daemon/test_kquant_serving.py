@@ -13,7 +13,15 @@ from pathlib import Path
 import openai
 import pytest
 from gguf import GGMLQuantizationType as QT
-from tests.daemons import PATIENT, QUALITY_ROWS, Daemon, Daemons, Profile, assert_validate_passes
+from tests.daemons import (
+    PATIENT,
+    QUALITY_ROWS,
+    Daemon,
+    Daemons,
+    Profile,
+    assert_validate_passes,
+    battery_parts,
+)
 from tests.engine.gguf_files import write_demo_kquant_gguf
 
 NAME = "smollm2-q4k"
@@ -64,8 +72,6 @@ def test_a_k_quant_gguf_import_serves_as_w4a16(kquant: Daemon) -> None:
     assert kquant.describe(job)["placement"]["plan"]["quantization"] == "w4a16"
 
 
-@pytest.mark.parametrize("group", QUALITY_ROWS)
-def test_validate_passes_on_the_k_quant_workload(
-    kquant: Daemon, tmp_path: Path, group: str
-) -> None:
-    assert_validate_passes(kquant, NAME, tmp_path / "out", (group,))
+@pytest.mark.parametrize("part", battery_parts(QUALITY_ROWS))
+def test_validate_passes_on_the_k_quant_workload(kquant: Daemon, tmp_path: Path, part: str) -> None:
+    assert_validate_passes(kquant, NAME, tmp_path / "out", battery_parts(QUALITY_ROWS)[part])

@@ -37,7 +37,7 @@ from tests.daemons import (
     Daemon,
     Profile,
     assert_validate_passes,
-    battery_groups,
+    battery_parts,
     daemon_fixture,
 )
 
@@ -193,9 +193,9 @@ def test_llama_cpp_metrics_are_in_the_daemon_metrics(client: openai.OpenAI, daem
     assert progress["num_steps"] >= 3 and progress["num_unfinished_requests"] == 0
 
 
-@pytest.mark.parametrize("group", battery_groups())
-def test_validate_passes_on_llama_cpp(daemon: Daemon, tmp_path: Path, group: str) -> None:
-    assert_validate_passes(daemon, "smollm2", tmp_path / "validate", (group,))
+@pytest.mark.parametrize("part", battery_parts())
+def test_validate_passes_on_llama_cpp(daemon: Daemon, tmp_path: Path, part: str) -> None:
+    assert_validate_passes(daemon, "smollm2", tmp_path / "validate", battery_parts()[part])
 
 
 def test_sigterm_drains_a_llama_cpp_stream_then_stops_its_server(daemon: Daemon) -> None:

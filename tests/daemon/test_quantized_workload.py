@@ -19,6 +19,7 @@ from tests.daemons import (
     Daemons,
     Profile,
     assert_validate_passes,
+    battery_parts,
 )
 from tests.validate.conftest import wait_running
 
@@ -84,14 +85,14 @@ def test_quantized_workload_serves_a_chat_completion(
 
 
 @pytest.mark.parametrize(
-    ("name", "group"),
+    ("name", "part"),
     # what a scheme changes (QUALITY_ROWS); the serving path's rows run on fp32 and bf16
-    [(name, group) for name in WORKLOADS for group in QUALITY_ROWS],
+    [(name, part) for name in WORKLOADS for part in battery_parts(QUALITY_ROWS)],
 )
 def test_validate_passes_on_the_quantized_workload(
-    quantized: Daemon, tmp_path: Path, name: str, group: str
+    quantized: Daemon, tmp_path: Path, name: str, part: str
 ) -> None:
-    assert_validate_passes(quantized, name, tmp_path / "out", (group,))
+    assert_validate_passes(quantized, name, tmp_path / "out", battery_parts(QUALITY_ROWS)[part])
 
 
 def test_model_quantize_registers_a_model_the_planner_reads(w8a8: Daemon) -> None:

@@ -45,11 +45,20 @@ def packed(demo_fp32: Path, keys: Path, tmp_path_factory: pytest.TempPathFactory
     shutil.rmtree(base)
 
 
-def test_pack_bundle_then_install_and_serve_with_no_network(packed: Path, tmp_path: Path) -> None:
-    work = packed
-    info = json.loads(run("kunlun-cli", "model", "inspect", str(work / "model.kunlunpkg"),
+def test_the_connected_half_packs_the_demo_and_bundles_the_platform(
+    packed: Path, tmp_path: Path
+) -> None:
+    """Its own test, so the pack and bundle (the module's fixture) and the air-gapped half
+    below are timed apart."""
+    info = json.loads(run("kunlun-cli", "model", "inspect", str(packed / "model.kunlunpkg"),
                           "--json", home=tmp_path / "reader").stdout)  # fmt: skip
     assert info["license"] == "apache-2.0" and info["name"] == "smollm2"  # from the GGUF file
+    assert sorted(p.name for p in packed.iterdir()) == [
+        "keys", "kunlun-offline.tar", "model.kunlunpkg"]  # fmt: skip
+
+
+def test_pack_bundle_then_install_and_serve_with_no_network(packed: Path) -> None:
+    work = packed
     python = str(Path(sys.base_prefix) / "bin" / "python3")  # the machine's, not this venv
     inside = f"ip link set lo up && exec {python} {AIRGAP} {work} {free_port()}"
     done = subprocess.run([*namespace_command(), "sh", "-c", inside], capture_output=True,
