@@ -1,7 +1,8 @@
 """The whole offline chain on loopback with no network: pack and bundle on this (connected)
 machine, then inside ``unshare -n`` install the bundle into a fresh directory with the
 installer from the bundle, install the package, start the platform with ``--require-signed``
-and get a chat answer from the packaged model."""
+and get a chat answer from the packaged model. The stages are tests of their own (pack and bundle,
+install, serve), each in order on the same folder."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tests.daemons import free_port
@@ -57,22 +59,37 @@ def test_the_connected_half_packs_the_demo_and_bundles_the_platform(
         "keys", "kunlun-offline.tar", "model.kunlunpkg"]  # fmt: skip
 
 
-def test_pack_bundle_then_install_and_serve_with_no_network(packed: Path) -> None:
-    work = packed
+def air_gapped(work: Path, stage: str) -> dict[str, Any]:
+    """The findings of ``airgap.py``'s ``stage`` in a network namespace of its own, where
+    nothing but loopback is reachable (checked)."""
     python = str(Path(sys.base_prefix) / "bin" / "python3")  # the machine's, not this venv
-    inside = f"ip link set lo up && exec {python} {AIRGAP} {work} {free_port()}"
+    inside = f"ip link set lo up && exec {python} {AIRGAP} {work} {free_port()} {stage}"
     done = subprocess.run([*namespace_command(), "sh", "-c", inside], capture_output=True,
                           text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    found = json.loads(done.stdout.strip().splitlines()[-1])
-    print("TIMING", found["install"].get("seconds"), found.get("chat", {}).get("seconds"))
+    found: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["internet"] != "connected" and found["interfaces"] == ["lo"]
+    return found
+
+
+def test_the_bundle_and_package_install_with_no_network(packed: Path) -> None:
+    found = air_gapped(packed, "install")
+    print("install seconds", found["install"].get("seconds"))
     assert found["install"]["rc"] == 0, found["install"]
     out = found["install"]["out"]
     assert "signature by SHA256:" in out and "(pip --no-index)" in out
     assert "installed smollm2 version" in out
-    assert f"ExecStart={work}/prefix/bin/kunlun-platform" in found["unit"]
+    assert f"ExecStart={packed}/prefix/bin/kunlun-platform" in found["unit"]
     assert "--require-signed" in found["unit"]
+
+
+def test_the_installed_platform_serves_the_package_signed_only_with_no_network(
+    packed: Path,
+) -> None:
+    """After the install above (same folder), in a namespace of its own."""
+    assert (packed / "prefix" / "bin" / "kunlun-platform").exists(), "not installed"
+    found = air_gapped(packed, "serve")
+    print("first answer after seconds", found.get("chat", {}).get("seconds"))
     assert found["submit"]["rc"] == 0, found
     assert found["plain"]["rc"] != 0
     assert "is not an installed signed package" in found["plain"]["err"], found["plain"]
