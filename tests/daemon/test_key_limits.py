@@ -146,6 +146,38 @@ def test_allow_list_refuses_other_addresses_naming_the_ip(limited: Limited) -> N
     assert counter(text, "kunlun_api_key_denied_requests_total", key="fenced", reason="ip") >= 2
 
 
+def forwarded(daemon: Daemon, key: str, client: str | None) -> httpx.Response:
+    """``GET /v1/models`` with ``key``, saying it is from ``client`` (``X-Forwarded-For``)."""
+    headers = {"Authorization": f"Bearer {key}"}
+    if client is not None:
+        headers["X-Forwarded-For"] = client
+    return daemon.get("/v1/models", headers=headers)
+
+
+def test_x_forwarded_for_counts_only_from_the_proxies_named(
+    limited: Limited, daemons: Daemons
+) -> None:
+    """A client cannot pick its address by a header: the daemon believes ``X-Forwarded-For``
+    only from ``--forwarded-allow-ips`` (none by default), and then only that header."""
+    refused_anyway = forwarded(limited.daemon, limited.keys["fenced"], "10.9.9.5")
+    assert refused_anyway.status_code == 403, refused_anyway.text  # 10.0.0.0/8, from 127.0.0.1
+    assert "127.0.0.1" in refused_anyway.json()["error"]["message"]
+    behind = Profile("proxied-home", args=("--forwarded-allow-ips", "127.0.0.1/32"),
+                     keys=(("lan", "inference", "--allow-ip", "10.9.9.0/24"),))  # fmt: skip
+    with daemons.serve(behind) as daemon:
+        lan = daemon.keys["lan"]
+        assert forwarded(daemon, lan, "10.9.9.5").status_code == 200  # the proxy says so
+        outside = forwarded(daemon, lan, "10.9.8.5")
+        assert outside.status_code == 403 and "10.9.8.5" in outside.json()["error"]["message"]
+        assert forwarded(daemon, lan, None).status_code == 403  # the proxy itself
+
+
+def test_a_bad_proxy_address_stops_the_start_naming_it(tmp_path: Path) -> None:
+    proc = refused(tmp_path / "home", "--forwarded-allow-ips", "127.0.0.1,proxy.example")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--forwarded-allow-ips" in proc.stderr and "'proxy.example'" in proc.stderr
+
+
 def test_rpm_gives_429_with_retry_after_then_serves_again(limited: Limited) -> None:
     refused = None
     for _ in range(2000):  # a burst of 60, refilled at one a second

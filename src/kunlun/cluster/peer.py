@@ -115,7 +115,7 @@ class PeerServer:
     """The peer port's uvicorn, in a thread of its own."""
 
     def __init__(self, app: PeerApp, sock: socket.socket, context: ssl.SSLContext | None) -> None:
-        config = uvicorn.Config(app, log_level="warning", lifespan="on")
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", proxy_headers=False)
         if context is not None:  # uvicorn builds its context from files: hand it ours instead
             config.load()
             config.ssl = context

@@ -400,6 +400,24 @@ def daemon_entry(
     return RequestLogMiddleware(inner, request_log)
 
 
+def check_proxies(value: str | None) -> tuple[str, ...]:
+    """``--forwarded-allow-ips``: comma-separated addresses or networks of the proxies whose
+    ``X-Forwarded-For`` and ``X-Forwarded-Proto`` are believed; a :class:`ConfigError` naming
+    the bad one. Empty (the default): no proxy header is believed, a client is its TCP peer."""
+    import ipaddress
+
+    proxies = tuple(p.strip() for p in (value or "").split(",") if p.strip())
+    for proxy in proxies:
+        try:
+            ipaddress.ip_network(proxy, strict=False)
+        except ValueError:
+            raise ConfigError(
+                f"{proxy!r} is not an IP address or network (such as 10.0.0.5 or 10.1.0.0/16)",
+                location=Location("--forwarded-allow-ips"),
+            ) from None
+    return proxies
+
+
 def check_origins(value: str | None) -> tuple[str, ...]:
     """``--allowed-origins``: comma-separated ``scheme://host[:port]`` origins, or ``*``; a
     :class:`ConfigError` naming the bad one."""

@@ -157,6 +157,15 @@ def serve(
             "https://app.example.com; '*' for any. Without it: no CORS headers.",
         ),
     ] = None,
+    forwarded_allow_ips: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KUNLUN_FORWARDED_ALLOW_IPS",
+            help="Proxies whose X-Forwarded-For (the client's address, which API keys' "
+            "allow-lists check) and X-Forwarded-Proto are believed: comma-separated addresses "
+            "or networks, e.g. 10.0.0.5,10.1.0.0/16. Without it no proxy header is believed.",
+        ),
+    ] = None,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -406,7 +415,7 @@ def serve(
     """Run the Kunlun Platform daemon in the foreground."""
     if ctx.invoked_subcommand is not None:
         return
-    from kunlun.daemon.app import check_origins, create_asgi, make_platform
+    from kunlun.daemon.app import check_origins, check_proxies, create_asgi, make_platform
     from kunlun.node.health import HealthConfig
     from kunlun.node.liveness import LivenessConfig
 
@@ -497,6 +506,7 @@ def serve(
     if api_key is not None:
         platform.keyring.add_fixed(api_key, "--api-key / KUNLUN_API_KEY")
     platform.allowed_origins = check_origins(allowed_origins)
+    proxies = check_proxies(forwarded_allow_ips)
     if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:
         raise DaemonError(
             f"refusing to listen on {host} with no API key configured",
@@ -513,7 +523,13 @@ def serve(
             "quantization": quantization, "task": task, "pooling": pooling,
             "memory_utilization": gpu_memory_utilization, "chat_template": chat_template})  # fmt: skip
     server = DrainingServer(
-        uvicorn.Config(create_asgi(platform), log_level="warning", timeout_graceful_shutdown=30),
+        uvicorn.Config(
+            create_asgi(platform),
+            log_level="warning",
+            timeout_graceful_shutdown=30,
+            proxy_headers=bool(proxies),
+            forwarded_allow_ips=list(proxies) or None,
+        ),
         platform,
     )
     pid_path = home / PID_FILE

@@ -250,7 +250,7 @@ async def serve(launch: EngineLaunch, group: Any = None) -> None:
     app = create_worker_app(engine, launch.served_name, say, launch.faults,
                             task=launch.task, pooling=launch.pooling)  # fmt: skip
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                            timeout_keep_alive=30)  # fmt: skip
+                            timeout_keep_alive=30, proxy_headers=False)  # fmt: skip
     server = uvicorn.Server(config)
     lost = watch_rank_group(group, engine, server)
     # uvicorn re-raises the SIGTERM it handled once drained: make that a no-op, so the
