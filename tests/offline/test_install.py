@@ -65,6 +65,9 @@ def test_a_package_installs_read_only_registered_and_with_its_plan_cached(
     assert (home / "trusted-keys").is_dir()
     again = install(home, pack_tiny(), keys, check=True)  # the same package: nothing to do
     assert "already installed" in again.stdout
+    for args in (("list", "--home", str(home)), ("--home", str(home), "list")):  # either place
+        listed_here = run("kunlun-installer", *args, home=tmp_path / "elsewhere", check=True)
+        assert "tiny" in listed_here.stdout and "1" in listed_here.stdout, listed_here.stdout
 
 
 def test_a_flipped_bit_in_any_file_is_refused(

@@ -276,7 +276,9 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("--prefix", type=Path, required=True)
     u.add_argument("--home", type=Path, dest="sub_home", metavar="HOME", required=True)
     u.add_argument("--user", default="kunlun")
-    sub.add_parser("list", help="installed model packages")
+    listing = sub.add_parser("list", help="installed model packages")
+    listing.add_argument("--home", type=Path, dest="sub_home", metavar="HOME",
+                         help="KUNLUN_HOME (default: $KUNLUN_HOME or ~/.kunlun)")  # fmt: skip
     return parser
 
 
