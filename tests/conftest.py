@@ -86,7 +86,7 @@ def in_group(item: pytest.Item, group: str) -> None:
 def worker_groups(items: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
     """The units ``make test`` hands to its workers (``--dist loadgroup``): a test file, or
     every file using the same session-wide daemon (``daemon``, ``tiny_daemon``,
-    ``keyed_daemon``), whose daemon then starts once per run, not once per worker. Files
+    ``keyed_daemon``, ``bare_daemon``), whose daemon then starts once per run, not once per worker. Files
     are grouped whole, so a module's own fixtures are set up once too."""
     parent: dict[str, str] = {}  # union-find over files and shared daemons' homes
 

@@ -243,7 +243,7 @@ class Profile:
 
     Every daemon the tests start is one of these, started by :func:`serve` (the one place a
     daemon is started; a test that stops its daemon on purpose restarts it with
-    :meth:`Daemon.restart`). ``{tiny}`` in a workload, flag, environment value or file is the
+    :meth:`Daemon.start` again). ``{tiny}`` in a workload, flag, environment value or file is the
     tiny model's path, ``{home}`` the daemon's home and ``{base}`` the run's temporary root.
     """
 

@@ -20,8 +20,8 @@ from tests.daemons import (
     Profile,
     assert_validate_passes,
     battery_parts,
+    wait_running,
 )
-from tests.validate.conftest import wait_running
 
 SPEC = """\
 model: smollm2
@@ -41,7 +41,7 @@ def serve_quantized(request: pytest.FixtureRequest, name: str) -> Iterator[Daemo
                           *WORKLOADS[name], "--device", "cpu:0", "--name", name,
                           "--json")  # fmt: skip
         assert proc.returncode == 0, proc.stderr
-        wait_running(daemon, (name,))
+        wait_running(daemon, [json.loads(proc.stdout)["workload_id"]], timeout=600)
         yield daemon
 
 

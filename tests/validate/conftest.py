@@ -8,10 +8,8 @@ negative control of the numerics rows.
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,18 +64,6 @@ def platform(models_home: Path, request: pytest.FixtureRequest) -> Iterator[Daem
     perturbed_copy(models_home / "models" / "smollm2", home / "perturbed")
     with daemons.serve(THREE_WAYS, home) as daemon:
         yield daemon
-
-
-def wait_running(daemon: Daemon, names: tuple[str, ...], timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        rows = json.loads(daemon.cli("workload", "list", "--json").stdout or "[]")
-        ready = {w["name"] for w in rows if w["state"] == "RUNNING" and w["ready_replicas"] >= 1}
-        if ready >= set(names):
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"workloads not RUNNING: {rows}\n{daemon.log()}")
-        time.sleep(0.5)
 
 
 def validate(daemon: Daemon, *args: str, timeout: float = 1200) -> subprocess.CompletedProcess[str]:
