@@ -128,14 +128,14 @@ def demo_gguf() -> Path:
 @pytest.fixture(scope="session")
 def demo_model_dir(demo_gguf: Path) -> Path:
     """The demo model imported as float32, once per machine (a locked import)."""
-    import hashlib
-
     from kunlun.engine.gguf import FP32_IMPORT, import_gguf
+    from kunlun.engine.gguf_source import import_key
 
-    # one folder per GGUF file: an import records its source path, so two checkouts (two
-    # venvs) on one machine sharing one folder would each re-import over the other's
-    source = hashlib.sha256(str(demo_gguf.resolve()).encode()).hexdigest()[:12]
-    return import_gguf(demo_gguf, machine_cache() / source / "smollm2", FP32_IMPORT)
+    # one folder per GGUF content: a fresh checkout's venv holds the same bytes at another
+    # path, which import_gguf recognises by their sha256 (no re-import)
+    identity = import_key(demo_gguf)
+    content = f"{identity['size']}-{identity['sha256_first_mib'][:12]}"
+    return import_gguf(demo_gguf, machine_cache() / content / "smollm2", FP32_IMPORT)
 
 
 @pytest.fixture(scope="session")

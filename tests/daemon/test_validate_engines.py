@@ -80,9 +80,14 @@ def test_a_third_workload_of_the_name_must_name_yet_another_engine(engines: Daem
         assert "another engine" in proc.stderr
 
 
-def test_validate_all_pools_compares_the_engines(engines: Daemon, tmp_path: Path) -> None:
-    out = tmp_path / "validate"
-    proc = engines.cli("validate", "--all-pools", "--model", "smollm2", "--only", "numerics",
+def validate_all_pools(
+    engines: Daemon, out: Path, *rows: str, sent: tuple[str, ...] = ENGINES
+) -> tuple[dict[str, dict], dict[str, dict], str]:
+    """``kunlun-cli validate --all-pools`` on the numerics ``rows``: the cells of the kunlun
+    column and of the llama.cpp column, and the printed matrix. The completions of the columns
+    of the engines ``sent`` came from their own engine's replica, and only from it (checked)."""
+    only = [arg for row in rows for arg in ("--only", row)]
+    proc = engines.cli("validate", "--all-pools", "--model", "smollm2", *only,
                        "--out", str(out), "--seed", "7", timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run = json.loads((out / "validation.json").read_text())
@@ -92,18 +97,33 @@ def test_validate_all_pools_compares_the_engines(engines: Daemon, tmp_path: Path
     ]
     kunlun, llama = run["cells"]["cpu/kunlun"], run["cells"]["cpu/llama.cpp"]
     assert {row: cell["status"] for row, cell in kunlun.items()} == dict.fromkeys(kunlun, "PASS")
+    assert set(rows) <= set(kunlun) and set(rows) <= set(llama)
+    jobs = engines.by_engine  # type: ignore[attr-defined]
+    for cells, engine in ((kunlun, "kunlun"), (llama, "llama.cpp")):
+        routing = cells["quality.routing"]
+        if engine not in sent:
+            assert routing["status"] == "SKIP", routing
+            continue
+        assert routing["status"] == "PASS" and routing["figure"] == "cpu:0"
+        replicas = routing["detail"].partition("; replicas ")[2]
+        assert replicas.startswith(f"{jobs[engine]}-r0 x") and "," not in replicas, routing
+    return kunlun, llama, proc.stdout
+
+
+def test_validate_all_pools_compares_the_engines(engines: Daemon, tmp_path: Path) -> None:
+    _, llama, printed = validate_all_pools(engines, tmp_path / "validate", "numerics.cross_engine")
     cross = llama["numerics.cross_engine"]
     assert cross["status"] == "PASS", cross
     assert cross["metrics"]["mean_abs_delta"] <= MEAN_ABS_MAX
     assert cross["metrics"]["max_abs_delta"] <= MAX_ABS_MAX
     assert "against the reference" in cross["detail"]
-    for row in ("numerics.prompt_logprobs", "numerics.greedy_divergence"):  # echo: kunlun only
+    assert "cpu/llama.cpp" in printed and "(no echo)" in printed
+
+
+def test_the_echo_rows_run_on_the_engine_with_echo_and_skip_on_the_other(
+    engines: Daemon, tmp_path: Path
+) -> None:
+    echo_rows = ("numerics.prompt_logprobs", "numerics.greedy_divergence")
+    _, llama, _ = validate_all_pools(engines, tmp_path / "validate", *echo_rows, sent=("kunlun",))
+    for row in echo_rows:  # kunlun's PASS is checked by validate_all_pools
         assert llama[row]["status"] == "SKIP" and "lacks echo" in llama[row]["detail"]
-    # each column's completions came from its own engine's replica, and only from it
-    jobs = engines.by_engine  # type: ignore[attr-defined]
-    for cells, engine in ((kunlun, "kunlun"), (llama, "llama.cpp")):
-        routing = cells["quality.routing"]
-        assert routing["status"] == "PASS" and routing["figure"] == "cpu:0"
-        replicas = routing["detail"].partition("; replicas ")[2]
-        assert replicas.startswith(f"{jobs[engine]}-r0 x") and "," not in replicas, routing
-    assert "cpu/llama.cpp" in proc.stdout and "(no echo)" in proc.stdout

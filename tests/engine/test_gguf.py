@@ -17,6 +17,7 @@ from tests.engine.gguf_files import permute, write_hf_gguf
 from kunlun.engine import gguf as kunlun_gguf
 from kunlun.engine.gguf import FP32_IMPORT, demo_gguf_path, import_gguf, unpermute
 from kunlun.engine.gguf_reader import GGUFFile
+from kunlun.engine.gguf_source import gguf_source
 from kunlun.engine.model_runner import ModelRunner, StepSeq
 from kunlun.engine.tokenizer import Tokenizer
 from kunlun.errors import CorruptWeights, ModelError, ModelFileMissing, UnsupportedArchitecture
@@ -166,6 +167,32 @@ def test_second_import_is_a_cache_hit(demo_gguf: Path, demo_model_dir: Path) -> 
     ) == before
     marker = json.loads((demo_model_dir / "kunlun-import.json").read_text())
     assert marker["size"] == demo_gguf.stat().st_size and len(marker["sha256_first_mib"]) == 64
+
+
+def test_the_same_bytes_elsewhere_are_a_cache_hit_and_other_bytes_are_not(
+    tiny_llama_gguf: Path, tmp_path: Path
+) -> None:
+    """A reinstalled package (or another venv) holds the same GGUF at another path with
+    another mtime: no re-import, and the record names the file where it is now (llama.cpp
+    serves it from there). A record whose whole-file hash differs is converted again."""
+    out = import_gguf(tiny_llama_gguf, tmp_path / "tiny", FP32_IMPORT)
+    weights, marker_path = out / "model.safetensors", out / "kunlun-import.json"
+    made = weights.stat().st_mtime_ns
+    moved = tmp_path / "elsewhere" / "tiny.gguf"
+    moved.parent.mkdir()
+    moved.write_bytes(tiny_llama_gguf.read_bytes())  # new path, new mtime
+    assert import_gguf(moved, out, FP32_IMPORT) == out
+    assert weights.stat().st_mtime_ns == made
+    marker = json.loads(marker_path.read_text())
+    assert marker["source"] == str(moved.resolve())
+    assert marker["mtime_ns"] == moved.stat().st_mtime_ns
+    assert gguf_source(out) == moved.resolve()
+    marker["sha256"] = "0" * 64  # as if the file under that name had other bytes
+    marker["source"] = str(tiny_llama_gguf.resolve())
+    marker_path.write_text(json.dumps(marker))
+    import_gguf(moved, out, FP32_IMPORT)
+    assert weights.stat().st_mtime_ns != made  # converted again
+    assert json.loads(marker_path.read_text())["sha256"] != "0" * 64
 
 
 def test_tiny_gguf_round_trip_matches_original_model(

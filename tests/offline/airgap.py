@@ -1,11 +1,12 @@
 """The air-gapped half of the offline chain, run inside ``unshare -n`` (no network but a
 loopback brought up here) by ``test_airgap.py`` with the system's Python and nothing else.
 
-    python3 airgap.py WORK PORT install|serve
+    python3 airgap.py WORK PORT install|package|serve
 
 ``WORK`` holds ``kunlun-offline.tar``, ``model.kunlunpkg`` and ``keys/kunlun-signing.pub``.
-``install`` installs the bundle with the installer taken out of the bundle, and the package,
-into ``WORK/prefix`` and ``WORK/home``; ``serve`` (in a namespace of its own, after it)
+``install`` installs the bundle with the installer taken out of the bundle into
+``WORK/prefix`` (and trusts the key in ``WORK/home``); ``package`` installs the model package
+with the installed ``kunlun-installer``, as a later package is; ``serve`` (after them)
 starts the installed platform with ``--require-signed``, serves the packaged model and asks
 it for a chat answer; a plain model directory is refused. Each prints one JSON object of
 findings.
@@ -65,7 +66,7 @@ def install() -> None:
     installed = subprocess.run(
         [sys.executable, "-S", str(work / "kunlun-installer.pyz"), "install", "--bundle",
          str(work / "kunlun-offline.tar"), "--public-key", str(key), "--prefix", str(prefix),
-         "--home", str(home), "--package", str(work / "model.kunlunpkg")],
+         "--home", str(home)],
         capture_output=True, text=True, env={**os.environ, "PIP_NO_CACHE_DIR": "1"},
     )  # fmt: skip
     found["install"] = {"rc": installed.returncode, "out": installed.stdout, "err": installed.stderr,
@@ -73,6 +74,20 @@ def install() -> None:
     if installed.returncode != 0:
         return
     found["unit"] = (prefix / "share" / "systemd" / "kunlun-platform.service").read_text()
+
+
+def package() -> None:
+    installed = subprocess.run(
+        [str(prefix / "bin" / "kunlun-installer"), "install", "--home", str(home),
+         "--package", str(work / "model.kunlunpkg"),
+         "--public-key", str(work / "keys" / "kunlun-signing.pub")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    found["package"] = {"rc": installed.returncode, "out": installed.stdout,
+                        "err": installed.stderr}  # fmt: skip
+    listed = subprocess.run([str(prefix / "bin" / "kunlun-installer"), "list", "--home", str(home)],
+                            capture_output=True, text=True)  # fmt: skip
+    found["list"] = {"rc": listed.returncode, "out": listed.stdout, "err": listed.stderr}
 
 
 def serve() -> None:
@@ -131,8 +146,8 @@ def serve() -> None:
 
 
 started = time.monotonic()
-if stage == "install":
-    install()
+if stage in ("install", "package"):
+    install() if stage == "install" else package()
     print(json.dumps(found))
 else:
     serve()  # prints its findings, also when it fails

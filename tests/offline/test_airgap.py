@@ -1,8 +1,8 @@
 """The whole offline chain on loopback with no network: pack and bundle on this (connected)
 machine, then inside ``unshare -n`` install the bundle into a fresh directory with the
-installer from the bundle, install the package, start the platform with ``--require-signed``
-and get a chat answer from the packaged model. The stages are tests of their own (pack and bundle,
-install, serve), each in order on the same folder."""
+installer from the bundle, install the package with the installed installer, start the platform with ``--require-signed``
+and get a chat answer from the packaged model. The stages are tests of their own (pack and
+bundle, install, package, serve), each in order on the same folder."""
 
 from __future__ import annotations
 
@@ -72,15 +72,23 @@ def air_gapped(work: Path, stage: str) -> dict[str, Any]:
     return found
 
 
-def test_the_bundle_and_package_install_with_no_network(packed: Path) -> None:
+def test_the_bundle_installs_with_no_network(packed: Path) -> None:
     found = air_gapped(packed, "install")
     print("install seconds", found["install"].get("seconds"))
     assert found["install"]["rc"] == 0, found["install"]
     out = found["install"]["out"]
     assert "signature by SHA256:" in out and "(pip --no-index)" in out
-    assert "installed smollm2 version" in out
     assert f"ExecStart={packed}/prefix/bin/kunlun-platform" in found["unit"]
     assert "--require-signed" in found["unit"]
+
+
+def test_the_installed_installer_installs_the_package_with_no_network(packed: Path) -> None:
+    """A later package needs only the installed command (docs/offline.md)."""
+    assert (packed / "prefix" / "bin" / "kunlun-installer").exists(), "not installed"
+    found = air_gapped(packed, "package")
+    assert found["package"]["rc"] == 0, found["package"]
+    assert "installed smollm2 version" in found["package"]["out"], found["package"]
+    assert found["list"]["rc"] == 0 and "smollm2" in found["list"]["out"], found["list"]
 
 
 def test_the_installed_platform_serves_the_package_signed_only_with_no_network(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -92,7 +93,9 @@ def import_gguf(
 
     ``options`` default to :class:`ImportOptions` (w4a16 where the file has 4-bit linear
     projections, bf16 elsewhere). Returns ``out_dir`` untouched when it already holds an
-    import of the same file with the same options by the same :data:`CONVERTER_VERSION`.
+    import of the same file with the same options by the same :data:`CONVERTER_VERSION`; the
+    same bytes at another path or with another mtime (a reinstalled package, another virtual
+    environment) are the same file (its whole sha256, recorded at import, decides).
     The conversion goes to a temporary sibling directory renamed into place at the end, so a
     crash never leaves a half-written model. Raises :class:`ModelFileMissing` when the file
     is absent, :class:`UnsupportedArchitecture` when its architecture is not one of
@@ -110,18 +113,19 @@ def import_gguf(
         **import_key(source),
         **options.key(),
     }
-    if _cached(target, key):
+    if _recorded(target) == key:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # One conversion at a time per target: a second process (another daemon, a parallel test
     # worker) waits for the first and then finds its import cached.
     with _import_lock(target):
-        if _cached(target, key):
+        if _same_content(target, key, source):
             return target
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
             _convert(GGUFFile(source), staging, options)
-            (staging / MARKER).write_text(json.dumps(key, indent=2), encoding="utf-8")
+            marker = {**key, "sha256": _file_sha256(source)}
+            (staging / MARKER).write_text(json.dumps(marker, indent=2), encoding="utf-8")
             _make_private(staging)
             _replace(staging, target)
         finally:
@@ -149,11 +153,50 @@ def _make_private(folder: Path) -> None:
         path.chmod(FILE_MODE)
 
 
-def _cached(target: Path, key: dict[str, Any]) -> bool:
+MOVABLE = ("source", "mtime_ns")
+"""Key fields an import survives: the same bytes at another path or with another mtime (a
+reinstalled package, another virtual environment) are the same model."""
+
+
+def _marker(target: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((target / MARKER).read_text(encoding="utf-8")) == key
+        marker = json.loads((target / MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
+        return None
+    return marker if isinstance(marker, dict) else None
+
+
+def _recorded(target: Path) -> dict[str, Any] | None:
+    """The key ``target``'s import was made under (without the file's full hash)."""
+    marker = _marker(target)
+    return None if marker is None else {k: v for k, v in marker.items() if k != "sha256"}
+
+
+def _same_content(target: Path, key: dict[str, Any], source: Path) -> bool:
+    """Whether ``target`` holds an import of ``source``'s bytes under ``key``'s options, at
+    this path or another: a moved file whose whole sha256 is the recorded one is a hit, and the
+    record then names the file where it is now (for :func:`gguf_source`)."""
+    marker = _marker(target)
+    if marker is None:
         return False
+    recorded = {k: v for k, v in marker.items() if k != "sha256"}
+    if recorded == key:
+        return True
+    fixed = {k: v for k, v in key.items() if k not in MOVABLE}
+    if {k: v for k, v in recorded.items() if k not in MOVABLE} != fixed:
+        return False
+    if marker.get("sha256") != _file_sha256(source):
+        return False
+    moved = target / f".{MARKER}.{os.getpid()}"
+    moved.write_text(json.dumps({**marker, **key}, indent=2), encoding="utf-8")
+    moved.chmod(FILE_MODE)
+    os.replace(moved, target / MARKER)
+    return True
+
+
+def _file_sha256(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _replace(staging: Path, target: Path) -> None:
