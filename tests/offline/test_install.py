@@ -31,11 +31,12 @@ def install(home: Path, package: Path, keys: Path, check: bool = False):  # type
 
 
 def assert_nothing_installed(home: Path, name: str = "tiny") -> None:
-    """No registry entry, no install directory and no staging left for ``name``."""
+    """No registry entry, no install directory, no staging, not even an empty
+    ``packages/<name>/`` left for ``name``."""
     registry = Registry.load(home)
     assert name not in registry.active
     folder = home / "packages" / name
-    assert not folder.exists() or not any(folder.iterdir()), list(folder.iterdir())
+    assert not folder.exists(), list(folder.iterdir())
 
 
 def refused(home: Path, package: Path, keys: Path, *expected: str) -> str:

@@ -14,6 +14,14 @@ byte is unpacked). Then each member must be a regular file, with a safe name, li
 manifest once, of the listed size, with the listed SHA-256; links, devices, setuid bits,
 extra and missing files and a truncated archive are each an :class:`ArchiveError` naming the
 member. Compressed archives (gzip, bzip2, xz) are read too.
+
+No header is read whole before it is checked: every raw 512-byte header goes through
+:class:`_GuardedTarInfo` before :mod:`tarfile` reads what it announces. The archive's first
+header must be ``manifest.json`` itself (no extended header before it), and an extended
+header later (PAX ``x``/``g``, Solaris ``X``, GNU long name ``L``/``K``) may hold at most
+:data:`MAX_EXTENDED_HEADER_BYTES`, at most :data:`MAX_EXTENDED_HEADERS` of them in a row:
+:mod:`tarfile` would read a 1.5 GiB PAX header into memory (and, compressed, from a 1.5 MB
+file) before any limit of ours could look at it.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, BinaryIO
 
+from kunlun.errors import Location, PackageError
 from kunlun.offline.manifest import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -40,10 +49,56 @@ from kunlun.offline.manifest import (
 
 CHUNK = 1 << 20
 MAX_SIGNATURE_BYTES = 4096
+MAX_EXTENDED_HEADER_BYTES = 8 << 10
+"""The largest extended header (a long name, a PAX record set) accepted: 8 KiB."""
+MAX_EXTENDED_HEADERS = 4
+"""The most extended headers in a row before one member."""
+EXTENDED_HEADERS = {
+    tarfile.XHDTYPE: "PAX extended header (tar type 'x')",
+    tarfile.XGLTYPE: "PAX global header (tar type 'g')",
+    tarfile.SOLARIS_XHDTYPE: "Solaris extended header (tar type 'X')",
+    tarfile.GNUTYPE_LONGNAME: "GNU long name header (tar type 'L')",
+    tarfile.GNUTYPE_LONGLINK: "GNU long link header (tar type 'K')",
+}
 
 
 class ArchiveError(ValueError):
     """An archive that cannot be accepted; the message names the member and the cause."""
+
+
+class _HeaderRefused(ArchiveError):
+    """A raw tar header refused before :mod:`tarfile` reads what it announces (not a
+    ``tarfile.ReadError``: ``tarfile.open`` would then try the next compression)."""
+
+
+class _GuardedTarInfo(tarfile.TarInfo):
+    """A :class:`tarfile.TarInfo` that checks each raw header (parsed from its 512 bytes,
+    nothing after them read yet) before :mod:`tarfile` processes it."""
+
+    def _proc_member(self, archive: tarfile.TarFile) -> tarfile.TarInfo:
+        kind = EXTENDED_HEADERS.get(self.type)
+        at = f"the header at byte {self.offset}"
+        if self.offset == 0 and kind is not None:
+            raise _HeaderRefused(
+                f"its first header is a {kind} of {self.size} bytes; nothing may come before "
+                f"{MANIFEST}, the first member"
+            )
+        if self.size < 0:
+            raise _HeaderRefused(f"{at} declares a negative size ({self.size})")
+        chain = 0
+        if kind is not None:
+            if self.size > MAX_EXTENDED_HEADER_BYTES:
+                raise _HeaderRefused(
+                    f"{at} is a {kind} of {self.size} bytes, over the limit of "
+                    f"{MAX_EXTENDED_HEADER_BYTES} bytes"
+                )
+            chain = getattr(archive, "_kunlun_extended_in_a_row", 0) + 1
+            if chain > MAX_EXTENDED_HEADERS:
+                raise _HeaderRefused(
+                    f"{at} is a {kind}, more than {MAX_EXTENDED_HEADERS} extended headers in a row"
+                )
+        archive._kunlun_extended_in_a_row = chain  # type: ignore[attr-defined]
+        return tarfile.TarInfo._proc_member(self, archive)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -72,6 +127,16 @@ class Limits:
                 f"unpacks to {total} bytes from {archive_bytes}: a compression ratio of "
                 f"{ratio:.0f}x, over the limit of {self.max_ratio:.0f}x (a tar bomb?)"
             )
+
+
+def refused(exc: ValueError, path: Path) -> PackageError:
+    """``exc`` (an :class:`ArchiveError` or a ``ManifestError``) as the
+    :class:`~kunlun.errors.PackageError` a command exits with (status 3): one line, naming
+    ``path`` once (the message names it already, or it is given as the location)."""
+    message = " ".join(str(exc).splitlines())
+    if message.startswith(str(path)):
+        return PackageError(message)
+    return PackageError(message, location=Location(str(path)))
 
 
 def _tarinfo(name: str, size: int, mtime: int) -> tarfile.TarInfo:
@@ -133,6 +198,11 @@ class _CheckedReader(io.RawIOBase):
             raise ArchiveError(f"{self.where} changed while it was packed")
 
 
+def _one_line(exc: BaseException) -> str:
+    """An exception's text on one line (``tarfile.open`` lists each method it tried)."""
+    return " ".join(str(exc).replace("- method", "method").split())
+
+
 def hash_file(path: Path) -> tuple[int, str]:
     """``(size, sha256 hex)`` of a file, streamed."""
     with path.open("rb") as handle:
@@ -170,11 +240,15 @@ class ArchiveReader:
         self.manifest_bytes = self.signature = b""
         """Set by :meth:`header`."""
         try:
-            self.tar = tarfile.open(path, mode="r:*")  # noqa: SIM115 - closed by __exit__
+            self.tar = tarfile.open(  # noqa: SIM115 - closed by __exit__
+                path, mode="r:*", tarinfo=_GuardedTarInfo
+            )
+        except _HeaderRefused as exc:
+            raise ArchiveError(f"{path}: {exc}") from None
         except tarfile.ReadError as exc:
-            raise ArchiveError(f"{path} is not a tar archive ({exc})") from None
+            raise ArchiveError(f"{path} is not a tar archive ({_one_line(exc)})") from None
         except (EOFError, OSError) as exc:  # compressed and cut short
-            raise ArchiveError(f"{path} is truncated or damaged ({exc})") from None
+            raise ArchiveError(f"{path} is truncated or damaged ({_one_line(exc)})") from None
 
     def __enter__(self) -> ArchiveReader:
         return self
@@ -185,8 +259,10 @@ class ArchiveReader:
     def _next(self) -> tarfile.TarInfo | None:
         try:
             return self.tar.next()
+        except _HeaderRefused as exc:
+            raise ArchiveError(f"{self.path}: {exc}") from None
         except (tarfile.ReadError, EOFError, OSError) as exc:
-            raise ArchiveError(f"{self.path} is truncated or damaged ({exc})") from None
+            raise ArchiveError(f"{self.path} is truncated or damaged ({_one_line(exc)})") from None
 
     def _small_member(self, expected: str, limit: int) -> bytes:
         member = self._next()
@@ -201,9 +277,14 @@ class ArchiveReader:
             raise ArchiveError(f"{self.path}: {expected} is {member.size} bytes, over {limit}")
         handle = self.tar.extractfile(member)
         assert handle is not None  # a regular file
-        data = handle.read()
+        try:
+            data = handle.read()
+        except (tarfile.ReadError, EOFError, OSError):
+            data = b""
         if len(data) != member.size:
-            raise ArchiveError(f"{self.path} is truncated inside {expected}")
+            raise ArchiveError(
+                f"{self.path} is truncated inside {expected} (of its {member.size} bytes)"
+            )
         return data
 
     def header(self) -> tuple[bytes, bytes]:
@@ -228,7 +309,7 @@ class ArchiveReader:
                 f"{self.path}: member {name!r} is a device or FIFO; "
                 f"a {self.label} holds regular files only"
             )
-        if not member.isreg():
+        if not member.isreg() or member.type == tarfile.GNUTYPE_SPARSE or member.sparse:
             raise ArchiveError(
                 f"{self.path}: member {name!r} is not a regular file (tar type "
                 f"{member.type!r}); a {self.label} holds regular files only"

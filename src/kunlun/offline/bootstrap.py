@@ -40,7 +40,7 @@ from typing import IO
 
 from kunlun.errors import ConfigError, KunlunError, Location, PackageError, SignatureError
 from kunlun.offline import ed25519
-from kunlun.offline.archive import ArchiveError, ArchiveReader, Limits
+from kunlun.offline.archive import ArchiveError, ArchiveReader, Limits, refused
 from kunlun.offline.manifest import BUNDLE_FORMAT, FileEntry, ManifestError, parse
 
 PLATFORM_REQUIREMENT = "kunlun-platform[engine]"
@@ -95,7 +95,10 @@ def default_home() -> Path:
 def verify_bundle_header(reader: ArchiveReader, public_keys: Sequence[Path]) -> tuple[str, bytes]:
     """Check the bundle manifest's signature with one of ``public_keys`` (pure Python);
     returns the signer's fingerprint and the manifest bytes."""
-    data, signature_text = reader.header()
+    try:
+        data, signature_text = reader.header()
+    except ArchiveError as exc:
+        raise refused(exc, reader.path) from None
     try:
         signature = base64.b64decode(signature_text.strip(), validate=True)
     except (binascii.Error, ValueError):
@@ -169,7 +172,7 @@ def install_bundle(
                 for _entry in reader.files(manifest, _writer_into(scratch)):
                     pass
             except (ArchiveError, ManifestError) as exc:
-                raise PackageError(str(exc), location=Location(str(bundle))) from None
+                raise refused(exc, bundle) from None
         say(f"bundle {bundle}: signature by {signer}; {len(manifest.files)} files verified")
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
         prefix.mkdir(parents=True, exist_ok=True)
@@ -204,7 +207,7 @@ def _open(path: Path) -> ArchiveReader:
     try:
         return ArchiveReader(path, "bundle")
     except ArchiveError as exc:
-        raise PackageError(str(exc), location=Location(str(path))) from None
+        raise refused(exc, path) from None
 
 
 def _writer_into(root: Path) -> Callable[[FileEntry], Callable[[memoryview], object]]:

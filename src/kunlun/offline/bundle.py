@@ -32,7 +32,7 @@ from kunlun.errors import ConfigError, Location
 from kunlun.offline.archive import hash_file, write_archive
 from kunlun.offline.bootstrap import INSTALLER_MEMBER, PLATFORM_REQUIREMENT, WHEELS_DIR, run_step
 from kunlun.offline.manifest import BUNDLE_FORMAT, FileEntry, Manifest, dump
-from kunlun.offline.package import created_time, iso_utc
+from kunlun.offline.package import checked_manifest, created_time, iso_utc
 from kunlun.offline.signing import fingerprint, load_private_key, sign
 
 #: The modules the installer zipapp holds: the bootstrap and what it imports, all standard
@@ -181,7 +181,7 @@ def build_bundle(
                 }
             },
         )
-        data = dump(manifest)
+        data = checked_manifest(dump(manifest), out, BUNDLE_FORMAT)
         write_archive(out, data, sign(key, data), entries, when)
     print(
         f"bundle {out}: {len(manifest.files) - 1} wheels and the installer, "

@@ -19,7 +19,6 @@ damaged or missing files (and removes extra ones) from the package file.
 
 from __future__ import annotations
 
-import calendar
 import hashlib
 import json
 import os
@@ -32,8 +31,16 @@ from pathlib import Path
 from typing import IO, Any
 
 from kunlun.errors import Location, PackageError
-from kunlun.offline.archive import ArchiveError, Limits, hash_file
-from kunlun.offline.manifest import MANIFEST, SIGNATURE, FileEntry, Manifest, parse
+from kunlun.offline.archive import ArchiveError, Limits, hash_file, refused
+from kunlun.offline.manifest import (
+    MANIFEST,
+    SIGNATURE,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    created_epoch,
+    parse,
+)
 from kunlun.offline.package import (
     MODEL_DIR,
     PLAN_FILE,
@@ -135,7 +142,8 @@ def remove_tree(folder: Path) -> None:
 
 
 def _created_epoch(manifest: Manifest) -> float:
-    return calendar.timegm(time.strptime(manifest.created, "%Y-%m-%dT%H:%M:%SZ"))
+    """The installed files' modification time (``created``, checked by :func:`parse`)."""
+    return created_epoch(manifest.created)
 
 
 class _Writer:
@@ -176,7 +184,7 @@ def install_package(
         try:
             limits.check(manifest, reader.size)
         except ArchiveError as exc:
-            raise PackageError(str(exc), location=where) from None
+            raise refused(exc, path) from None
         missing = [m for m in REQUIRED_MEMBERS if m not in manifest.by_path()]
         if missing:
             raise PackageError(
@@ -200,23 +208,25 @@ def install_package(
                 location=where,
             )
         root = registry.root / manifest.name
+        new_root = not root.exists()
         root.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(root).free
-        if manifest.total_bytes > free:
-            raise PackageError(
-                f"needs {manifest.total_bytes} bytes; {free} are free under {root}",
-                location=where,
-            )
         staging = root / f".staging-{os.getpid()}-{manifest.version}"
-        remove_tree(staging)
-        staging.mkdir()
-        writer = _Writer(staging)
+        done = False
         try:
+            free = shutil.disk_usage(root).free
+            if manifest.total_bytes > free:
+                raise PackageError(
+                    f"needs {manifest.total_bytes} bytes; {free} are free under {root}",
+                    location=where,
+                )
+            remove_tree(staging)
+            staging.mkdir()
+            writer = _Writer(staging)
             try:
                 for _entry in reader.files(manifest, writer):
                     writer.close()
             except ArchiveError as exc:
-                raise PackageError(str(exc), location=where) from None
+                raise refused(exc, path) from None
             finally:
                 writer.close()
             (staging / MANIFEST).write_bytes(manifest_bytes)
@@ -225,8 +235,11 @@ def install_package(
             final = root / str(manifest.version)
             remove_tree(final)
             os.replace(staging, final)
+            done = True
         finally:
             remove_tree(staging)
+            if new_root and not done:  # refused: leave no packages/<name>/ behind either
+                remove_tree(root)
     installed = InstalledPackage(
         name=manifest.name,
         version=manifest.version,
@@ -290,7 +303,10 @@ def check_installed(installed: InstalledPackage, trusted: TrustedKeys | None) ->
         return [Damage(MANIFEST, "differs from the manifest that was installed")]
     if trusted is not None:
         trusted.verify(data, signature, str(base / MANIFEST))
-    manifest = parse(data, str(base / MANIFEST))
+    try:
+        manifest = parse(data, str(base / MANIFEST))
+    except ManifestError as exc:  # installed before a rule it breaks: repair refuses it
+        return [Damage(MANIFEST, f"cannot be used: {exc}")]
     damage: list[Damage] = []
     listed = manifest.by_path()
     for entry in manifest.files:
@@ -383,7 +399,7 @@ def _restore(
                         os.replace(staging / entry.path, target)
                         restored.append(entry.path)
             except ArchiveError as exc:
-                raise PackageError(str(exc), location=Location(str(source))) from None
+                raise refused(exc, source) from None
             finally:
                 writer.close()
                 shutil.rmtree(staging, ignore_errors=True)

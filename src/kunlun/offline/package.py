@@ -31,7 +31,13 @@ from typing import Any
 
 from kunlun import __version__
 from kunlun.errors import ConfigError, Location, ModelFileMissing, PackageError
-from kunlun.offline.archive import ArchiveError, ArchiveReader, hash_file, write_archive
+from kunlun.offline.archive import (
+    ArchiveError,
+    ArchiveReader,
+    hash_file,
+    refused,
+    write_archive,
+)
 from kunlun.offline.manifest import PACKAGE_FORMAT, FileEntry, Manifest, ManifestError, dump, parse
 from kunlun.offline.signing import TrustedKeys, fingerprint, load_private_key, sign
 
@@ -63,20 +69,40 @@ def model_license(model_dir: Path) -> str | None:
     return None
 
 
+MAX_CREATED = 8**11 - 1
+"""The latest creation time a plain tar header holds (2242-03-16): a later one, or one
+before 1970, would need a PAX header before ``manifest.json``, which readers refuse."""
+
+
 def created_time(created: int | None = None) -> int:
     """The creation time of a pack: ``created``, else ``SOURCE_DATE_EPOCH``, else now."""
-    if created is not None:
-        return created
-    env = os.environ.get("SOURCE_DATE_EPOCH")
-    if env:
+    where = "--created"
+    if created is None:
+        env = os.environ.get("SOURCE_DATE_EPOCH")
+        where = "SOURCE_DATE_EPOCH" if env else "the clock"
         try:
-            return int(env)
+            created = int(env) if env else int(time.time())
         except ValueError:
             raise ConfigError(
-                f"SOURCE_DATE_EPOCH must be whole seconds: {env!r}",
-                location=Location("SOURCE_DATE_EPOCH"),
+                f"SOURCE_DATE_EPOCH must be whole seconds: {env!r}", location=Location(where)
             ) from None
-    return int(time.time())
+    if not 0 <= created <= MAX_CREATED:
+        raise ConfigError(
+            f"the creation time must be from 0 to {MAX_CREATED} seconds: {created}",
+            location=Location(where),
+        )
+    return created
+
+
+def checked_manifest(data: bytes, out: Path, expect_format: str) -> bytes:
+    """``data`` once the readers' own parser accepts it: nothing is packed that ``verify``,
+    ``inspect`` or ``install`` would refuse (a ``--package-version`` of 0, a model alias
+    that is no package name)."""
+    try:
+        parse(data, f"{out}:manifest.json", expect_format)
+    except ManifestError as exc:
+        raise ConfigError(f"refusing to write a manifest no installer accepts: {exc}") from None
+    return data
 
 
 def iso_utc(seconds: int) -> str:
@@ -191,7 +217,7 @@ def pack(
                 }
             },
         )
-        data = dump(manifest)
+        data = checked_manifest(dump(manifest), out, PACKAGE_FORMAT)
         write_archive(out, data, sign(key, data), entries, when)
     return PackResult(out, manifest, time.perf_counter() - started)
 
@@ -222,8 +248,12 @@ class VerifyReport:
 
 def read_manifest(reader: ArchiveReader, trusted: TrustedKeys | None) -> tuple[Manifest, str]:
     """The package's manifest and its signer's fingerprint: verified against ``trusted``
-    first, when given (an unverified manifest is only parsed, for ``inspect``)."""
-    data, signature = reader.header()
+    first, when given (an unverified manifest is only parsed, for ``inspect``). Whatever
+    is wrong is a :class:`PackageError` (exit status 3) naming the package and the cause."""
+    try:
+        data, signature = reader.header()
+    except ArchiveError as exc:
+        raise refused(exc, reader.path) from None
     where = f"{reader.path}:manifest.json"
     signer = ""
     if trusted is not None:
@@ -231,7 +261,7 @@ def read_manifest(reader: ArchiveReader, trusted: TrustedKeys | None) -> tuple[M
     try:
         manifest = parse(data, where, PACKAGE_FORMAT)
     except ManifestError as exc:
-        raise PackageError(str(exc), location=Location(str(reader.path))) from None
+        raise refused(exc, reader.path) from None
     return manifest, signer or manifest.signer
 
 
@@ -241,7 +271,7 @@ def open_package(path: Path) -> ArchiveReader:
     try:
         return ArchiveReader(path)
     except ArchiveError as exc:
-        raise PackageError(str(exc), location=Location(str(path))) from None
+        raise refused(exc, path) from None
 
 
 def verify(path: Path, trusted: TrustedKeys) -> VerifyReport:
@@ -253,7 +283,7 @@ def verify(path: Path, trusted: TrustedKeys) -> VerifyReport:
         try:
             total = sum(entry.size for entry in reader.files(manifest))
         except ArchiveError as exc:
-            raise PackageError(str(exc), location=Location(str(path))) from None
+            raise refused(exc, path) from None
     return VerifyReport(manifest, signer, total, time.perf_counter() - started)
 
 
