@@ -169,6 +169,14 @@ class PromptTooLong(RequestError):
     code = "request.prompt_too_long"
 
 
+class OverBudget(RequestError):
+    """An input asks for more work than its budget (:mod:`kunlun.budgets`): a size, a count,
+    a nesting depth, or the time to compile or match a user's schema, regex or grammar."""
+
+    code = "request.over_budget"
+    exit_code = 3
+
+
 class PermissionDenied(KunlunError):
     """The caller is known but may not do this: a key without the scope a route needs, a
     client address outside its key's allow-list, a model path outside the model roots."""

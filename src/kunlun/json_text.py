@@ -25,29 +25,40 @@ import json
 import re
 from typing import Any
 
+import numpy as np
+
+from kunlun.budgets import BUDGETS, limit
 from kunlun.errors import Location, RequestError
 
-MAX_DEPTH = 64
-"""Deepest nesting of arrays and objects accepted (an OpenAI request needs about 5)."""
+MAX_DEPTH = int(BUDGETS["json_depth"].default)
+"""Deepest nesting of arrays and objects accepted by default (an OpenAI request needs about
+5); ``KUNLUN_BUDGET_JSON_DEPTH`` changes it (:mod:`kunlun.budgets`)."""
 
 _DROP = bytes(b for b in range(256) if b not in b'"[]{}')
 """Every byte but quotes and brackets: what the depth scan drops first."""
 _STRING = re.compile(rb'"[^"]*"')
-_PAIR = re.compile(rb"\[\]|\{\}")
 
 
-def loads(raw: bytes, source: str = "request", line: int | None = None) -> Any:
+def loads(
+    raw: bytes | str, source: str = "request", line: int | None = None, field: str | None = None
+) -> Any:
     """Parse ``raw`` (a JSON document), refusing too deep nesting and text that UTF-8 cannot
     hold; errors are :class:`RequestError` located at ``source`` (``"request"`` for a
-    request body, else a file name) and ``line``, naming the field when there is one."""
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and nesting_depth(raw) > MAX_DEPTH:
-        raise _too_deep(source, line)
+    request body, else a file name) and ``line``, naming the field when there is one.
+    ``field`` names a string field whose value is JSON text (``guided_json`` given as a
+    string): it is read within the same bounds, and its errors name it."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogatepass")
+    depth = int(limit("json_depth"))
+    if raw.count(b"[") + raw.count(b"{") > depth and nesting_depth(raw, depth) > depth:
+        raise _too_deep(source, line, depth, field)
     try:
         value = json.loads(raw)
     except ValueError as exc:  # UnicodeDecodeError too
-        raise RequestError(f"not valid JSON: {exc}", location=Location(source, line)) from None
+        what = f"'{field}' is not valid JSON" if field else "not valid JSON"
+        raise RequestError(f"{what}: {exc}", location=Location(source, line, field)) from None
     except RecursionError:  # unclosed brackets, which the depth scan does not count
-        raise _too_deep(source, line) from None
+        raise _too_deep(source, line, depth, field) from None
     if b"\\ud" in raw or b"\\uD" in raw or b"\xed" in raw:  # a surrogate, maybe
         field = unencodable_field(value)
         if field is not None:
@@ -59,28 +70,29 @@ def loads(raw: bytes, source: str = "request", line: int | None = None) -> Any:
     return value
 
 
-def _too_deep(source: str, line: int | None) -> RequestError:
+def _too_deep(source: str, line: int | None, depth: int, field: str | None) -> RequestError:
+    inside = f" in '{field}'" if field else ""
     return RequestError(
-        f"JSON nested more than {MAX_DEPTH} levels deep; at most {MAX_DEPTH} levels of "
+        f"JSON nested more than {depth} levels deep{inside}; at most {depth} levels of "
         "arrays and objects are accepted",
-        location=Location(source, line),
+        location=Location(source, line, field),
     )
 
 
 def nesting_depth(raw: bytes, limit: int = MAX_DEPTH) -> int:
     """The deepest nesting of arrays and objects in the JSON text ``raw``, counted up to
-    ``limit + 1``, without recursion and in C-speed passes: drop escaped quotes, every
-    byte but quotes and brackets, and the strings; then remove innermost ``[]``/``{}``
-    pairs once per level. (Unbalanced brackets, which are invalid JSON, stop the count.)"""
+    ``limit + 1``, without recursion and in C-speed passes, linear in ``raw`` whatever its
+    shape: drop escaped quotes, every byte but quotes and brackets, and the strings; then
+    the deepest running count of openings less closings. (Brackets left open count as open.)"""
     text = raw.replace(b"\\\\", b"").replace(b'\\"', b"").translate(None, _DROP)
     text = _STRING.sub(b"", text)
-    depth = 0
-    while text and depth <= limit:
-        shorter = _PAIR.sub(b"", text)
-        if len(shorter) == len(text):
-            break
-        text, depth = shorter, depth + 1
-    return depth
+    if not text:
+        return 0
+    brackets = np.frombuffer(text, dtype=np.uint8)
+    opens = (brackets == ord("[")) | (brackets == ord("{"))
+    closes = (brackets == ord("]")) | (brackets == ord("}"))
+    running = np.cumsum(opens.astype(np.int64) - closes.astype(np.int64))
+    return int(min(max(int(running.max()), 0), limit + 1))
 
 
 def unencodable_field(value: Any) -> str | None:

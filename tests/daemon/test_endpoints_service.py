@@ -110,9 +110,9 @@ def test_a_body_that_fails_the_input_schema_is_a_400_naming_its_path(
     for body, param, words in (
         ({**BODY, "items": items}, "input.items.2.price", "minimum of 0"),
         ({**BODY, "items": [{"name": "a", "price": "free"}]}, "input.items.0.price", "number"),
-        ({"items": []}, "input", "'review' is a required property"),
+        ({"items": []}, "input", '"review" is a required property'),
         ({**BODY, "extra": 1}, "input", "'extra' was unexpected"),
-        ([1, 2], "input", "not of type 'object'"),
+        ([1, 2], "input", 'not of type "object"'),
     ):
         resp = call(d, "review-bad", body)
         assert resp.status_code == 400, resp.text
@@ -155,7 +155,7 @@ def test_bad_files_names_and_models_are_refused_clearly(served: tuple[Daemon, Pa
     (files / "outside.json").write_text(json.dumps({"$ref": "https://example.com/s.json"}))
     (files / "bad-regex.json").write_text(json.dumps({"type": "string", "pattern": "[[["}))
     (files / "bad.jinja").write_text("Hello\n{{ input.review }\n")
-    # a regex Python's re takes (the metaschema's format check) but the engine's does not
+    # a regex Python's re takes (the metaschema's format check) but the linear-time one not
     (files / "regex.json").write_text(json.dumps({"type": "string", "pattern": "(?=x)x"}))
     for paths, words in (
         ({"input_schema": "broken.json"}, ["broken.json:3", "input_schema", "not valid JSON"]),
@@ -168,9 +168,9 @@ def test_bad_files_names_and_models_are_refused_clearly(served: tuple[Daemon, Pa
         proc = create(d, files, "broken", **paths)
         assert proc.returncode != 0
         assert all(w in proc.stderr for w in words), proc.stderr
-    proc = create(d, files, "broken", output_schema="regex.json")  # the engine's compiler
-    assert proc.returncode == 2 and "output_schema" in proc.stderr
-    assert "guided decoding" in proc.stderr and "look-around" in proc.stderr
+    proc = create(d, files, "broken", output_schema="regex.json")  # the linear-time matcher
+    assert proc.returncode == 2 and "output_schema.pattern" in proc.stderr
+    assert "linear-time" in proc.stderr and "look-around" in proc.stderr
     proc = d.cli("endpoint", "create", "broken", "--model", "no-such-model",
                  "--input-schema", str(files / "in.json"), "--output-schema",
                  str(files / "out.json"), "--prompt", str(files / "review.jinja"))  # fmt: skip

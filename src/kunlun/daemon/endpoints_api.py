@@ -29,7 +29,7 @@ from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import Message
 
-from kunlun import json_text
+from kunlun import budgets, json_text
 from kunlun.errors import Location, RequestError
 from kunlun.serving.endpoints import (
     NAME_RE,
@@ -70,9 +70,11 @@ def endpoints_admin_router(platform: Platform) -> APIRouter:
     async def create(
         body: dict[str, Any] = Body(...), replace: bool = Query(False)
     ) -> dict[str, Any]:
-        record = check_definition(body, now=time.time())
+        # schemas are compiled (and their patterns) off the event loop, within the budget
+        record = await budgets.bounded("the endpoint's schemas", check_definition, body, None,
+                                       time.time())  # fmt: skip
         _check_model(platform, record.model)
-        guided = await asyncio.to_thread(check_guided, record.output_schema)
+        guided = await budgets.bounded("output_schema", check_guided, record.output_schema)
         old = store.get_endpoint(record.name)
         if old is not None:
             if not replace:
@@ -119,14 +121,15 @@ def endpoints_router(platform: Platform) -> APIRouter:
             raise RequestError("the request body (the endpoint's input, as JSON) is empty",
                                location=Location("request", field="input"))  # fmt: skip
         body = json_text.loads(raw)
-        check_input(record, body)
+        await budgets.bounded("input", check_input, record, body)
         prompt = render_prompt(record, body)
         status, headers, content = await _chat(
             platform, request, chat_request(record, prompt, params)
         )
         if status != 200:
             return Response(content, status, headers=headers, media_type="application/json")
-        return JSONResponse(read_answer(record, json.loads(content)), headers=headers)
+        answer = await budgets.bounded("output", read_answer, record, json.loads(content))
+        return JSONResponse(answer, headers=headers)
 
     return router
 

@@ -25,6 +25,7 @@ import psutil
 import typer
 import uvicorn
 
+from kunlun import budgets
 from kunlun.batch.jobs import MAX_RUNNING_JOBS
 from kunlun.cli.output import console, handle_errors
 from kunlun.daemon.request_log import RequestLogConfig
@@ -507,6 +508,7 @@ def serve(
         platform.keyring.add_fixed(api_key, "--api-key / KUNLUN_API_KEY")
     platform.allowed_origins = check_origins(allowed_origins)
     proxies = check_proxies(forwarded_allow_ips)
+    budgets.check()  # a bad KUNLUN_BUDGET_* stops the start here, named
     if not _is_loopback(host) and not platform.keyring.enabled and not allow_insecure:
         raise DaemonError(
             f"refusing to listen on {host} with no API key configured",

@@ -135,8 +135,12 @@ class AsyncLLMEngine:
         Must be called from a running event loop. Raises :class:`RequestError` at once for
         bad input or a request id already in use.
         """
+        return self.add(self.engine.make_request(prompt, params, request_id))  # once ready()
+
+    def add(self, request: Request) -> AsyncIterator[RequestOutputDelta]:
+        """Queue a request built by :meth:`LLMEngine.make_request` (which may run in another
+        thread: a guided request's grammar is compiled there); as :meth:`add_request`."""
         loop = asyncio.get_running_loop()
-        request = self.engine.make_request(prompt, params, request_id)  # once ready()
         stream = _Stream(loop, asyncio.Queue())
         with self._lock:
             if request.request_id in self._streams:

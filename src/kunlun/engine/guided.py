@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 
-from kunlun.errors import Location, RequestError
+from kunlun import budgets
+from kunlun.errors import Location, OverBudget, RequestError
 
 if TYPE_CHECKING:
     import llguidance
@@ -52,6 +53,18 @@ class Guide:
     kind: GuideKind
     source: str
     field: str = "guide"
+
+    def __post_init__(self) -> None:
+        """Refuse a guide over its budget (:mod:`kunlun.budgets`) before anything compiles it."""
+        size = len(self.source.encode("utf-8", "surrogatepass"))
+        if self.kind == "choice":
+            budgets.require("choices", self.field, len(json.loads(self.source)))
+            budgets.require("choice_bytes", f"{self.field} (all strings)", size, self.field)
+        else:
+            budget = {"json": "schema_bytes", "regex": "regex_bytes"}.get(
+                self.kind, "grammar_bytes"
+            )
+            budgets.require(budget, self.field, size)
 
     @staticmethod
     def json_schema(schema: Any, field: str) -> Guide:
@@ -142,6 +155,19 @@ class GuidedDecoding:
         refused = torch.from_numpy(allowed[:, :vocab] == 0).to(scores.device, non_blocking=True)
         index = torch.tensor([row for _, row in matchers], dtype=torch.long, device=scores.device)
         scores[index] = scores[index].masked_fill(refused, float("-inf"))
+
+
+def guide_gave_up(guide: Guide | None, problem: str) -> OverBudget:
+    """The error of a request whose matcher stopped at one of the grammar engine's limits
+    during generation (``a{1000000}``): the constraint cannot be held, so the request fails
+    rather than ending as if it were satisfied."""
+    field = guide.field if guide is not None else "guide"
+    reason = problem.strip().splitlines()[0] if problem.strip() else "an internal limit"
+    return OverBudget(
+        f"{field} asks more than the grammar engine can hold while generating ({reason:.200})",
+        location=Location("request", field=field),
+        hint="bound the constraint (fewer repetitions, a smaller schema)",
+    )
 
 
 def _refused(field: str, problem: str) -> RequestError:

@@ -27,7 +27,7 @@ import torch
 from kunlun.engine.block_manager import BlockManager
 from kunlun.engine.detokenizer import Detokenizer
 from kunlun.engine.engine_config import EngineConfig
-from kunlun.engine.guided import GuidedDecoding
+from kunlun.engine.guided import GuidedDecoding, guide_gave_up
 from kunlun.engine.model_runner import ModelRunner, StepOutput, StepSeq
 from kunlun.engine.outputs import CompletionOutput, EngineStats, RequestOutput, RequestOutputDelta
 from kunlun.engine.preflight import preflight
@@ -375,8 +375,15 @@ class LLMEngine:
     ) -> list[RequestOutputDelta]:
         now = time.monotonic()
         deltas: list[RequestOutputDelta] = []
+        gave_up: dict[str, KunlunError] = {}
         for seq, item in zip(batch.seqs, sampled, strict=True):
-            if item is None or seq.is_finished:
+            if item is None or seq.is_finished or seq.request_id in gave_up:
+                continue
+            if seq.matcher is not None and seq.matcher.is_error():
+                # the grammar engine hit one of its limits: its mask (end of sequence only)
+                # says nothing of the constraint, so the answer must not end as "stop"
+                guide = self._requests[seq.request_id].params.guide
+                gave_up[seq.request_id] = guide_gave_up(guide, seq.matcher.get_error())
                 continue
             token_id, logprobs = item
             self._num_generated += 1
@@ -392,6 +399,8 @@ class LLMEngine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             deltas.append(self._delta(request, seq, [token_id], logprobs))
+        for request_id, error in gave_up.items():
+            deltas += self._end_request(request_id, error)
         return deltas
 
     def _delta(

@@ -31,9 +31,10 @@ from typing import Any
 
 import jinja2
 import jsonschema
-from jsonschema.exceptions import best_match
+import jsonschema_rs
 from jsonschema.protocols import Validator
 
+from kunlun import budgets
 from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.jinja_sandbox import sandbox_environment
 from kunlun.state.store import EndpointRecord
@@ -114,6 +115,11 @@ def check_schema(
         raise _bad(sources, field, f"must be a JSON Schema (an object), got {_kind(schema)}")
     if isinstance(schema, dict) and not isinstance(schema.get("$schema", ""), str):
         raise _bad(sources, f"{field}.$schema", "must be the URI of a JSON Schema draft")
+    text = json.dumps(schema, sort_keys=True)
+    if len(text) > budgets.limit("schema_bytes"):
+        raise budgets.over(
+            "schema_bytes", field, len(text), where=_bad(sources, field, "").location
+        )
     try:
         with warnings.catch_warnings():  # re's FutureWarnings about a pattern: not for users
             warnings.simplefilter("ignore")
@@ -126,6 +132,16 @@ def check_schema(
                        "only local references (#/...) are followed")  # fmt: skip
         if ref.startswith("#/") and not _resolves(schema, ref[2:].split("/")):
             raise _bad(sources, _path(field, where), f"$ref {ref!r} points at nothing")
+    try:
+        _validator(text)
+    except jsonschema_rs.ValidationError as exc:
+        at = _path(field, exc.instance_path)
+        problem = exc.message.splitlines()[0] if exc.message else "cannot be compiled"
+        if "regex" in problem:
+            problem = (f"{problem}: a pattern must be a regular expression the linear-time "
+                       "matcher takes (no look-around or back-references, at most "
+                       f"{budgets.limit('regex_program_bytes'):,g} bytes compiled)")  # fmt: skip
+        raise _bad(sources, at, _preview_message(problem)) from None
     return schema
 
 
@@ -161,12 +177,15 @@ def compile_prompt(text: str, sources: Mapping[str, str] | None = None) -> jinja
 
 
 def check_input(record: EndpointRecord, body: Any) -> None:
-    """A 400 whose ``param`` is the path of the first failing value (``input.items.2.price``)."""
+    """A 400 whose ``param`` is the path of the first failing value (``input.items.2.price``).
+    Linear in the body and the schema (patterns run on a matcher without backtracking), yet
+    the daemon calls it off the event loop within the program budget."""
     validator = _validator(json.dumps(record.input_schema, sort_keys=True))
-    error = best_match(validator.iter_errors(body))
+    error = next(validator.iter_errors(body), None)
     if error is not None:
-        where = _path("input", error.absolute_path)
-        raise RequestError(f"{where}: {error.message}", location=Location("request", field=where))
+        where = _path("input", error.instance_path)
+        raise RequestError(f"{where}: {_error_text(error)}",
+                           location=Location("request", field=where))  # fmt: skip
 
 
 def render_prompt(record: EndpointRecord, body: Any) -> str:
@@ -233,10 +252,11 @@ def read_answer(record: EndpointRecord, answer: Mapping[str, Any]) -> dict[str, 
     except ValueError as exc:
         raise OutputInvalid(f"the model's answer is not JSON ({exc}): {_preview(text)}") from None
     validator = _validator(json.dumps(record.output_schema, sort_keys=True))
-    error = best_match(validator.iter_errors(output))
+    error = next(validator.iter_errors(output), None)
     if error is not None:
         raise OutputInvalid(f"the model's answer does not match the output schema at "
-                            f"{_path('output', error.absolute_path)}: {error.message}")  # fmt: skip
+                            f"{_path('output', error.instance_path)}: "
+                            f"{_error_text(error)}")  # fmt: skip
     return {"output": output, "endpoint": record.name, "model": record.model,
             "id": answer.get("id"), "finish_reason": finish, "usage": usage}  # fmt: skip
 
@@ -326,9 +346,38 @@ def _template(text: str) -> jinja2.Template:
 
 
 @functools.lru_cache(maxsize=256)
-def _validator(schema_text: str) -> Validator:
-    schema = json.loads(schema_text)
-    return _validator_class(schema)(schema)
+def _validator(schema_text: str) -> Any:
+    """The checker of values against a schema: jsonschema-rs, with the ``regex`` crate's
+    linear-time matcher for ``pattern`` and ``patternProperties`` (a schema's ``^(a+)+$``
+    cannot backtrack for ever) and nothing fetched (references are local, checked before)."""
+    program = int(budgets.limit("regex_program_bytes"))
+    return jsonschema_rs.validator_for(
+        json.loads(schema_text),
+        pattern_options=jsonschema_rs.RegexOptions(size_limit=program, dfa_size_limit=program),
+        retriever=_no_retrieval,
+    )
+
+
+def _no_retrieval(uri: str) -> Any:
+    raise ValueError(f"{uri!r} is not fetched: only local references (#/...) are followed")
+
+
+def _error_text(error: Any) -> str:
+    """A checker's error message with the value it quotes shortened (a 100 kB string is
+    named by its first characters), then cut to 300 characters."""
+    message = str(error.message)
+    try:
+        quoted = json.dumps(error.instance, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError):
+        quoted = ""
+    if len(quoted) > 80:
+        message = message.replace(quoted, f"{quoted[:60]}... ({len(quoted):,} characters)", 1)
+    return _preview_message(message)
+
+
+def _preview_message(message: str, limit: int = 300) -> str:
+    """A checker's message, which quotes the value, cut to ``limit`` characters."""
+    return message if len(message) <= limit else message[: limit - 3] + "..."
 
 
 def _validator_class(schema: Any) -> type[Validator]:

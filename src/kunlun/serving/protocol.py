@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 
+from kunlun import budgets, json_text
 from kunlun.engine.guided import Guide
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import KunlunError, Location, PermissionDenied, PromptTooLong, RequestError
@@ -286,11 +287,9 @@ class _CommonRequest(StrictModel):
             return _response_format_guide(self.response_format)  # type: ignore[arg-type]
         if name == "guided_json":
             schema = self.guided_json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except ValueError as exc:
-                    raise param_error(name, f"guided_json is not valid JSON: {exc}") from None
+            if isinstance(schema, str):  # JSON text: read within the body's own bounds
+                budgets.require("schema_bytes", name, len(schema.encode("utf-8", "surrogatepass")))
+                schema = json_text.loads(schema, field=name)
             return Guide.json_schema(schema, name)
         if name == "guided_choice":
             return Guide.choice(self.guided_choice, name)

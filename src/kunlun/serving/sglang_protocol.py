@@ -21,11 +21,11 @@ as ``[logprob, token_id, text or null]`` triples, and with ``top_logprobs_num`` 
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
+from kunlun import budgets, json_text
 from kunlun.engine.guided import Guide
 from kunlun.engine.outputs import CompletionOutput, RequestOutput
 from kunlun.engine.sampling_params import SamplingParams
@@ -123,10 +123,9 @@ class GenerateSamplingParams(StrictModel):
             return None
         field = f"sampling_params.{given[0]}"
         if given[0] == "json_schema":
-            try:
-                schema = json.loads(self.json_schema or "")
-            except ValueError as exc:
-                raise param_error(field, f"json_schema is not valid JSON: {exc}") from None
+            text = self.json_schema or ""  # JSON text: read within the body's own bounds
+            budgets.require("schema_bytes", field, len(text.encode("utf-8", "surrogatepass")))
+            schema = json_text.loads(text, field=field)
             return Guide.json_schema(schema, field)
         if given[0] == "regex":
             return Guide("regex", self.regex or "", field)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kunlun import budgets
 from kunlun.engine.async_engine import AsyncLLMEngine
 from kunlun.engine.launch import Pooling, Task
 from kunlun.engine.outputs import RequestOutput, RequestOutputDelta
@@ -222,15 +223,17 @@ class WorkerApp:
 
     async def detokenize(self, request: Request) -> dict[str, Any]:
         """``POST /detokenize``: the text of token ids (special tokens kept)."""
-        req = parse_request(DetokenizeRequest, await request.body())
+        raw = await request.body()
+        req = await _off_loop_if_large(raw, parse_request, DetokenizeRequest, raw)
         self._check_model(req.model)
+        budgets.require("detokenize_ids", "tokens", len(req.tokens))
         vocab = self.engine.engine.vocab_size
-        bad = next((i for i, t in enumerate(req.tokens) if t >= vocab), None)
-        if bad is not None:
+        if max(req.tokens, default=0) >= vocab:
+            bad = next(i for i, t in enumerate(req.tokens) if t >= vocab)
             raise param_error(
                 f"tokens.{bad}", f"token {req.tokens[bad]} is not an id of this model (< {vocab})"
             )
-        return {"prompt": self.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+        return {"prompt": await _off_loop_if_large(raw, self.tokenizer.decode, req.tokens, False)}
 
     async def models(self) -> dict[str, Any]:
         model = {"id": self.served_name, "object": "model", "created": self.created,
@@ -308,7 +311,15 @@ class WorkerApp:
         try:
             for prompt in prompts:
                 request_id = uuid.uuid4().hex
-                submitted.streams.append(self.engine.add_request(prompt, params, request_id))
+                if params.guide is None:
+                    stream = self.engine.add_request(prompt, params, request_id)
+                else:  # its grammar compiles off the event loop, within the program budget
+                    request = await budgets.bounded(
+                        params.guide.field, self.engine.engine.make_request, prompt, params,
+                        request_id,
+                    )  # fmt: skip
+                    stream = self.engine.add(request)
+                submitted.streams.append(stream)
                 submitted.request_ids.append(request_id)
         except BaseException:
             await self._abort(submitted)

@@ -1,0 +1,231 @@
+"""Inputs that ask for unbounded work get a budget (issue 32, bugs 1-4 and 7), through a real
+daemon serving the tiny model, with an admin key and an inference key as a hostile client
+would hold. Each attack is refused with a 400 naming the input and its budget, fast, and a
+normal chat request sent while the attack runs is answered within 5 s of its usual time.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import pytest
+from tests.daemons import TINY, Daemon, Profile, daemon_fixture, refused
+
+from kunlun.budgets import BUDGETS, limit
+
+budget_daemon = daemon_fixture(
+    Profile("budgets-home", (TINY,), keys=(("ops", "admin"), ("app", "inference")))
+)
+
+CHAT = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def post(d: Daemon, path: str, body: Any, key: str = "app", timeout: float = 120) -> httpx.Response:
+    return httpx.post(d.url + path, json=body, timeout=timeout,
+                      headers={"Authorization": f"Bearer {d.keys[key]}"})  # fmt: skip
+
+
+def chat_seconds(d: Daemon) -> float:
+    started = time.monotonic()
+    reply = post(d, "/v1/chat/completions", CHAT)
+    assert reply.status_code == 200, reply.text
+    return time.monotonic() - started
+
+
+@contextmanager
+def under_attack(d: Daemon, attack: Callable[[], httpx.Response]) -> Iterator[list[int]]:
+    """``attack`` sent over and over from two threads while the block runs; yields the list
+    of statuses it got (filled in as they come)."""
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            statuses.append(attack().status_code)
+
+    threads = [threading.Thread(target=loop) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(0.5)  # the attack is under way
+        yield statuses
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(120)
+
+
+def assert_chat_unhurt(d: Daemon, attack: Callable[[], httpx.Response]) -> list[int]:
+    """A normal chat, sent while ``attack`` runs, takes at most 5 s more than usual; the
+    daemon's health answers too. The attack's statuses."""
+    usual = statistics.median(chat_seconds(d) for _ in range(3))
+    with under_attack(d, attack) as statuses:
+        during = max(chat_seconds(d) for _ in range(3))
+        assert httpx.get(d.url + "/healthz", timeout=5).status_code == 200
+    print(f"chat usual {usual:.2f} s, during the attack {during:.2f} s; attack statuses "
+          f"{sorted(set(statuses))} x{len(statuses)}")  # fmt: skip
+    assert during <= usual + 5
+    return statuses
+
+
+def assert_over_budget(reply: httpx.Response, param: str, *words: str) -> dict[str, Any]:
+    assert reply.status_code == 400, reply.text
+    error: dict[str, Any] = reply.json()["error"]
+    assert error["param"] == param, error
+    assert error["code"] == "request.over_budget" or "over_budget" in str(error), error
+    assert all(w in error["message"] for w in words), error
+    return error
+
+
+# ---- bug 1: a user's regex in an endpoint's schema ----
+
+EVIL = "^(a+)+$"
+"""Exponential on Python's backtracking ``re`` for ``a...ab`` (28 characters took 44 s)."""
+
+
+@pytest.fixture(scope="module")
+def evil_endpoint(budget_daemon: Daemon) -> Daemon:
+    d = budget_daemon
+    schema = {"type": "object", "required": ["s"], "properties": {
+        "s": {"type": "string", "pattern": EVIL}}}  # fmt: skip
+    made = post(d, "/api/v1/endpoints", {
+        "name": "evil", "model": "tiny", "prompt": "{{ input.s }}", "input_schema": schema,
+        "output_schema": {"type": "object", "properties": {"t": {"type": "string",
+                                                                  "pattern": EVIL}}}},
+        key="ops")  # fmt: skip
+    assert made.status_code == 200, made.text
+    return d
+
+
+def test_a_backtracking_pattern_in_an_endpoint_schema_is_matched_in_linear_time(
+    evil_endpoint: Daemon,
+) -> None:
+    d = evil_endpoint
+    for s in ("a" * 28 + "b", "a" * 100_000 + "b"):
+        started = time.monotonic()
+        reply = post(d, "/v1/endpoints/evil", {"s": s})
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == "input.s" and "does not match" in error["message"]
+        assert len(error["message"]) <= 300  # the value is quoted shortened
+        print(f"{len(s):,} characters refused in {time.monotonic() - started:.3f} s")
+    statuses = assert_chat_unhurt(d, lambda: post(d, "/v1/endpoints/evil", {"s": "a" * 28 + "b"}))
+    assert set(statuses) == {400}
+
+
+def test_patterns_a_linear_matcher_cannot_take_are_refused_at_definition(
+    budget_daemon: Daemon,
+) -> None:
+    d = budget_daemon
+    for pattern, words in (("(?=a)a", "look-around"), ("(a)\\1", "back-references"),
+                           ("(\\w{1000}){100}", "compiled")):  # fmt: skip
+        reply = post(d, "/api/v1/endpoints", {
+            "name": "refused", "model": "tiny", "prompt": "x", "input_schema": {},
+            "output_schema": {"properties": {"t": {"type": "string", "pattern": pattern}}}},
+            key="ops")  # fmt: skip
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["param"] == "output_schema.properties.t.pattern", error
+        assert words in error["message"], error
+    big = {"enum": ["x" * 1000] * (int(limit("schema_bytes")) // 1000 + 1)}
+    reply = post(d, "/api/v1/endpoints", {"name": "big", "model": "tiny", "prompt": "x",
+                                          "input_schema": big, "output_schema": {}}, key="ops")  # fmt: skip
+    assert_over_budget(reply, "input_schema", "over the budget", "KUNLUN_BUDGET_SCHEMA_BYTES")
+
+
+# ---- bug 2: guided_choice of 100,000 strings ----
+
+
+def test_a_hundred_thousand_choices_are_refused_naming_the_budget(budget_daemon: Daemon) -> None:
+    d = budget_daemon
+    choices = [f"option {i}" for i in range(100_000)]
+
+    def attack() -> httpx.Response:
+        return post(d, "/v1/chat/completions", {**CHAT, "guided_choice": choices})
+
+    assert_over_budget(
+        attack(), "guided_choice", "100,000 strings", "1,024", "KUNLUN_BUDGET_CHOICES"
+    )
+    assert set(assert_chat_unhurt(d, attack)) == {400}
+    within = post(d, "/v1/chat/completions",
+                  {**CHAT, "guided_choice": choices[: int(limit("choices"))]})  # fmt: skip
+    assert within.status_code == 200, within.text
+    assert within.json()["choices"][0]["message"]["content"] in choices
+
+
+# ---- bug 3: a constraint the matcher gives up on ----
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_the_grammar_engine_gives_up_on_fails_and_never_ends_as_stop(
+    budget_daemon: Daemon, stream: bool
+) -> None:
+    d = budget_daemon
+    body = {**CHAT, "max_tokens": 16, "guided_regex": "a{1000000}", "stream": stream}
+    reply = post(d, "/v1/chat/completions", body)
+    if not stream:
+        error = assert_over_budget(reply, "guided_regex", "grammar engine")
+        assert "stop" not in json.dumps(reply.json().get("choices", []))
+        print(error["message"])
+        return
+    assert reply.status_code == 200  # the stream began before the engine gave up
+    events = [line[6:] for line in reply.text.splitlines() if line.startswith("data: ")]
+    finishes = [c.get("finish_reason") for e in events if e != "[DONE]"
+                for c in json.loads(e).get("choices", [])]  # fmt: skip
+    assert "stop" not in finishes, events
+    errors = [json.loads(e)["error"] for e in events if e != "[DONE]" and "error" in json.loads(e)]
+    assert errors and "grammar engine" in errors[0]["message"], events
+
+
+# ---- bug 4: JSON inside a string field ----
+
+
+def test_json_text_inside_a_field_keeps_the_nesting_limit(budget_daemon: Daemon) -> None:
+    d = budget_daemon
+    deep = '{"type": "object", "properties": {"a": ' * 1000 + "{}" + "}}" * 1000
+    reply = post(d, "/v1/chat/completions", {**CHAT, "guided_json": deep})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "guided_json" and "nested more than" in error["message"], error
+    brackets = "[" * 5000 + "]" * 5000
+    reply = post(d, "/generate", {"text": "hi", "sampling_params": {
+        "max_new_tokens": 4, "json_schema": brackets}})  # fmt: skip
+    assert reply.status_code == 400, reply.text
+    body = reply.text
+    assert "RecursionError" not in body and "nested more than" in body, body
+    assert "sampling_params.json_schema" in body, body
+
+
+# ---- bug 7: /detokenize of a million ids ----
+
+
+def test_detokenize_counts_its_ids_against_a_budget(budget_daemon: Daemon) -> None:
+    d = budget_daemon
+    million = {"model": "tiny", "tokens": [5] * 1_000_000}
+
+    def attack() -> httpx.Response:
+        return post(d, "/detokenize", million)
+
+    started = time.monotonic()
+    assert_over_budget(attack(), "tokens", "1,000,000 token ids", "65,536")
+    print(f"1M ids refused in {time.monotonic() - started:.2f} s")
+    assert set(assert_chat_unhurt(d, attack)) == {400}
+    ok = post(d, "/detokenize", {"model": "tiny", "tokens": [5] * 1000})
+    assert ok.status_code == 200 and ok.json()["prompt"], ok.text
+
+
+# ---- the budgets themselves ----
+
+
+def test_a_bad_budget_variable_stops_the_start_naming_it(tmp_path: Any) -> None:
+    proc = refused(tmp_path / "home", env={"KUNLUN_BUDGET_CHOICES": "many"})
+    assert proc.returncode != 0
+    assert "KUNLUN_BUDGET_CHOICES" in proc.stderr and "'many'" in proc.stderr, proc.stderr
+    assert set(BUDGETS) >= {"choices", "schema_bytes", "regex_program_bytes", "detokenize_ids"}
