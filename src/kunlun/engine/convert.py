@@ -7,13 +7,17 @@ dtype (and its decoder linear layers quantized, :mod:`kunlun.engine.quant`; for 
 after the smoothing of :mod:`kunlun.engine.smooth`) and links to the
 model's other files (tokenizer; a quantized copy writes its own ``config.json``). The
 directory appears atomically (built aside, then renamed), so a start that died half-way leaves
-nothing that looks complete. The returned line says which of the three happened; the worker
-logs it as ``conversion: ...``. :func:`write_quantized` is the same conversion for
-``kunlun-cli model quantize``, which keeps the result as a model of its own.
+nothing that looks complete. Its record (``conversion.json``) holds the SHA-256 of every file
+written, taken as it was made: with ``--require-signed`` the daemon checks the directory
+against them before sealing it (:meth:`kunlun.offline.integrity.ModelGuard.seal`). The
+returned line says which of the three happened; the worker logs it as ``conversion: ...``.
+:func:`write_quantized` is the same conversion for ``kunlun-cli model quantize``, which keeps
+the result as a model of its own.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -36,6 +40,7 @@ from kunlun.engine.quant import (
     read_spec,
 )
 from kunlun.engine.smooth import smoothed_tensors
+from kunlun.planner.cache import CONVERSION_RECORD, remove_tree
 
 #: Plan dtype -> (torch dtype, safetensors header dtype).
 DTYPES: dict[str, tuple[torch.dtype, str]] = {
@@ -44,7 +49,7 @@ DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "fp16": (torch.float16, "F16"),
 }
 _FLOATING = {"F64", "F32", "F16", "BF16"}
-RECORD = "conversion.json"
+RECORD = CONVERSION_RECORD
 
 
 def floating_dtypes(model_dir: str | Path) -> set[str]:
@@ -131,13 +136,21 @@ def write_quantized(
         config = json.loads((source / "config.json").read_text(encoding="utf-8"))
         config["quantization_config"] = spec.config()
         (staging / "config.json").write_text(json.dumps(config, indent=2))
+    written = sorted(p for p in staging.iterdir() if p.is_file() and not p.is_symlink())
+    hashes = {p.name: _sha256(p) for p in written}  # as made (the daemon's seal checks them)
     record = {"source": str(source), "dtype": dtype, "num_tensors": num_tensors,
               "quantization": None if spec is None else spec.describe(),
-              "num_quantized": num_quantized, "seconds": time.perf_counter() - started}  # fmt: skip
+              "num_quantized": num_quantized, "seconds": time.perf_counter() - started,
+              "sha256": hashes}  # fmt: skip
     (staging / RECORD).write_text(json.dumps(record))
-    shutil.rmtree(target, ignore_errors=True)
+    remove_tree(target)  # also a conversion the daemon sealed read-only
     os.replace(staging, target)
     return record
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def _castable(name: str) -> bool:

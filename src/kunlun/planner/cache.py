@@ -2,9 +2,15 @@
 
 An entry lives in ``KUNLUN_HOME/plan-cache/<key>/`` and holds ``plan.json`` (the plan of the
 latest start), ``launch.json`` (the :class:`~kunlun.engine.launch.EngineLaunch` the plan gave
-that start's worker, before the node agent added its ready file and sandbox), ``key.json`` (what the key was made of) and the conversion artifacts the engine
-reuses: ``weights/``, the checkpoint already cast to the plan's dtype (see
-:mod:`kunlun.engine.convert`), so a second start loads it directly.
+that start's worker, before the node agent added its ready file and sandbox), ``key.json``
+(what the key was made of): the daemon's own :data:`BOOKKEEPING`, rewritten by each start and
+read by no engine. Everything else in it is a conversion artifact the engine reuses
+(:func:`artifacts`): ``weights/``, the checkpoint already cast to the plan's dtype and
+quantized as it says (see :mod:`kunlun.engine.convert`, its record ``weights/conversion.json``),
+so a second start loads it directly, or an external engine's export (a GGUF file). With
+``--require-signed`` those are derived from a signed package and sealed by the daemon
+(:meth:`kunlun.offline.integrity.ModelGuard.check_conversion`): re-hashed before reuse and by
+the integrity sweep.
 
 The key is the SHA-256 of:
 
@@ -28,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +46,11 @@ from kunlun.planner.plan import ExecutionPlan
 CACHE_DIR = "plan-cache"
 WEIGHTS_DIR = "weights"
 LAUNCH_FILE = "launch.json"
+CONVERSION_RECORD = "conversion.json"
+"""What :func:`kunlun.engine.convert.write_quantized` keeps in ``weights/``: written last, so a
+``weights/`` without it is not a conversion (and is made again)."""
+BOOKKEEPING = frozenset({"plan.json", "key.json", LAUNCH_FILE})
+"""The files of an entry the daemon writes itself (no engine loads them)."""
 _WEIGHT_SUFFIXES = (".safetensors",)
 _INDEX = "model.safetensors.index.json"
 
@@ -103,6 +115,17 @@ class CacheEntry:
         return self.path / WEIGHTS_DIR
 
 
+def artifacts(entry: Path) -> list[Path]:
+    """The conversion artifacts in the entry directory ``entry`` (sorted): all it holds but
+    :data:`BOOKKEEPING` and hidden names (a conversion's staging directory, a temporary file:
+    never loaded)."""
+    try:
+        names = sorted(os.listdir(entry))
+    except FileNotFoundError:
+        return []
+    return [entry / n for n in names if n not in BOOKKEEPING and not n.startswith(".")]
+
+
 class PlanCache:
     """Entries under ``home/plan-cache``."""
 
@@ -130,6 +153,14 @@ class PlanCache:
             _write_json(path / "key.json", inputs)
         _write_json(path / "plan.json", plan.to_dict())
         return CacheEntry(key, path, hit)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove the directory ``path`` (if any), also when it was sealed read-only (the daemon
+    leaves a sealed conversion's directories 0500 and files 0400). Links are not followed."""
+    for root, _dirs, _files in os.walk(path):
+        os.chmod(root, 0o700)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 import shlex
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,6 +72,9 @@ class WorkloadManager:
 
     # ---- events ----
     def event(self, workload_id: str, kind: str, message: str) -> None:
+        if kind == "ready" and self.guard is not None and self.guard.sealing(workload_id):
+            threading.Thread(target=self._seal, args=(workload_id,), daemon=True,
+                             name=f"seal-{workload_id}").start()  # fmt: skip
         if self.cluster is not None:  # written in the background: etcd may be slow or away
             self.cluster.record_event(
                 EventRecord(workload_id, time.time(), kind, f"{self.cluster.name}: {message}")
@@ -244,7 +248,15 @@ class WorkloadManager:
     ) -> None:
         """Start replica ``i`` of ``record`` with ``plan`` (its embedded worker or external
         engine server) on the node agent; its model files from ``model_dir``, its plan cache
-        entry ``plan_dir``."""
+        entry ``plan_dir`` (with ``--require-signed``, what it holds derived from a package is
+        checked against its seal first: :meth:`ModelGuard.check_conversion`)."""
+        if self.guard is not None:
+            line = self.guard.check_conversion(record.name, model_dir, plan_dir,
+                                               record.workload_id)  # fmt: skip
+            if line is not None:
+                self.agent.note(record.workload_id, line)
+            if self.guard.stops:
+                self._stop_failed(self.guard.take_stops(), self.serving())
         threads = plan.engine_options.get("num_threads") or max(
             1, (os.cpu_count() or 1) // spec.replicas
         )
@@ -361,7 +373,28 @@ class WorkloadManager:
         if self.guard is None:
             return []
         serving = self.serving()
-        findings = self.guard.sweep({name: path for name, (path, _) in serving.items()})
+        active = [wid for _path, ids in serving.values() for wid in ids]
+        findings = self.guard.sweep({name: path for name, (path, _) in serving.items()}, active)
+        self._stop_failed(findings, serving)
+        return findings
+
+    def _seal(self, workload_id: str) -> None:
+        """A replica of ``workload_id`` is ready: seal the conversion it made
+        (:meth:`ModelGuard.seal`); one changed since it was made stops its workloads."""
+        assert self.guard is not None
+        try:
+            findings = self.guard.seal(workload_id)
+            if findings:
+                self._stop_failed(findings, self.serving())
+        except Exception as exc:  # noqa: BLE001 - a thread of its own: say it, never raise
+            print(f"sealing the conversion of {workload_id} failed: {exc!r}", flush=True)
+
+    def _stop_failed(
+        self, findings: list[Finding], serving: dict[str, tuple[Path, list[str]]]
+    ) -> None:
+        """End FAILED the workloads each failed finding concerns (a package's: every workload
+        of it, or those the finding names; the platform's: all, with ``--require-signed``)."""
+        assert self.guard is not None
         packages = {name: self.guard.package_of(path) for name, (path, _) in serving.items()}
         for finding in findings:
             if finding.ok:
@@ -371,10 +404,11 @@ class WorkloadManager:
                 hit = finding.kind == "platform" and self.guard.require_signed
                 if hit or (package is not None and package.name == finding.name):
                     for wid in ids:
+                        if finding.workloads is not None and wid not in finding.workloads:
+                            continue
                         self.event(wid, "failed", f"integrity check failed: {finding.describe()}")
                         self.guard.audit.write("stopped", workload=wid, model=name,
                                                reason=finding.describe())  # fmt: skip
-        return findings
 
     def stop(self, workload_id: str) -> WorkloadRecord:
         record = self.get(workload_id)
