@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -539,3 +539,44 @@ def assert_validate_passes(
     run = json.loads((out / "validation.json").read_text())
     statuses = {cell["status"] for cell in run["cells"][model].values()}
     assert statuses <= {"PASS", "SKIP"} and "PASS" in statuses
+
+
+@contextlib.contextmanager
+def under_attack(attack: Callable[[], httpx.Response]) -> Iterator[list[int]]:
+    """``attack`` sent over and over from two threads while the block runs; yields the list
+    of statuses it got (filled in as they come)."""
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            statuses.append(attack().status_code)
+
+    threads = [threading.Thread(target=loop) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(0.5)  # the attack is under way
+        yield statuses
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(300)
+
+
+def assert_unhurt(
+    d: Daemon, normal: Callable[[], float], attack: Callable[[], httpx.Response]
+) -> list[int]:
+    """``normal()`` (a request that returns its seconds), sent while ``attack`` runs, takes at
+    most 5 s more than its usual time (the median of three before), and the daemon's health
+    answers: the budgets of issue 32 in one check. Returns the attack's statuses."""
+    import statistics
+
+    usual = statistics.median(normal() for _ in range(3))
+    with under_attack(attack) as statuses:
+        during = max(normal() for _ in range(3))
+        assert httpx.get(d.url + "/healthz", timeout=5).status_code == 200
+    print(f"usual {usual:.2f} s, during the attack {during:.2f} s; attack statuses "
+          f"{sorted(set(statuses))} x{len(statuses)}")  # fmt: skip
+    assert during <= usual + 5
+    return statuses

@@ -7,16 +7,13 @@ normal chat request sent while the attack runs is answered within 5 s of its usu
 from __future__ import annotations
 
 import json
-import statistics
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
-from tests.daemons import TINY, Daemon, Profile, daemon_fixture, refused
+from tests.daemons import TINY, Daemon, Profile, assert_unhurt, daemon_fixture, refused
 
 from kunlun.budgets import BUDGETS, limit
 
@@ -39,40 +36,10 @@ def chat_seconds(d: Daemon) -> float:
     return time.monotonic() - started
 
 
-@contextmanager
-def under_attack(d: Daemon, attack: Callable[[], httpx.Response]) -> Iterator[list[int]]:
-    """``attack`` sent over and over from two threads while the block runs; yields the list
-    of statuses it got (filled in as they come)."""
-    statuses: list[int] = []
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            statuses.append(attack().status_code)
-
-    threads = [threading.Thread(target=loop) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    try:
-        time.sleep(0.5)  # the attack is under way
-        yield statuses
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(120)
-
-
 def assert_chat_unhurt(d: Daemon, attack: Callable[[], httpx.Response]) -> list[int]:
     """A normal chat, sent while ``attack`` runs, takes at most 5 s more than usual; the
-    daemon's health answers too. The attack's statuses."""
-    usual = statistics.median(chat_seconds(d) for _ in range(3))
-    with under_attack(d, attack) as statuses:
-        during = max(chat_seconds(d) for _ in range(3))
-        assert httpx.get(d.url + "/healthz", timeout=5).status_code == 200
-    print(f"chat usual {usual:.2f} s, during the attack {during:.2f} s; attack statuses "
-          f"{sorted(set(statuses))} x{len(statuses)}")  # fmt: skip
-    assert during <= usual + 5
-    return statuses
+    attack's statuses."""
+    return assert_unhurt(d, lambda: chat_seconds(d), attack)
 
 
 def assert_over_budget(reply: httpx.Response, param: str, *words: str) -> dict[str, Any]:

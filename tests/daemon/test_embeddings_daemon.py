@@ -12,7 +12,7 @@ import base64
 import json
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.daemons import Daemon, Daemons, Profile
+from tests.daemons import Daemon, Daemons, Profile, assert_unhurt
 
 TEXTS = ["The cat sat on the mat.", "Embeddings are pooled hidden states", "hi"]
 MAX_LEN = 64
@@ -226,3 +226,35 @@ def test_validate_row_api_embeddings_passes(
     assert cell["api.embeddings"]["figure"] == figure
     cards = {c["id"]: c for c in daemon.get("/v1/models").json()["data"]}
     assert cards["tiny-embed"]["task"] == "embed" and cards["tiny-gen"]["task"] == "generate"
+
+
+def test_the_documented_2048_inputs_are_answered_while_others_are_served(
+    served: tuple[Daemon, Path],
+) -> None:
+    """Issue 32, bug 6: a request of 2,048 short inputs (OpenAI's limit) is answered, while
+    one-input embeddings on the same replica and chats on another are answered within 5 s of
+    their usual time, and the embedding replica stays in routing (its probe is one input)."""
+    daemon, _ = served
+    many = {"model": "tiny-embed", "input": [f"sentence {i} of many" for i in range(2048)]}
+
+    def attack() -> httpx.Response:
+        reply = httpx.post(daemon.url + "/v1/embeddings", json=many, timeout=600)
+        assert reply.status_code == 200, reply.text
+        assert len(reply.json()["data"]) == 2048
+        return reply
+
+    def timed(path: str, body: dict[str, Any]) -> Callable[[], float]:
+        def once() -> float:
+            started = time.monotonic()
+            assert post(daemon, path, body).status_code == 200
+            return time.monotonic() - started
+
+        return once
+
+    one = timed("/v1/embeddings", {"model": "tiny-embed", "input": "one"})
+    chat = timed("/v1/chat/completions", {"model": "tiny-gen", "max_tokens": 8,
+                                          "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    assert set(assert_unhurt(daemon, one, attack)) == {200}
+    assert set(assert_unhurt(daemon, chat, attack)) == {200}
+    rows = {r["name"]: r for r in daemon.get("/api/v1/workloads").json()}
+    assert all(r["ready_replicas"] >= 1 for r in rows.values()), rows

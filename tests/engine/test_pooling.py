@@ -86,3 +86,25 @@ def test_two_ranks_pool_like_one_and_still_generate(llama: Path) -> None:
     assert generated == 3
     for ids, vector in zip(INPUTS, vectors, strict=True):
         assert F.cosine_similarity(vector, reference(llama, ids, "mean"), dim=0) > 0.999
+
+
+def test_a_request_of_many_inputs_shares_each_step_with_the_ones_behind_it(llama: Path) -> None:
+    """Issue 32, bug 6: 2,048 inputs in one request held every later request (the replica's
+    health probe among them) until all were pooled, and the replica left routing. Inputs are
+    now taken one per request in turn, so a one-input request behind it is done in the next
+    step, whatever the size of the first."""
+    from kunlun.engine.pooling import Pooler, PoolingJob
+
+    engine = LLMEngine.from_model(llama, max_num_batched_tokens=32, num_blocks=16, block_size=8)
+    big = PoolingJob([[1, 400 + i % 50, 7] for i in range(64)], "mean")
+    probe = PoolingJob([[1, 2, 3]], "mean")
+    pooler = Pooler(engine)
+    pooler.add([big, probe])
+    pooler.step()  # 32 tokens: ten of the big request's inputs and the probe's one
+    assert probe.done.done() and not big.done.done()
+    assert abs(probe.done.result()[0].norm().item() - 1) < 1e-5
+    steps = 1
+    while pooler.pending:
+        pooler.step()
+        steps += 1
+    assert len(big.done.result()) == 64 and steps >= 64 * 3 // 32

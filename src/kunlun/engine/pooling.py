@@ -114,25 +114,27 @@ class Pooler:
                 job.done.set_exception(error)
 
     def step(self) -> None:
-        """Run one forward pass over as many waiting inputs as fit (in arrival order)."""
+        """Run one forward pass over as many waiting inputs as fit, taken one per request in
+        turn: a request of 2,048 inputs shares each step with the one-input requests behind
+        it (a health probe among them) instead of holding them until it is done."""
         manager = self.engine.block_manager
         picked: list[tuple[PoolingJob, int, Sequence]] = []
         tokens = 0
+        waiting = [job for job in self.jobs if job.next_input < len(job.inputs)]
         try:
-            for job in self.jobs:
-                while job.next_input < len(job.inputs):
-                    ids = job.inputs[job.next_input]
-                    over_budget = picked and tokens + len(ids) > self.max_step_tokens
-                    if over_budget or not manager.can_allocate(NO_MATCH, len(ids)):
-                        break
-                    seq = Sequence(f"embed-{job.job_id}", ids, SamplingParams(max_tokens=1))
-                    manager.allocate(seq, NO_MATCH, len(ids))
-                    picked.append((job, job.next_input, seq))
-                    job.next_input += 1
-                    tokens += len(ids)
-                else:
-                    continue
-                break
+            while waiting:
+                job = waiting.pop(0)
+                ids = job.inputs[job.next_input]
+                over_budget = picked and tokens + len(ids) > self.max_step_tokens
+                if over_budget or not manager.can_allocate(NO_MATCH, len(ids)):
+                    break
+                seq = Sequence(f"embed-{job.job_id}", ids, SamplingParams(max_tokens=1))
+                manager.allocate(seq, NO_MATCH, len(ids))
+                picked.append((job, job.next_input, seq))
+                job.next_input += 1
+                tokens += len(ids)
+                if job.next_input < len(job.inputs):
+                    waiting.append(job)  # its next input after the others' next ones
             if picked:
                 self.engine._num_steps += 1  # a step like any other: health checks see progress
                 self._run(picked)
