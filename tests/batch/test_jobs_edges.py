@@ -79,3 +79,26 @@ def test_a_job_failing_inside_keeps_what_it_wrote_and_leaves_no_stray_file(
     on_disk = {p.name for p in files.root.iterdir()}
     registered = {r.file_id for r in files.store.list_files()}
     assert on_disk == registered
+
+
+def test_a_reloading_model_is_waited_out_with_growing_waits(tmp_path: Path) -> None:
+    """Issue 32: while a model reloaded, each line asked again every 1.5 s (1,615 503s in
+    the request log). "Not now" answers are still waited out for as long as the job lives,
+    but each wait of a line grows (about 1, 2, 4 s ...), never below ``Retry-After``."""
+    import time
+
+    started = time.monotonic()
+    times: list[float] = []
+
+    async def send(path: str, body: bytes, request_id: str) -> Reply:
+        times.append(time.monotonic() - started)
+        if times[-1] < 6.0:  # the model is loading for 6 s
+            return Reply(503, {"retry-after": "1"}, b'{"error": {"message": "loading"}}')
+        return Reply(200, {}, b'{"text": "ok"}')
+
+    _, record = run_batch(tmp_path, 1, send)
+    assert record.status == "completed", record.errors
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert all(gap >= 0.95 for gap in gaps), gaps  # Retry-After: 1 is honoured
+    assert len(times) <= 5, times  # waiting 1 s each time would have asked 7 times
+    assert gaps[-1] > gaps[0], gaps

@@ -25,8 +25,9 @@ CHAT = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content
 
 
 def post(d: Daemon, path: str, body: Any, key: str = "app", timeout: float = 120) -> httpx.Response:
-    return httpx.post(d.url + path, json=body, timeout=timeout,
-                      headers={"Authorization": f"Bearer {d.keys[key]}"})  # fmt: skip
+    return httpx.post(d.url + path, content=json.dumps(body), timeout=timeout,  # NaN: as JS
+                      headers={"Authorization": f"Bearer {d.keys[key]}",
+                               "Content-Type": "application/json"})  # fmt: skip
 
 
 def chat_seconds(d: Daemon) -> float:
@@ -196,3 +197,25 @@ def test_a_bad_budget_variable_stops_the_start_naming_it(tmp_path: Any) -> None:
     assert proc.returncode != 0
     assert "KUNLUN_BUDGET_CHOICES" in proc.stderr and "'many'" in proc.stderr, proc.stderr
     assert set(BUDGETS) >= {"choices", "schema_bytes", "regex_program_bytes", "detokenize_ids"}
+
+
+# ---- weak points: values that parse but mean nothing ----
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"text": "hi", "sampling_params": {"temperature": float("inf")}},
+         "temperature", "temperature"),
+        ({"text": "hi", "sampling_params": {"max_new_tokens": 2, "stop_token_ids": [10**6]}},
+         "stop_token_ids.0", "not an id of this model"),
+        ({"text": ["hi", "ho"], "rid": ["same", "same"], "sampling_params": {"max_new_tokens": 2}},
+         "rid", "given twice"),
+    ],
+)  # fmt: skip
+def test_generate_refuses_values_that_mean_nothing(
+    budget_daemon: Daemon, body: dict[str, Any], param: str, words: str
+) -> None:
+    reply = post(budget_daemon, "/generate", body)
+    assert reply.status_code == 400, reply.text
+    assert words in reply.text and param in reply.text, reply.text

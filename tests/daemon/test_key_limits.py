@@ -170,6 +170,31 @@ def test_x_forwarded_for_counts_only_from_the_proxies_named(
         outside = forwarded(daemon, lan, "10.9.8.5")
         assert outside.status_code == 403 and "10.9.8.5" in outside.json()["error"]["message"]
         assert forwarded(daemon, lan, None).status_code == 403  # the proxy itself
+        assert_wrong_keys_are_throttled_per_address(daemon, lan)
+
+
+def assert_wrong_keys_are_throttled_per_address(daemon: Daemon, lan: str) -> None:
+    """Issue 32's weak points: wrong keys from one address (here told by the named proxy)
+    are answered 429 with ``Retry-After`` past FAILED_KEYS_PER_MINUTE a minute, at the API
+    and the dashboard's login alike, while a valid key from that address and wrong keys from
+    other addresses are answered as before; two credentials in one request are refused."""
+    from kunlun.state.api_keys import FAILED_KEYS_PER_MINUTE
+
+    guesser = "10.9.9.7"
+    for _ in range(FAILED_KEYS_PER_MINUTE):
+        assert forwarded(daemon, "kl-guess", guesser).status_code == 401
+    throttled = forwarded(daemon, "kl-guess", guesser)
+    assert throttled.status_code == 429 and int(throttled.headers["retry-after"]) >= 1
+    assert guesser in throttled.json()["error"]["message"]
+    login = httpx.post(daemon.url + "/ui/login", data={"key": "kl-guess"}, timeout=30,
+                       headers={"X-Forwarded-For": guesser}, follow_redirects=False)  # fmt: skip
+    assert login.status_code == 429 and "too many wrong keys" in login.text
+    assert forwarded(daemon, lan, guesser).status_code == 200  # its own valid key passes
+    assert forwarded(daemon, "kl-guess", "10.9.9.8").status_code == 401  # another address
+    both = daemon.get("/v1/models", headers={"Authorization": f"Bearer {lan}", "X-API-Key": lan,
+                                             "X-Forwarded-For": "10.9.9.5"})  # fmt: skip
+    assert both.status_code == 400, both.text
+    assert "2 credentials" in both.json()["error"]["message"]
 
 
 def test_a_bad_proxy_address_stops_the_start_naming_it(tmp_path: Path) -> None:

@@ -36,6 +36,36 @@ def assert_refused_untokenized(answer: httpx.Response) -> int:
     return int(found.group(1))
 
 
+def assert_refused_from_its_first_pieces(answer: httpx.Response) -> None:
+    """Issue 32: a prompt under the byte bound that cannot fit either (1.25 MB took 16 s to
+    tokenize whole) is refused once its first pieces hold more than max_model_len tokens."""
+    assert answer.status_code == 400, answer.text[:500]
+    error = answer.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert re.search(rf"cannot fit max_model_len = {MAX_MODEL_LEN} tokens: its first \d+ "
+                     r"characters are already \d+ tokens, so the rest was not tokenized",
+                     error["message"]), error["message"]  # fmt: skip
+
+
+def test_a_prompt_under_the_byte_bound_is_refused_from_its_first_pieces(
+    tiny_daemon: Daemon,
+) -> None:
+    bound = assert_refused_untokenized(completion(tiny_daemon, "a" * HUGE))
+    words = " ".join(f"w{i % 977}" for i in range(bound))
+    just_under = words.encode()[: bound - 16].decode(errors="ignore")
+    assert_refused_from_its_first_pieces(completion(tiny_daemon, just_under))
+    chat = httpx.post(
+        tiny_daemon.url + "/v1/chat/completions",
+        timeout=300,
+        json={
+            "model": "tiny",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": just_under[: bound // 2]}],
+        },
+    )  # the template's too
+    assert_refused_from_its_first_pieces(chat)
+
+
 def test_a_10_mb_prompt_is_refused_naming_max_model_len(tiny_daemon: Daemon) -> None:
     daemon = tiny_daemon
     bound = assert_refused_untokenized(completion(daemon, "a" * HUGE))
@@ -85,11 +115,8 @@ def test_other_streams_go_on_while_long_prompts_are_tokenized(tiny_daemon: Daemo
     num_lines_then = len(lines)
     streaming.join(300)
     assert len(lines) > num_lines_then, "the stream had ended before the long prompts' answers"
-    for answer in answers:  # tokenized (not refused early): the engine counted its tokens
-        assert answer.status_code == 400, answer.text[:500]
-        message = answer.json()["error"]["message"]
-        assert re.search(rf"prompt has \d+ tokens but the max_model_len is {MAX_MODEL_LEN}",
-                         message), message  # fmt: skip
+    for answer in answers:  # under the byte bound: tokenized (in pieces, until surely over)
+        assert_refused_from_its_first_pieces(answer)
     assert lines[0] == "status 200" and lines[-1] == "data: [DONE]", lines[-3:]
     assert len([line for line in lines if '"text"' in line]) >= 60
     assert not any('"error"' in line for line in lines)

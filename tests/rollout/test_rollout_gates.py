@@ -31,6 +31,9 @@ def test_spec_parses_what_users_type() -> None:
         ({"steps": "50,20"}, "steps must grow"),
         ({"canary": "150%"}, "at most 100"),
         ({"interval_s": "soon"}, "like 90s, 5m or 1h"),
+        ({"interval_s": 3.6e24}, "at most 604800 s"),  # issue 32: once accepted
+        ({"interval_s": float("nan")}, "above 0 and at most"),
+        ({"interval_s": "169h"}, "at most 604800 s"),
         ({"max_error_rate": "-1%"}, "between 0% and 100%"),
         ({"min_requests": 0}, "min_requests"),
         ({"bogus": 1}, "bogus: unknown field"),

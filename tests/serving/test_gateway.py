@@ -197,6 +197,22 @@ def test_no_ready_replica_and_draining_answer_503(
         gateway.state.draining = False
 
 
+def test_health_says_503_while_every_replica_is_out_of_routing(gateway: GatewayServer) -> None:
+    """Issue 32: a stopped worker's replica, ejected by its health checks, left ``/readyz``
+    (and ``/health``) at 200 until liveness killed it, 16 s later by default. Ready means a
+    replica the gateway would route to."""
+    replica = gateway.replicas.get("r1")
+    assert replica is not None and replica.ready
+    url = gateway.base_url + "/health"
+    assert httpx.get(url, timeout=30).status_code == 200
+    replica.ejected = "2 health probes in a row failed"
+    try:
+        assert httpx.get(url, timeout=30).status_code == 503
+    finally:
+        replica.ejected = None
+    assert httpx.get(url, timeout=30).status_code == 200
+
+
 def test_full_queue_answers_429_with_retry_after(
     client: openai.OpenAI, gateway: GatewayServer
 ) -> None:

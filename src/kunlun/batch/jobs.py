@@ -51,6 +51,10 @@ SWEEP_INTERVAL_S = 60.0
 WAIT_STATUSES = frozenset({429, 503})
 """"Not now" answers (queue full, replica still loading): waited out, not counted as
 failures, for as long as the job lives."""
+WAIT_POLICY = RetryPolicy(max_retries=0, base_delay_s=1.0, max_delay_s=30.0)
+"""How long a line waits after its n-th "not now" in a row: about 1, 2, 4 ... 30 s (with
+jitter), never less than the answer's ``Retry-After``. A model reloading for minutes meets a
+few requests per line, not one every 1.5 s (1,615 503s were logged once)."""
 
 
 @dataclass(frozen=True)
@@ -406,7 +410,7 @@ class BatchJobs:
         """Send one request until it is answered for good: (succeeded, its file line), or
         (False, None) when the job stopped meanwhile."""
         body = json.dumps(line.body).encode()
-        attempt = num_failures = 0
+        attempt = num_failures = num_waits = 0
         while True:
             attempt += 1
             request_id = f"{job.record.batch_id}:{line.custom_id}:{attempt}"
@@ -418,7 +422,8 @@ class BatchJobs:
             status = reply.status if reply is not None else None
             wait = retry_after_s(reply.headers.get("retry-after")) if reply is not None else None
             if status in WAIT_STATUSES:
-                delay = wait if wait is not None else 1.0
+                num_waits += 1
+                delay = max(wait or 0.0, WAIT_POLICY.delay_s(num_waits))
             elif is_retryable(status) and num_failures < self.policy.max_retries:
                 num_failures += 1
                 delay = self.policy.delay_s(num_failures, wait)

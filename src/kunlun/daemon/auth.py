@@ -23,11 +23,11 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kunlun.errors import KunlunError, PermissionDenied
+from kunlun.errors import KunlunError, Location, PermissionDenied, RequestError
 from kunlun.serving.endpoints import PREFIX as ENDPOINT_CALLS
 from kunlun.serving.gateway import ENDPOINTS
 from kunlun.serving.key_limits import KEY_TOKENS_SCOPE, KeyLimiter, TokenCharge
-from kunlun.serving.protocol import AuthenticationError, error_status_and_body
+from kunlun.serving.protocol import AuthenticationError, RateLimited, error_status_and_body
 from kunlun.serving.routing import KEY_PRIORITY_SCOPE
 from kunlun.state.api_keys import KeyRing, masked
 
@@ -58,14 +58,37 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or not self.keyring.enabled:
             await self.app(scope, receive, send)
             return
+        client = scope.get("client")
+        address = client[0] if client else None
+        presented = [
+            (name, value) for name, value in scope["headers"]
+            if name in (b"authorization", b"x-api-key")
+        ]  # fmt: skip
+        if len(presented) > 1:  # which one would count is a guess: refuse, naming them
+            names = ", ".join(sorted({n.decode().title() for n, _ in presented}))
+            await _refuse(send, RequestError(
+                f"{len(presented)} credentials were sent ({names}); send one: "
+                "'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
+                location=Location("request", field="Authorization"),
+            ))  # fmt: skip
+            return
         secret = None
-        for name, value in scope["headers"]:
+        for name, value in presented:
             if name == b"authorization" and value[:7].lower() == b"bearer ":
                 secret = value[7:].decode("latin-1").strip()
             elif name == b"x-api-key":
                 secret = value.decode("latin-1").strip()
         key = self.keyring.lookup(secret)
+        wait = None if key is not None or not secret else self.keyring.failures.retry_after(address)
+        if wait is not None:  # a valid key always passes: no client locks out its neighbours
+            await _refuse(send, RateLimited(
+                f"too many wrong API keys from {address}: more than "
+                f"{self.keyring.failures.per_minute} a minute", retry_after_s=wait,
+            ))  # fmt: skip
+            return
         if key is None:
+            if secret:
+                self.keyring.failures.failed(address)
             message = "missing API key" if not secret else "invalid API key"
             await _refuse(
                 send,
@@ -74,8 +97,6 @@ class ApiKeyMiddleware:
             )
             return
         policy = self.limiter.policy(key)
-        client = scope.get("client")
-        address = client[0] if client else None
         charge = None
         try:
             if not policy.allows(address):

@@ -37,7 +37,14 @@ from kunlun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kunlun.engine.sequence import Sequence, TopLogprobs
 from kunlun.engine.step_profiler import NO_TRACE, StepProfiler
 from kunlun.engine.tp_group import RankGroup, rank_threads
-from kunlun.errors import ConfigError, EngineError, KunlunError, PromptTooLong, RequestError
+from kunlun.errors import (
+    ConfigError,
+    EngineError,
+    KunlunError,
+    Location,
+    PromptTooLong,
+    RequestError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +180,12 @@ class LLMEngine:
         Raises :class:`RequestError` (:class:`PromptTooLong` for length) naming the problem.
         """
         params = copy.deepcopy(params or SamplingParams()).validate()
+        for i, token in enumerate(params.stop_token_ids):
+            if token >= self.vocab_size:
+                raise RequestError(
+                    f"stop_token_ids.{i} is {token}, not an id of this model (< {self.vocab_size})",
+                    location=Location("request", field=f"stop_token_ids.{i}"),
+                )
         token_ids = self._prompt_ids(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
         request_id = request_id or uuid.uuid4().hex

@@ -8,6 +8,7 @@ temperature, top-k, top-p, min-p), as ``transformers.generate`` does.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kunlun.engine.guided import Guide
@@ -128,7 +129,9 @@ def _is_int(value: object) -> bool:
 
 
 def _is_num(value: object) -> bool:
-    return (isinstance(value, int | float)) and not isinstance(value, bool) and value == value
+    """A real, finite number (NaN and infinities are not: ``temperature: Infinity`` once
+    passed as "any sampling")."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_count(value: object) -> bool:

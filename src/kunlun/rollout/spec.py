@@ -37,8 +37,14 @@ def parse_rate(value: Any, field: str, most: float = 1.0) -> float:
     return fraction
 
 
-def parse_duration(value: Any, field: str) -> float:
-    """``5m``, ``90s``, ``500ms``, ``1h`` or a number of seconds -> seconds."""
+MAX_INTERVAL_S = 7 * 24 * 3600.0
+"""The longest step of a rollout (a week): longer is a typo, and a timer beyond it never
+fires in practice (3.6e24 s was once accepted)."""
+
+
+def parse_duration(value: Any, field: str, most: float = MAX_INTERVAL_S) -> float:
+    """``5m``, ``90s``, ``500ms``, ``1h`` or a number of seconds -> seconds, above 0 and at
+    most ``most``."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         seconds = float(value)
     else:
@@ -46,8 +52,8 @@ def parse_duration(value: Any, field: str) -> float:
         if match is None:
             raise ValueError(f"{field} must look like 90s, 5m or 1h, got {value!r}")
         seconds = float(match.group(1)) * _UNITS[match.group(2)]
-    if seconds <= 0:
-        raise ValueError(f"{field} must be above 0, got {value!r}")
+    if not 0 < seconds <= most:  # NaN fails too
+        raise ValueError(f"{field} must be above 0 and at most {most:g} s (7 days), got {value!r}")
     return seconds
 
 

@@ -153,5 +153,7 @@ class ReplicaSet:
         return cards
 
     def any_ready(self) -> bool:
+        """Whether a replica can take requests now: ready and not out of routing (a stopped
+        worker is ejected by its health checks seconds before liveness restarts it)."""
         with self._lock:
-            return any(r.ready for r in self._replicas.values())
+            return any(r.routable for r in self._replicas.values())

@@ -167,6 +167,9 @@ class GenerateRequest(StrictModel):
             raise param_error("rid", "a list of ids goes with a list of prompts, one per prompt")
         if isinstance(self.rid, list) and len(self.rid) != len(prompts):
             raise param_error("rid", f"{len(self.rid)} ids for {len(prompts)} prompts")
+        if isinstance(self.rid, list) and len(set(self.rid)) != len(self.rid):
+            twice = next(r for i, r in enumerate(self.rid) if r in self.rid[:i])
+            raise param_error("rid", f"{twice!r} is given twice: each prompt's id must be its own")
         return self
 
     @property

@@ -209,11 +209,70 @@ FIXED_KEY_MIN_CHARS = 8
 """The shortest key :meth:`KeyRing.add_fixed` accepts."""
 
 
+FAILED_KEYS_PER_MINUTE = 10
+"""Wrong API keys one client address may present per minute (at the API and the dashboard's
+login together) before its wrong keys are answered 429 until the minute has passed. A valid
+key always passes (no client locks out the others behind its address); loopback is not
+counted (the operator's own tools; behind a local proxy, name it with
+``--forwarded-allow-ips`` and the clients' own addresses count)."""
+_FAILURE_ADDRESSES = 10_000
+"""Addresses whose failures are remembered at once (the oldest are forgotten first)."""
+
+
+class FailedKeys:
+    """Wrong keys per client address over the last minute: guessing is throttled, and a
+    flood of addresses costs bounded memory."""
+
+    def __init__(self, per_minute: int = FAILED_KEYS_PER_MINUTE) -> None:
+        self.per_minute = per_minute
+        self._lock = threading.Lock()
+        self._seen: dict[str, list[float]] = {}
+
+    def _recent(self, address: str, now: float) -> list[float]:
+        times = [t for t in self._seen.get(address, ()) if now - t < 60]
+        if times:
+            self._seen[address] = times
+        else:
+            self._seen.pop(address, None)
+        return times
+
+    def retry_after(self, address: str | None) -> int | None:
+        """Seconds ``address`` must wait before presenting a key again, or None."""
+        if _loopback(address):
+            return None
+        now = time.monotonic()
+        with self._lock:
+            times = self._recent(address or "", now)
+            if len(times) < self.per_minute:
+                return None
+            return max(1, int(60 - (now - times[0])) + 1)
+
+    def failed(self, address: str | None) -> None:
+        if _loopback(address):
+            return
+        now = time.monotonic()
+        with self._lock:
+            times = self._recent(address or "", now)
+            self._seen.pop(address or "", None)  # re-inserted last: the newest
+            self._seen[address or ""] = [*times, now]
+            while len(self._seen) > _FAILURE_ADDRESSES:
+                self._seen.pop(next(iter(self._seen)))
+
+
+def _loopback(address: str | None) -> bool:
+    try:
+        return address is not None and ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
 class KeyRing:
-    """The active keys by hash, refreshed when the store changes."""
+    """The active keys by hash, refreshed when the store changes; ``failures`` throttles
+    wrong keys per client address."""
 
     def __init__(self, store: StateStore) -> None:
         self._store = store
+        self.failures = FailedKeys()
         self._lock = threading.Lock()
         self._keys: dict[str, ActiveKey] = {}
         self._fixed: dict[str, ActiveKey] = {}

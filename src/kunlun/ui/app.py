@@ -116,8 +116,15 @@ class Dashboard:
         elif not secret:
             return self.login_form("key: an API key is required", 400)
         else:
+            address = request.client.host if request.client else None
             key = self.keyring.lookup(secret)
+            wait = None if key is not None else self.keyring.failures.retry_after(address)
+            if wait is not None:
+                return self.login_form(
+                    f"too many wrong keys from {address}; try again in {wait} s", 429
+                )
             if key is None:
+                self.keyring.failures.failed(address)
                 return self.login_form("key: not an active API key of this daemon", 401)
             cookie = self.sessions.open(secret, key.name, key.scope)
         response = RedirectResponse("/ui/devices", 303)
