@@ -9,7 +9,8 @@ standard-library-only modules it imports), and an installed platform has it as t
     tar -xf kunlun-offline.tar kunlun-installer.pyz                      # air-gapped machine
     python3 kunlun-installer.pyz install --bundle kunlun-offline.tar --public-key K \\
         --prefix /opt/kunlun --home /var/lib/kunlun --package model.kunlunpkg
-    kunlun-installer install --package model.kunlunpkg --public-key K   # later packages
+    kunlun-installer install --package model.kunlunpkg                  # later packages
+    kunlun-installer trust add K | list | remove FINGERPRINT            # what the home trusts
     kunlun-installer --repair                                            # restore damage
 
 ``install --bundle`` checks the bundle's signature with the public key given (pure-Python
@@ -17,9 +18,17 @@ Ed25519, :mod:`.ed25519`: the bundle's own ``cryptography`` wheel cannot vouch f
 then every wheel's SHA-256 and the unpacking limits, creates a virtual environment at
 ``--prefix`` and installs the platform into it with ``pip --no-index`` from the bundle's
 wheels only (pip's configuration files are ignored, so no index or find-links from the
-machine leaks in), copies the public key into ``HOME/trusted-keys/``, writes the systemd
-unit, and installs each ``--package`` with the new environment's ``kunlun-installer``. A
-failure at any step removes the prefix it created: nothing is left half-installed.
+machine leaks in), records the key that verified the bundle as trusted in
+``HOME/trusted-keys/`` (and says so), writes the systemd unit, and installs each
+``--package`` with the new environment's ``kunlun-installer``. A failure at any step removes
+the prefix it created: nothing is left half-installed.
+
+Trust is explicit. ``HOME/trusted-keys/`` (what later installs, ``--repair`` and
+``kunlun-platform --require-signed`` trust) gets a key only from the bundle install (the key
+that verified the bundle), from ``--trust-key``, from ``kunlun-installer trust add``, or, in a
+home that trusts no key yet, from the first package install (the key that verified it): each
+is said in the output and appended to ``HOME/logs/audit.jsonl`` (``key_trusted``). A key given
+with ``--public-key`` is otherwise used for that one command only.
 """
 
 from __future__ import annotations
@@ -29,11 +38,13 @@ import base64
 import binascii
 import getpass
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
@@ -48,6 +59,10 @@ PLATFORM_REQUIREMENT = "kunlun-platform[engine]"
 INSTALLER_MEMBER = "kunlun-installer.pyz"
 WHEELS_DIR = "wheels"
 TRUSTED_KEYS_DIR = "trusted-keys"
+AUDIT_FILE = "logs/audit.jsonl"
+"""Where the installer appends what it decided about trust (the daemon's audit log)."""
+REGISTRY_FILE = "packages/installed.json"
+"""The installed packages and each model's pinned signer (:mod:`kunlun.offline.install`)."""
 UNIT_NAME = "kunlun-platform.service"
 
 UNIT_TEMPLATE = """\
@@ -146,13 +161,16 @@ def install_bundle(
     prefix: Path,
     home: Path,
     *,
+    trust: Sequence[Path] = (),
     user: str | None = None,
     systemd_dir: Path | None = None,
     python: str = sys.executable,
     say: Callable[[str], object] = print,
 ) -> Path:
-    """Verify ``bundle`` and install the platform into a new virtual environment at
-    ``prefix``; returns the systemd unit's path. ``prefix`` must not exist or be empty."""
+    """Verify ``bundle`` with ``public_keys`` or ``trust`` and install the platform into a new
+    virtual environment at ``prefix``; returns the systemd unit's path. ``prefix`` must not
+    exist or be empty. The key that verified the bundle, and every key of ``trust``, are
+    recorded as trusted in ``HOME/trusted-keys``."""
     if prefix.exists() and any(prefix.iterdir()):
         raise ConfigError(
             "the prefix exists and is not empty; install into a new directory",
@@ -165,7 +183,7 @@ def install_bundle(
     scratch = Path(tempfile.mkdtemp(prefix=".kunlun-bundle-", dir=prefix.parent))
     try:
         with _open(bundle) as reader:
-            signer, data = verify_bundle_header(reader, public_keys)
+            signer, data = verify_bundle_header(reader, [*public_keys, *trust])
             try:
                 manifest = parse(data, f"{bundle}:manifest.json", BUNDLE_FORMAT)
                 Limits().check(manifest, reader.size)
@@ -185,12 +203,18 @@ def install_bundle(
             env=offline_pip_env(),
         )  # fmt: skip
         say(f"installed {PLATFORM_REQUIREMENT} into {prefix} (pip --no-index)")
-        trust_keys(home, public_keys)
         unit_dir = systemd_dir or prefix / "share" / "systemd"
         unit_dir.mkdir(parents=True, exist_ok=True)
         unit = unit_dir / UNIT_NAME
         unit.write_text(systemd_unit(prefix, home, user or getpass.getuser()), encoding="utf-8")
         say(f"systemd unit {unit}")
+        # the last step: only an installed platform trusts a key for good
+        by_fingerprint = {key_fingerprint(path): path for path in [*public_keys, *trust]}
+        recorded = {signer: "it verified the bundle"}
+        for path in trust:
+            recorded.setdefault(key_fingerprint(path), "--trust-key")
+        for fp, reason in recorded.items():
+            say(trust_line(home, by_fingerprint[fp], reason))
         return unit
     except BaseException:
         if created_prefix:
@@ -225,17 +249,134 @@ def _writer_into(root: Path) -> Callable[[FileEntry], Callable[[memoryview], obj
     return sink
 
 
-def trust_keys(home: Path, public_keys: Sequence[Path]) -> Path:
-    """Copy the public keys into ``HOME/trusted-keys`` (what ``--require-signed`` trusts)."""
+def key_fingerprint(path: Path) -> str:
+    """``SHA256:`` and the hex SHA-256 of the raw key in the PEM file ``path`` (the
+    fingerprint manifests and ``cryptography``'s side use); :class:`ConfigError` otherwise."""
+    try:
+        raw = ed25519.public_key_from_pem(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        text = exc.strerror if isinstance(exc, OSError) else str(exc)
+        raise ConfigError(
+            f"not an Ed25519 public key: {text}", location=Location(str(path))
+        ) from None
+    return "SHA256:" + hashlib.sha256(raw).hexdigest()
+
+
+def trusted_key_files(home: Path) -> dict[str, list[Path]]:
+    """The keys ``HOME/trusted-keys`` holds (its ``*.pub``), by fingerprint; a file that is
+    not an Ed25519 public key is a :class:`ConfigError`, as when the daemon loads them."""
+    folder = home / TRUSTED_KEYS_DIR
+    found: dict[str, list[Path]] = {}
+    if folder.is_dir():
+        for path in sorted(folder.glob("*.pub")):
+            found.setdefault(key_fingerprint(path), []).append(path)
+    return found
+
+
+def audit(home: Path, event: str, **fields: object) -> None:
+    """Append one event to ``HOME/logs/audit.jsonl`` (the daemon's audit log, same form)."""
+    path = home / AUDIT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    line = json.dumps({"ts": round(time.time(), 3), "event": event, **fields}) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "a", encoding="utf-8") as handle:
+        handle.write(line)
+
+
+def trust_key(home: Path, path: Path, reason: str) -> tuple[str, Path, bool]:
+    """Record the public key ``path`` as trusted in ``HOME/trusted-keys`` (what later installs,
+    ``--repair`` and ``kunlun-platform --require-signed`` trust); returns its fingerprint, the
+    file and whether it was new. A new key is appended to the audit log with ``reason``."""
+    fp = key_fingerprint(path)
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
     folder = home / TRUSTED_KEYS_DIR
     folder.mkdir(exist_ok=True, mode=0o700)
-    for path in public_keys:
-        raw = ed25519.public_key_from_pem(path.read_bytes())
-        name = hashlib.sha256(raw).hexdigest()[:16] + ".pub"
-        shutil.copyfile(path, folder / name)
-        os.chmod(folder / name, 0o600)
-    return folder
+    already = trusted_key_files(home).get(fp)
+    if already:
+        return fp, already[0], False
+    target = folder / (fp.removeprefix("SHA256:")[:16] + ".pub")
+    temporary = folder / f".{target.name}.{os.getpid()}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(path.read_bytes())
+    os.replace(temporary, target)
+    audit(home, "key_trusted", fingerprint=fp, file=str(target), reason=reason)
+    return fp, target, True
+
+
+def trust_line(home: Path, path: Path, reason: str) -> str:
+    """:func:`trust_key`, as the line an install prints."""
+    fp, file, new = trust_key(home, path, reason)
+    if not new:
+        return f"key {fp} is trusted already ({file})"
+    return f"trusted key {fp} ({reason}): recorded in {file}"
+
+
+def pinned_models(home: Path) -> dict[str, list[str]]:
+    """Each signer's fingerprint and the models pinned to it (``installed.json``)."""
+    try:
+        raw = json.loads((home / REGISTRY_FILE).read_text(encoding="utf-8"))
+        signers = dict(raw.get("signers") or {})
+        for name, active in (raw.get("active") or {}).items():
+            signers.setdefault(name, active["signer"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {}
+    models: dict[str, list[str]] = {}
+    for name, fp in sorted(signers.items()):
+        models.setdefault(str(fp), []).append(str(name))
+    return models
+
+
+def untrust_key(home: Path, which: str) -> tuple[str, list[Path]]:
+    """Remove a key from ``HOME/trusted-keys``: ``which`` is its ``.pub`` file or its
+    fingerprint (``SHA256:`` optional, at least 16 hex digits, matching one key only)."""
+    keys = trusted_key_files(home)
+    where = Location(which)
+    if Path(which).is_file():
+        fp = key_fingerprint(Path(which))
+        if fp not in keys:
+            raise ConfigError(f"key {fp} is not trusted here ({home / TRUSTED_KEYS_DIR})",
+                              location=where)  # fmt: skip
+    else:
+        digits = which.removeprefix("SHA256:").lower()
+        if len(digits) < 16 or any(c not in "0123456789abcdef" for c in digits):
+            raise ConfigError(
+                "give the key's .pub file or its fingerprint (SHA256: and at least 16 hex "
+                "digits; kunlun-installer trust list shows them)",
+                location=where,
+            )
+        found = [fp for fp in keys if fp.removeprefix("SHA256:").startswith(digits)]
+        if len(found) != 1:
+            what = "no trusted key has" if not found else f"{len(found)} trusted keys have"
+            raise ConfigError(f"{what} this fingerprint", location=where)
+        fp = found[0]
+    for path in keys[fp]:
+        path.unlink()
+    audit(home, "key_untrusted", fingerprint=fp, files=[str(p) for p in keys[fp]])
+    return fp, keys[fp]
+
+
+def trust_command(home: Path, action: str, key: str | None) -> int:
+    """``kunlun-installer trust add KEY | list | remove KEY``."""
+    if action == "add":
+        assert key is not None
+        print(trust_line(home, Path(key), "trust add"))
+        return 0
+    if action == "remove":
+        assert key is not None
+        fp, files = untrust_key(home, key)
+        print(f"removed trusted key {fp} ({', '.join(str(p) for p in files)})")
+        pinned = pinned_models(home).get(fp)
+        if pinned:
+            print(f"models pinned to it: {', '.join(pinned)}; kunlun-platform --require-signed "
+                  "no longer serves them; --repair and their new versions need the key given with "
+                  "--public-key")  # fmt: skip
+        return 0
+    by_signer = pinned_models(home)
+    rows = [{"fingerprint": fp, "files": [str(p) for p in paths], "models": by_signer.get(fp, [])}
+            for fp, paths in trusted_key_files(home).items()]  # fmt: skip
+    print(json.dumps(rows, indent=2))
+    return 0
 
 
 # ---- the command line ------------------------------------------------------------------
@@ -252,7 +393,8 @@ def _parser() -> argparse.ArgumentParser:
         "--home", type=Path, help="KUNLUN_HOME (default: $KUNLUN_HOME or ~/.kunlun)"
     )
     parser.add_argument("--public-key", type=Path, action="append", default=[],
-                        help="trusted public key (PEM; repeatable)")  # fmt: skip
+                        help="a public key (PEM) trusted for this command only, besides "
+                        "HOME/trusted-keys (repeatable)")  # fmt: skip
     parser.add_argument("--package", type=Path, action="append", default=[],
                         help="a model package (.kunlunpkg; repeatable)")  # fmt: skip
     sub = parser.add_subparsers(dest="command")
@@ -270,11 +412,33 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--systemd-dir", type=Path, help="where the unit goes (default PREFIX/share)")
     i.add_argument("--user", help="the unit's User= (default: this user)")
     i.add_argument("--public-key", type=Path, action="append", default=[], dest="keys",
-                   metavar="KEY", help="trusted public key (PEM; repeatable)")  # fmt: skip
+                   metavar="KEY", help="a public key (PEM) trusted for this command only; with "
+                   "--bundle, the one that verifies the bundle is recorded as trusted "
+                   "(repeatable)")  # fmt: skip
+    i.add_argument("--trust-key", type=Path, action="append", default=[], dest="trust",
+                   metavar="KEY", help="a public key (PEM) to use and record as trusted in "
+                   "HOME/trusted-keys, for later installs and kunlun-platform "
+                   "--require-signed (repeatable)")  # fmt: skip
+    i.add_argument("--allow-signer-change", action="store_true",
+                   help="let a package signed by another key than the one its model was first "
+                   "installed with replace it (the change is recorded and audited)")  # fmt: skip
     i.add_argument("--package", type=Path, action="append", default=[], dest="packages",
                    metavar="PACKAGE", help="a model package (.kunlunpkg; repeatable)")  # fmt: skip
     i.add_argument("--home", type=Path, dest="sub_home", metavar="HOME",
                    help="KUNLUN_HOME (default: $KUNLUN_HOME or ~/.kunlun)")  # fmt: skip
+    t = sub.add_parser("trust", help="the keys this home trusts for good (HOME/trusted-keys)")
+    actions = t.add_subparsers(dest="trust_action", required=True, metavar="add|list|remove")
+    trust_actions = {
+        "add": "record a public key (PEM) as trusted",
+        "list": "the trusted keys and the models pinned to each (JSON)",
+        "remove": "stop trusting a key (its .pub file or fingerprint)",
+    }
+    for action, text in trust_actions.items():
+        a = actions.add_parser(action, help=text)
+        if action != "list":
+            a.add_argument("key", metavar="KEY")
+        a.add_argument("--home", type=Path, dest="sub_home", metavar="HOME",
+                       help="KUNLUN_HOME (default: $KUNLUN_HOME or ~/.kunlun)")  # fmt: skip
     u = sub.add_parser("unit", help="print the systemd unit for a prefix and home")
     u.add_argument("--prefix", type=Path, required=True)
     u.add_argument("--home", type=Path, dest="sub_home", metavar="HOME", required=True)
@@ -318,25 +482,30 @@ def _dispatch(args: argparse.Namespace) -> int:
         from kunlun.offline.commands import list_command
 
         return list_command(home)
+    if args.command == "trust":
+        return trust_command(home, args.trust_action, getattr(args, "key", None))
     if args.command == "install":
-        if not keys:
-            raise ConfigError("give the trusted --public-key", location=Location("--public-key"))
         if args.bundle is None:
             if not packages:
                 raise ConfigError("give --bundle or --package", location=Location("install"))
             from kunlun.offline.commands import install_packages
 
-            return install_packages(home, keys, packages)
+            return install_packages(home, keys, packages, trust=args.trust,
+                                    allow_signer_change=args.allow_signer_change)  # fmt: skip
+        if not keys and not args.trust:
+            raise ConfigError("give the bundle's --public-key", location=Location("--public-key"))
         if args.prefix is None:
             raise ConfigError("--bundle needs --prefix", location=Location("--prefix"))
         prefix = args.prefix.absolute()
-        install_bundle(args.bundle, keys, prefix, home, user=args.user,
+        install_bundle(args.bundle, keys, prefix, home, trust=args.trust, user=args.user,
                        systemd_dir=args.systemd_dir)  # fmt: skip
-        if packages:
+        if packages:  # the bundle's key is trusted now; the other keys for this command only
             env = {**os.environ, "KUNLUN_HOME": str(home)}
             cmd = [str(prefix / "bin" / "kunlun-installer"), "install", "--home", str(home)]
             for key in keys:
                 cmd += ["--public-key", str(key.absolute())]
+            if args.allow_signer_change:
+                cmd.append("--allow-signer-change")
             for package in packages:
                 cmd += ["--package", str(package.absolute())]
             return subprocess.run(cmd, env=env).returncode

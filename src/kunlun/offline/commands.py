@@ -1,5 +1,10 @@
 """``kunlun-installer`` commands that run inside an installed platform (they need
-``cryptography`` and the state store): ``install --package``, ``--repair`` and ``list``."""
+``cryptography`` and the state store): ``install --package``, ``--repair`` and ``list``.
+
+What they trust: the keys of ``HOME/trusted-keys`` and, for the one command, the keys given
+with ``--public-key``. A key becomes trusted for good only explicitly (``--trust-key``,
+``kunlun-installer trust add``, the bundle install) or as the first key of a home that
+trusts none yet (the key that verified its first package), and the output says so."""
 
 from __future__ import annotations
 
@@ -8,7 +13,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kunlun.errors import ConfigError, Location
-from kunlun.offline.bootstrap import TRUSTED_KEYS_DIR, trust_keys
+from kunlun.offline.bootstrap import (
+    TRUSTED_KEYS_DIR,
+    key_fingerprint,
+    trust_line,
+    trusted_key_files,
+)
 from kunlun.offline.install import Registry, install_package, repair
 from kunlun.offline.signing import TrustedKeys
 
@@ -20,24 +30,59 @@ def _store(home: Path) -> object:
     return SQLiteStore(home / "state.db")
 
 
-def install_packages(home: Path, keys: Sequence[Path], packages: Sequence[Path]) -> int:
-    """Install each package (verified with ``keys``); the keys become trusted in ``home``."""
-    trusted = TrustedKeys.from_paths(list(keys))
+def install_packages(
+    home: Path,
+    keys: Sequence[Path],
+    packages: Sequence[Path],
+    *,
+    trust: Sequence[Path] = (),
+    allow_signer_change: bool = False,
+) -> int:
+    """Install each package, verified with the home's trusted keys, ``keys`` (for this command
+    only) and ``trust`` (recorded as trusted first). In a home that trusts no key yet, the key
+    that verified the first package is recorded as trusted (the first install)."""
+    anchored = bool(trusted_key_files(home))
+    paths = [*keys, *trust]
+    if anchored:
+        paths.append(home / TRUSTED_KEYS_DIR)
+    if not paths:
+        raise ConfigError(
+            "no trusted keys: give --public-key (this command only) or --trust-key, or trust "
+            "one first (kunlun-installer trust add KEY)",
+            location=Location(str(home / TRUSTED_KEYS_DIR)),
+        )
+    trusted = TrustedKeys.from_paths(paths)
+    given = {key_fingerprint(path): path for path in [*keys, *trust]}
+    for path in trust:
+        print(trust_line(home, path, "--trust-key"))
     store = _store(home)
     for package in packages:
-        _installed, line = install_package(package, trusted, home, store)
+        installed, line = install_package(package, trusted, home, store,
+                                          allow_signer_change=allow_signer_change)  # fmt: skip
         print(line)
-    trust_keys(home, keys)
+        if installed.signer in trusted_key_files(home):
+            continue
+        key = given.get(installed.signer)
+        if key is not None and not trusted_key_files(home):  # the home's first install
+            print(trust_line(home, key, "it verified the first install into this home"))
+            continue
+        print(
+            f"note: {installed.signer}, which signed {installed.name}, is trusted for this "
+            "command only (--public-key); kunlun-platform --require-signed does not serve "
+            f"{installed.name} until it is trusted: kunlun-installer trust add KEY"
+        )
     return 0
 
 
 def trusted_keys(home: Path, keys: Sequence[Path]) -> TrustedKeys:
-    """``keys`` when given, else the home's ``trusted-keys`` directory."""
-    paths = list(keys) or [home / TRUSTED_KEYS_DIR]
-    if not keys and not paths[0].is_dir():
+    """The home's ``trusted-keys`` and ``keys`` (given for this command only)."""
+    paths = list(keys)
+    if trusted_key_files(home):
+        paths.append(home / TRUSTED_KEYS_DIR)
+    if not paths:
         raise ConfigError(
             "no trusted keys: give --public-key, or install with one first",
-            location=Location(str(paths[0])),
+            location=Location(str(home / TRUSTED_KEYS_DIR)),
         )
     return TrustedKeys.from_paths(paths)
 
@@ -53,11 +98,12 @@ def repair_command(home: Path, keys: Sequence[Path], packages: Sequence[Path]) -
         label = f"{r['name']} version {r['version']}"
         if not r["damaged"]:
             print(f"{label}: intact")
-        elif "error" in r:
+            continue
+        what = ", ".join(f"{d['path']} ({d['problem']})" for d in r["damaged"])
+        if "error" in r:
             failed += 1
-            print(f"{label}: {r['error']}")
+            print(f"{label}: damaged: {what}; {r['error']}")
         else:
-            what = ", ".join(f"{d['path']} ({d['problem']})" for d in r["damaged"])
             print(f"{label}: restored {len(r['restored'])} file(s): {what}")
     if not results:
         print("no packages installed")
@@ -66,12 +112,15 @@ def repair_command(home: Path, keys: Sequence[Path], packages: Sequence[Path]) -
 
 def list_command(home: Path) -> int:
     registry = Registry.load(home)
+    trusted = trusted_key_files(home)
     rows = [
         {
             "name": p.name,
             "version": p.version,
             "path": p.path,
             "signer": p.signer,
+            "pinned_signer": registry.signers.get(p.name),
+            "signer_trusted": p.signer in trusted,
             "highest_version": registry.highest.get(p.name),
         }  # fmt: skip
         for p in registry.active.values()

@@ -13,7 +13,8 @@ Fields common to both kinds:
 - ``created``: UTC, exactly ``YYYY-MM-DDTHH:MM:SSZ`` and a real time;
   ``kunlun_version``, ``signer`` (the key's fingerprint): one line of at most 256 characters;
 - ``files``: every file's ``path`` (relative, ``/``-separated), ``size`` and ``sha256``,
-  sorted by path; the archive holds exactly these and the two manifest members.
+  sorted by path; the archive holds exactly these and the two manifest members. No path is
+  both a file and a directory another path needs (``a`` and ``a/b``): a name/directory clash.
 
 A package adds ``model`` (architecture, dtype, quantization, target device types, minimum
 memory, licence, plan summary); a bundle adds ``bundle`` (Python, platform, wheels); either
@@ -146,6 +147,28 @@ def check_member_name(name: str, where: str = "member") -> str:
     return name
 
 
+def _check_clashes(files: list[FileEntry], where: str) -> None:
+    """:class:`ManifestError` when a path is listed as a file and is also a directory another
+    path needs (``model/a`` and ``model/a/b``; ``manifest.json/x``): no folder can hold both."""
+    needs: dict[str, str] = {}
+    for entry in files:
+        parts = entry.path.split("/")
+        for i in range(1, len(parts)):
+            needs.setdefault("/".join(parts[:i]), entry.path)
+    for i, entry in enumerate(files):
+        if entry.path in needs:
+            raise ManifestError(
+                f"{where}: files[{i}].path {shorten(entry.path)} is listed as a file, and "
+                f"{shorten(needs[entry.path])} needs it to be a directory (a name/directory clash)"
+            )
+    for reserved in (MANIFEST, SIGNATURE):
+        if reserved in needs:
+            raise ManifestError(
+                f"{where}: {shorten(needs[reserved])} needs {reserved!r} to be a directory, "
+                "but it is the archive's own file (a name/directory clash)"
+            )
+
+
 @dataclass(frozen=True)
 class FileEntry:
     path: str
@@ -257,6 +280,7 @@ def parse(data: bytes, where: str = MANIFEST, expect_format: str | None = None) 
             raise ManifestError(f"{at}.sha256 must be 64 lowercase hex digits: {shorten(digest)}")
         seen.add(path)
         files.append(FileEntry(path, size, digest))
+    _check_clashes(files, where)
     common = {"format", "name", "version", "created", "kunlun_version", "signer", "files"}
     extra = {k: v for k, v in raw.items() if k not in common}
     section = _SECTIONS[fmt]
