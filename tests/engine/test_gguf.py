@@ -178,12 +178,19 @@ def test_the_same_bytes_elsewhere_are_a_cache_hit_and_other_bytes_are_not(
     """A reinstalled package (or another venv) holds the same GGUF at another path with
     another mtime: no re-import, and the record names the file where it is now (llama.cpp
     serves it from there). A record whose whole-file hash differs is converted again."""
-    out = import_gguf(tiny_llama_gguf, tmp_path / "tiny", FP32_IMPORT)
+    first = tmp_path / "first" / "tiny.gguf"
+    first.parent.mkdir()
+    first.write_bytes(tiny_llama_gguf.read_bytes())
+    out = import_gguf(first, tmp_path / "tiny", FP32_IMPORT)
     weights, marker_path = out / "model.safetensors", out / "kunlun-import.json"
-    made = weights.stat().st_mtime_ns
+    made, record = weights.stat().st_mtime_ns, marker_path.read_text()
     moved = tmp_path / "elsewhere" / "tiny.gguf"
     moved.parent.mkdir()
     moved.write_bytes(tiny_llama_gguf.read_bytes())  # new path, new mtime
+    assert import_gguf(moved, out, FP32_IMPORT) == out
+    assert weights.stat().st_mtime_ns == made
+    assert marker_path.read_text() == record  # the first file is still there: kept as is
+    first.unlink()  # a removed checkout
     assert import_gguf(moved, out, FP32_IMPORT) == out
     assert weights.stat().st_mtime_ns == made
     marker = json.loads(marker_path.read_text())
@@ -191,7 +198,7 @@ def test_the_same_bytes_elsewhere_are_a_cache_hit_and_other_bytes_are_not(
     assert marker["mtime_ns"] == moved.stat().st_mtime_ns
     assert gguf_source(out) == moved.resolve()
     marker["sha256"] = "0" * 64  # as if the file under that name had other bytes
-    marker["source"] = str(tiny_llama_gguf.resolve())
+    marker["source"] = str(first.resolve())
     marker_path.write_text(json.dumps(marker))
     import_gguf(moved, out, FP32_IMPORT)
     assert weights.stat().st_mtime_ns != made  # converted again

@@ -76,6 +76,22 @@ def test_required_calls_one_of_the_tools(client: openai.OpenAI) -> None:
     assert len({c.id for c in several.message.tool_calls}) == len(several.message.tool_calls)
 
 
+def test_a_call_cut_by_max_tokens_leaves_no_markup_in_content(client: openai.OpenAI) -> None:
+    """Issue 32: a call cut short by ``max_tokens`` was sent as content, ``<tool_call>``
+    markup and half a JSON object; it is dropped (no call, no content), streamed or not."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    answer = chat(client, tools=TOOLS, tool_choice=choice, max_tokens=6).choices[0]
+    assert answer.finish_reason == "length"
+    assert not answer.message.tool_calls and not answer.message.content, answer.message
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
+        tool_choice=choice, max_tokens=6, stream=True))  # fmt: skip
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "<tool_call>" not in streamed and "{" not in streamed, streamed
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length"
+
+
 def test_a_streamed_call_arrives_as_tool_call_deltas(client: openai.OpenAI) -> None:
     choice = {"type": "function", "function": {"name": "get_weather"}}
     whole = chat(client, tools=TOOLS, tool_choice=choice).choices[0].message.tool_calls[0]

@@ -174,8 +174,11 @@ def _recorded(target: Path) -> dict[str, Any] | None:
 
 def _same_content(target: Path, key: dict[str, Any], source: Path) -> bool:
     """Whether ``target`` holds an import of ``source``'s bytes under ``key``'s options, at
-    this path or another: a moved file whose whole sha256 is the recorded one is a hit, and the
-    record then names the file where it is now (for :func:`gguf_source`)."""
+    this path or another: a moved file whose whole sha256 is the recorded one is a hit. The
+    record keeps naming the file it was made from while that file is still there, unchanged
+    (two checkouts on one machine do not rewrite it in turn, which would look like a new
+    import to what is derived from it), else it names the file where it is now (for
+    :func:`gguf_source`)."""
     marker = _marker(target)
     if marker is None:
         return False
@@ -187,11 +190,24 @@ def _same_content(target: Path, key: dict[str, Any], source: Path) -> bool:
         return False
     if marker.get("sha256") != _file_sha256(source):
         return False
+    if _still_there(recorded):
+        return True
     moved = target / f".{MARKER}.{os.getpid()}"
     moved.write_text(json.dumps({**marker, **key}, indent=2), encoding="utf-8")
     moved.chmod(FILE_MODE)
     os.replace(moved, target / MARKER)
     return True
+
+
+def _still_there(recorded: dict[str, Any]) -> bool:
+    """Whether the file a record names is where it was, as it was (size, mtime, first MiB)."""
+    try:
+        source = Path(recorded["source"])
+        return {**import_key(source), "source": str(source)} == {
+            k: recorded.get(k) for k in ("size", "mtime_ns", "sha256_first_mib", "source")
+        }
+    except (OSError, KeyError, TypeError):
+        return False
 
 
 def _file_sha256(path: Path) -> str:

@@ -88,7 +88,9 @@ class ToolStream:
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         raise NotImplementedError
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
+        """What is left once the answer ended; ``cut``: it ended at ``max_tokens``, so an
+        unfinished call is dropped, never sent as content (its markup is no answer)."""
         raise NotImplementedError
 
 
@@ -97,11 +99,12 @@ class ToolFormat:
 
     name = ""
 
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """``(content, calls)`` of a finished answer; content None when only calls."""
+    def parse(self, text: str, cut: bool = False) -> tuple[str | None, list[ToolCall]]:
+        """``(content, calls)`` of a finished answer (``cut``: at ``max_tokens``); content
+        None when only calls."""
         stream = self.stream()
         content, calls = stream.feed(text)
-        rest, more = stream.finish()
+        rest, more = stream.finish(cut)
         content = (content + rest).strip()
         return content or None, calls + more
 
@@ -171,13 +174,15 @@ class _HermesStream(ToolStream):
             break
         return self._content(content), calls
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
         rest, self.buffer = self.buffer, ""
         if self.in_call:  # an unclosed last call (the answer ended at its end, or was cut)
             self.in_call = False
             call = _call_from(_single(rest), "arguments")
             if call is not None:
                 return "", [call]
+            if cut:
+                return "", []
             rest = self.OPEN + rest
         return (self.held_space + rest).rstrip() if rest.strip() else "", []
 
@@ -236,14 +241,14 @@ class _Llama3Stream(ToolStream):
             return "", []
         return self.text, []
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
         if self.calls_first is False:
             return "", []
         text = self.text.strip().removeprefix(_PYTHON_TAG)
         values = _objects(text)
         calls = [_call_from(v, "parameters") for v in values or []]
         if values is None or any(c is None for c in calls):
-            return self.text.strip(), []
+            return ("" if cut else self.text.strip()), []
         return "", [c for c in calls if c is not None]
 
 

@@ -169,9 +169,10 @@ class ToolUse:
         """The assistant message of a finished answer, and its finish reason."""
         if self.format is None or not self.template_tools:
             return {"role": "assistant", "content": text}, finish_reason
-        content, calls = self.format.parse(text)
-        if not calls:
-            return {"role": "assistant", "content": text}, finish_reason
+        cut = finish_reason == "length"
+        content, calls = self.format.parse(text, cut)
+        if not calls:  # a call cut by max_tokens leaves no markup in content
+            return {"role": "assistant", "content": content if cut else text}, finish_reason
         message = {"role": "assistant", "content": content,
                    "tool_calls": [call.openai() for call in calls]}  # fmt: skip
         return message, "tool_calls" if finish_reason == "stop" else finish_reason

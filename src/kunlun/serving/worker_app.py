@@ -513,7 +513,7 @@ class _ToolCallDeltas:
             return delta.text, [], delta.finish_reason
         text, calls = stream.feed(delta.text)
         if delta.finish_reason is not None:
-            rest, more = stream.finish()
+            rest, more = stream.finish(cut=delta.finish_reason == "length")
             text, calls = text + rest, calls + more
         first = self.sent.get(index, 0)
         self.sent[index] = first + len(calls)
