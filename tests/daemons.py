@@ -491,11 +491,21 @@ def wait_ready(daemon: Daemon, timeout: float = 300) -> None:
         time.sleep(0.1)
 
 
-QUALITY_ROWS = ("numerics", "functional")
-"""The battery's groups whose verdict depends on how a model computes (its answers and their
-numbers; the ``quality`` rows run with every selection); ``api`` and ``perf`` check the
-serving path, the same for every column whatever its weights, and run whole on the demo's
-fp32 and bf16 columns (``tests/validate/test_validate.py``) and on llama.cpp."""
+QUALITY_ROWS = {
+    "numerics": ("numerics",),
+    "answers": ("functional.short_text", "functional.long_text", "functional.multi_turn",
+                "functional.special_chars"),
+}  # fmt: skip
+"""The battery's rows whose verdict depends on how a model computes, as two parts (``--only``
+selections): the numbers (the ``numerics`` group) and the answers (right facts, a code
+recalled from a long prompt and from five turns back, text copied verbatim); the
+``quality`` rows run with every selection. These are what a quantization scheme or a weight
+format changes, and the quantized and k-quant columns run them. The rest (``api``,
+``perf``, and the functional rows of concurrency, sampling temperature and the batch
+runner) check the serving path, the same for every column whatever its weights, and run
+whole on the demo's fp32 column (``tests/validate/test_validate.py``) and on llama.cpp;
+batched decoding through each scheme's kernels is checked token by token in
+``tests/engine/test_quant_quality.py`` (8 prompts in one batch)."""
 
 
 HALVED = ("functional",)
@@ -504,8 +514,8 @@ character text, 20 concurrent requests, a batch of 10), and a whole group took u
 under a full run's load."""
 
 
-def battery_parts(groups: tuple[str, ...] | None = None) -> dict[str, tuple[str, ...]]:
-    """The tests that run validate's battery (or ``groups`` of it) run it one part per test:
+def battery_parts() -> dict[str, tuple[str, ...]]:
+    """The tests that run validate's whole battery run it one part per test:
     part name -> its row ids, every row in exactly one part, in the battery's order. A part
     is a group, or half of one of :data:`HALVED` (``functional-1``, ``functional-2``); a row
     or group added to the battery is run without a change here."""
@@ -517,8 +527,6 @@ def battery_parts(groups: tuple[str, ...] | None = None) -> dict[str, tuple[str,
         rows.setdefault(check.row.group, []).append(check.row.id)
     parts: dict[str, tuple[str, ...]] = {}
     for group, ids in rows.items():
-        if groups is not None and group not in groups:
-            continue
         if group in HALVED:
             parts[f"{group}-1"], parts[f"{group}-2"] = tuple(ids[0::2]), tuple(ids[1::2])
         else:

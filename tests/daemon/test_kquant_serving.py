@@ -20,7 +20,6 @@ from tests.daemons import (
     Daemons,
     Profile,
     assert_validate_passes,
-    battery_parts,
 )
 from tests.engine.gguf_files import write_demo_kquant_gguf
 
@@ -72,6 +71,6 @@ def test_a_k_quant_gguf_import_serves_as_w4a16(kquant: Daemon) -> None:
     assert kquant.describe(job)["placement"]["plan"]["quantization"] == "w4a16"
 
 
-@pytest.mark.parametrize("part", battery_parts(QUALITY_ROWS))
+@pytest.mark.parametrize("part", QUALITY_ROWS)
 def test_validate_passes_on_the_k_quant_workload(kquant: Daemon, tmp_path: Path, part: str) -> None:
-    assert_validate_passes(kquant, NAME, tmp_path / "out", battery_parts(QUALITY_ROWS)[part])
+    assert_validate_passes(kquant, NAME, tmp_path / "out", QUALITY_ROWS[part])

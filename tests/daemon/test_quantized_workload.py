@@ -19,7 +19,6 @@ from tests.daemons import (
     Daemons,
     Profile,
     assert_validate_passes,
-    battery_parts,
     wait_running,
 )
 
@@ -86,13 +85,13 @@ def test_quantized_workload_serves_a_chat_completion(
 
 @pytest.mark.parametrize(
     ("name", "part"),
-    # what a scheme changes (QUALITY_ROWS); the serving path's rows run on fp32 and bf16
-    [(name, part) for name in WORKLOADS for part in battery_parts(QUALITY_ROWS)],
+    # what a scheme changes (QUALITY_ROWS); the serving path's rows run on fp32
+    [(name, part) for name in WORKLOADS for part in QUALITY_ROWS],
 )
 def test_validate_passes_on_the_quantized_workload(
     quantized: Daemon, tmp_path: Path, name: str, part: str
 ) -> None:
-    assert_validate_passes(quantized, name, tmp_path / "out", battery_parts(QUALITY_ROWS)[part])
+    assert_validate_passes(quantized, name, tmp_path / "out", QUALITY_ROWS[part])
 
 
 def test_model_quantize_registers_a_model_the_planner_reads(w8a8: Daemon) -> None:

@@ -34,12 +34,14 @@ PROMPTS = [
 
 
 def engine(model_dir: Path, tp: int, **settings: object) -> LLMEngine:
+    """One torch thread per rank: the test compares tokens, and the suite runs beside other
+    test files on two cores, where each extra thread only waits for a core."""
     return LLMEngine(
         EngineConfig(
             model_dir,
             tensor_parallel_size=tp,
             distributed_backend="gloo" if tp > 1 else None,
-            num_threads=2,
+            num_threads=tp,
             max_model_len=512,
             **settings,  # type: ignore[arg-type]
         )

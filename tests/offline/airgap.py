@@ -109,8 +109,9 @@ def serve() -> None:
                                    env=env)  # fmt: skip
         found["submit"] = {"rc": submitted.returncode, "err": submitted.stderr}
         job = json.loads(submitted.stdout)["workload_id"]
-        plain = work / "plain-model"  # the same files, not installed from a package
-        shutil.copytree(home / "packages" / "smollm2", plain, dirs_exist_ok=True)
+        plain = work / "plain-model"  # the same files (hard links), not installed from a package
+        shutil.copytree(home / "packages" / "smollm2", plain, dirs_exist_ok=True,
+                        copy_function=os.link)  # fmt: skip
         model_dir = next(plain.glob("*/model"))
         refused = subprocess.run([*cli, "--model", str(model_dir), "--name", "plain"],
                                  capture_output=True, text=True, env=env)  # fmt: skip

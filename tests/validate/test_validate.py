@@ -46,8 +46,8 @@ EMULATED_BF16_ROWS = (
 )
 """The rows run where the CPU has no native bf16: bf16 is emulated there, about 100x slower
 than fp32, and the whole battery on it took 15 minutes of a 2-core CI machine. The numerics
-rows are what bf16 changes; the whole battery runs on the quantized and k-quant columns
-(tests/daemon) and, where the CPU has native bf16, here."""
+rows are what bf16 changes; the whole battery runs on the fp32 column and, where the CPU
+has native bf16, on bf16 too."""
 
 
 def bf16_is_native() -> bool:
