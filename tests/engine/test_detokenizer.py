@@ -106,3 +106,19 @@ def test_max_tokens_finishes_with_length(tokenizer: Tokenizer) -> None:
     )
     assert detok.finish_reason == "length" and detok.num_tokens == 3
     assert "".join(deltas) == "one two three"
+
+
+def test_an_end_text_rule_ends_the_sequence_where_it_says(tokenizer: Tokenizer) -> None:
+    """The serving layer's rule on the text (a repeated tool call, issue 32): the sequence
+    ends with ``stop`` and its text is cut where the rule says; nothing after the cut is
+    handed out."""
+    from kunlun.serving.tool_formats import Hermes
+
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    other = '<tool_call>\n{"name": "f", "arguments": {"x": 2}}\n</tool_call>'
+    text = "\n".join([call, other, call, other])
+    deltas, detok, _ = stream(tokenizer, text, SamplingParams(end_text=Hermes().repeat_end))
+    assert detok.finish_reason == "stop" and detok.stop_reason is None
+    assert detok.text == f"{call}\n{other}"
+    sent = "".join(deltas)
+    assert sent.startswith(detok.text) and len(sent) < len(f"{call}\n{other}\n{call}")

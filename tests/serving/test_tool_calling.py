@@ -185,3 +185,25 @@ def test_langchain_bind_tools_and_structured_output(gateway: GatewayServer) -> N
             "The weather in Rome today, as data."
         )
         assert isinstance(weather, Weather), (method, weather)
+
+
+def test_required_with_parallel_calls_ends_before_a_repeated_call(client: openai.OpenAI) -> None:
+    """Issue 32: under ``required`` with parallel calls allowed (the default), the demo model
+    wrote the same call again and again until ``max_tokens`` (``length``, ``<tool_`` in the
+    content). A call that repeats an earlier one now ends the answer before it, with
+    ``tool_calls``, non-streamed and through the SDK's ``stream()`` helper (which raises
+    ``LengthFinishReasonError`` on ``length``)."""
+    ask = [{"role": "user", "content": "What time is it in Tokyo, and is it raining in London?"}]
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
+    whole = chat(client, messages=ask, tools=strict, tool_choice="required", max_tokens=200)
+    answer = whole.choices[0]
+    assert answer.finish_reason == "tool_calls" and not answer.message.content, answer
+    calls = [(c.function.name, check_call(c, set(SCHEMAS))) for c in answer.message.tool_calls]
+    assert len({json.dumps(c, sort_keys=True) for c in calls}) == len(calls) >= 1, calls
+    with client.chat.completions.stream(model=MODEL, messages=ask, tools=strict,
+                                        tool_choice="required", max_tokens=200,
+                                        temperature=0) as stream:  # fmt: skip
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and not final.message.content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in
+            final.message.tool_calls or []] == calls  # fmt: skip

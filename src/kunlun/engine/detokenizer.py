@@ -6,12 +6,14 @@ spaces of SentencePiece tokenizers survive). New text is taken only when the dec
 does not end in U+FFFD, so a UTF-8 character split over several byte tokens is never
 emitted half-way. Stop strings are searched across token boundaries; text that could be the
 start of a stop string is held back until it is known not to be one, and a stop string is
-never emitted. Finish reasons: ``"stop"`` (a stop string, a stop token, or an end-of-sequence
-token unless ``ignore_eos``), ``"length"`` (``max_tokens`` output tokens).
+never emitted. Finish reasons: ``"stop"`` (a stop string, a stop token, an end-of-sequence
+token unless ``ignore_eos``, or the request's ``end_text`` rule), ``"length"``
+(``max_tokens`` output tokens).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from kunlun.engine.sampling_params import SamplingParams
@@ -68,8 +70,11 @@ class Detokenizer:
             self._finish("stop", token_id if token_id in self.params.stop_token_ids else None)
         else:
             start = max(0, len(self.text) - self._longest_stop() + 1)
-            self.text += self._decode_next(token_id)
+            piece = self._decode_next(token_id)
+            self.text += piece
             self._check_stop_strings(start)
+            if piece and self.finish_reason is None and self.params.end_text is not None:
+                self._check_end_text(self.params.end_text)
         if self.finish_reason is None and self.num_tokens >= self.max_tokens:
             self._finish("length", None)
         return self.finish_reason
@@ -116,6 +121,12 @@ class Detokenizer:
         if found is not None:
             self.text = self.text[: found[0]]
             self._finish("stop", found[1])
+
+    def _check_end_text(self, rule: Callable[[str], int | None]) -> None:
+        cut = rule(self.text)
+        if cut is not None:
+            self.text = self.text[:cut]  # what was handed out already stays handed out
+            self._finish("stop", None)
 
     def _finish(self, reason: str, stop_reason: str | int | None) -> None:
         self.finish_reason = reason

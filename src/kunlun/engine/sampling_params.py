@@ -9,6 +9,7 @@ temperature, top-k, top-p, min-p), as ``transformers.generate`` does.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kunlun.engine.guided import Guide
@@ -67,6 +68,11 @@ class SamplingParams:
     guide: Guide | None = None
     """What the output must match (a JSON schema, regex, grammar or choice): enforced by a
     token mask in the sampler (:mod:`kunlun.engine.guided`). None: free text."""
+    end_text: Callable[[str], int | None] | None = None
+    """Where the answer ends by a rule on its text that a grammar cannot say (the serving
+    layer's: under ``tool_choice`` required, a tool call that repeats an earlier one):
+    called with the text so far after each new piece; an index ends the sequence there,
+    the text cut to it, with finish reason ``stop``. None: no such rule."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -116,6 +116,15 @@ class ToolFormat:
         whose JSON schemas (``{"name": const, arguments: schema}``) are given."""
         raise NotImplementedError
 
+    def repeat_end(self, text: str) -> int | None:
+        """Where an answer of calls written under this format's grammar ends when its last
+        complete call repeats an earlier one (same function, same arguments): the end of the
+        call before the repeat; None while there is no repeat. Called as the answer grows
+        (:attr:`kunlun.engine.sampling_params.SamplingParams.end_text`): a repeated call
+        asks for nothing new, and a small model that starts repeating repeats until
+        ``max_tokens``."""
+        return None
+
     def call_schema(self, name: str, parameters: dict[str, Any]) -> dict[str, Any]:
         """The JSON schema of one call of function ``name`` in this format."""
         arguments = self.arguments_key
@@ -131,6 +140,12 @@ class ToolFormat:
     def as_text(self, name: str, arguments: Any) -> str:
         """A past call written back into a prompt as the model would have written it."""
         raise NotImplementedError
+
+
+def _call_key(value: Any) -> str:
+    """One spelling of a call's JSON, so that calls differing only in key order or spacing
+    compare equal."""
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)
 
 
 def _union(call_schemas: list[dict[str, Any]]) -> str:
@@ -176,6 +191,8 @@ class _HermesStream(ToolStream):
 
     def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
         rest, self.buffer = self.buffer, ""
+        if cut and not self.in_call:
+            rest = ""  # held back as the start of a call's tag ("<tool_"): markup, not content
         if self.in_call:  # an unclosed last call (the answer ended at its end, or was cut)
             self.in_call = False
             call = _call_from(_single(rest), "arguments")
@@ -223,6 +240,24 @@ class Hermes(ToolFormat):
         body = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
         return f"<tool_call>\n{body}\n</tool_call>"
 
+    def repeat_end(self, text: str) -> int | None:
+        opening, closing = _HermesStream.OPEN, _HermesStream.CLOSE
+        if not text.rstrip().endswith(closing):
+            return None  # only a call that just closed can be a repeat
+        seen: set[str] = set()
+        previous_end = at = 0
+        while (start := text.find(opening, at)) >= 0:
+            end = text.find(closing, start)
+            if end < 0:
+                return None
+            values = _objects(text[start + len(opening) : end])
+            key = _call_key(values) if values is not None else text[start:end].strip()
+            if key in seen:
+                return previous_end
+            seen.add(key)
+            previous_end = at = end + len(closing)
+        return None
+
 
 class _Llama3Stream(ToolStream):
     def __init__(self) -> None:
@@ -265,6 +300,29 @@ class Llama3Json(ToolFormat):
 
     def as_text(self, name: str, arguments: Any) -> str:
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
+
+    def repeat_end(self, text: str) -> int | None:
+        if not text.rstrip().endswith(";"):
+            return None  # a call is known complete when the separator after it is written
+        decoder, seen = json.JSONDecoder(), set()
+        previous_end = at = 0
+        while True:
+            while at < len(text) and text[at].isspace():
+                at += 1
+            try:
+                value, end = decoder.raw_decode(text, at)
+            except ValueError:
+                return None
+            key = _call_key(value)
+            if key in seen:
+                return previous_end
+            seen.add(key)
+            previous_end = at = end
+            while at < len(text) and text[at].isspace():
+                at += 1
+            if at == len(text) or text[at] != ";":
+                return None
+            at += 1
 
 
 TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Llama3Json())}

@@ -16,7 +16,9 @@ back in that format, and tool results become user turns in ``<tool_response>`` t
 - ``required``, or a named function: the engine's grammar engine holds the answer to one
   call (one or more with ``parallel_tool_calls``, the default) of the allowed functions,
   with arguments valid against their ``parameters`` schemas, so even a small model returns
-  a usable call.
+  a usable call. With several calls allowed, a call that repeats an earlier one (same
+  function, same arguments) ends the answer before it: it would ask for nothing new, and a
+  small model that starts repeating does not stop until ``max_tokens``.
 - ``none``: the template gets no tools and nothing is parsed.
 
 An answer with calls that ended on its own finishes with ``tool_calls``. Tools with another
@@ -26,6 +28,7 @@ hold the answer to a different form.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -36,6 +39,7 @@ import jinja2.meta
 from pydantic import Field
 
 from kunlun.engine.guided import Guide
+from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import Location, RequestError
 from kunlun.serving.fields import StrictModel
 from kunlun.serving.tool_formats import ToolFormat, ToolStream, format_for_template
@@ -99,6 +103,9 @@ class ToolUse:
     guide: Guide | None
     tools_in_template: bool
     """Whether the chat template renders tools itself."""
+    several_calls: bool = False
+    """Whether the grammar lets one call follow another (``required`` with
+    ``parallel_tool_calls``)."""
 
     @staticmethod
     def of(
@@ -139,7 +146,22 @@ class ToolUse:
             one = isinstance(choice, NamedToolChoice) or parallel is False
             guide = Guide("grammar", fmt.grammar(schemas, parallel=not one), "tools")
         dumped = [t.model_dump(exclude_none=True) for t in tools]
-        return ToolUse(fmt, dumped, guide, in_template)
+        return ToolUse(fmt, dumped, guide, in_template, several_calls=guide is not None and not one)
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        """``params`` held to this use's form: the calls' grammar (``required`` or a named
+        function) and, where several calls may follow each other, the answer's end at a
+        call that repeats an earlier one (:meth:`ToolFormat.repeat_end`)."""
+        if self.guide is None or self.format is None:
+            return params
+        end = self.format.repeat_end if self.several_calls else None
+        return dataclasses.replace(params, guide=self.guide, end_text=end)
+
+    def cut(self, finish_reason: str | None) -> bool:
+        """Whether an unfinished call at the end of an answer is dropped rather than sent as
+        content: the answer was cut by ``max_tokens``, or a grammar held it to calls (where
+        an answer ends inside a call, at a repeated one, none of its text is content)."""
+        return finish_reason == "length" or self.guide is not None
 
     def messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The chat messages as this model's template should see them."""
@@ -169,7 +191,7 @@ class ToolUse:
         """The assistant message of a finished answer, and its finish reason."""
         if self.format is None or not self.template_tools:
             return {"role": "assistant", "content": text}, finish_reason
-        cut = finish_reason == "length"
+        cut = self.cut(finish_reason)
         content, calls = self.format.parse(text, cut)
         if not calls:  # a call cut by max_tokens leaves no markup in content
             return {"role": "assistant", "content": content if cut else text}, finish_reason

@@ -145,9 +145,7 @@ class WorkerApp:
         self.embeddings.refuse_generation()
         await self.faults.apply(request.headers)
         tools = req.tool_use(self.tokenizer.chat_template)
-        params = req.to_sampling_params()
-        if tools.guide is not None:  # tool_choice required or named: the call's grammar
-            params = dataclasses.replace(params, guide=tools.guide)
+        params = tools.sampling(req.to_sampling_params())  # tool_choice required or named
         messages = tools.messages([m.template_dict() for m in req.messages])
         prompt = await _off_loop_if_large(
             raw, self._chat_prompt, messages, tools.template_variables()
@@ -502,6 +500,9 @@ class _ToolCallDeltas:
         self.tools = tools
         self.streams: dict[int, ToolStream | None] = {}
         self.sent: dict[int, int] = {}
+        self.seen: set[tuple[int, str, str]] = set()
+        """(choice, name, arguments) of the calls sent: where calls may follow each other,
+        a repeat that was streamed before the engine ended the answer at it is not sent."""
 
     def read(self, delta: RequestOutputDelta) -> tuple[str, list[dict[str, Any]], str | None]:
         """``(content, tool-call deltas, finish reason)`` of one engine delta."""
@@ -513,8 +514,11 @@ class _ToolCallDeltas:
             return delta.text, [], delta.finish_reason
         text, calls = stream.feed(delta.text)
         if delta.finish_reason is not None:
-            rest, more = stream.finish(cut=delta.finish_reason == "length")
+            rest, more = stream.finish(cut=self.tools.cut(delta.finish_reason))
             text, calls = text + rest, calls + more
+        if self.tools.several_calls:
+            calls = [c for c in calls if (index, c.name, c.arguments) not in self.seen]
+            self.seen.update((index, c.name, c.arguments) for c in calls)
         first = self.sent.get(index, 0)
         self.sent[index] = first + len(calls)
         finish = delta.finish_reason
