@@ -502,9 +502,10 @@ recalled from a long prompt and from five turns back, text copied verbatim); the
 ``quality`` rows run with every selection. These are what a quantization scheme or a weight
 format changes, and the quantized and k-quant columns run them. The rest (``api``,
 ``perf``, and the functional rows of concurrency, sampling temperature and the batch
-runner) check the serving path, the same for every column whatever its weights, and run
-whole on the demo's fp32 column (``tests/validate/test_validate.py``) and on llama.cpp;
-batched decoding through each scheme's kernels is checked token by token in
+runner) check the serving path, the same for every column whatever its weights: they run
+on llama.cpp and on the demo's fp32 column (``tests/validate/test_validate.py``; where bf16
+is emulated, the functional ones there and ``api.sse``, ``api.usage``, ``perf.c1``).
+Batched decoding through each scheme's kernels is checked token by token in
 ``tests/engine/test_quant_quality.py`` (8 prompts in one batch)."""
 
 

@@ -109,6 +109,26 @@ def test_demo_model_passes_with_fp32_reference_and_bf16(
     assert "PASS" in proc.stdout and "written:" in proc.stdout
 
 
+SERVING_FUNCTIONAL_ROWS = ("functional.concurrency", "functional.temperature", "functional.batch")
+"""The functional rows of the serving path (20 requests at once, sampling, the batch runner):
+the quantized and k-quant columns run only the rows a scheme changes
+(``tests.daemons.QUALITY_ROWS``), so where bf16 is emulated (the positive run above cut to
+:data:`EMULATED_BF16_ROWS`) these run on the fp32 column alone, below."""
+
+
+def test_the_serving_functional_rows_pass_on_fp32(platform: Daemon, tmp_path: Path) -> None:
+    if bf16_is_native():
+        pytest.skip("the whole battery ran on the fp32 and bf16 columns above")
+    only = [arg for row in SERVING_FUNCTIONAL_ROWS for arg in ("--only", row)]
+    proc = validate(platform, "--endpoint", platform.url, "--model", FP32, *only,
+                    "--out", str(tmp_path), "--seed", "7")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cells = load(tmp_path)["cells"][FP32]
+    for row in SERVING_FUNCTIONAL_ROWS:
+        skipped = row == "functional.batch" and not batch_runner_installed()
+        assert cells[row]["status"] == ("SKIP" if skipped else "PASS"), (row, cells[row])
+
+
 def test_the_baseline_gate_passes_the_same_speed_and_fails_a_regression(
     platform: Daemon, tmp_path: Path
 ) -> None:
