@@ -12,7 +12,9 @@ from typing import Any
 
 import httpx
 
+from kunlun.daemon.pidfile import pid_info
 from kunlun.errors import KunlunError, error_class
+from kunlun.paths import kunlun_home
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:8470"
 
@@ -31,9 +33,6 @@ def running_endpoint() -> str | None:
     """The endpoint of a daemon we know runs: ``$KUNLUN_ENDPOINT`` or a live pid file."""
     if os.environ.get("KUNLUN_ENDPOINT"):
         return os.environ["KUNLUN_ENDPOINT"].rstrip("/")
-    from kunlun.daemon.main import pid_info
-    from kunlun.paths import kunlun_home
-
     info = pid_info(kunlun_home())
     if info is None:
         return None
@@ -47,9 +46,6 @@ def state_client() -> DaemonClient | None:
     None: work on ``KUNLUN_HOME`` directly."""
     if os.environ.get("KUNLUN_ENDPOINT"):
         return DaemonClient()
-    from kunlun.daemon.main import pid_info
-    from kunlun.paths import kunlun_home
-
     info = pid_info(kunlun_home())
     return DaemonClient() if info is not None and info.get("cluster") else None
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,12 +37,6 @@ from starlette.types import ASGIApp
 from kunlun import __version__
 from kunlun.batch.files import FileStore
 from kunlun.batch.jobs import MAX_RUNNING_JOBS, BatchJobs
-from kunlun.cluster.batches import BatchOwners
-from kunlun.cluster.etcd import Etcd
-from kunlun.cluster.member import ClusterConfig
-from kunlun.cluster.node import ClusterNode
-from kunlun.cluster.peer import PeerServer
-from kunlun.cluster.rollouts import rollout_hooks
 from kunlun.daemon.admin import admin_router
 from kunlun.daemon.auth import ApiKeyMiddleware
 from kunlun.daemon.batch_api import batch_router, gateway_app, in_process_sender
@@ -73,11 +67,15 @@ from kunlun.serving.routing import DeviceSample
 from kunlun.serving.scheduler_config import FILE_NAME as SCHEDULER_CONFIG
 from kunlun.serving.scheduler_config import SchedulerConfigSource
 from kunlun.state.api_keys import KeyRing
-from kunlun.state.etcd import EtcdStore
 from kunlun.state.sqlite import SQLiteStore
 from kunlun.state.store import StateStore
 from kunlun.telemetry.exposition import PlatformTelemetry  # telemetry
 from kunlun.workload.manager import WorkloadManager
+
+if TYPE_CHECKING:  # a cluster's modules (etcd client, certificates) load only for a cluster
+    from kunlun.cluster.member import ClusterConfig
+    from kunlun.cluster.node import ClusterNode
+    from kunlun.cluster.peer import PeerServer
 
 
 @dataclass
@@ -147,6 +145,9 @@ def make_platform(
     if cluster is None:
         store = SQLiteStore(home / "state.db")
     else:
+        from kunlun.cluster.etcd import Etcd  # a cluster's modules: only for a cluster
+        from kunlun.state.etcd import EtcdStore
+
         store = EtcdStore(Etcd(cluster.endpoints, cluster.tls), cluster.prefix)
     replicas = ReplicaSet()
     holder: dict[str, WorkloadManager] = {}
@@ -189,7 +190,12 @@ def make_platform(
     )
     platform.health = HealthChecker(replicas, health or HealthConfig(), manager.event)
     platform.rollouts = RolloutController(store, manager, gateway, replicas)
-    if isinstance(store, EtcdStore) and cluster is not None:
+    if cluster is not None:
+        from kunlun.cluster.batches import BatchOwners
+        from kunlun.cluster.node import ClusterNode
+        from kunlun.cluster.rollouts import rollout_hooks
+
+        assert isinstance(store, EtcdStore)
         platform.cluster = ClusterNode(cluster, store, manager, replicas,
                                        lambda: platform.inventory().to_list(),
                                        gateway.samples)  # fmt: skip

@@ -28,6 +28,7 @@ import uvicorn
 from kunlun import budgets
 from kunlun.batch.jobs import MAX_RUNNING_JOBS
 from kunlun.cli.output import console, handle_errors
+from kunlun.daemon.pidfile import PID_FILE, pid_info
 from kunlun.daemon.request_log import RequestLogConfig
 from kunlun.errors import ConfigError, KunlunError, Location
 from kunlun.node.sandbox import SELF_TEST_FORBIDDEN_SYSCALL, SandboxPolicy
@@ -36,7 +37,6 @@ from kunlun.serving.limits import DEFAULT_MAX_SEQUENCES
 
 DEFAULT_PORT = 8470
 DRAIN_TIMEOUT_S = 120.0
-PID_FILE = "kunlun-platform.json"
 MODEL_ROOTS_ENV = "KUNLUN_MODEL_ROOTS"
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, invoke_without_command=True)
@@ -58,19 +58,6 @@ HealthFailures = Annotated[int, typer.Option(min=1, envvar="KUNLUN_HEALTH_CHECK_
 class DaemonError(KunlunError):
     code = "daemon.error"
     exit_code = 2
-
-
-def pid_info(home: Path) -> dict[str, Any] | None:
-    """The running daemon's pid file, if that process is alive."""
-    path = home / PID_FILE
-    try:
-        info = json.loads(path.read_text())
-        proc = psutil.Process(int(info["pid"]))
-        if abs(proc.create_time() - float(info["create_time"])) < 1.0:
-            return info
-    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
-        pass
-    return None
 
 
 def _holder(port: int) -> str:
