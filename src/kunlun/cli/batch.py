@@ -26,7 +26,8 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from kunlun.cli.client import DEFAULT_ENDPOINT, DaemonClient, running_endpoint
+from kunlun.address import DEFAULT_ENDPOINT
+from kunlun.cli.client import DaemonClient, running_endpoint
 from kunlun.cli.output import console, err_console, handle_errors, print_json
 from kunlun.errors import ConfigError, Location
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kunlun.address import DEFAULT_ENDPOINT
 from kunlun.cli.output import console, err_console, handle_errors, print_json
 from kunlun.errors import ConfigError, Location
 
@@ -48,7 +49,7 @@ def _positive_floats(text: str, option: str) -> tuple[float, ...]:
 @handle_errors
 def bench(
     endpoint: Annotated[
-        str, typer.Option(help="Server root or its /v1 URL, e.g. http://127.0.0.1:8470.")
+        str, typer.Option(help=f"Server root or its /v1 URL, e.g. {DEFAULT_ENDPOINT}.")
     ],
     model: Annotated[str, typer.Option(help="Model name to send.")],
     concurrency: Annotated[

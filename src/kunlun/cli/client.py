@@ -12,11 +12,10 @@ from typing import Any
 
 import httpx
 
+from kunlun.address import DEFAULT_ENDPOINT
 from kunlun.daemon.pidfile import pid_info
 from kunlun.errors import KunlunError, error_class
 from kunlun.paths import kunlun_home
-
-DEFAULT_ENDPOINT = "http://127.0.0.1:8470"
 
 
 class DaemonUnreachable(KunlunError):

@@ -9,7 +9,8 @@ from typing import Annotated
 
 import typer
 
-from kunlun.cli.client import DEFAULT_ENDPOINT, running_endpoint
+from kunlun.address import DEFAULT_ENDPOINT
+from kunlun.cli.client import running_endpoint
 from kunlun.cli.output import console, err_console, handle_errors
 from kunlun.errors import ConfigError, Location
 from kunlun.validate.matrix import Cell, Column, Row

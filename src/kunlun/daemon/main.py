@@ -26,6 +26,7 @@ import typer
 import uvicorn
 
 from kunlun import budgets
+from kunlun.address import DEFAULT_HOST, DEFAULT_PORT
 from kunlun.batch.jobs import MAX_RUNNING_JOBS
 from kunlun.cli.output import console, handle_errors
 from kunlun.daemon.pidfile import PID_FILE, pid_info
@@ -35,7 +36,6 @@ from kunlun.node.sandbox import SELF_TEST_FORBIDDEN_SYSCALL, SandboxPolicy
 from kunlun.paths import kunlun_home, private_umask, secure_home
 from kunlun.serving.limits import DEFAULT_MAX_SEQUENCES
 
-DEFAULT_PORT = 8470
 DRAIN_TIMEOUT_S = 120.0
 MODEL_ROOTS_ENV = "KUNLUN_MODEL_ROOTS"
 
@@ -132,7 +132,7 @@ class DrainingServer(uvicorn.Server):
 @handle_errors
 def serve(
     ctx: typer.Context,
-    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="Address to bind.")] = DEFAULT_HOST,
     port: Annotated[int, typer.Option(help="Port to bind.", min=1, max=65535)] = DEFAULT_PORT,
     allow_insecure: Annotated[
         bool, typer.Option("--allow-insecure", help="Allow a non-loopback bind with no API key.")

@@ -22,13 +22,14 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
+from kunlun.address import DEFAULT_PORT
 from kunlun.device.plugin import DevicePlugin
 from kunlun.device.registry import PluginReport, discover_all
 from kunlun.device.tools import ToolRunner
 
 #: Ports checked for conflicts: Kunlun's API and the usual engine / monitoring ports.
 PORTS = {
-    8470: "kunlun-platform API",
+    DEFAULT_PORT: "kunlun-platform API",
     8000: "vLLM",
     8080: "llama.cpp server",
     30000: "SGLang",

@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 
+from kunlun.address import DEFAULT_HOST, DEFAULT_PORT
 from kunlun.errors import ConfigError, KunlunError, Location, PackageError, SignatureError
 from kunlun.offline import ed25519
 from kunlun.offline.archive import ArchiveError, ArchiveReader, Limits, refused
@@ -79,7 +80,7 @@ Type=simple
 User={user}
 Environment=KUNLUN_HOME={home}
 # Serves only signed packages; trusted keys are the ones the installer was given.
-ExecStart={prefix}/bin/kunlun-platform --host 127.0.0.1 --port 8470 --require-signed \
+ExecStart={prefix}/bin/kunlun-platform --host {host} --port {port} --require-signed \
 --trusted-keys {home}/trusted-keys
 # SIGTERM drains: in-flight requests finish, new ones get 503, then the daemon exits 0.
 KillSignal=SIGTERM
@@ -100,7 +101,8 @@ WantedBy=multi-user.target
 
 
 def systemd_unit(prefix: Path, home: Path, user: str) -> str:
-    return UNIT_TEMPLATE.format(prefix=prefix, home=home, user=user)
+    return UNIT_TEMPLATE.format(prefix=prefix, home=home, user=user, host=DEFAULT_HOST,
+                                port=DEFAULT_PORT)  # fmt: skip
 
 
 def default_home() -> Path:

@@ -39,6 +39,7 @@ from kunlun.offline.signing import fingerprint, load_private_key, sign
 #: library only (a test imports the zipapp with no site-packages to keep it so).
 ZIPAPP_MODULES = (
     "kunlun/__init__.py",
+    "kunlun/address.py",
     "kunlun/errors.py",
     "kunlun/offline/__init__.py",
     "kunlun/offline/archive.py",

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from kunlun.address import DEFAULT_ENDPOINT
 from kunlun.engines.registry import DEFAULT_ENGINE
 from kunlun.errors import ConfigError, Location
 from kunlun.serving.pools import columns_of, parse_pool, pool_name
@@ -41,7 +42,7 @@ def normalize_endpoint(url: str, where: str = "--endpoint") -> str:
         raise ConfigError(
             f"{url!r} is not an http(s) URL",
             location=Location(where),
-            hint="e.g. http://127.0.0.1:8470",
+            hint=f"e.g. {DEFAULT_ENDPOINT}",
         )
     path = parts.path.rstrip("/").removesuffix("/v1").rstrip("/")
     return f"{parts.scheme}://{parts.netloc}{path}"
