@@ -148,7 +148,7 @@ def make_platform(
         from kunlun.cluster.etcd import Etcd  # a cluster's modules: only for a cluster
         from kunlun.state.etcd import EtcdStore
 
-        store = EtcdStore(Etcd(cluster.endpoints, cluster.tls), cluster.prefix)
+        store = etcd_store = EtcdStore(Etcd(cluster.endpoints, cluster.tls), cluster.prefix)
     replicas = ReplicaSet()
     holder: dict[str, WorkloadManager] = {}
     agent = NodeAgent(
@@ -195,8 +195,7 @@ def make_platform(
         from kunlun.cluster.node import ClusterNode
         from kunlun.cluster.rollouts import rollout_hooks
 
-        assert isinstance(store, EtcdStore)
-        platform.cluster = ClusterNode(cluster, store, manager, replicas,
+        platform.cluster = ClusterNode(cluster, etcd_store, manager, replicas,
                                        lambda: platform.inventory().to_list(),
                                        gateway.samples)  # fmt: skip
         manager.cluster = platform.cluster

@@ -38,6 +38,12 @@ class ToolCall:
     arguments: str
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
+    @property
+    def key(self) -> str:
+        """What makes two calls the same call (function and arguments, whatever the
+        arguments' key order or spacing): the identity :meth:`ToolFormat.repeat_end` uses."""
+        return _call_key([self.name, json.loads(self.arguments)])
+
     def openai(self, index: int | None = None) -> dict[str, Any]:
         """The call as OpenAI's ``tool_calls`` entry (with ``index`` in a stream delta)."""
         entry: dict[str, Any] = {

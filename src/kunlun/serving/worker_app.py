@@ -500,9 +500,10 @@ class _ToolCallDeltas:
         self.tools = tools
         self.streams: dict[int, ToolStream | None] = {}
         self.sent: dict[int, int] = {}
-        self.seen: set[tuple[int, str, str]] = set()
-        """(choice, name, arguments) of the calls sent: where calls may follow each other,
-        a repeat that was streamed before the engine ended the answer at it is not sent."""
+        self.seen: set[tuple[int, str]] = set()
+        """(choice, :attr:`ToolCall.key`) of the calls sent: where calls may follow each
+        other, a repeat that was streamed before the engine ended the answer at it is not
+        sent."""
 
     def read(self, delta: RequestOutputDelta) -> tuple[str, list[dict[str, Any]], str | None]:
         """``(content, tool-call deltas, finish reason)`` of one engine delta."""
@@ -517,8 +518,8 @@ class _ToolCallDeltas:
             rest, more = stream.finish(cut=self.tools.cut(delta.finish_reason))
             text, calls = text + rest, calls + more
         if self.tools.several_calls:
-            calls = [c for c in calls if (index, c.name, c.arguments) not in self.seen]
-            self.seen.update((index, c.name, c.arguments) for c in calls)
+            calls = [c for c in calls if (index, c.key) not in self.seen]
+            self.seen.update((index, c.key) for c in calls)
         first = self.sent.get(index, 0)
         self.sent[index] = first + len(calls)
         finish = delta.finish_reason
