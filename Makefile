@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+PIP_READY := $(VENV)/.pip
 TORCH_VERSION ?= 2.13.0
 # Python writes the bytecode of what it imports (the packages are installed --no-compile):
 # where the environment says not to (PYTHONDONTWRITEBYTECODE), every process of a test run
@@ -12,9 +13,14 @@ unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: llama-server setup run test test-fast check lint format typecheck clean build-offline-image offline-base-image
 
-$(STAMP): pyproject.toml
+# The venv and its pip: what every install below needs first (`make -j2` then runs the
+# platform's install and SGLang's front-end side by side: .ci/run).
+$(PIP_READY):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	touch $@
+
+$(STAMP): pyproject.toml | $(PIP_READY)
 	# CPU build of torch from the machine's local index; other chips: see README.
 	# --no-compile: Python compiles what is imported on first use, not every file of torch and
 	# transformers up front (about a minute of a fresh setup on 2 cores).
@@ -30,7 +36,7 @@ setup: $(STAMP)
 # daemon (tests/daemon/sglang_program.py). Kept apart from the platform's packages, in its own
 # folder: sglang without its server runtime, plus the modules its import needs.
 SGLANG_FRONTEND := $(VENV)/sglang-frontend
-$(SGLANG_FRONTEND)/.installed: $(STAMP)
+$(SGLANG_FRONTEND)/.installed: | $(PIP_READY)
 	$(BIN)/python -m pip install -q --no-deps --no-compile --target $(SGLANG_FRONTEND) \
 		sglang==0.5.23 pybase64==1.5.1 msgspec==0.23.0 pyzmq==27.3.0 ipython==9.18.1 \
 		traitlets==5.16.1 triton==3.9.0

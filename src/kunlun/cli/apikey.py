@@ -16,6 +16,7 @@ import typer
 from rich.table import Table
 
 from kunlun.cli.client import state_client
+from kunlun.cli.commands import summary
 from kunlun.cli.output import console, err_console, handle_errors, print_json
 from kunlun.paths import kunlun_home
 from kunlun.state.api_keys import (
@@ -28,7 +29,7 @@ from kunlun.state.api_keys import (
 )
 from kunlun.state.sqlite import SQLiteStore
 
-app = typer.Typer(help="API keys: create, list, revoke.", no_args_is_help=True)
+app = typer.Typer(help=summary("apikey"), no_args_is_help=True)
 
 
 def _store() -> SQLiteStore:

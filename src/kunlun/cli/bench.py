@@ -96,9 +96,7 @@ def bench(
         ),
     ] = False,
 ) -> None:
-    """Benchmark an OpenAI-compatible endpoint (streaming /v1/completions, fixed lengths).
-
-    Runs a warm-up request, a closed-loop concurrency sweep and Poisson runs, then prints a
+    """Runs a warm-up request, a closed-loop concurrency sweep and Poisson runs, then prints a
     table, writes OUT/bench.json and OUT/bench.png (throughput and latency against
     concurrency), and reads the platform's memory and start-up times from /metrics when the
     endpoint is a Kunlun daemon. Exit status 1 when any request failed.

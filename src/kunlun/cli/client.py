@@ -3,14 +3,21 @@
 The endpoint is ``$KUNLUN_ENDPOINT``, else the address in the running daemon's pid file
 under ``KUNLUN_HOME``, else ``http://127.0.0.1:8470``. ``$KUNLUN_API_KEY`` is sent as a bearer
 token when set.
+
+The transport is the standard library's (``urllib``): a command's whole run is one or two
+small JSON requests, and an HTTP client library's import would cost more CPU than the
+command itself (``docs/benchmarks.md``, the CLI's start-up).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
 from typing import Any
-
-import httpx
 
 from kunlun.address import DEFAULT_ENDPOINT
 from kunlun.daemon.pidfile import pid_info
@@ -57,7 +64,8 @@ class DaemonClient:
         headers = {}
         if key := api_key or os.environ.get("KUNLUN_API_KEY"):
             headers["Authorization"] = f"Bearer {key}"
-        self._http = httpx.Client(base_url=self.endpoint, headers=headers, timeout=timeout)
+        self._headers = headers
+        self._timeout = timeout
 
     def request(self, method: str, path: str, *, shown: str | None = None, **kwargs: Any) -> Any:
         """The JSON answer of ``method path``; clear errors for failures, which name the
@@ -69,15 +77,17 @@ class DaemonClient:
         return self._send("GET", path).text
 
     def _send(
-        self, method: str, path: str, *, shown: str | None = None, **kwargs: Any
-    ) -> httpx.Response:
-        try:
-            resp = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise DaemonUnreachable(
-                f"cannot reach the Kunlun daemon at {self.endpoint}: {exc}",
-                hint="start it with `kunlun-platform`, or set KUNLUN_ENDPOINT to where it runs",
-            ) from None
+        self,
+        method: str,
+        path: str,
+        *,
+        shown: str | None = None,
+        json: Any = None,
+        params: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> Reply:
+        # (``json``, ``params`` and ``timeout`` as the callers of an HTTP client library write them)
+        resp = self._exchange(method, path, json, params, timeout or self._timeout)
         if resp.status_code >= 400:
             try:
                 err = resp.json()["error"]
@@ -97,6 +107,34 @@ class DaemonClient:
             raise failure
         return resp
 
+    def _exchange(
+        self, method: str, path: str, body: Any, params: dict[str, Any] | None, timeout: float
+    ) -> Reply:
+        url = self.endpoint + path
+        if params:
+            query = {k: _query_value(v) for k, v in params.items() if v is not None}
+            url += ("&" if "?" in path else "?") + urllib.parse.urlencode(query)
+        headers = dict(self._headers)
+        data = None
+        if body is not None:
+            data = json.dumps(body).encode()
+            headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(url, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as answer:  # noqa: S310
+                return Reply(answer.status, answer.read())
+        except urllib.error.HTTPError as exc:  # a status >= 400: the caller reads its body
+            try:
+                return Reply(exc.code, exc.read())
+            finally:
+                exc.close()
+        except (OSError, urllib.error.URLError) as exc:  # refused, reset, timed out, DNS
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            raise DaemonUnreachable(
+                f"cannot reach the Kunlun daemon at {self.endpoint}: {reason}",
+                hint="start it with `kunlun-platform`, or set KUNLUN_ENDPOINT to where it runs",
+            ) from None
+
     def get(self, path: str, **kwargs: Any) -> Any:
         return self.request("GET", path, **kwargs)
 
@@ -105,3 +143,23 @@ class DaemonClient:
 
     def delete(self, path: str, **kwargs: Any) -> Any:
         return self.request("DELETE", path, **kwargs)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An HTTP answer of the daemon: status and body."""
+
+    status_code: int
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+
+def _query_value(value: Any) -> str:
+    """A query parameter as the daemon reads it (``true``/``false`` for booleans)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)

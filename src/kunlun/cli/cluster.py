@@ -13,10 +13,11 @@ import typer
 from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
+from kunlun.cli.commands import summary
 from kunlun.cli.output import console, handle_errors, print_json
 
-nodes_app = typer.Typer(help="Cluster nodes: list, drain, undrain.", no_args_is_help=True)
-cluster_app = typer.Typer(help="The cluster: certificates, status.", no_args_is_help=True)
+nodes_app = typer.Typer(help=summary("node"), no_args_is_help=True)
+cluster_app = typer.Typer(help=summary("cluster"), no_args_is_help=True)
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 
 

@@ -9,11 +9,12 @@ import typer
 from rich.table import Table
 
 from kunlun.cli.client import DaemonClient, running_endpoint
+from kunlun.cli.commands import summary
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.device.inventory import Inventory, build_inventory
 from kunlun.device.profile import Status
 
-app = typer.Typer(help="Devices: discovery, status and declarations.", no_args_is_help=True)
+app = typer.Typer(help=summary("device"), no_args_is_help=True)
 
 ReplayOpt = Annotated[
     Path | None,

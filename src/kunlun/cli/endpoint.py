@@ -17,12 +17,12 @@ import typer
 from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
+from kunlun.cli.commands import summary
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.errors import ConfigError, Location, RequestError
 from kunlun.serving.endpoints import check_definition
 
-app = typer.Typer(help="Request-as-a-Service endpoints: create, list, show, delete.",
-                  no_args_is_help=True)  # fmt: skip
+app = typer.Typer(help=summary("endpoint"), no_args_is_help=True)
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 NameArg = Annotated[
     str, typer.Argument(help="Endpoint name (a letter, then letters, digits, _ -).")

@@ -8,11 +8,10 @@ from typing import Annotated
 
 import typer
 
+from kunlun.cli.commands import summary
 from kunlun.cli.output import console, handle_errors
 
-app = typer.Typer(
-    help="Signing keys: generate a pair, sign a file, verify it.", no_args_is_help=True
-)
+app = typer.Typer(help=summary("keys"), no_args_is_help=True)
 
 
 @app.command("generate")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import signal
 import sys
 from pathlib import Path
@@ -11,31 +12,9 @@ from typing import Annotated
 import typer
 
 from kunlun import __version__
+from kunlun.cli.commands import COMMANDS
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.paths import private_umask
-
-COMMANDS: dict[str, tuple[str, str, bool]] = {
-    "device": ("kunlun.cli.device", "app", True),
-    "workload": ("kunlun.cli.workload", "app", True),
-    "model": ("kunlun.cli.model", "app", True),
-    "keys": ("kunlun.cli.keys", "app", True),
-    "node": ("kunlun.cli.cluster", "nodes_app", True),
-    "cluster": ("kunlun.cli.cluster", "cluster_app", True),
-    "apikey": ("kunlun.cli.apikey", "app", True),
-    "batch": ("kunlun.cli.batch", "app", True),
-    "rollout": ("kunlun.cli.rollout", "app", True),
-    "endpoint": ("kunlun.cli.endpoint", "app", True),
-    "plan": ("kunlun.cli.plan", "plan", False),
-    "telemetry": ("kunlun.cli.telemetry", "app", True),
-    "bench": ("kunlun.cli.bench", "bench", False),
-    "validate": ("kunlun.cli.validate", "validate", False),
-    "doctor": ("kunlun.cli.main", "doctor", False),
-    "version": ("kunlun.cli.main", "version", False),
-}
-"""The commands in their own modules, in the order ``--help`` lists them: name -> (module,
-attribute, whether it is a group of subcommands). Each module imports what its commands
-need (the planner, the HTTP client, the state store, ...), which takes about a second of
-start-up in all; a run imports only the module of the command it runs."""
 
 app = typer.Typer(
     help="Kunlun Platform: chip-agnostic LLM inference.",
@@ -53,18 +32,31 @@ def root() -> None:
 
 def register(argv: list[str]) -> None:
     """Add to :data:`app` the command ``argv`` names (its first word that is not an
-    option), or every command when it names none of them (``--help``, a typo: typer then
-    lists them all or says which is unknown)."""
+    option), importing its module; when it names none (``--help``, no arguments, a typo),
+    a placeholder of each command with its summary, importing nothing: typer then lists
+    them all or says which is unknown."""
     first = next((word for word in argv if not word.startswith("-")), None)
-    for name, (module, attribute, group) in COMMANDS.items():
-        if first in COMMANDS and name != first:
-            continue
-        command = getattr(sys.modules[__name__] if module == __name__ else
-                          importlib.import_module(module), attribute)  # fmt: skip
-        if group:
-            app.add_typer(command, name=name)
-        else:
-            app.command(name)(command)
+    if first not in COMMANDS:
+        for name, entry in COMMANDS.items():
+            if entry.group:
+                app.add_typer(typer.Typer(help=entry.summary), name=name)
+            else:
+                app.command(name, help=entry.summary)(_placeholder)
+        return
+    entry = COMMANDS[first]
+    module = (
+        sys.modules[__name__] if entry.module == __name__ else importlib.import_module(entry.module)
+    )
+    command = getattr(module, entry.attribute)
+    if entry.group:
+        app.add_typer(command, name=first)
+    else:
+        more = inspect.getdoc(command)
+        app.command(first, help=entry.summary + (f"\n\n{more}" if more else ""))(command)
+
+
+def _placeholder() -> None:
+    """Listed by ``--help``; never run (a command named on the line is registered itself)."""
 
 
 @handle_errors
@@ -74,7 +66,7 @@ def doctor(
     ] = None,
     json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Check this machine's environment: kernel, vendor tools, drivers, container, ports."""
+    # summary: kunlun.cli.commands
     from kunlun.device.doctor import render, run_doctor
 
     report = run_doctor(replay=replay)
@@ -85,8 +77,7 @@ def doctor(
     raise SystemExit(report.exit_code())
 
 
-def version() -> None:
-    """Print the Kunlun version."""
+def version() -> None:  # summary: kunlun.cli.commands
     console.print(__version__)
 
 

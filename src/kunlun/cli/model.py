@@ -15,13 +15,12 @@ from rich.table import Table
 
 from kunlun import catalog
 from kunlun.cli.client import state_client
+from kunlun.cli.commands import summary
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.paths import kunlun_home
 from kunlun.state.sqlite import SQLiteStore
 
-app = typer.Typer(
-    help="Models: import GGUF files, quantize, list aliases, signed packages.", no_args_is_help=True
-)
+app = typer.Typer(help=summary("model"), no_args_is_help=True)
 
 
 @app.command("import-gguf")

@@ -57,7 +57,7 @@ def plan(
     explain: Annotated[bool, typer.Option("--explain", help="Every rejected alternative.")] = False,
     json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """Plan MODEL on the devices: dtype, quantization, TP, KV blocks, operators, options, env."""
+    # summary: kunlun.cli.commands
     fields = {"model": model, "device": device, "dtype": dtype, "quantization": quantization,
               "max_model_len": max_model_len, "batch_size": batch_size, "priority": priority,
               "max_num_batched_tokens": max_num_batched_tokens,

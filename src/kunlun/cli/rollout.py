@@ -10,12 +10,12 @@ import typer
 from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
+from kunlun.cli.commands import summary
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.errors import ConfigError, Location
 from kunlun.workload.spec import read_spec_fields
 
-app = typer.Typer(help="Canary rollouts: create, status, list, promote, abort.",
-                  no_args_is_help=True)  # fmt: skip
+app = typer.Typer(help=summary("rollout"), no_args_is_help=True)
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 RolloutArg = Annotated[str, typer.Argument(help="Rollout id (or its workload's id or name).")]
 

@@ -14,11 +14,12 @@ from rich.table import Table
 from rich.text import Text
 
 from kunlun.cli.client import DaemonClient
+from kunlun.cli.commands import summary
 from kunlun.cli.output import console, handle_errors, print_json
 from kunlun.errors import ConfigError, Location
 from kunlun.telemetry.view import Snapshot, parse, parse_filters
 
-app = typer.Typer(help="Telemetry: devices, replicas and requests.", no_args_is_help=True)
+app = typer.Typer(help=summary("telemetry"), no_args_is_help=True)
 
 
 @app.command("metrics")

@@ -57,7 +57,7 @@ def validate(
         typer.Option(help="Seed of the numbers, questions and ids drawn (default: random)."),
     ] = None,
 ) -> None:
-    """Run the validation battery and print the chip-by-test matrix; exit 1 on any FAIL."""
+    # summary: kunlun.cli.commands
     from kunlun.validate import battery, report
     from kunlun.validate.check import Settings
     from kunlun.validate.matrix import Status, load_matrix

@@ -12,6 +12,7 @@ import typer
 from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
+from kunlun.cli.commands import summary
 from kunlun.cli.options import (
     BatchSize,
     Engine,
@@ -30,9 +31,7 @@ def plan_summary(plan: dict[str, Any]) -> str:
     return ExecutionPlan.from_dict(plan).summary()
 
 
-app = typer.Typer(
-    help="Workloads: submit, list, describe, logs, stop, scale.", no_args_is_help=True
-)
+app = typer.Typer(help=summary("workload"), no_args_is_help=True)
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 _KEY_LINES = re.compile(r"(Compilation Time|Load Time|First Token Latency)")
 

@@ -8,8 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 PID_FILE = "kunlun-platform.json"
 
 
@@ -18,9 +16,14 @@ def pid_info(home: Path) -> dict[str, Any] | None:
     path = home / PID_FILE
     try:
         info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    import psutil  # only where a pid file is there to check (the CLI's start-up)
+
+    try:
         proc = psutil.Process(int(info["pid"]))
         if abs(proc.create_time() - float(info["create_time"])) < 1.0:
             return info
-    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+    except (ValueError, KeyError, TypeError, psutil.Error):
         pass
     return None

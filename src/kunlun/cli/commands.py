@@ -1,0 +1,65 @@
+"""The commands of ``kunlun-cli``, as data: where each lives and the line ``--help`` lists.
+
+:mod:`kunlun.cli.main` imports only the module of the command it runs (each imports what its
+commands need: the planner, the HTTP client, the state store...). ``kunlun-cli --help``, no
+arguments or an unknown command import none of them: the listing is drawn from
+:data:`COMMANDS` alone. A group's module builds its ``typer.Typer`` with
+``help=summary(name)`` and a single command is registered with its summary as the first
+paragraph of its help, so each line is written here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    module: str
+    attribute: str
+    group: bool
+    """True: a ``typer.Typer`` of subcommands; False: one function."""
+    summary: str
+    """The line ``kunlun-cli --help`` lists (and the first of the command's own help)."""
+
+
+COMMANDS: dict[str, Command] = {
+    "plan": Command("kunlun.cli.plan", "plan", False,
+                    "Plan MODEL on the devices: dtype, quantization, TP, KV blocks, operators, "
+                    "options, env."),
+    "bench": Command("kunlun.cli.bench", "bench", False,
+                     "Benchmark an OpenAI-compatible endpoint (streaming /v1/completions, fixed "
+                     "lengths)."),
+    "validate": Command("kunlun.cli.validate", "validate", False,
+                        "Run the validation battery and print the chip-by-test matrix; exit 1 "
+                        "on any FAIL."),
+    "doctor": Command("kunlun.cli.main", "doctor", False,
+                      "Check this machine's environment: kernel, vendor tools, drivers, "
+                      "container, ports."),
+    "version": Command("kunlun.cli.main", "version", False, "Print the Kunlun version."),
+    "device": Command("kunlun.cli.device", "app", True,
+                      "Devices: discovery, status and declarations."),
+    "workload": Command("kunlun.cli.workload", "app", True,
+                        "Workloads: submit, list, describe, logs, stop, scale."),
+    "model": Command("kunlun.cli.model", "app", True,
+                     "Models: import GGUF files, quantize, list aliases, signed packages."),
+    "keys": Command("kunlun.cli.keys", "app", True,
+                    "Signing keys: generate a pair, sign a file, verify it."),
+    "node": Command("kunlun.cli.cluster", "nodes_app", True,
+                    "Cluster nodes: list, drain, undrain."),
+    "cluster": Command("kunlun.cli.cluster", "cluster_app", True,
+                       "The cluster: certificates, status."),
+    "apikey": Command("kunlun.cli.apikey", "app", True, "API keys: create, list, revoke."),
+    "batch": Command("kunlun.cli.batch", "app", True, "Batch inference over JSON-lines files."),
+    "rollout": Command("kunlun.cli.rollout", "app", True,
+                       "Canary rollouts: create, status, list, promote, abort."),
+    "endpoint": Command("kunlun.cli.endpoint", "app", True,
+                        "Request-as-a-Service endpoints: create, list, show, delete."),
+    "telemetry": Command("kunlun.cli.telemetry", "app", True,
+                         "Telemetry: devices, replicas and requests."),
+}  # fmt: skip
+"""In the order ``--help`` lists them."""
+
+
+def summary(name: str) -> str:
+    return COMMANDS[name].summary
