@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 import pytest
+from tests import loopback
 
 BIN = Path(sys.executable).parent
 
@@ -147,7 +148,7 @@ class Daemon:
                     continue
                 pytest.fail(f"daemon exited with {self.proc.returncode}:\n{said}")
             try:
-                if httpx.get(self.url + path, timeout=2).status_code == 200:
+                if loopback.get(self.url + path, timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -183,7 +184,7 @@ class Daemon:
             return self.proc.wait()
 
     def get(self, path: str, **kw: Any) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=30, **kw)
+        return loopback.get(self.url + path, timeout=30, **kw)
 
     def describe(self, job: str, key: str | None = None) -> dict[str, Any]:
         proc = self.cli("workload", "describe", job, "--json", key=key)
@@ -375,7 +376,7 @@ def prune(root: Path) -> None:
 def answers(url: str) -> bool:
     """Whether a daemon answers ``/healthz`` at ``url``."""
     try:
-        return httpx.get(url + "/healthz", timeout=2).status_code == 200
+        return loopback.get(url + "/healthz", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
 
@@ -450,7 +451,7 @@ def stream_lines(
     Setting ``stop`` makes the client leave after the next line (a disconnect)."""
     body = {"model": model, "prompt": "Count slowly:", "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True}  # fmt: skip
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
+    with loopback.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
         lines.append(f"status {resp.status_code}")
         for line in resp.iter_lines():
             if line:
@@ -584,7 +585,7 @@ def assert_unhurt(
     usual = statistics.median(normal() for _ in range(3))
     with under_attack(attack) as statuses:
         during = max(normal() for _ in range(3))
-        assert httpx.get(d.url + "/healthz", timeout=5).status_code == 200
+        assert loopback.get(d.url + "/healthz", timeout=5).status_code == 200
     print(f"usual {usual:.2f} s, during the attack {during:.2f} s; attack statuses "
           f"{sorted(set(statuses))} x{len(statuses)}")  # fmt: skip
     assert during <= usual + 5

@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 import psutil
+from tests import loopback
 from tests.daemons import BIN, ONE_THREAD, Daemon, free_port, lost_port
 
 from kunlun.state import ModelRecord
@@ -55,7 +56,7 @@ class ClusterNodeProc(Daemon):
                     continue
                 raise AssertionError(f"{self.name} exited with {self.proc.returncode}:\n{said}")
             try:
-                if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
+                if loopback.get(self.url + "/healthz", timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -66,12 +67,12 @@ class ClusterNodeProc(Daemon):
         return {"Authorization": f"Bearer {self.key}"} if self.key else {}
 
     def api(self, path: str, timeout: float = 30) -> Any:
-        resp = httpx.get(self.url + path, headers=self.headers(), timeout=timeout)
+        resp = loopback.get(self.url + path, headers=self.headers(), timeout=timeout)
         assert resp.status_code == 200, (self.name, path, resp.status_code, resp.text)
         return resp.json()
 
     def post(self, path: str, body: Any = None, timeout: float = 60) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, headers=self.headers(), timeout=timeout)
+        return loopback.post(self.url + path, json=body, headers=self.headers(), timeout=timeout)
 
     def kill_node(self) -> None:
         """SIGKILL the daemon and every engine worker of this node (a lost machine)."""

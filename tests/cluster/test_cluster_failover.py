@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests import loopback
 from tests.cluster.etcd_cluster import EtcdCluster
 from tests.cluster.platform_nodes import (
     LEASE_TTL_S,
@@ -123,7 +124,7 @@ def test_keys_workloads_and_nodes_are_the_same_from_every_node(cluster: Cluster)
                     for w in n.api("/api/v1/workloads")) for n in cluster.nodes]  # fmt: skip
     assert lists[0] == lists[1] == lists[2] and (cluster.workload_id, "RUNNING", 2) in lists[0]
     for node in cluster.nodes:
-        assert httpx.get(node.url + "/v1/models", timeout=10).status_code == 401
+        assert loopback.get(node.url + "/v1/models", timeout=10).status_code == 401
         views = node.api("/api/v1/nodes")
         assert sorted(v["name"] for v in views) == ["node-a", "node-b", "node-c"]
         assert sum(v["leader"] for v in views) == 1
@@ -132,7 +133,7 @@ def test_keys_workloads_and_nodes_are_the_same_from_every_node(cluster: Cluster)
     made = cluster.nodes[2].post("/api/v1/apikeys", {"name": "app"})
     assert made.status_code == 200, made.text
     key = made.json()["key"]
-    resp = wait_for("the new key accepted on node-a", lambda: httpx.get(
+    resp = wait_for("the new key accepted on node-a", lambda: loopback.get(
         cluster.nodes[0].url + "/v1/models", headers={"Authorization": f"Bearer {key}"},
         timeout=10).status_code == 200, timeout=10)  # fmt: skip
     assert resp
@@ -213,7 +214,7 @@ def test_a_paused_leader_is_fenced_and_rejoins_as_a_follower(cluster: Cluster) -
         and s["leader"] == new.name and s, timeout=30)  # fmt: skip
     assert status["term"] == 0, status
     assert cluster.leader() is new
-    metrics = httpx.get(old.url + "/metrics", headers=old.headers(), timeout=10).text
+    metrics = loopback.get(old.url + "/metrics", headers=old.headers(), timeout=10).text
     assert f'kunlun_cluster_fenced_writes_total{{node="{old.name}"}} 1.0' in metrics
     # every replica serves on exactly one node once the moves settle: nothing runs twice
     wait_for("two replicas, each on one node", lambda: _spread(cluster, 2), timeout=300)
@@ -254,7 +255,7 @@ def _start_batch(cluster: Cluster, node: ClusterNodeProc) -> tuple[str, Callable
                                         "ignore_eos": True, "messages": [
                                    {"role": "user", "content": f"Tell me about number {i}."}]}})
                    + "\n" for i in range(BATCH_LINES))  # fmt: skip
-    upload = httpx.post(node.url + "/v1/files", headers=node.headers(), timeout=60,
+    upload = loopback.post(node.url + "/v1/files", headers=node.headers(), timeout=60,
                         files={"file": ("batch.jsonl", body.encode())},
                         data={"purpose": "batch"})  # fmt: skip
     assert upload.status_code == 200, upload.text
@@ -277,7 +278,7 @@ def _stream(node: ClusterNodeProc, lines: list[str], started: threading.Event) -
     """A long streamed completion from ``node`` into ``lines`` (status first)."""
     body = {"model": "tiny", "prompt": "Count slowly:", "max_tokens": 600,
             "ignore_eos": True, "stream": True}  # fmt: skip
-    with httpx.stream("POST", node.url + "/v1/completions", json=body, headers=node.headers(),
+    with loopback.stream("POST", node.url + "/v1/completions", json=body, headers=node.headers(),
                       timeout=300) as resp:  # fmt: skip
         lines.append(f"status {resp.status_code} {resp.headers.get('x-kunlun-device')}")
         for line in resp.iter_lines():
@@ -327,7 +328,7 @@ def test_a_killed_leader_node_is_replaced_and_its_replica_moves(cluster: Cluster
     assert done["status"] == "completed", done
     assert done["output_file_id"] == written.name  # continued, not started again
     assert done["request_counts"] == {"total": BATCH_LINES, "completed": BATCH_LINES, "failed": 0}
-    out = httpx.get(f"{survivors[1].url}/v1/files/{done['output_file_id']}/content",
+    out = loopback.get(f"{survivors[1].url}/v1/files/{done['output_file_id']}/content",
                     headers=survivors[1].headers(), timeout=30)  # fmt: skip
     answers = [json.loads(line) for line in out.text.splitlines()]
     assert sorted(a["custom_id"] for a in answers) == sorted(f"r{i}" for i in range(BATCH_LINES))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests import loopback
 from tests.cluster.etcd_cluster import EtcdCluster
 from tests.cluster.platform_nodes import ClusterNodeProc, dump, make_node, tiny_record, wait_for
 
@@ -90,7 +91,7 @@ def test_a_rollout_goes_on_when_the_leader_node_is_lost(two_nodes: list[ClusterN
         assert step["step"] == 0
         # both nodes split their traffic: versions are named in the answers of each
         for node in (a, b):
-            answer = httpx.post(node.url + "/v1/chat/completions", timeout=60, json={
+            answer = loopback.post(node.url + "/v1/chat/completions", timeout=60, json={
                 "model": "chat", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
             assert answer.headers.get("x-kunlun-version", "").startswith(("canary:", "baseline:"))
         leader.kill_node()

@@ -10,9 +10,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
+from tests import loopback
 from tests.daemons import BIN, Daemon, wait_ready
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -46,22 +46,22 @@ def test_model_cards_health_and_routing_errors_in_openai_shape(
         client.models.retrieve("no-such-model")
     body = caught.value.body
     assert isinstance(body, dict) and body["code"] == "model_not_found" and body["param"] == "model"
-    assert httpx.get(daemon.url + "/health", timeout=30).json() == {"status": "ok"}
+    assert loopback.get(daemon.url + "/health", timeout=30).json() == {"status": "ok"}
     for method, path, status, code in (("GET", "/v1/nothing-here", 404, "not_found"),
                                        ("DELETE", "/v1/models", 405, "method_not_allowed")):  # fmt: skip
-        resp = httpx.request(method, daemon.url + path, timeout=30)
+        resp = loopback.request(method, daemon.url + path, timeout=30)
         assert resp.status_code == status, resp.text
         error = resp.json()["error"]
         assert error["code"] == code and path in error["message"]
         assert set(error) == {"message", "type", "param", "code"}
-    assert "GET" in httpx.delete(daemon.url + "/v1/models", timeout=30).headers["allow"]
+    assert "GET" in loopback.delete(daemon.url + "/v1/models", timeout=30).headers["allow"]
 
 
 def test_tokenize_and_detokenize_through_the_gateway(daemon: Daemon) -> None:
     from kunlun.engine.tokenizer import Tokenizer
 
     local = Tokenizer(daemon.home / "models" / "smollm2")
-    post = lambda path, body: httpx.post(daemon.url + path, json=body, timeout=60)  # noqa: E731
+    post = lambda path, body: loopback.post(daemon.url + path, json=body, timeout=60)  # noqa: E731
     text = "Hello world, how are you?"
     made = post("/tokenize", {"model": "smollm2", "prompt": text})
     assert made.status_code == 200, made.text
@@ -161,20 +161,20 @@ def test_errors_in_openai_shape(client: openai.OpenAI) -> None:
 
 def test_bad_parameters_of_platform_routes_answer_400_naming_the_field(daemon: Daemon) -> None:
     job = daemon.job  # type: ignore[attr-defined]
-    resp = httpx.get(f"{daemon.url}/api/v1/workloads/{job}/logs", params={"offset": -5})
+    resp = loopback.get(f"{daemon.url}/api/v1/workloads/{job}/logs", params={"offset": -5})
     assert resp.status_code == 400
     error = resp.json()["error"]
     assert error["param"] == "query.offset" and error["type"] == "invalid_request_error"
     assert "-5" in error["message"] and "offset" in error["message"]
-    resp = httpx.post(f"{daemon.url}/v1/batches", json={"endpoint": "/v1/completions"})
+    resp = loopback.post(f"{daemon.url}/v1/batches", json={"endpoint": "/v1/completions"})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "input_file_id"
     # an offset past the end of the log (found by the fuzzer: 2**46 gave a 500) resumes
     # from the end
-    resp = httpx.get(f"{daemon.url}/api/v1/workloads/{job}/logs", params={"offset": 2**46})
+    resp = loopback.get(f"{daemon.url}/api/v1/workloads/{job}/logs", params={"offset": 2**46})
     assert resp.status_code == 200, resp.text
     end = resp.json()["offset"]
     assert resp.json()["text"] == "" and 0 < end < 2**46
-    again = httpx.get(f"{daemon.url}/api/v1/workloads/{job}/logs", params={"offset": end})
+    again = loopback.get(f"{daemon.url}/api/v1/workloads/{job}/logs", params={"offset": end})
     assert again.status_code == 200 and again.json()["offset"] >= end
 
 
@@ -203,16 +203,16 @@ def test_disconnect_aborts_and_frees_blocks(daemon: Daemon) -> None:
         "stream": True,
         "ignore_eos": True,
     }
-    with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=60) as resp:
+    with loopback.stream("POST", daemon.url + "/v1/completions", json=body, timeout=60) as resp:
         lines = resp.iter_lines()  # keep a reference: a dropped generator closes the stream
         for _ in range(6):
             next(lines)
-        running = httpx.get(replica["base_url"] + "/stats").json()
+        running = loopback.get(replica["base_url"] + "/stats").json()
         assert running["num_running"] == 1 and running["num_blocks_used"] > 0
     # leaving the block closes the connection: the client is gone
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        stats = httpx.get(replica["base_url"] + "/stats").json()
+        stats = loopback.get(replica["base_url"] + "/stats").json()
         if stats["num_running"] == 0 and stats["num_blocks_used"] == 0:
             break
         time.sleep(0.05)
@@ -272,7 +272,7 @@ def test_worker_killed_mid_stream(daemon: Daemon, client: openai.OpenAI) -> None
         "ignore_eos": True,
     }
     lines: list[str] = []
-    with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=60) as resp:
+    with loopback.stream("POST", daemon.url + "/v1/completions", json=body, timeout=60) as resp:
         for line in resp.iter_lines():
             lines.append(line)
             if len(lines) == 6:

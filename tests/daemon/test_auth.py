@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from tests import loopback
 from tests.daemons import Daemon, Daemons, Profile, daemon_fixture, refused
 
 OPEN = {"/healthz", "/readyz", "/health"}
@@ -63,13 +64,13 @@ def test_every_route_but_health_needs_a_key(keyed: tuple[Daemon, str], tmp_path:
             {"Authorization": "Bearer kl-wrong-key"},
             {"Authorization": f"Bearer {key}x"},
         ):
-            resp = httpx.request(method, daemon.url + path, headers=headers, json={}, timeout=30)
+            resp = loopback.request(method, daemon.url + path, headers=headers, json={}, timeout=30)
             if path in OPEN:
                 assert resp.status_code != 401, (method, path)
             else:
                 assert resp.status_code == 401, (method, path, headers, resp.status_code)
                 assert resp.json()["error"]["code"] == "invalid_api_key"
-    ok = httpx.get(daemon.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    ok = loopback.get(daemon.url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
     assert ok.status_code == 200
 
 
@@ -88,7 +89,7 @@ def test_every_admin_route_needs_an_admin_key(keyed: tuple[Daemon, str], tmp_pat
             ("POST", "/api/v1/workloads"), ("POST", "/api/v1/models/import-gguf"),
             ("GET", "/api/v1/devices")} <= set(admin)  # fmt: skip
     for method, path in routes:
-        resp = httpx.request(method, daemon.url + path, headers=headers, json={}, timeout=30)
+        resp = loopback.request(method, daemon.url + path, headers=headers, json={}, timeout=30)
         if (method, path) in admin:
             assert resp.status_code == 403, (method, path, resp.status_code)
             error = resp.json()["error"]
@@ -119,7 +120,7 @@ def test_apikey_cli_through_the_daemon(keyed: tuple[Daemon, str]) -> None:
     names = {k["name"]: k for k in json.loads(listed.stdout)}
     assert {"ops", "ci"} <= set(names) and "key" not in names["ci"]
     assert (
-        httpx.get(
+        loopback.get(
             daemon.url + "/v1/models", headers={"Authorization": f"Bearer {second['key']}"}
         ).status_code
         == 200
@@ -127,7 +128,7 @@ def test_apikey_cli_through_the_daemon(keyed: tuple[Daemon, str]) -> None:
     revoked = daemon.cli("apikey", "revoke", "ci", key=key)
     assert revoked.returncode == 0 and second["key_id"] in revoked.stdout
     assert (
-        httpx.get(
+        loopback.get(
             daemon.url + "/v1/models", headers={"Authorization": f"Bearer {second['key']}"}
         ).status_code
         == 401
@@ -141,7 +142,7 @@ def test_key_revoked_on_disk_takes_effect_in_the_running_daemon(keyed: tuple[Dae
     made = daemon.cli("apikey", "create", "temp", "--json", remote=False)
     temp = json.loads(made.stdout)["key"]
     assert (
-        httpx.get(
+        loopback.get(
             daemon.url + "/v1/models", headers={"Authorization": f"Bearer {temp}"}
         ).status_code
         == 200

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
+from tests import loopback
 from tests.daemons import TINY, Daemon, Daemons, Profile, settled_request_log
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
@@ -237,7 +237,7 @@ def test_bad_files_and_requests_are_refused_with_the_place(
     failed = wait_for(client, mismatch.id)
     assert failed.status == "failed" and failed.errors and failed.errors.data
     assert failed.errors.data[0].line == 1 and failed.errors.data[0].param == "url"
-    bare = httpx.post(daemon.url + "/v1/files", data={"purpose": "batch"}, timeout=30)
+    bare = loopback.post(daemon.url + "/v1/files", data={"purpose": "batch"}, timeout=30)
     assert bare.status_code == 400 and bare.json()["error"]["param"] == "file"
 
 
@@ -282,7 +282,7 @@ def test_expiry_policies_with_the_openai_sdk(tiny_daemon: Daemon, tmp_path: Path
 
 def test_request_ids_pass_through_and_are_logged(tiny_daemon: Daemon) -> None:
     daemon = tiny_daemon
-    resp = httpx.post(
+    resp = loopback.post(
         daemon.url + "/v1/completions",
         headers={"X-Request-Id": "probe:1:1"},
         json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
@@ -369,7 +369,7 @@ def sigkill_mid_batch_and_resume(daemon: Daemon) -> None:
 
 
 def test_an_unknown_batch_field_is_refused_naming_it(tiny_daemon: Daemon) -> None:
-    resp = httpx.post(
+    resp = loopback.post(
         f"{tiny_daemon.url}/v1/batches",
         json={"input_file_id": "file-x", "endpoint": "/v1/completions",
               "completion_window": "24h", "priority_boost": 1},

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests import loopback
 from tests.daemons import TINY, Daemon, Profile, assert_unhurt, daemon_fixture, refused
 
 from kunlun.budgets import BUDGETS, limit
@@ -30,7 +31,7 @@ CHAT = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content
 
 
 def post(d: Daemon, path: str, body: Any, key: str = "app", timeout: float = 120) -> httpx.Response:
-    return httpx.post(d.url + path, content=json.dumps(body), timeout=timeout,  # NaN: as JS
+    return loopback.post(d.url + path, content=json.dumps(body), timeout=timeout,  # NaN: as JS
                       headers={"Authorization": f"Bearer {d.keys[key]}",
                                "Content-Type": "application/json"})  # fmt: skip
 

@@ -19,9 +19,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import openai
 import pytest
+from tests import loopback
 from tests.daemon.big_node import write_node
 from tests.daemon.test_dashboard_ui import CHROMIUM, HOSTILE, login, shot
 from tests.daemons import TINY, Daemon, Daemons, Profile
@@ -169,7 +169,7 @@ def test_scale_from_the_workloads_page(node: Any, browser: Any) -> None:
     assert proc.returncode != 0 and "replicas" in proc.stderr + proc.stdout
     auth = {"authorization": f"Bearer {admin}"}
     for body, param in (({"replicas": 2, "count": 2}, "count"), ({"replicas": "x"}, "replicas")):
-        refused = httpx.post(daemon.url + "/api/v1/workloads/tiny/scale", json=body,
+        refused = loopback.post(daemon.url + "/api/v1/workloads/tiny/scale", json=body,
                              headers=auth, timeout=30)  # fmt: skip
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param
     watch.assert_local(daemon)

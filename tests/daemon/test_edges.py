@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from tests import loopback
 from tests.daemons import TINY, Daemon, Profile, daemon_fixture, settled_request_log
 
 from kunlun.json_text import MAX_DEPTH
@@ -30,7 +31,7 @@ SURROGATE = '"\\ud800"'
 
 
 def post_raw(daemon: Daemon, path: str, body: str, **headers: str) -> httpx.Response:
-    return httpx.post(
+    return loopback.post(
         daemon.url + path,
         content=body.encode(),
         headers={"content-type": "application/json", **headers},
@@ -136,7 +137,7 @@ def test_deep_json_is_400_naming_the_limit_everywhere(tiny_daemon: Daemon, bare:
 
 def upload(daemon: Daemon, lines: list[str]) -> httpx.Response:
     data = ("\n".join(lines) + "\n").encode()
-    return httpx.post(
+    return loopback.post(
         daemon.url + "/v1/files",
         files={"file": ("in.jsonl", data, "application/jsonl")},
         data={"purpose": "batch"},
@@ -221,15 +222,15 @@ def test_sequences_per_request_are_capped_naming_the_limit_and_the_count(
 ) -> None:
     daemon = tiny_daemon
     body = {"model": "tiny", "prompt": [f"p{i}" for i in range(100)], "n": 128}
-    resp = httpx.post(daemon.url + "/v1/completions", json=body, timeout=60)
+    resp = loopback.post(daemon.url + "/v1/completions", json=body, timeout=60)
     assert_error(resp, 400, "n", "12800 sequences", "100 prompt(s) x n=128", "at most 256")
-    resp = httpx.post(
+    resp = loopback.post(
         daemon.url + "/v1/chat/completions",
         json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 300},
         timeout=60,
     )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
-    ok = httpx.post(
+    ok = loopback.post(
         daemon.url + "/v1/completions",
         json={"model": "tiny", "prompt": ["a", "b"], "n": 2, "max_tokens": 1},
         timeout=120,
@@ -256,7 +257,7 @@ def test_revoke_with_a_full_key_never_echoes_it(keyed_daemon: Daemon) -> None:
     proc = d.cli("apikey", "revoke", other, key=key)
     assert proc.returncode == 0, proc.stderr
     assert other not in proc.stdout + proc.stderr and "(edges-ci)" in proc.stdout
-    resp = httpx.get(d.url + "/v1/models", headers={"authorization": f"Bearer {other}"})
+    resp = loopback.get(d.url + "/v1/models", headers={"authorization": f"Bearer {other}"})
     assert resp.status_code == 401
 
 
@@ -332,7 +333,7 @@ def test_clients_that_leave_queued_or_mid_stream_are_counted_and_logged_499(
     )  # fmt: skip
     assert statuses == (499, 499)
     # the replica is free again: a new request is answered
-    ok = httpx.post(one_slot.url + "/v1/completions",
+    ok = loopback.post(one_slot.url + "/v1/completions",
                     json={"model": "tiny", "prompt": "x", "max_tokens": 1}, timeout=300)  # fmt: skip
     assert ok.status_code == 200, ok.text
 
@@ -368,7 +369,7 @@ def test_a_client_that_closes_on_done_has_its_answer_and_is_counted_200(
 
 def test_the_sequence_limit_is_configurable(one_slot: Daemon) -> None:
     body = {"model": "tiny", "prompt": ["a", "b", "c"], "n": 2, "max_tokens": 1}
-    resp = httpx.post(one_slot.url + "/v1/completions", json=body, timeout=60)
+    resp = loopback.post(one_slot.url + "/v1/completions", json=body, timeout=60)
     assert_error(resp, 400, "n", "6 sequences", "at most 4")
-    resp = httpx.post(one_slot.url + "/v1/completions", json={**body, "n": 1}, timeout=300)
+    resp = loopback.post(one_slot.url + "/v1/completions", json={**body, "n": 1}, timeout=300)
     assert resp.status_code == 200, resp.text

@@ -22,6 +22,7 @@ import openai
 import pytest
 import torch
 import torch.nn.functional as F
+from tests import loopback
 from tests.daemons import Daemon, Daemons, Profile, assert_unhurt
 
 TEXTS = ["The cat sat on the mat.", "Embeddings are pooled hidden states", "hi"]
@@ -73,7 +74,9 @@ def token_ids(daemon: Daemon, model: str, text: str) -> list[int]:
     """``text``'s ids as the worker encodes an embeddings input (``/tokenize``)."""
     answer = daemon.get("/tokenize", params=None)  # the route exists (405 for GET)
     assert answer.status_code in (404, 405)
-    reply = httpx.post(daemon.url + "/tokenize", json={"model": model, "prompt": text}, timeout=30)
+    reply = loopback.post(
+        daemon.url + "/tokenize", json={"model": model, "prompt": text}, timeout=30
+    )
     assert reply.status_code == 200, reply.text
     return list(reply.json()["tokens"])
 
@@ -97,7 +100,7 @@ def reference(model_dir: Path, batch: list[list[int]], method: str) -> torch.Ten
 
 
 def post(daemon: Daemon, path: str, body: dict[str, Any]) -> httpx.Response:
-    return httpx.post(daemon.url + path, json=body, timeout=60)
+    return loopback.post(daemon.url + path, json=body, timeout=60)
 
 
 @pytest.mark.parametrize(("model", "method"), [("tiny-embed", "mean"), ("tiny-last", "last")])
@@ -238,7 +241,7 @@ def test_the_documented_2048_inputs_are_answered_while_others_are_served(
     many = {"model": "tiny-embed", "input": [f"sentence {i} of many" for i in range(2048)]}
 
     def attack() -> httpx.Response:
-        reply = httpx.post(daemon.url + "/v1/embeddings", json=many, timeout=600)
+        reply = loopback.post(daemon.url + "/v1/embeddings", json=many, timeout=600)
         assert reply.status_code == 200, reply.text
         assert len(reply.json()["data"]) == 2048
         return reply

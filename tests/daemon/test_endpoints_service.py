@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
+from tests import loopback
 from tests.daemons import TINY, Daemon, Profile, daemon_fixture, settled_request_log
 
 INPUT = {
@@ -69,7 +70,7 @@ def create(d: Daemon, files: Path, name: str, *extra: str, **paths: str) -> Any:
 
 
 def call(d: Daemon, name: str, body: Any, **params: Any) -> httpx.Response:
-    return httpx.post(f"{d.url}/v1/endpoints/{name}", json=body, params=params, timeout=300)
+    return loopback.post(f"{d.url}/v1/endpoints/{name}", json=body, params=params, timeout=300)
 
 
 def assert_answers(d: Daemon, name: str) -> dict[str, Any]:
@@ -119,7 +120,7 @@ def test_a_body_that_fails_the_input_schema_is_a_400_naming_its_path(
         error = resp.json()["error"]
         assert error["param"] == param and words in error["message"], error
         assert error["type"] == "invalid_request_error"
-    resp = httpx.post(f"{d.url}/v1/endpoints/review-bad", content=b"{not json",
+    resp = loopback.post(f"{d.url}/v1/endpoints/review-bad", content=b"{not json",
                       headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
     assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
     # a template that refuses a body it accepted: a 400 about the input, the reason given
@@ -180,7 +181,7 @@ def test_bad_files_names_and_models_are_refused_clearly(served: tuple[Daemon, Pa
     assert proc.returncode != 0 and "name" in proc.stderr
     assert all(e["name"] != "broken" for e in d.get("/v1/endpoints").json()["data"])
     # the admin API itself names the field in the OpenAI error shape
-    resp = httpx.post(f"{d.url}/api/v1/endpoints", json={"name": "x", "model": "tiny",
+    resp = loopback.post(f"{d.url}/api/v1/endpoints", json={"name": "x", "model": "tiny",
                       "input_schema": {}, "output_schema": {"type": 7}, "prompt": "p",
                       "colour": "red"}, timeout=30)  # fmt: skip
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "colour"
@@ -199,7 +200,7 @@ def test_endpoints_are_listed_with_an_openapi_document_each(served: tuple[Daemon
     entry = next(e for e in listed["data"] if e["name"] == "review-doc")
     assert entry["model"] == "tiny" and entry["description"] == "Rates"
     assert entry["url"] == f"{d.url}/v1/endpoints/review-doc" and entry["created"] > 0
-    doc = httpx.get(entry["openapi"], timeout=30).json()
+    doc = loopback.get(entry["openapi"], timeout=30).json()
     assert doc["openapi"].startswith("3.1") and doc["info"]["title"] and doc["info"]["version"]
     assert doc["servers"] == [{"url": d.url}]
     assert list(doc["paths"]) == ["/v1/endpoints/review-doc"]
@@ -255,28 +256,28 @@ def test_endpoint_calls_take_inference_keys_and_making_them_admin_keys(
     """Last in the module: once keys exist every call needs one."""
     d, files = served
     assert create(d, files, "keyed", "--replace").returncode == 0
-    made = httpx.post(f"{d.url}/api/v1/apikeys", json={"name": "ops", "scope": "admin"},
+    made = loopback.post(f"{d.url}/api/v1/apikeys", json={"name": "ops", "scope": "admin"},
                       timeout=30)  # fmt: skip
     admin = made.json()["key"]
-    inference = httpx.post(f"{d.url}/api/v1/apikeys", json={"name": "app"}, timeout=30,
+    inference = loopback.post(f"{d.url}/api/v1/apikeys", json={"name": "app"}, timeout=30,
                            headers={"Authorization": f"Bearer {admin}"}).json()["key"]  # fmt: skip
     assert call(d, "keyed", BODY).status_code == 401
     as_app = {"Authorization": f"Bearer {inference}"}
-    resp = httpx.post(f"{d.url}/v1/endpoints/keyed", json=BODY, headers=as_app, timeout=300)
+    resp = loopback.post(f"{d.url}/v1/endpoints/keyed", json=BODY, headers=as_app, timeout=300)
     assert resp.status_code == 200, resp.text
     jsonschema.validate(resp.json()["output"], OUTPUT)
-    assert httpx.get(f"{d.url}/v1/endpoints", headers=as_app, timeout=30).status_code == 200
-    refused = httpx.delete(f"{d.url}/api/v1/endpoints/keyed", headers=as_app, timeout=30)
+    assert loopback.get(f"{d.url}/v1/endpoints", headers=as_app, timeout=30).status_code == 200
+    refused = loopback.delete(f"{d.url}/api/v1/endpoints/keyed", headers=as_app, timeout=30)
     assert refused.status_code == 403 and "admin" in refused.json()["error"]["message"]
     listed = d.cli("endpoint", "list", "--json", key=admin)
     assert listed.returncode == 0 and "keyed" in listed.stdout
     # a key's tokens per minute are charged with the call's usage, as for a chat request
-    thin = httpx.post(f"{d.url}/api/v1/apikeys", json={"name": "thin", "tpm": 10}, timeout=30,
+    thin = loopback.post(f"{d.url}/api/v1/apikeys", json={"name": "thin", "tpm": 10}, timeout=30,
                       headers={"Authorization": f"Bearer {admin}"}).json()["key"]  # fmt: skip
     as_thin = {"Authorization": f"Bearer {thin}"}
-    first = httpx.post(f"{d.url}/v1/endpoints/keyed", json=BODY, headers=as_thin, timeout=300)
+    first = loopback.post(f"{d.url}/v1/endpoints/keyed", json=BODY, headers=as_thin, timeout=300)
     assert first.status_code == 200 and first.json()["usage"]["total_tokens"] > 10
-    second = httpx.post(f"{d.url}/v1/endpoints/keyed", json=BODY, headers=as_thin, timeout=300)
+    second = loopback.post(f"{d.url}/v1/endpoints/keyed", json=BODY, headers=as_thin, timeout=300)
     assert second.status_code == 429, second.text
     assert int(second.headers["retry-after"]) >= 1
     assert "10 tokens per minute" in second.json()["error"]["message"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import pytest
+from tests import loopback
 from tests.daemons import SPEC, Daemon, Profile, daemon_fixture, submit_demo
 
 from kunlun.engines.adapter import find_binary
@@ -74,11 +74,11 @@ def test_auto_runs_the_engine_measured_faster(daemon: Daemon, tmp_path: Path) ->
 
 def test_a_bad_measurement_is_refused_naming_what(daemon: Daemon) -> None:
     url = daemon.url + "/api/v1/workloads/smollm2/measurements"
-    bad = httpx.post(url, json={"runs": [{"concurrency": 0, "output_tokens_per_s": 3}]})
+    bad = loopback.post(url, json={"runs": [{"concurrency": 0, "output_tokens_per_s": 3}]})
     assert bad.status_code == 400 and "concurrency 0 is not an integer >= 1" in bad.text
-    bad = httpx.post(url, json={"runs": [], "extra": 1})
+    bad = loopback.post(url, json={"runs": [], "extra": 1})
     assert bad.status_code == 400 and "extra" in bad.text
-    missing = httpx.post(daemon.url + "/api/v1/workloads/nope/measurements",
+    missing = loopback.post(daemon.url + "/api/v1/workloads/nope/measurements",
                          json={"runs": [{"concurrency": 1, "output_tokens_per_s": 3}]})  # fmt: skip
     assert missing.status_code == 400 and "no workload 'nope'" in missing.text
 
@@ -99,7 +99,7 @@ def test_faster_engine_compares_at_the_highest_shared_concurrency() -> None:
 def test_a_name_served_on_two_engines_is_not_measured(daemon: Daemon) -> None:
     second = submit_demo(daemon, "engine: llama.cpp\n")  # smollm2 on llama.cpp beside kunlun
     try:
-        refused = httpx.post(daemon.url + "/api/v1/workloads/smollm2/measurements",
+        refused = loopback.post(daemon.url + "/api/v1/workloads/smollm2/measurements",
                              json={"runs": [{"concurrency": 1, "output_tokens_per_s": 3}]})  # fmt: skip
         assert refused.status_code == 400, refused.text
         message = refused.json()["error"]["message"]

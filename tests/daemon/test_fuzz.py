@@ -23,6 +23,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests import loopback
 from tests.daemons import Daemon, Profile, daemon_fixture, settled_request_log
 
 MAX_EXAMPLES = int(os.environ.get("KUNLUN_FUZZ_EXAMPLES", "6"))
@@ -116,7 +117,7 @@ def assert_alive_and_logging(daemon: Daemon, key: str) -> None:
     """The daemon answers, and its request-log writer still writes (one bad entry must not
     have stopped it)."""
     assert daemon.get("/healthz").status_code == 200
-    marker = httpx.get(
+    marker = loopback.get(
         daemon.url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30
     )
     assert marker.status_code == 200

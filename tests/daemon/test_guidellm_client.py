@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from tests import loopback
 from tests.daemons import Daemon, Profile, daemon_fixture, settled_request_log
 
 MODEL = "tiny"
@@ -85,7 +85,9 @@ def test_guidellm_benchmark_with_default_backend_settings(
 
 def sse_chunks(daemon: Daemon, key: str, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
     headers = {"Authorization": f"Bearer {key}"}
-    with httpx.stream("POST", daemon.url + path, json=body, headers=headers, timeout=120) as resp:
+    with loopback.stream(
+        "POST", daemon.url + path, json=body, headers=headers, timeout=120
+    ) as resp:
         assert resp.status_code == 200, resp.read()
         lines = [line.removeprefix("data: ") for line in resp.iter_lines() if line]
     assert lines[-1] == "[DONE]"

@@ -15,7 +15,7 @@ import stat
 import time
 from pathlib import Path
 
-import httpx
+from tests import loopback
 from tests.daemons import TINY_SPEC, Daemons, Profile, wait_running
 
 from kunlun.paths import DIR_MODE, FILE_MODE
@@ -58,7 +58,7 @@ def test_everything_under_kunlun_home_is_private(
         submitted = daemon.cli("workload", "submit", "--file", str(spec), "--json")
         assert submitted.returncode == 0, submitted.stderr
         wait_running(daemon, [json.loads(submitted.stdout)["workload_id"]])
-        answer = httpx.post(
+        answer = loopback.post(
             daemon.url + "/v1/completions",
             json={"model": "tiny", "prompt": "Hello", "max_tokens": 4},
             timeout=120,
@@ -71,14 +71,14 @@ def test_everything_under_kunlun_home_is_private(
             "body": {"model": "tiny", "prompt": "Hi", "max_tokens": 2},
         }
         bad = {**line, "custom_id": "two", "body": {**line["body"], "temperature": 9}}
-        uploaded = httpx.post(
+        uploaded = loopback.post(
             daemon.url + "/v1/files",
             data={"purpose": "batch"},
             files={"file": ("in.jsonl", f"{json.dumps(line)}\n{json.dumps(bad)}\n")},
             timeout=60,
         )
         assert uploaded.status_code == 200, uploaded.text
-        batch = httpx.post(
+        batch = loopback.post(
             daemon.url + "/v1/batches",
             json={
                 "input_file_id": uploaded.json()["id"],

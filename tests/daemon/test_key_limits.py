@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tests import loopback
 from tests.daemons import TINY, Daemon, Daemons, Profile, refused
 
 LOOPBACK = "127.0.0.1/32,::1"
@@ -33,11 +34,11 @@ class Limited:
         return {"Authorization": f"Bearer {self.keys[name]}"}
 
     def get(self, path: str, key: str) -> httpx.Response:
-        return httpx.get(self.daemon.url + path, headers=self.headers(key), timeout=60)
+        return loopback.get(self.daemon.url + path, headers=self.headers(key), timeout=60)
 
     def post(self, path: str, key: str, body: dict[str, Any]) -> httpx.Response:
         url = self.daemon.url + path
-        return httpx.post(url, headers=self.headers(key), json=body, timeout=300)
+        return loopback.post(url, headers=self.headers(key), json=body, timeout=300)
 
     def client(self, key: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.daemon.url + "/v1", api_key=self.keys[key],
@@ -86,7 +87,7 @@ def counter(text: str, name: str, **labels: str) -> float:
 def test_inference_key_is_refused_on_admin_routes_and_served_on_v1(limited: Limited) -> None:
     for method, path in (("GET", "/api/v1/workloads"), ("POST", "/api/v1/apikeys"),
                          ("GET", "/api/v1/devices"), ("POST", "/api/v1/models/import-gguf")):  # fmt: skip
-        resp = httpx.request(method, limited.daemon.url + path, headers=limited.headers("app"),
+        resp = loopback.request(method, limited.daemon.url + path, headers=limited.headers("app"),
                              json={"name": "sneaky", "path": "/etc/passwd"})  # fmt: skip
         assert resp.status_code == 403, (method, path, resp.text)
         error = resp.json()["error"]
@@ -122,7 +123,7 @@ def test_admin_key_lists_scopes_and_limits_and_creates_keys(limited: Limited) ->
     assert made.status_code == 200, made.text
     assert {k: made.json()[k] for k in body} == {**body, "allow_ips": ["127.0.0.1/32"]}
     new = {"Authorization": f"Bearer {made.json()['key']}"}
-    assert httpx.get(limited.daemon.url + "/v1/models", headers=new).status_code == 200
+    assert loopback.get(limited.daemon.url + "/v1/models", headers=new).status_code == 200
     for bad, field in (({"name": "b", "rpm": "many"}, "rpm"),
                        ({"name": "b", "allow_ips": ["300.1.1.1"]}, "allow_ips"),
                        ({"name": "b", "scope": "root"}, "scope"),
@@ -186,7 +187,7 @@ def assert_wrong_keys_are_throttled_per_address(daemon: Daemon, lan: str) -> Non
     throttled = forwarded(daemon, "kl-guess", guesser)
     assert throttled.status_code == 429 and int(throttled.headers["retry-after"]) >= 1
     assert guesser in throttled.json()["error"]["message"]
-    login = httpx.post(daemon.url + "/ui/login", data={"key": "kl-guess"}, timeout=30,
+    login = loopback.post(daemon.url + "/ui/login", data={"key": "kl-guess"}, timeout=30,
                        headers={"X-Forwarded-For": guesser}, follow_redirects=False)  # fmt: skip
     assert login.status_code == 429 and "too many wrong keys" in login.text
     assert forwarded(daemon, lan, guesser).status_code == 200  # its own valid key passes

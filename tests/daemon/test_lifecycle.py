@@ -7,7 +7,7 @@ import signal
 import threading
 import time
 
-import httpx
+from tests import loopback
 from tests.daemons import TINY, Daemon, Daemons, Profile
 
 STREAM_TOKENS = 900
@@ -24,7 +24,7 @@ def stream(url: str, results: list[list[str]], started: threading.Event) -> None
         "ignore_eos": True,
     }
     lines: list[str] = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+    with loopback.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
         for line in resp.iter_lines():
             lines.append(line)
             if len(lines) == 2:
@@ -47,7 +47,7 @@ def drains_in_flight_streams(daemon: Daemon) -> None:
         assert e.wait(60)
     daemon.signal(signal.SIGTERM)
     time.sleep(0.3)
-    late = httpx.post(
+    late = loopback.post(
         daemon.url + "/v1/completions",
         json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
         timeout=30,

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-import httpx
 import jsonschema
 import numpy as np
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
+from tests import loopback
 from tests.daemons import TINY, Daemon, Profile, daemon_fixture, settled_request_log
 from tests.serving.test_tool_calling import ASK, TOOLS, check_call
 
@@ -123,7 +123,7 @@ def last_logged(served: Served, count: int) -> list[tuple[str, str, int]]:
 
 def direct_chat(served: Served, **body: Any) -> dict[str, Any]:
     """The daemon's answer to a chat request sent with httpx, not litellm."""
-    answer = httpx.post(served.daemon.url + "/v1/chat/completions", timeout=120,
+    answer = loopback.post(served.daemon.url + "/v1/chat/completions", timeout=120,
                         headers={"Authorization": f"Bearer {served.key}"},
                         json={"model": MODEL, "messages": QUESTION, "temperature": 0, **body})  # fmt: skip
     assert answer.status_code == 200, answer.text
@@ -208,7 +208,7 @@ def test_text_completion_goes_to_v1_completions(litellm: ModuleType, served: Ser
                                     max_tokens=6, temperature=0, **served.args())  # fmt: skip
     assert reply.object == "text_completion"
     assert reply.choices[0].text.strip() and reply.choices[0].finish_reason in ("stop", "length")
-    direct = httpx.post(served.daemon.url + "/v1/completions", timeout=120,
+    direct = loopback.post(served.daemon.url + "/v1/completions", timeout=120,
                         headers={"Authorization": f"Bearer {served.key}"},
                         json={"model": MODEL, "prompt": prompt, "max_tokens": 6,
                               "temperature": 0}).json()  # fmt: skip
@@ -220,7 +220,7 @@ def test_text_completion_goes_to_v1_completions(litellm: ModuleType, served: Ser
 def test_embeddings_equal_the_api_vectors(litellm: ModuleType, served: Served) -> None:
     texts = ["The cat sat on the mat.", "hi"]
     reply = litellm.embedding(model=f"openai/{EMBED}", input=texts, **served.args())
-    direct = httpx.post(served.daemon.url + "/v1/embeddings", timeout=60,
+    direct = loopback.post(served.daemon.url + "/v1/embeddings", timeout=60,
                         headers={"Authorization": f"Bearer {served.key}"},
                         json={"model": EMBED, "input": texts, "encoding_format": "float"})  # fmt: skip
     assert direct.status_code == 200, direct.text

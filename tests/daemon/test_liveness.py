@@ -11,8 +11,8 @@ import signal
 import threading
 import time
 
-import httpx
 import psutil
+from tests import loopback
 from tests.daemons import TINY, Daemon, Daemons, Profile, stream_lines, wait_ready
 
 DEADLINE_S = 3.0
@@ -57,7 +57,7 @@ def test_a_stopped_worker_fails_its_requests_with_504_and_is_restarted(daemons: 
             assert started.wait(120), lines
             os.kill(old_pid, signal.SIGSTOP)
             stopped = old_pid
-            answer = httpx.post(
+            answer = loopback.post(
                 daemon.url + "/v1/completions",
                 json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
                 timeout=120,  # generous: detection takes the answer deadline and a probe or two
@@ -99,7 +99,7 @@ def test_a_stopped_worker_fails_its_requests_with_504_and_is_restarted(daemons: 
         why = next(e["message"] for e in described["events"] if e["kind"] == "unresponsive")
         assert f"(pid {old_pid}) is unresponsive" in why and "health probe" in why
         assert "is unresponsive" in (daemon.home / "logs" / f"{job}.log").read_text()
-        again = httpx.post(
+        again = loopback.post(
             daemon.url + "/v1/completions",
             json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
             timeout=120,

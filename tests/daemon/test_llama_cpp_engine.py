@@ -17,10 +17,10 @@ import json
 import signal
 from pathlib import Path
 
-import httpx
 import openai
 import psutil
 import pytest
+from tests import loopback
 from tests.daemon.test_api import (  # noqa: F401 - collected here, against llama.cpp
     test_32_concurrent_streams,
     test_bad_parameters_of_platform_routes_answer_400_naming_the_field,
@@ -79,7 +79,7 @@ def test_the_workload_runs_llama_server_on_the_original_gguf(daemon: Daemon) -> 
     assert "conversion: SmolLM2-135M-Instruct.Q4_1.gguf -> " in logs.stdout
     assert argv[argv.index("--parallel") + 1] == "8" and "--cont-batching" in argv
     assert argv[argv.index("--ctx-size") + 1] == str(8 * 1024)  # 8 slots of max_model_len
-    reply = httpx.post(daemon.url + "/v1/completions", timeout=120,
+    reply = loopback.post(daemon.url + "/v1/completions", timeout=120,
                        json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})  # fmt: skip
     assert reply.status_code == 200, reply.text
     assert reply.headers["x-kunlun-device"] == "cpu:0"
@@ -152,16 +152,16 @@ def test_what_llama_cpp_lacks_is_a_400_naming_the_field(
     daemon: Daemon, extra: dict[str, object], param: str
 ) -> None:
     body = {"model": "smollm2", "prompt": "Hi", "max_tokens": 2, **extra}
-    resp = httpx.post(daemon.url + "/v1/completions", json=body, timeout=60)
+    resp = loopback.post(daemon.url + "/v1/completions", json=body, timeout=60)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and error["type"] == "invalid_request_error"
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    chat = httpx.post(daemon.url + "/v1/chat/completions", timeout=60,
+    chat = loopback.post(daemon.url + "/v1/chat/completions", timeout=60,
                       json={"model": "smollm2", "messages": HELLO, "tools": tools})  # fmt: skip
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "tools"
     assert "engine llama.cpp" in chat.json()["error"]["message"]
-    sglang = httpx.post(daemon.url + "/generate", json={"model": "smollm2", "text": "Hi"})
+    sglang = loopback.post(daemon.url + "/generate", json={"model": "smollm2", "text": "Hi"})
     assert sglang.status_code == 400 and "engine llama.cpp" in sglang.text
 
 
@@ -188,7 +188,7 @@ def test_llama_cpp_metrics_are_in_the_daemon_metrics(client: openai.OpenAI, daem
     assert info and 'engine="llama.cpp"' in info[0]
     # the health checker reads the server's progress from its own metrics, as from /stats
     (described,) = daemon.describe(daemon.job)["replicas"]  # type: ignore[attr-defined]
-    own = httpx.get(described["base_url"] + "/metrics", timeout=30).text
+    own = loopback.get(described["base_url"] + "/metrics", timeout=30).text
     progress = LlamaCppEngine().progress(own)
     assert progress["num_steps"] >= 3 and progress["num_unfinished_requests"] == 0
 
@@ -204,7 +204,7 @@ def test_sigterm_drains_a_llama_cpp_stream_then_stops_its_server(daemon: Daemon)
     body = {"model": "smollm2", "prompt": "Count slowly:", "max_tokens": 48, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     lines: list[str] = []
-    with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=300) as resp:
+    with loopback.stream("POST", daemon.url + "/v1/completions", json=body, timeout=300) as resp:
         for line in filter(None, resp.iter_lines()):
             lines.append(line)
             if len(lines) == 2:

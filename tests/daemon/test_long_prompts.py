@@ -8,6 +8,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+from tests import loopback
 from tests.daemons import Daemon
 
 HUGE = 10 << 20
@@ -21,7 +22,7 @@ when the long prompts have been answered (asserted)."""
 
 def completion(daemon: Daemon, prompt: object, **extra: object) -> httpx.Response:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, **extra}
-    return httpx.post(daemon.url + "/v1/completions", json=body, timeout=300)
+    return loopback.post(daemon.url + "/v1/completions", json=body, timeout=300)
 
 
 def assert_refused_untokenized(answer: httpx.Response) -> int:
@@ -54,7 +55,7 @@ def test_a_prompt_under_the_byte_bound_is_refused_from_its_first_pieces(
     words = " ".join(f"w{i % 977}" for i in range(bound))
     just_under = words.encode()[: bound - 16].decode(errors="ignore")
     assert_refused_from_its_first_pieces(completion(tiny_daemon, just_under))
-    chat = httpx.post(
+    chat = loopback.post(
         tiny_daemon.url + "/v1/chat/completions",
         timeout=300,
         json={
@@ -70,7 +71,7 @@ def test_a_10_mb_prompt_is_refused_naming_max_model_len(tiny_daemon: Daemon) -> 
     daemon = tiny_daemon
     bound = assert_refused_untokenized(completion(daemon, "a" * HUGE))
     assert MAX_MODEL_LEN <= bound < HUGE
-    chat = httpx.post(
+    chat = loopback.post(
         daemon.url + "/v1/chat/completions",
         json={
             "model": "tiny",
@@ -97,7 +98,7 @@ def test_other_streams_go_on_while_long_prompts_are_tokenized(tiny_daemon: Daemo
     def stream() -> None:
         body = {"model": "tiny", "prompt": "Count slowly:", "max_tokens": STREAM_TOKENS,
                 "ignore_eos": True, "stream": True}  # fmt: skip
-        with httpx.stream("POST", daemon.url + "/v1/completions", json=body, timeout=300) as r:
+        with loopback.stream("POST", daemon.url + "/v1/completions", json=body, timeout=300) as r:
             lines.append(f"status {r.status_code}")
             for line in r.iter_lines():
                 if line:

@@ -10,8 +10,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
+from tests import loopback
 from tests.daemons import Daemon, free_port
 from tests.engine.gguf_bytes import (
     ARRAY,
@@ -75,7 +75,7 @@ def test_daemon_answers_400_naming_the_field(
     bare_daemon: Daemon, tmp_path: Path, change: Callable[[GGUF], None], field: str
 ) -> None:
     path = crafted(tmp_path, change)
-    answer = httpx.post(
+    answer = loopback.post(
         bare_daemon.url + "/api/v1/models/import-gguf",
         json={"path": str(path), "name": "crafted"},
         timeout=120,
@@ -112,7 +112,7 @@ def test_daemon_import_takes_the_output_form_and_checks_it(
     path.write_bytes(gguf_bytes(tiny_llama()))
     url = bare_daemon.url + "/api/v1/models/import-gguf"
     for field, value in (("dtype", "fp64"), ("keep_quantized", "yes"), ("dtype", 16)):
-        answer = httpx.post(url, json={"path": str(path), field: value}, timeout=120)
+        answer = loopback.post(url, json={"path": str(path), field: value}, timeout=120)
         assert answer.status_code == 400, answer.text
         error = answer.json()["error"]
         assert error["param"] == field and repr(value) in error["message"]
@@ -120,7 +120,7 @@ def test_daemon_import_takes_the_output_form_and_checks_it(
     forms = {"fp32": {"dtype": "fp32", "keep_quantized": False}, "default": {}}
     for name, options in forms.items():
         body = {"path": str(path), "name": f"tiny-{name}", **options}
-        answer = httpx.post(url, json=body, timeout=120)
+        answer = loopback.post(url, json=body, timeout=120)
         assert answer.status_code == 200, answer.text
         config = json.loads((Path(answer.json()["path"]) / "config.json").read_text())
         assert config["torch_dtype"] == ("float32" if name == "fp32" else "bfloat16")

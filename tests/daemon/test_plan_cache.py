@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
+from tests import loopback
 from tests.daemons import TINY_SPEC, Daemon, Daemons, Profile, wait_ready
 
 from kunlun.engine.launch import read_launch
@@ -35,7 +35,7 @@ def workload(daemon: Daemon, job: str) -> dict[str, Any]:
 
 
 def stop(daemon: Daemon, job: str) -> None:
-    assert httpx.post(f"{daemon.url}/api/v1/workloads/{job}/stop", timeout=60).status_code == 200
+    assert loopback.post(f"{daemon.url}/api/v1/workloads/{job}/stop", timeout=60).status_code == 200
     deadline = time.monotonic() + 60
     while daemon.get("/readyz").status_code == 200:
         assert time.monotonic() < deadline, "replica still ready after stop"

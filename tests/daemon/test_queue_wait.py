@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+from tests import loopback
 from tests.daemons import TINY, Daemons, Profile, stream_lines
 
 NUM_QUEUED = 6
@@ -40,7 +41,7 @@ def test_requests_queued_past_max_queue_wait_get_429_with_a_drain_rate_retry_aft
         assert started.wait(120), lines
 
         def queued(_: int) -> httpx.Response:
-            return httpx.post(
+            return loopback.post(
                 daemon.url + "/v1/completions",
                 json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
                 timeout=120,

@@ -10,9 +10,9 @@ import signal
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
+from tests import loopback
 from tests.daemons import TINY, Daemon, Profile, daemon_fixture, refused
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -71,7 +71,7 @@ def test_pool_header_restricts_to_a_device_type(routed: Routed) -> None:
     assert ask(plain, **{"X-Kunlun-Pool": "cpu"})["x-kunlun-device"] == "cpu:0"
     headers = {"Authorization": f"Bearer {routed.plain_key}", "X-Kunlun-Pool": "cpu"}
     body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "stream": True}
-    with httpx.stream("POST", routed.daemon.url + "/v1/completions", json=body,
+    with loopback.stream("POST", routed.daemon.url + "/v1/completions", json=body,
                       headers=headers, timeout=120) as response:  # fmt: skip
         assert response.status_code == 200
         assert response.headers["x-kunlun-device"] == "cpu:0"

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+from tests import loopback
 from tests.daemons import Daemon
 
 PROMPT = "The capital of France is"
@@ -34,13 +34,13 @@ def daemon(tiny_daemon: Daemon) -> Daemon:
 
 
 def generate(daemon: Daemon, body: dict[str, Any], status: int = 200) -> Any:
-    resp = httpx.post(daemon.url + "/generate", json=body, timeout=300)
+    resp = loopback.post(daemon.url + "/generate", json=body, timeout=300)
     assert resp.status_code == status, resp.text
     return resp.json()
 
 
 def completion(daemon: Daemon, **body: Any) -> dict[str, Any]:
-    resp = httpx.post(daemon.url + "/v1/completions", json={"model": MODEL, **body},
+    resp = loopback.post(daemon.url + "/v1/completions", json={"model": MODEL, **body},
                       timeout=300)  # fmt: skip
     assert resp.status_code == 200, resp.text
     return resp.json()  # type: ignore[no-any-return]
@@ -60,7 +60,7 @@ def test_generate_text_and_ids_equal_the_completions_route(daemon: Daemon) -> No
     assert meta["completion_tokens"] == want["usage"]["completion_tokens"] == 8
     assert meta["finish_reason"] == {"type": "length", "length": 8}
     assert isinstance(meta["cached_tokens"], int) and meta["e2e_latency"] > 0
-    ids = httpx.post(daemon.url + "/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
+    ids = loopback.post(daemon.url + "/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
     by_ids = generate(daemon, {"input_ids": ids["tokens"], "sampling_params": greedy()})
     assert by_ids["text"] == out["text"]
     with_model = generate(daemon, {"model": MODEL, "text": PROMPT, "sampling_params": greedy()})
@@ -74,7 +74,7 @@ def test_batches_and_n_answer_lists(daemon: Daemon) -> None:
     for prompt, out in zip(prompts, outs, strict=True):
         want = completion(daemon, prompt=prompt, max_tokens=4, temperature=0)
         assert out["text"] == want["choices"][0]["text"]
-    ids = [httpx.post(daemon.url + "/tokenize", json={"model": MODEL, "prompt": p}).json()[
+    ids = [loopback.post(daemon.url + "/tokenize", json={"model": MODEL, "prompt": p}).json()[
         "tokens"] for p in prompts]  # fmt: skip
     by_ids = generate(daemon, {"input_ids": ids, "sampling_params": greedy(4)})
     assert [o["text"] for o in by_ids] == [o["text"] for o in outs]
@@ -88,7 +88,7 @@ def test_stream_accumulates_to_the_final_text(daemon: Daemon) -> None:
     final = generate(daemon, {"text": PROMPT, "sampling_params": greedy(12)})
     events = []
     body = {"text": PROMPT, "sampling_params": greedy(12), "stream": True}
-    with httpx.stream("POST", daemon.url + "/generate", json=body, timeout=300) as resp:
+    with loopback.stream("POST", daemon.url + "/generate", json=body, timeout=300) as resp:
         assert resp.status_code == 200
         assert resp.headers["content-type"].startswith("text/event-stream")
         events = [line for line in resp.iter_lines() if line]
@@ -205,26 +205,26 @@ def test_unknown_model_is_a_404(daemon: Daemon) -> None:
 
 
 def test_model_and_server_info(daemon: Daemon) -> None:
-    info = httpx.get(daemon.url + "/get_model_info").json()
+    info = loopback.get(daemon.url + "/get_model_info").json()
     assert info["model_path"] == info["tokenizer_path"] == MODEL
     assert info["is_generation"] is True and info["architectures"] == ["LlamaForCausalLM"]
-    server = httpx.get(daemon.url + "/get_server_info").json()
+    server = loopback.get(daemon.url + "/get_server_info").json()
     assert server["served_models"] == [MODEL] and server["num_replicas"] == 1
-    made = httpx.post(daemon.url + "/tokenize", json={"model": MODEL, "prompt": "x"}).json()
+    made = loopback.post(daemon.url + "/tokenize", json={"model": MODEL, "prompt": "x"}).json()
     assert server["context_length"] == made["max_model_len"]
     assert server["max_running_requests"] >= 1
     assert server["max_total_num_tokens"] % server["page_size"] == 0
     assert server["engine"] == "kunlun" and server["version"]
-    same = httpx.get(daemon.url + "/get_server_info", params={"model": MODEL}).json()
+    same = loopback.get(daemon.url + "/get_server_info", params={"model": MODEL}).json()
     assert same["context_length"] == server["context_length"]
-    assert httpx.get(daemon.url + "/get_model_info", params={"model": "x"}).status_code == 404
+    assert loopback.get(daemon.url + "/get_model_info", params={"model": "x"}).status_code == 404
 
 
 def flush_when_idle(daemon: Daemon) -> str:
     """POST /flush_cache until it succeeds (a request of an earlier test may still be ending:
     then it is refused); the answer's text."""
     deadline = time.monotonic() + 60
-    while (flushed := httpx.post(daemon.url + "/flush_cache", timeout=60)).status_code != 200:
+    while (flushed := loopback.post(daemon.url + "/flush_cache", timeout=60)).status_code != 200:
         assert flushed.status_code == 400 and time.monotonic() < deadline, flushed.text
         time.sleep(0.2)
     return flushed.text
@@ -277,7 +277,7 @@ def test_the_body_runtime_endpoint_sends_is_accepted(daemon: Daemon) -> None:
 
 
 def stream_events(daemon: Daemon, body: dict[str, Any]) -> list[dict[str, Any]]:
-    with httpx.stream("POST", daemon.url + "/generate", json={**body, "stream": True},
+    with loopback.stream("POST", daemon.url + "/generate", json={**body, "stream": True},
                       timeout=300) as resp:  # fmt: skip
         assert resp.status_code == 200
         lines = [line for line in resp.iter_lines() if line]
@@ -304,10 +304,10 @@ def test_flush_is_refused_while_a_request_runs(daemon: Daemon) -> None:
     # the workload's whole context: the tiny model is still writing when the flush comes
     body = {"text": "Tell me a long story.", "stream": True,
             "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}  # fmt: skip
-    with httpx.stream("POST", daemon.url + "/generate", json=body, timeout=300) as resp:
+    with loopback.stream("POST", daemon.url + "/generate", json=body, timeout=300) as resp:
         lines = resp.iter_lines()
         assert next(line for line in lines if line).startswith("data: ")
-        refused = httpx.post(daemon.url + "/flush_cache", timeout=60)
+        refused = loopback.post(daemon.url + "/flush_cache", timeout=60)
         assert refused.status_code == 400
         assert "running or waiting" in refused.json()["error"]["message"]
     flush_when_idle(daemon)  # the client left: its request is aborted soon

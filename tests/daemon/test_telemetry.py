@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tests import loopback
 from tests.daemons import BIN, TINY, Daemon, Profile, daemon_fixture, free_port
 
 PROFILED = "telemetry:\n  advanced_profiling: true\n  profiling_interval_ms: 0\n"
@@ -90,7 +91,7 @@ def test_metrics_need_the_key_and_describe_the_platform(keyed: tuple[Daemon, str
     assert daemon.get("/metrics").status_code == 401
     assert daemon.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
     chat(daemon, key, 2)
-    missing = httpx.post(
+    missing = loopback.post(
         daemon.url + "/v1/chat/completions",
         timeout=30,
         headers={"Authorization": f"Bearer {key}"},
@@ -163,7 +164,7 @@ def start_prometheus(folder: Path, daemon: Daemon, key: str) -> tuple[subprocess
         if proc.poll() is not None:
             pytest.fail(f"prometheus exited: {(folder / 'prometheus.log').read_text()}")
         try:
-            if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
+            if loopback.get(url + "/-/ready", timeout=2).status_code == 200:
                 return proc, url
         except httpx.TransportError:
             pass
@@ -173,7 +174,7 @@ def start_prometheus(folder: Path, daemon: Daemon, key: str) -> tuple[subprocess
 
 
 def query(url: str, promql: str) -> list[dict[str, Any]]:
-    body = httpx.get(url + "/api/v1/query", params={"query": promql}, timeout=10).json()
+    body = loopback.get(url + "/api/v1/query", params={"query": promql}, timeout=10).json()
     assert body["status"] == "success", body
     return list(body["data"]["result"])
 

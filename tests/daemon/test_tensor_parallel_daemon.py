@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 import torch
+from tests import loopback
 from tests.daemons import TINY_SPEC, Daemon, Profile, daemon_fixture, wait_ready, wait_running
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -64,7 +64,7 @@ def greedy_tokens(daemon: Daemon, prompt_ids: list[int]) -> list[tuple[float, in
     ``/generate``, which returns the ids)."""
     body = {"input_ids": prompt_ids, "return_logprob": True,
             "sampling_params": {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}}  # fmt: skip
-    answer = httpx.post(daemon.url + "/generate", json=body, timeout=120)
+    answer = loopback.post(daemon.url + "/generate", json=body, timeout=120)
     assert answer.status_code == 200, answer.text
     return [(t[0], t[1]) for t in answer.json()["meta_info"]["output_token_logprobs"]]
 
@@ -88,7 +88,7 @@ def assert_transformers_agrees(
 
 
 def prompt_ids(daemon: Daemon) -> list[int]:
-    made = httpx.post(daemon.url + "/tokenize", json={"model": "tiny", "prompt": PROMPT})
+    made = loopback.post(daemon.url + "/tokenize", json={"model": "tiny", "prompt": PROMPT})
     assert made.status_code == 200, made.text
     return list(made.json()["tokens"])
 
@@ -119,7 +119,7 @@ def test_a_rank_killed_mid_stream_restarts_the_group(tp_daemon: Daemon) -> None:
     body = {"model": "tiny", "prompt": "Write a long essay.", "max_tokens": 1000,
             "stream": True, "ignore_eos": True}  # fmt: skip
     lines: list[str] = []
-    with httpx.stream("POST", tp_daemon.url + "/v1/completions", json=body, timeout=120) as resp:
+    with loopback.stream("POST", tp_daemon.url + "/v1/completions", json=body, timeout=120) as resp:
         for line in resp.iter_lines():
             lines.append(line)
             if len(lines) == 6:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tests import loopback
 from tests.daemons import PATIENT, SPEC, Daemon, Profile, daemon_fixture
 
 from kunlun.engines.adapter import find_binary
@@ -43,7 +44,7 @@ def engines(two_engines: Daemon) -> Daemon:
 
 
 def complete(daemon: Daemon, pool: str) -> httpx.Response:
-    return httpx.post(daemon.url + "/v1/completions", headers={"X-Kunlun-Pool": pool},
+    return loopback.post(daemon.url + "/v1/completions", headers={"X-Kunlun-Pool": pool},
                       json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2},
                       timeout=120)  # fmt: skip
 

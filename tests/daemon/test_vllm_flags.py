@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import openai
+from tests import loopback
 from tests.daemons import Daemon, Profile, daemon_fixture
 
 from kunlun.engine.tokenizer import Tokenizer
@@ -50,7 +51,7 @@ def tokens_of(model_dir: Path, template: str | None, **variables: Any) -> list[i
 
 
 def post(daemon: Daemon, path: str, body: dict[str, Any], **params: Any) -> httpx.Response:
-    return httpx.post(daemon.url + path, json=body, params=params, timeout=120)
+    return loopback.post(daemon.url + path, json=body, params=params, timeout=120)
 
 
 def test_chat_and_tokenize_render_with_the_template_given(served: Daemon, tiny_model: Path) -> None:

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import psutil
 import pytest
+from tests import loopback
 from tests.daemons import TINY, TINY_SPEC, Daemon, Daemons, Profile
 
 FOREIGN = {"ASCEND_RT_VISIBLE_DEVICES": "0", "MLU_VISIBLE_DEVICES": "0", "SECRET_TOKEN": "x"}
@@ -98,10 +98,10 @@ def test_sandboxed_worker_serves_and_dies_with_its_daemon(
 
         # it still serves, streamed and not, under the filter
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "ignore_eos": True}
-        reply = httpx.post(daemon.url + "/v1/completions", json=body, timeout=120)
+        reply = loopback.post(daemon.url + "/v1/completions", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] == 4
-        with httpx.stream(
+        with loopback.stream(
             "POST", daemon.url + "/v1/completions", json=dict(body, stream=True), timeout=120
         ) as resp:
             lines = [line for line in resp.iter_lines() if line]

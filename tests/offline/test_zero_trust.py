@@ -8,8 +8,8 @@ import stat
 import time
 from pathlib import Path
 
-import httpx
 import pytest
+from tests import loopback
 from tests.daemons import Daemon, Daemons, Profile, free_port, refused
 from tests.offline.conftest import PackFn, run
 from tests.planner.conftest import NODES
@@ -159,7 +159,7 @@ def overwrite(path: Path, offset: int, data: bytes) -> None:
 
 
 def answer(daemon: Daemon, model: str) -> str:
-    reply = httpx.post(daemon.url + "/v1/chat/completions", timeout=300,
+    reply = loopback.post(daemon.url + "/v1/chat/completions", timeout=300,
                        json={"model": model, **ASK})  # fmt: skip
     assert reply.status_code == 200, reply.text
     return str(reply.json()["choices"][0]["message"]["content"])

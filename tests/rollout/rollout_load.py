@@ -9,6 +9,7 @@ from collections import Counter
 from typing import Any
 
 import httpx
+from tests import loopback
 from tests.daemons import ONE_THREAD
 
 ENDED = ("PROMOTED", "ROLLED_BACK", "ABORTED")
@@ -68,13 +69,13 @@ class Load:
 
 
 def create(url: str, **body: Any) -> dict[str, Any]:
-    answer = httpx.post(url + "/api/v1/rollouts", json=body, timeout=120)
+    answer = loopback.post(url + "/api/v1/rollouts", json=body, timeout=120)
     assert answer.status_code == 200, answer.text
     return dict(answer.json())
 
 
 def status(url: str, rollout_id: str) -> dict[str, Any]:
-    answer = httpx.get(f"{url}/api/v1/rollouts/{rollout_id}", timeout=30)
+    answer = loopback.get(f"{url}/api/v1/rollouts/{rollout_id}", timeout=30)
     assert answer.status_code == 200, answer.text
     return dict(answer.json())
 

@@ -9,7 +9,7 @@ import json
 import time
 from pathlib import Path
 
-import httpx
+from tests import loopback
 from tests.daemons import Daemon
 from tests.rollout.conftest import wait_serving
 from tests.rollout.rollout_load import FAST, Load, create, status, wait_for
@@ -62,7 +62,7 @@ def test_a_failing_canary_rolls_back_by_itself(platform: Daemon, tiny_model: Pat
     baseline = platform.describe(ended["workload_id"])
     assert baseline["state"] == "RUNNING"
     assert any("ROLLED_BACK" in e["message"] for e in baseline["events"])
-    after = httpx.post(platform.url + "/v1/chat/completions", timeout=60, json={
+    after = loopback.post(platform.url + "/v1/chat/completions", timeout=60, json={
         "model": "chat", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
     assert after.status_code == 200 and "x-kunlun-version" not in after.headers
     metrics = platform.get("/metrics").text
@@ -116,7 +116,7 @@ def test_sessions_stick_to_one_version(platform: Daemon, tiny_model: Path) -> No
         seen: dict[str, set[str]] = {}
         for session in ("alice", "bob", "carol", "dave", "erin", "frank"):
             for _ in range(3):
-                answer = httpx.post(platform.url + "/v1/chat/completions", timeout=60,
+                answer = loopback.post(platform.url + "/v1/chat/completions", timeout=60,
                                     headers={"X-Kunlun-Session": session},
                                     json={"model": "chat", "max_tokens": 1, "messages": [
                                         {"role": "user", "content": "hi"}]})  # fmt: skip

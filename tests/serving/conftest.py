@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import pytest
+from tests import loopback
 
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.serving.worker import bind_socket, read_ready_file, worker_command, write_launch
@@ -40,7 +40,7 @@ class WorkerProcess:
         return self.log_path.read_text(errors="replace")
 
     def stats(self) -> dict[str, int]:
-        return httpx.get(f"{self.base_url}/stats", timeout=10).json()
+        return loopback.get(f"{self.base_url}/stats", timeout=10).json()
 
     def stop(self) -> None:
         if self.process.poll() is None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import httpx
 import openai
 import pytest
+from tests import loopback
 from tests.serving.conftest import gateway_over
 
 from kunlun.serving.replica import Replica
@@ -139,10 +140,12 @@ def test_bad_requests_answer_400(client: openai.OpenAI) -> None:
 
 def test_bad_json_and_missing_model(gateway: GatewayServer) -> None:
     url = f"{gateway.base_url}/v1/chat/completions"
-    response = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    response = loopback.post(
+        url, content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
-    response = httpx.post(url, json={"messages": PARIS})
+    response = loopback.post(url, json={"messages": PARIS})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "model"
 
@@ -152,7 +155,7 @@ def test_oversized_body_answers_413(gateway: GatewayServer) -> None:
 
     url = f"{gateway.base_url}/v1/completions"
     body = b'{"model": "smollm2", "prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
-    response = httpx.post(url, content=body, headers={"content-type": "application/json"})
+    response = loopback.post(url, content=body, headers={"content-type": "application/json"})
     assert response.status_code == 413
     error = response.json()["error"]
     assert error["code"] == "serving.body_too_large" and str(MAX_BODY_BYTES) in error["message"]
@@ -161,11 +164,11 @@ def test_oversized_body_answers_413(gateway: GatewayServer) -> None:
 def test_request_ids_are_passed_on_or_made_up(gateway: GatewayServer) -> None:
     url = f"{gateway.base_url}/v1/completions"
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1}
-    mine = httpx.post(url, json=body, headers={"x-request-id": "batch-7 line 3"}, timeout=60)
+    mine = loopback.post(url, json=body, headers={"x-request-id": "batch-7 line 3"}, timeout=60)
     assert mine.status_code == 200 and mine.headers["x-request-id"] == "batch-7 line 3"
-    made = [httpx.post(url, json=body, timeout=60).headers["x-request-id"] for _ in range(2)]
+    made = [loopback.post(url, json=body, timeout=60).headers["x-request-id"] for _ in range(2)]
     assert made[0] != made[1] and all(len(i) == 16 for i in made)
-    bad = httpx.post(url, json=body, headers={"x-request-id": b"caf\xe9"}, timeout=60)
+    bad = loopback.post(url, json=body, headers={"x-request-id": b"caf\xe9"}, timeout=60)
     assert bad.status_code == 200 and len(bad.headers["x-request-id"]) == 16  # made up
 
 
@@ -204,13 +207,13 @@ def test_health_says_503_while_every_replica_is_out_of_routing(gateway: GatewayS
     replica = gateway.replicas.get("r1")
     assert replica is not None and replica.ready
     url = gateway.base_url + "/health"
-    assert httpx.get(url, timeout=30).status_code == 200
+    assert loopback.get(url, timeout=30).status_code == 200
     replica.ejected = "2 health probes in a row failed"
     try:
-        assert httpx.get(url, timeout=30).status_code == 503
+        assert loopback.get(url, timeout=30).status_code == 503
     finally:
         replica.ejected = None
-    assert httpx.get(url, timeout=30).status_code == 200
+    assert loopback.get(url, timeout=30).status_code == 200
 
 
 def test_full_queue_answers_429_with_retry_after(
@@ -254,7 +257,7 @@ def test_requests_beyond_max_num_seqs_wait_in_the_gateway_and_leave_when_clients
             next(iter(stream))
             with ThreadPoolExecutor(1) as pool:
                 body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
-                queued = pool.submit(httpx.post, url, json=body, timeout=3.0)
+                queued = pool.submit(loopback.post, url, json=body, timeout=3.0)
                 assert wait_until(lambda: admission.num_waiting() == 1)
                 assert worker.stats()["num_unfinished_requests"] == 1  # it waits here
                 assert replica.in_flight == 1
@@ -299,8 +302,8 @@ def test_worker_killed_mid_request_ends_with_error(
     url = f"{gateway.base_url}/v1/completions"
     try:
         with ThreadPoolExecutor(1) as pool:
-            waiting = pool.submit(httpx.post, url, json={**body, "stream": False}, timeout=60)
-            with httpx.stream("POST", url, json=body, timeout=60) as response:
+            waiting = pool.submit(loopback.post, url, json={**body, "stream": False}, timeout=60)
+            with loopback.stream("POST", url, json=body, timeout=60) as response:
                 events = sse_events(response)
                 assert "choices" in json.loads(next(events))
                 assert wait_until(lambda: doomed.stats()["num_unfinished_requests"] == 2)

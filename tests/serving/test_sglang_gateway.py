@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
 import pytest
+from tests import loopback
 from tests.serving.conftest import MODEL, GatewayServer
 
 from kunlun.serving.replica import Replica
@@ -26,34 +26,34 @@ def two_models(gateway: GatewayServer, worker: object) -> Iterator[GatewayServer
 
 def test_one_served_model_needs_no_model_field(gateway: GatewayServer) -> None:
     body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-    resp = httpx.post(gateway.base_url + "/generate", json=body, timeout=120)
+    resp = loopback.post(gateway.base_url + "/generate", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     assert resp.json()["meta_info"]["completion_tokens"] == 2
-    info = httpx.get(gateway.base_url + "/get_model_info", timeout=60)
+    info = loopback.get(gateway.base_url + "/get_model_info", timeout=60)
     assert info.status_code == 200 and info.json()["model_path"] == MODEL
 
 
 def test_several_served_models_need_the_model_field(two_models: GatewayServer) -> None:
     url = two_models.base_url
     body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2}}
-    error = httpx.post(url + "/generate", json=body, timeout=60).json()["error"]
+    error = loopback.post(url + "/generate", json=body, timeout=60).json()["error"]
     assert error["param"] == "model" and "other" in error["message"] and MODEL in error["message"]
-    named = httpx.post(url + "/generate", json={**body, "model": MODEL}, timeout=120)
+    named = loopback.post(url + "/generate", json={**body, "model": MODEL}, timeout=120)
     assert named.status_code == 200, named.text
     for path in ("/get_model_info", "/get_server_info", "/flush_cache"):
-        refused = httpx.get(url + path, timeout=60)
+        refused = loopback.get(url + path, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
-    server = httpx.get(url + "/get_server_info", params={"model": MODEL}, timeout=60).json()
+    server = loopback.get(url + "/get_server_info", params={"model": MODEL}, timeout=60).json()
     assert sorted(server["served_models"]) == sorted([MODEL, "other"])
-    flushed = httpx.post(url + "/flush_cache", params={"model": MODEL}, timeout=60)
+    flushed = loopback.post(url + "/flush_cache", params={"model": MODEL}, timeout=60)
     assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed")
 
 
 def test_sequence_limit_names_sglang_fields(gateway: GatewayServer) -> None:
     limit = gateway.state.max_sequences_per_request
     many = {"text": ["x"] * (limit + 1), "sampling_params": {"max_new_tokens": 1}}
-    error = httpx.post(gateway.base_url + "/generate", json=many, timeout=60).json()["error"]
+    error = loopback.post(gateway.base_url + "/generate", json=many, timeout=60).json()["error"]
     assert error["param"] == "text", error
     wide = {"text": ["x"] * 2, "sampling_params": {"max_new_tokens": 1, "n": limit}}
-    error = httpx.post(gateway.base_url + "/generate", json=wide, timeout=60).json()["error"]
+    error = loopback.post(gateway.base_url + "/generate", json=wide, timeout=60).json()["error"]
     assert error["param"] == "sampling_params.n", error

@@ -12,9 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
 import openai
 import pytest
+from tests import loopback
 
 from kunlun.serving.worker import worker_command
 
@@ -124,8 +124,8 @@ def test_an_engine_setting_the_engine_cannot_run_is_refused_naming_it(
 
 
 def test_health_models_and_stats(worker: WorkerProcess) -> None:
-    assert httpx.get(f"{worker.base_url}/health").status_code == 200
-    models = httpx.get(f"{worker.base_url}/v1/models").json()
+    assert loopback.get(f"{worker.base_url}/health").status_code == 200
+    models = loopback.get(f"{worker.base_url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
     stats = worker.stats()
     for key in ("num_blocks_free", "num_blocks_used", "num_running", "num_waiting"):
@@ -162,20 +162,20 @@ def test_chat_logprobs_shape(worker: WorkerProcess) -> None:
 
 def test_errors_keep_the_worker_serving(worker: WorkerProcess) -> None:
     url = f"{worker.base_url}/v1/completions"
-    too_long = httpx.post(url, json={"model": MODEL, "prompt": "hi " * 600, "max_tokens": 1})
+    too_long = loopback.post(url, json={"model": MODEL, "prompt": "hi " * 600, "max_tokens": 1})
     assert too_long.status_code == 400
     assert too_long.json()["error"]["code"] == "context_length_exceeded"
-    bad = httpx.post(url, json={"model": MODEL, "prompt": "hi", "logprobs": 9})
+    bad = loopback.post(url, json={"model": MODEL, "prompt": "hi", "logprobs": 9})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs"
-    mixed = httpx.post(url, json={"model": MODEL, "prompt": ["hi", [1, 2]]})
+    mixed = loopback.post(url, json={"model": MODEL, "prompt": ["hi", [1, 2]]})
     assert mixed.status_code == 400 and "expected a string, a list" in mixed.text
-    assert httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 1}).is_success
+    assert loopback.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 1}).is_success
 
 
 def test_disconnected_stream_is_aborted(worker: WorkerProcess) -> None:
     body = {"model": MODEL, "prompt": "Count:", "max_tokens": 300, "ignore_eos": True,
             "stream": True}  # fmt: skip
-    with httpx.stream("POST", f"{worker.base_url}/v1/completions", json=body) as response:
+    with loopback.stream("POST", f"{worker.base_url}/v1/completions", json=body) as response:
         lines = response.iter_lines()  # keep a reference: a dropped generator closes the stream
         next(lines)
         assert worker.stats()["num_unfinished_requests"] == 1
@@ -202,7 +202,7 @@ def test_sigterm_finishes_streams_then_exits_0(
     spare = start_worker("spare")
     body = {"model": "spare", "prompt": "Count:", "max_tokens": 8, "ignore_eos": True,
             "stream": True}  # fmt: skip
-    with httpx.stream("POST", f"{spare.base_url}/v1/completions", json=body) as response:
+    with loopback.stream("POST", f"{spare.base_url}/v1/completions", json=body) as response:
         lines = response.iter_lines()
         next(lines)
         spare.process.send_signal(signal.SIGTERM)

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
+from tests import loopback
 from tests.serving.conftest import MODEL, GatewayServer, WorkerProcess
 
 from kunlun.serving.faults import PROBE_HEADER
 
 
 def scrape(worker: WorkerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    response = httpx.get(f"{worker.base_url}/metrics", timeout=10)
+    response = loopback.get(f"{worker.base_url}/metrics", timeout=10)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     return {
@@ -55,13 +55,13 @@ def test_worker_and_gateway_count_what_was_served(
         model=MODEL, prompt=["Hello", "Goodbye"], max_tokens=3, extra_body={"ignore_eos": True}
     )
     usage.append(reply.usage)
-    bad = httpx.post(
+    bad = loopback.post(
         f"{worker.base_url}/v1/completions",
         json={"model": MODEL, "prompt": "x", "max_tokens": 0},
         timeout=30,
     )
     assert bad.status_code == 400
-    probe = httpx.post(  # a health check's probe is not traffic: counted apart
+    probe = loopback.post(  # a health check's probe is not traffic: counted apart
         f"{worker.base_url}/v1/completions",
         json={"model": MODEL, "prompt": "x", "max_tokens": 1},
         headers={PROBE_HEADER: "1"},
@@ -99,7 +99,7 @@ def test_worker_and_gateway_count_what_was_served(
         time.sleep(0.05)
     assert gateway_value("kunlun_requests_total", status="200") - gateway_before[0] == 3
     assert gateway_value("kunlun_e2e_request_latency_seconds_count") - gateway_before[1] == 3
-    missing = httpx.post(
+    missing = loopback.post(
         f"{gateway.base_url}/v1/completions",
         json={"model": "no-such-model", "prompt": "x"},
         timeout=30,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from tests import loopback
 from tests.serving.conftest import serve_in_thread
 
 from kunlun.validate.client import TargetClient
@@ -27,7 +27,7 @@ def test_relay_adds_pool_and_key_and_passes_the_answer_back() -> None:
     client = TargetClient(Column("ascend", url, "m", pool="ascend"), api_key="secret")
     try:
         with PoolRelay(client) as relay_url:
-            resp = httpx.post(relay_url + "/v1/chat/completions", json={"model": "m"},
+            resp = loopback.post(relay_url + "/v1/chat/completions", json={"model": "m"},
                               headers={"X-Request-Id": "job:1:1"}, timeout=30)  # fmt: skip
     finally:
         client.close()
