@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,6 +44,33 @@ def share_the_cores() -> None:
 
 
 share_the_cores()  # before anything imports torch
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_kept() -> Iterator[None]:
+    """Each test leaves torch's thread count as it found it. An engine a test starts
+    in-process sets the count its plan says for the whole process (two on a 2-core machine),
+    and the worker's later in-process tests ran with it: beside two other busy workers their
+    OpenMP threads spun for a core held elsewhere, and one file's CPU time went up 4.5 times
+    (the quantization quality tests: 52 s of CPU in one run, 230 s in the next)."""
+    before = _torch_threads()
+    yield
+    after = _torch_threads()
+    if after is not None and after != (before or _share()):
+        import torch
+
+        torch.set_num_threads(before or _share())
+
+
+def _torch_threads() -> int | None:
+    """torch's intra-op thread count, if a test has imported torch (None: not yet)."""
+    torch = sys.modules.get("torch")
+    return None if torch is None else int(torch.get_num_threads())
+
+
+def _share() -> int:
+    return int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
+
 
 FIRST = (
     "tests/validate/test_validate.py",

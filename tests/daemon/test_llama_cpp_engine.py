@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import signal
 from pathlib import Path
+from typing import Any
 
 import openai
 import psutil
@@ -39,6 +40,7 @@ from tests.daemons import (
     assert_validate_passes,
     battery_parts,
     daemon_fixture,
+    wait_running,
 )
 
 from kunlun.engines.adapter import find_binary
@@ -78,12 +80,49 @@ def test_the_workload_runs_llama_server_on_the_original_gguf(daemon: Daemon) -> 
     assert server[server.index("--model") + 1].endswith("llama-cpp-fp32.gguf")
     assert "conversion: SmolLM2-135M-Instruct.Q4_1.gguf -> " in logs.stdout
     assert argv[argv.index("--parallel") + 1] == "8" and "--cont-batching" in argv
-    assert argv[argv.index("--ctx-size") + 1] == str(8 * 1024)  # 8 slots of max_model_len
+    plan = described["placement"]["plan"]
+    assert_kv_is_the_plans(server, plan)
     reply = loopback.post(daemon.url + "/v1/completions", timeout=120,
                        json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})  # fmt: skip
     assert reply.status_code == 200, reply.text
     assert reply.headers["x-kunlun-device"] == "cpu:0"
     assert reply.headers["x-kunlun-replica"] == f"{daemon.job}-r0"  # type: ignore[attr-defined]
+
+
+def assert_kv_is_the_plans(server: list[str], plan: dict[str, Any]) -> None:
+    """llama-server's one KV pool holds the plan's KV blocks (so it fits the plan's KV
+    memory, in the plan's KV dtype), shared by its slots, each held to max_model_len."""
+    assert "--kv-unified" in server
+    tokens = int(server[server.index("--ctx-size") + 1])
+    assert tokens == max(plan["num_kv_blocks"] * plan["block_size"], plan["max_model_len"])
+    assert server[server.index("--kv-unified-per-slot") + 1] == str(plan["max_model_len"])
+    assert server[server.index("--parallel") + 1] == str(plan["max_num_seqs"])
+
+
+README_SPEC = "model: smollm2\nname: smollm2-llama\nengine: llama.cpp\n"
+"""The README's llama.cpp example, as it is written there: every other setting the plan's."""
+
+
+def test_the_readme_example_runs_with_the_plans_defaults(daemon: Daemon) -> None:
+    """Issue 34: with defaults the plan gives many slots of a long context (here max_model_len
+    8192 and its max_num_seqs), and llama-server was started with a context of both
+    multiplied (about 8 GB of KV on this CPU): stopped at its memory cap, FAILED."""
+    readme = Path(__file__).parents[2].joinpath("README.md").read_text()
+    assert "printf '" + README_SPEC.replace("\n", "\\n") + "' > llama.yaml" in readme
+    job = daemon.submit(README_SPEC, name="readme-llama")
+    try:
+        wait_running(daemon, [job], timeout=600)
+        plan = daemon.describe(job)["placement"]["plan"]
+        assert plan["max_num_seqs"] > 1 and plan["max_model_len"] > 1024  # the defaults
+        logs = daemon.cli("workload", "logs", job).stdout
+        (line,) = [x for x in logs.splitlines() if x.startswith("engine: ")]
+        argv = line.removeprefix("engine: ").split()
+        assert_kv_is_the_plans(argv[argv.index("--") + 1 :], plan)
+        reply = loopback.post(daemon.url + "/v1/completions", timeout=120,
+                              json={"model": "smollm2-llama", "prompt": "Hi", "max_tokens": 2})  # fmt: skip
+        assert reply.status_code == 200, reply.text
+    finally:
+        assert daemon.cli("workload", "stop", job).returncode == 0
 
 
 def test_the_server_is_confined_like_a_worker(daemon: Daemon) -> None:

@@ -35,6 +35,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp
 
 from kunlun import __version__
+from kunlun import headers as http_headers
 from kunlun.batch.files import FileStore
 from kunlun.batch.jobs import MAX_RUNNING_JOBS, BatchJobs
 from kunlun.daemon.admin import admin_router
@@ -397,9 +398,9 @@ def daemon_entry(
             inner,
             allow_origins=list(allowed_origins),
             allow_methods=["GET", "POST", "DELETE"],
-            allow_headers=["Authorization", "Content-Type", "X-API-Key", "X-Request-Id",
-                           "X-Kunlun-Priority", "X-Kunlun-Pool", "X-Kunlun-Session"],
-            expose_headers=["X-Request-Id", "X-Kunlun-Device", "X-Kunlun-Version",
+            allow_headers=["Authorization", "Content-Type", "X-API-Key", http_headers.REQUEST_ID,
+                           http_headers.PRIORITY, http_headers.POOL, http_headers.SESSION],
+            expose_headers=[http_headers.REQUEST_ID, http_headers.DEVICE, http_headers.VERSION,
                             "Retry-After"],
         )  # fmt: skip
     return RequestLogMiddleware(inner, request_log)

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.datastructures import UploadFile
 from starlette.types import ASGIApp
 
+from kunlun import headers as http_headers
 from kunlun.batch.files import FileStore, expiry_seconds, file_object
 from kunlun.batch.jobs import BatchJobs, Reply, Send
 from kunlun.batch.objects import batch_object
@@ -174,7 +175,10 @@ def in_process_sender(app: ASGIApp) -> Send:
 
     async def send(path: str, body: bytes, request_id: str) -> Reply:
         # a header is ASCII: a custom_id in other scripts travels percent-encoded
-        headers = {"content-type": "application/json", "x-request-id": quote(request_id, _SAFE)}
+        headers = {
+            "content-type": "application/json",
+            http_headers.REQUEST_ID: quote(request_id, _SAFE),
+        }
         resp = await client.post(path, content=body, headers=headers)
         return Reply(resp.status_code, resp.headers, resp.content)
 

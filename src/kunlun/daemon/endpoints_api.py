@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import Message
 
 from kunlun import budgets, json_text
+from kunlun import headers as http_headers
 from kunlun.errors import Location, RequestError
 from kunlun.serving.endpoints import (
     NAME_RE,
@@ -52,8 +53,8 @@ if TYPE_CHECKING:
     from kunlun.daemon.app import Platform
 
 CHAT_PATH = "/v1/chat/completions"
-_PASSED_HEADERS = frozenset({b"retry-after", b"x-request-id", b"x-kunlun-replica",
-                             b"x-kunlun-device", b"x-kunlun-priority"})  # fmt: skip
+_PASSED_HEADERS = frozenset({b"retry-after", *map(http_headers.raw, (http_headers.REQUEST_ID,
+                             http_headers.REPLICA, http_headers.DEVICE, http_headers.PRIORITY))})  # fmt: skip
 """Headers of the gateway's answer that the endpoint's answer carries too."""
 
 

@@ -41,10 +41,13 @@ from typing import IO, Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kunlun import headers as http_headers
 from kunlun.json_text import dumps_line
 from kunlun.serving.limits import CLIENT_GONE
 
 PREFIX = "/v1/"
+
+_REQUEST_ID = http_headers.raw(http_headers.REQUEST_ID)
 
 
 @dataclass(frozen=True)
@@ -267,14 +270,14 @@ class RequestLogMiddleware:
             return
         started = time.monotonic()
         status: int | None = None
-        request_id = _header(scope.get("headers", ()), b"x-request-id")
+        request_id = _header(scope.get("headers", ()), _REQUEST_ID)
         complete = left = False
 
         async def logged_send(message: Message) -> None:
             nonlocal status, request_id, complete
             if message["type"] == "http.response.start":
                 status = message["status"]
-                request_id = _header(message.get("headers", ()), b"x-request-id") or request_id
+                request_id = _header(message.get("headers", ()), _REQUEST_ID) or request_id
             elif message["type"] == "http.response.body" and not message.get("more_body"):
                 complete = True
             await send(message)

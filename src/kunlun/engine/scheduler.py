@@ -27,11 +27,12 @@ from kunlun.engine.sequence import Sequence, SequenceStatus
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Limits of one step."""
+    """Limits of one step, as the engine's :class:`~kunlun.engine.engine_config.EngineConfig`
+    sets them (the owner of their defaults)."""
 
-    max_num_seqs: int = 64
+    max_num_seqs: int
     """Most sequences running at once (>= 1)."""
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int
     """Most tokens computed in one step, prefill chunks and decodes together (>= 1)."""
 
 

@@ -214,8 +214,12 @@ class LlamaCppEngine(TableEngine):
             "--alias", context.served_name,
             "--host", context.host,
             "--port", str(context.port),
-            # the context is shared by the parallel slots: each gets max_model_len tokens
-            "--ctx-size", str(plan.max_model_len * plan.max_num_seqs),
+            # one KV pool of the plan's size (its blocks' tokens, in the plan's KV memory)
+            # shared by the slots, each sequence held to max_model_len; a context of
+            # max_model_len per slot would be max_num_seqs times the memory the plan has
+            "--ctx-size", str(kv_tokens(plan)),
+            "--kv-unified",
+            "--kv-unified-per-slot", str(plan.max_model_len),
             "--parallel", str(plan.max_num_seqs),
             "--cont-batching",
             "--n-gpu-layers", str(ALL_LAYERS if vendor.offload_all_layers else 0),
@@ -233,6 +237,12 @@ class LlamaCppEngine(TableEngine):
         if not threads:
             command.notes.append("threads: llama-server's default (every core)")
         return command
+
+
+def kv_tokens(plan: ExecutionPlan) -> int:
+    """The tokens the plan's KV cache holds: its blocks times their size, at least one
+    sequence of ``max_model_len``."""
+    return max(plan.num_kv_blocks * plan.block_size, plan.max_model_len)
 
 
 LLAMA_CPP_LACKS: dict[str, str] = {

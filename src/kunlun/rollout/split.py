@@ -14,10 +14,11 @@ import random
 import zlib
 from dataclasses import dataclass
 
+from kunlun import headers as http_headers
 from kunlun.rollout.window import BASELINE, CANARY
 
-SESSION_HEADER = "X-Kunlun-Session"
-VERSION_HEADER = "X-Kunlun-Version"
+SESSION_HEADER = http_headers.SESSION
+VERSION_HEADER = http_headers.VERSION
 _BUCKETS = 10_000
 
 

@@ -22,9 +22,10 @@ from collections.abc import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kunlun import headers as http_headers
 from kunlun.errors import KunlunError
 
-PROBE_HEADER = "X-Kunlun-Health-Probe"
+PROBE_HEADER = http_headers.HEALTH_PROBE
 """Sent (value ``1``) with every health probe of :mod:`kunlun.node.health`, so a worker can
 tell probes from client requests: injected faults leave probes alone."""
 

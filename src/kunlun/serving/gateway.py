@@ -36,6 +36,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kunlun import headers as http_headers
 from kunlun import json_text
 from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.rollout.split import SESSION_HEADER, Split
@@ -78,6 +79,7 @@ _CHAT_BODY = openapi_body(ChatCompletionRequest)
 _COMPLETION_BODY = openapi_body(CompletionRequest)
 _EMBEDDING_BODY = openapi_body(EmbeddingRequest)
 _PRIORITY_KEY = PRIORITY_HEADER.lower().encode()
+_REQUEST_ID_KEY = http_headers.raw(http_headers.REQUEST_ID)
 _POOL_KEY = POOL_HEADER.lower().encode()
 _SESSION_KEY = SESSION_HEADER.lower().encode()
 _PRINTABLE = frozenset(range(0x20, 0x7F))
@@ -356,7 +358,7 @@ class _Headers:
                 self.priority = value.decode("latin-1")
             elif name == _POOL_KEY:
                 self.pool = value.decode("latin-1")
-            elif name == b"x-request-id" and value and _PRINTABLE.issuperset(value):
+            elif name == _REQUEST_ID_KEY and value and _PRINTABLE.issuperset(value):
                 self.request_id = value.decode("ascii")  # else the gateway makes one up
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from kunlun import headers as http_headers
 from kunlun.errors import KunlunError
 from kunlun.serving import sse
 from kunlun.serving.admission import Ticket
@@ -45,7 +46,10 @@ from kunlun.serving.upstream import (
 if TYPE_CHECKING:
     from kunlun.serving.gateway import GatewayState
 
-_FORWARDED = (b"content-type", b"content-length", b"x-request-id", b"cache-control")
+_REQUEST_ID, _REPLICA, _DEVICE, _PRIORITY, _VERSION = map(http_headers.raw, (
+    http_headers.REQUEST_ID, http_headers.REPLICA, http_headers.DEVICE, http_headers.PRIORITY,
+    http_headers.VERSION))  # fmt: skip
+_FORWARDED = (b"content-type", b"content-length", _REQUEST_ID, b"cache-control")
 """Upstream response headers passed to the client."""
 _SSE = sse.MEDIA_TYPE.encode()
 _ERROR_EVENT = b'data: {"error"'
@@ -159,7 +163,7 @@ class Relay(Response):
         if pool is None:
             raise RuntimeError("GatewayState.start() was not called")
         headers = [(b"content-type", b"application/json"),
-                   (b"x-request-id", self.request_id.encode())]  # fmt: skip
+                   (_REQUEST_ID, self.request_id.encode())]  # fmt: skip
         payload = self.payload
         if replica.engine != "kunlun":  # an external engine: no Kunlun worker checks it
             try:
@@ -194,12 +198,12 @@ class Relay(Response):
 
     async def _relay(self, upstream: UpstreamResponse, send: Send, replica: Replica) -> None:
         raw = [(k, v) for k, v in upstream.headers if k in _FORWARDED]
-        raw += [(b"x-kunlun-replica", replica.replica_id.encode()),
-                (b"x-kunlun-device", replica.device.encode()),
-                (b"x-kunlun-priority", self.ticket.priority.encode())]  # fmt: skip
+        raw += [(_REPLICA, replica.replica_id.encode()),
+                (_DEVICE, replica.device.encode()),
+                (_PRIORITY, self.ticket.priority.encode())]  # fmt: skip
         version = self.ticket.version
         if version is not None:
-            raw.append((b"x-kunlun-version", version.header))
+            raw.append((_VERSION, version.header))
         self.status_code = upstream.status_code  # telemetry
         await send({"type": "http.response.start", "status": upstream.status_code, "headers": raw})
         last, final = b"\n\n", False
@@ -235,13 +239,13 @@ class Relay(Response):
         payload = sse.dumps(body)
         headers = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(payload)).encode()),
-                   (b"x-request-id", self.request_id.encode()),
-                   (b"x-kunlun-priority", self.ticket.priority.encode())]  # fmt: skip
+                   (_REQUEST_ID, self.request_id.encode()),
+                   (_PRIORITY, self.ticket.priority.encode())]  # fmt: skip
         if self.replica is not None:
-            headers += [(b"x-kunlun-replica", self.replica.replica_id.encode()),
-                        (b"x-kunlun-device", self.replica.device.encode())]  # fmt: skip
+            headers += [(_REPLICA, self.replica.replica_id.encode()),
+                        (_DEVICE, self.replica.device.encode())]  # fmt: skip
         if self.ticket.version is not None:
-            headers.append((b"x-kunlun-version", self.ticket.version.header))
+            headers.append((_VERSION, self.ticket.version.header))
         headers += [(k.lower().encode(), v.encode()) for k, v in extra.items()]
         self.status_code = status  # telemetry
         await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -32,6 +32,7 @@ from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kunlun import headers as http_headers
 from kunlun.errors import Location, RequestError
 from kunlun.serving.pools import parse_pool, pool_name
 from kunlun.serving.replica import Replica
@@ -39,8 +40,8 @@ from kunlun.serving.scheduler_config import SchedulerConfig, SchedulerConfigSour
 
 PRIORITIES = ("high", "normal", "low")
 """The priority classes, most urgent first (ties in fair queuing go to the earlier one)."""
-PRIORITY_HEADER = "X-Kunlun-Priority"
-POOL_HEADER = "X-Kunlun-Pool"
+PRIORITY_HEADER = http_headers.PRIORITY
+POOL_HEADER = http_headers.POOL
 KEY_PRIORITY_SCOPE = "kunlun.key_priority"
 """ASGI scope key where the API-key check leaves the key's priority, when it has one."""
 

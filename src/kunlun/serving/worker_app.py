@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kunlun import budgets
+from kunlun import headers as http_headers
 from kunlun.engine.async_engine import AsyncLLMEngine
 from kunlun.engine.launch import Pooling, Task
 from kunlun.engine.outputs import RequestOutput, RequestOutputDelta
@@ -253,7 +254,7 @@ class WorkerApp:
         call.status = status
         self.log(call.log_line())
         self.telemetry.observe(call)  # telemetry
-        headers["X-Request-Id"] = call.request_id
+        headers[http_headers.REQUEST_ID] = call.request_id
         return JSONResponse(body, status_code=status, headers=headers)
 
     def check_prompt(self, prompt: Prompt) -> None:
@@ -576,7 +577,7 @@ class _EventStream(StreamingResponse):
     def __init__(
         self, worker: WorkerApp, call: _Call, submitted: _Submitted, events: AsyncIterator[bytes]
     ) -> None:
-        headers = {"X-Request-Id": call.request_id, "Cache-Control": "no-cache"}
+        headers = {http_headers.REQUEST_ID: call.request_id, "Cache-Control": "no-cache"}
         super().__init__(self._relay(events), media_type=sse.MEDIA_TYPE, headers=headers)
         self.worker, self.call, self.submitted = worker, call, submitted
         self.completed = False
@@ -613,14 +614,14 @@ async def _off_loop_if_large(raw: bytes, function: Callable[..., _T], *args: Any
 
 def _new_call(request: Request) -> _Call:
     return _Call(
-        request.headers.get("x-request-id") or uuid.uuid4().hex,
+        request.headers.get(http_headers.REQUEST_ID) or uuid.uuid4().hex,
         probe=bool(request.headers.get(PROBE_HEADER)),
     )
 
 
 def _json(call: _Call, body: dict[str, Any]) -> Response:
     return Response(sse.dumps(body), media_type="application/json",
-                    headers={"X-Request-Id": call.request_id})  # fmt: skip
+                    headers={http_headers.REQUEST_ID: call.request_id})  # fmt: skip
 
 
 async def _merge(

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 import httpx
 
 from kunlun import __version__
+from kunlun import headers as http_headers
 from kunlun.errors import ConfigError, Location
 from kunlun.serving.pools import parse_pool
 from kunlun.validate import baseline as baseline_gate
@@ -35,7 +36,7 @@ from kunlun.validate.client import LACKED, CheckFailed, TargetClient
 from kunlun.validate.matrix import Cell, Column, Matrix, Row, Status, failed, passed, skipped
 
 GARBAGE = Row("quality.garbage", "garbage detector (every answer)")
-ROUTING = Row("quality.routing", "X-Kunlun-Device")
+ROUTING = Row("quality.routing", http_headers.DEVICE)
 OnCell = Callable[[Column, Row, Cell], None]
 PREFLIGHT_TIMEOUT_S = 30.0
 """How long the first request to a target may take before the target counts as down."""

@@ -17,11 +17,17 @@ from types import TracebackType
 
 import httpx
 
+from kunlun import headers as http_headers
 from kunlun.validate.client import TargetClient
 from kunlun.validate.target import DEVICE_HEADER
 
-_PASSED_ON = ("content-type", "x-request-id")
-_PASSED_BACK = ("content-type", "x-request-id", DEVICE_HEADER.lower(), "retry-after")
+_PASSED_ON = ("content-type", http_headers.REQUEST_ID.lower())
+_PASSED_BACK = (
+    "content-type",
+    http_headers.REQUEST_ID.lower(),
+    DEVICE_HEADER.lower(),
+    "retry-after",
+)
 
 
 class PoolRelay:

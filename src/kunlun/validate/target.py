@@ -25,14 +25,15 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from kunlun import headers as http_headers
 from kunlun.address import DEFAULT_ENDPOINT
 from kunlun.engines.registry import DEFAULT_ENGINE
 from kunlun.errors import ConfigError, Location
 from kunlun.serving.pools import columns_of, parse_pool, pool_name
 from kunlun.validate.matrix import Column
 
-DEVICE_HEADER = "X-Kunlun-Device"
-REPLICA_HEADER = "X-Kunlun-Replica"
+DEVICE_HEADER = http_headers.DEVICE
+REPLICA_HEADER = http_headers.REPLICA
 
 
 def normalize_endpoint(url: str, where: str = "--endpoint") -> str:
