@@ -4,13 +4,12 @@ cluster view: the report and its reading, no network)."""
 
 from __future__ import annotations
 
-import json
 import threading
 from types import SimpleNamespace
 from typing import Any
 
 from kunlun.cluster.local import LocalReplicas
-from kunlun.cluster.member import NODES
+from kunlun.cluster.member import NODES, ReplicaStatus
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.serving.routing import DeviceSamples
 
@@ -44,17 +43,18 @@ def test_an_ejected_replica_is_out_of_routing_on_every_node() -> None:
     b_replicas = ReplicaSet()
     b = node("node-b", b_replicas, {})
 
-    def report() -> dict[str, Any]:
+    def report() -> dict[str, ReplicaStatus]:
         a._publish()
         values = a.member.etcd.values  # type: ignore[attr-defined]
-        return {"node-a/wl-1-r0": json.loads(values["cluster/replicas/node-a/wl-1-r0"])}
+        raw = values["cluster/replicas/node-a/wl-1-r0"]
+        return {"node-a/wl-1-r0": ReplicaStatus.model_validate_json(raw)}
 
     b._remote(report())
     remote = b_replicas.get("node-a/wl-1-r0")
     assert remote is not None and remote.routable and remote.ejected is None
     local.ejected = "answers no request: its health probe got no answer within 2 s"
     status = report()
-    assert status["node-a/wl-1-r0"]["ejected"] == local.ejected
+    assert status["node-a/wl-1-r0"].ejected == local.ejected
     b._remote(status)
     assert remote.ready and remote.ejected == local.ejected and not remote.routable
     assert b_replicas.ready("smollm2") == []

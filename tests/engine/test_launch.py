@@ -15,7 +15,7 @@ from tests.planner.conftest import model, node
 
 from kunlun.device.registry import load_plugins, plugin_for_torch_device, torch_extension
 from kunlun.engine.device import extension_module, resolve_device
-from kunlun.engine.launch import EngineLaunch, device_fields, read_launch
+from kunlun.engine.launch import EngineLaunch, Rank, ReadyInfo, device_fields, read_launch
 from kunlun.errors import ConfigError, EngineError
 from kunlun.planner.capacity import capacity_of
 from kunlun.planner.operators import choose_operators
@@ -208,3 +208,23 @@ def test_a_torch_extension_is_named_only_by_its_plugin(module: str) -> None:
     """No second table of vendor extensions: only the plugin module names its extension."""
     named = spelled_in(f'"{module}"')
     assert len(named) == 1 and named[0].startswith("device/plugins/"), named
+
+
+def test_a_ready_record_round_trips_and_a_bad_one_names_its_file_and_field(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "r.ready.json"
+    assert ReadyInfo.read(path) is None  # not written yet
+    made = ReadyInfo(pid=12, port=41234, load_time_s=1.5, compile_time_s=0.0,
+                     warmup_ttft_ms=45.6, ranks=(Rank(rank=0, pid=12, device="cpu:0"),))  # fmt: skip
+    assert ReadyInfo.read(made.write(path)) == made
+    assert json.loads(path.read_text())["ranks"] == [{"rank": 0, "pid": 12, "device": "cpu:0"}]
+    path.write_text('{"port": 0, "load_time_s": 1}')
+    with pytest.raises(ConfigError) as err:
+        ReadyInfo.read(path)
+    assert err.value.location is not None
+    assert (err.value.location.path, err.value.location.field) == (str(path), "port")
+    path.write_text('{"port": 80, "load_time_s": 1, "colour": "red"}')
+    with pytest.raises(ConfigError, match="not a ready record") as err:
+        ReadyInfo.read(path)
+    assert err.value.location is not None and err.value.location.field == "colour"

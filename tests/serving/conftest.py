@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 from tests import loopback
 
+from kunlun.engine.launch import ReadyInfo
 from kunlun.serving.replica import Replica, ReplicaSet
-from kunlun.serving.worker import bind_socket, read_ready_file, worker_command, write_launch
+from kunlun.serving.worker import bind_socket, worker_command, write_launch
 
 MODEL = "smollm2"
 MAX_MODEL_LEN = 512
@@ -71,12 +72,13 @@ def launch_worker(
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s
-    while (ready := read_ready_file(ready_file)) is None:
+    while (ready := ReadyInfo.read(ready_file)) is None:
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
             pytest.fail(f"worker did not become ready:\n{log_path.read_text()}")
         time.sleep(0.1)
-    return WorkerProcess(process, f"http://127.0.0.1:{ready['port']}", ready, log_path)
+    return WorkerProcess(process, f"http://127.0.0.1:{ready.port}",
+                         ready.model_dump(mode="json", exclude_none=True), log_path)  # fmt: skip
 
 
 @pytest.fixture(scope="session")

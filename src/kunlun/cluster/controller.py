@@ -25,10 +25,10 @@ from kunlun.cluster.member import (
     ASSIGN,
     DRAIN,
     NODES,
-    REPLICAS,
     WORKLOADS,
     ClusterView,
     Membership,
+    ReplicaStatus,
 )
 from kunlun.device.inventory import Inventory
 from kunlun.device.profile import DeviceProfile
@@ -62,14 +62,14 @@ class Controller:
             return
         nodes = self.view.items(NODES)
         live = {name for name in nodes if name not in self.view.items(DRAIN)}
-        statuses = self.view.items(REPLICAS)
+        statuses = self.view.replica_statuses()
         load: dict[str, int] = {name: 0 for name in nodes}
         reserved: dict[str, list[dict[str, Any]]] = {name: [] for name in nodes}
         for key, status in statuses.items():
             node = key.split("/", 1)[0]
             if node in load:
                 load[node] += 1
-                reserved[node] += status.get("reservations") or []
+                reserved[node] += status.reservations
         assigns = self.view.items(ASSIGN)
         for wid, data in self.view.items(WORKLOADS).items():
             record = WorkloadRecord(**data)
@@ -103,7 +103,7 @@ class Controller:
         current: dict[str, Any] | None,
         nodes: dict[str, Any],
         live: set[str],
-        statuses: dict[str, Any],
+        statuses: dict[str, ReplicaStatus],
         load: dict[str, int],
         reserved: dict[str, list[dict[str, Any]]],
     ) -> bool:
@@ -114,11 +114,11 @@ class Controller:
             k: dict(v) for k, v in (current.get("avoid") or {}).items()
         }
         reported = [(key.split("/", 1)[0], s) for key, s in statuses.items()
-                    if s.get("workload_id") == wid]  # fmt: skip
+                    if s.workload_id == wid]  # fmt: skip
         for where, status in reported:
-            idx = str(status.get("index"))
-            if status.get("failed") and replicas.get(idx) == where:
-                avoid.setdefault(idx, {})[where] = str(status["failed"])
+            idx = str(status.index)
+            if status.failed and replicas.get(idx) == where:
+                avoid.setdefault(idx, {})[where] = status.failed
                 del replicas[idx]
         events: list[tuple[str, str]] = []
         spec = parse_spec(record.spec, wid)
@@ -146,8 +146,8 @@ class Controller:
             events.append(("placed", f"replica {idx} on node {new}, {device}{was}: {why}"))
         assignment = {"replicas": replicas, "avoid": avoid}
         state, reason = self._state(wid, replicas, statuses, spec.replicas, rejected, avoid)
-        serving = sorted(f"{node}/{s['device']}" for node, s in reported
-                         if replicas.get(str(s.get("index"))) == node and s.get("device"))  # fmt: skip
+        serving = sorted(f"{node}/{s.device}" for node, s in reported
+                         if replicas.get(str(s.index)) == node and s.device)  # fmt: skip
         placed = [f"{replicas[i]}/{devices[i]}" for i in sorted(devices)]
         target = ", ".join(serving) or ", ".join(placed) or record.target_device
         placement = dict(record.placement)
@@ -222,15 +222,13 @@ class Controller:
         self,
         wid: str,
         replicas: dict[str, str],
-        statuses: dict[str, Any],
+        statuses: dict[str, ReplicaStatus],
         wanted: int,
         rejected: dict[str, str],
         avoid: dict[str, dict[str, str]],
     ) -> tuple[str, str | None]:
         # a replica handing over to another node still serves: it counts
-        ready = [
-            key for key, s in statuses.items() if s.get("workload_id") == wid and s.get("ready")
-        ]
+        ready = [key for key, s in statuses.items() if s.workload_id == wid and s.ready]
         if ready:
             missing = wanted - len(replicas)
             return "RUNNING", (f"{missing} replica(s) not placed: {_reasons(rejected)}"

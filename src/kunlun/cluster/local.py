@@ -19,13 +19,20 @@ every other node's.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from typing import Any
 
 from kunlun.cluster.etcd import LeaseNotFound
-from kunlun.cluster.member import ASSIGN, NODES, REPLICAS, WORKLOADS, ClusterView, Membership
+from kunlun.cluster.member import (
+    ASSIGN,
+    NODES,
+    REPLICAS,
+    WORKLOADS,
+    ClusterView,
+    Membership,
+    ReplicaStatus,
+)
 from kunlun.cluster.peer import PREFIX as PEER_PREFIX
 from kunlun.engines import measured
 from kunlun.errors import KunlunError
@@ -83,7 +90,7 @@ class LocalReplicas:
     def reconcile(self) -> None:
         workloads = {wid: WorkloadRecord(**d) for wid, d in self.view.items(WORKLOADS).items()}
         assigns = self.view.items(ASSIGN)
-        statuses = self.view.items(REPLICAS)
+        statuses = self.view.replica_statuses()
         want: dict[str, tuple[WorkloadRecord, int]] = {}
         for wid, assignment in assigns.items():
             record = workloads.get(wid)
@@ -134,14 +141,15 @@ class LocalReplicas:
         wid: str,
         workloads: dict[str, WorkloadRecord],
         assigns: dict[str, Any],
-        statuses: dict[str, Any],
+        statuses: dict[str, ReplicaStatus],
     ) -> bool:
         record = workloads.get(wid)
         idx = rid.rsplit("-r", 1)[1]
         node = (assigns.get(wid) or {}).get("replicas", {}).get(idx)
         if record is None or record.state not in ACTIVE or node is None:
             return True
-        if (statuses.get(f"{node}/{rid}") or {}).get("ready"):
+        there = statuses.get(f"{node}/{rid}")
+        if there is not None and there.ready:
             return True
         since = self._handover.setdefault(rid, time.monotonic())
         return time.monotonic() - since > HANDOVER_S
@@ -191,16 +199,16 @@ class LocalReplicas:
             sample = self.samples.get(r.device)
             utilization = None if sample is None or sample.utilization_pct is None else (
                 round(sample.utilization_pct, -1))  # fmt: skip
-            current[rid] = json.dumps({
-                "workload_id": r.workload_id, "index": int(rid.rsplit("-r", 1)[1]),
-                "model": r.model, "device": r.device, "ready": r.ready, "ejected": r.ejected,
-                "max_num_seqs": r.max_num_seqs, "max_queue": r.max_queue,
-                "priority": r.priority, "reservations": self.reservations.get(rid, []),
-                "utilization_pct": utilization, "max_model_len": r.max_model_len,
-                "created": r.created, "task": r.task,
-            }, sort_keys=True)  # fmt: skip
+            current[rid] = ReplicaStatus(
+                workload_id=r.workload_id, index=int(rid.rsplit("-r", 1)[1]), model=r.model,
+                device=r.device, ready=r.ready, ejected=r.ejected, max_num_seqs=r.max_num_seqs,
+                max_queue=r.max_queue, priority=r.priority,
+                reservations=tuple(self.reservations.get(rid, [])),
+                utilization_pct=utilization, max_model_len=r.max_model_len, created=r.created,
+                task=r.task,
+            ).to_json()  # fmt: skip
         for rid, (wid, idx, why) in self.failed.items():
-            current[rid] = json.dumps({"workload_id": wid, "index": idx, "failed": why})
+            current[rid] = ReplicaStatus(workload_id=wid, index=idx, failed=why).to_json()
         base = self.member.key(f"{REPLICAS}{self.name}/")
         for rid, value in current.items():
             stale = now - self._published_at.get(rid, 0.0) > SAMPLE_REFRESH_S
@@ -215,15 +223,16 @@ class LocalReplicas:
             self.member.etcd.delete(base + rid)
             del self._published[rid]
 
-    def _remote(self, statuses: dict[str, Any]) -> None:
+    def _remote(self, statuses: dict[str, ReplicaStatus]) -> None:
         """Other nodes' replicas, as the gateway routes to them."""
         nodes = self.view.items(NODES)
         seen = set()
         now = time.monotonic()
         for key, status in statuses.items():
             node, rid = key.split("/", 1)
-            if node == self.name or node not in nodes or "device" not in status:
+            if node == self.name or node not in nodes or status.failed is not None:
                 continue
+            assert status.device is not None and status.model is not None  # a running one
             remote_id = f"{node}/{rid}"
             base_url = nodes[node]["peer_url"].rstrip("/") + PEER_PREFIX + rid
             seen.add(remote_id)
@@ -231,26 +240,25 @@ class LocalReplicas:
             if replica is None or replica.base_url != base_url:
                 replica = Replica(
                     replica_id=remote_id,
-                    workload_id=str(status["workload_id"]),
-                    model=str(status["model"]),
-                    device=f"{node}/{status['device']}",
+                    workload_id=status.workload_id,
+                    model=status.model,
+                    device=f"{node}/{status.device}",
                     base_url=base_url,
-                    max_queue=int(status.get("max_queue", 64)),
-                    priority=str(status.get("priority", "normal")),
-                    max_num_seqs=int(status.get("max_num_seqs", 8)),
-                    max_model_len=status.get("max_model_len"),
-                    created=int(status.get("created") or 0),
-                    task=str(status.get("task", "generate")),
+                    max_queue=status.max_queue or Replica.max_queue,
+                    priority=status.priority or Replica.priority,
+                    max_num_seqs=status.max_num_seqs or Replica.max_num_seqs,
+                    max_model_len=status.max_model_len,
+                    created=status.created,
+                    task=status.task or Replica.task,
                     node=node,
                 )
-                replica.ready = bool(status.get("ready"))
+                replica.ready = status.ready
                 self.replicas.upsert(replica)
             else:
-                replica.ready = bool(status.get("ready")) and now >= replica.ejected_until
-            ejected = status.get("ejected")  # its node's health checks took it out of routing
-            replica.ejected = str(ejected) if ejected else None
-            if status.get("utilization_pct") is not None:
-                self.samples[replica.device] = DeviceSample(status["utilization_pct"], None,
+                replica.ready = status.ready and now >= replica.ejected_until
+            replica.ejected = status.ejected  # its node's health checks took it out of routing
+            if status.utilization_pct is not None:
+                self.samples[replica.device] = DeviceSample(status.utilization_pct, None,
                                                             time.time())  # fmt: skip
         for replica in self.replicas.all():
             if replica.node is not None and replica.replica_id not in seen:

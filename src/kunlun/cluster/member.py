@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
 from kunlun.cluster.certs import MemberTLS
 from kunlun.cluster.etcd import KV, Compare, Etcd, Op, WatchEvent
 from kunlun.errors import ClusterUnavailable, ConfigError, Location
@@ -123,6 +125,46 @@ def cluster_config(
                          advertise_url.rstrip("/"), files.resolve(), tls, lease_ttl_s)  # fmt: skip
 
 
+class ReplicaStatus(BaseModel):
+    """One replica as its node reports it, under ``cluster/replicas/<node>/<replica id>``
+    with the node's lease: running (ready or loading), or ``failed`` with why (then only
+    ``workload_id`` and ``index`` besides). The leader places from these, every node routes
+    to the others' ready ones, and ``node list`` shows them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    workload_id: str
+    index: int = Field(ge=0)
+    failed: str | None = None
+    """Why the replica cannot run on this node (the leader places it elsewhere)."""
+    model: str | None = None
+    device: str | None = None
+    ready: bool = False
+    ejected: str | None = None
+    """Why this node's health checks took it out of routing (None: they did not)."""
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    max_queue: int | None = Field(default=None, ge=1)
+    priority: str | None = None
+    max_model_len: int | None = None
+    created: int = 0
+    task: str | None = None
+    reservations: tuple[dict[str, Any], ...] = ()
+    """The device memory its placement holds, for the leader's next placements."""
+    utilization_pct: float | None = None
+    """Its device's utilization, rounded to 10 % (routing's load signal on other nodes)."""
+
+    @model_validator(mode="after")
+    def _a_running_one_says_what_it_serves(self) -> ReplicaStatus:
+        missing = [name for name in ("model", "device", "max_num_seqs", "max_queue", "priority",
+                                     "task") if getattr(self, name) is None]  # fmt: skip
+        if self.failed is None and missing:
+            raise ValueError(f"a running replica's status lacks {', '.join(missing)}")
+        return self
+
+    def to_json(self) -> str:
+        return self.model_dump_json(exclude_none=True)
+
+
 class ClusterView:
     """Everything under the prefix that the cluster's parts read, kept current by a watch."""
 
@@ -134,6 +176,7 @@ class ClusterView:
         self.revision = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._bad_statuses: set[str] = set()
 
     def start(self) -> None:
         start = self.etcd.revision()
@@ -179,6 +222,22 @@ class ClusterView:
                 out[key[len(start) :]] = json.loads(kv.value)
             except ValueError:
                 continue  # not ours: ignored
+        return out
+
+    def replica_statuses(self) -> dict[str, ReplicaStatus]:
+        """``{node/replica id: status}`` of every replica reported; a record that is not a
+        status (another version's node, a hand-written key) is said once and left out."""
+        out = {}
+        for key, data in self.items(REPLICAS).items():
+            try:
+                out[key] = ReplicaStatus.model_validate(data)
+            except ValidationError as exc:
+                if key not in self._bad_statuses:
+                    self._bad_statuses.add(key)
+                    problem = exc.errors()[0]
+                    where = ".".join(str(p) for p in problem["loc"]) or "(status)"
+                    print(f"cluster: {self.prefix}{REPLICAS}{key} is not a replica status "
+                          f"({where}: {problem['msg']}); left out", flush=True)  # fmt: skip
         return out
 
     def kv(self, sub: str) -> KV | None:

@@ -28,7 +28,6 @@ from kunlun.cluster.member import (
     DRAIN,
     LEADER,
     NODES,
-    REPLICAS,
     ClusterConfig,
     ClusterView,
     Membership,
@@ -187,11 +186,10 @@ class ClusterNode:
         leader = self.leader_name()
         draining = self.view.items(DRAIN)
         replicas: dict[str, list[dict[str, Any]]] = {}
-        for key, status in self.view.items(REPLICAS).items():
+        for key, status in self.view.replica_statuses().items():
             node, rid = key.split("/", 1)
-            replicas.setdefault(node, []).append({"replica_id": rid, **{
-                k: status.get(k) for k in ("workload_id", "model", "device", "ready", "failed")
-            }})  # fmt: skip
+            replicas.setdefault(node, []).append({"replica_id": rid, **status.model_dump(
+                include={"workload_id", "model", "device", "ready", "failed"})})  # fmt: skip
         out = []
         for name, info in self.view.items(NODES).items():
             state = "Draining" if name in draining else "Ready"

@@ -234,6 +234,67 @@ class EngineLaunch(BaseModel):
         return path
 
 
+class Rank(BaseModel):
+    """One process of a replica: its rank in the tensor-parallel group, pid and device."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(ge=0)
+    pid: int = Field(ge=1)
+    device: str
+
+
+class ReadyInfo(BaseModel):
+    """What a replica reports once it serves: a worker writes it to its launch's
+    ``ready_file`` (atomically, :meth:`write`) once it accepts connections; for an external
+    engine the node agent makes it when the server's ready path answers. The node agent
+    reads it (:meth:`read`) and ``workload describe`` shows it as the replica's
+    ``startup``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    port: int = Field(ge=1, le=65535)
+    """The loopback port it serves on."""
+    pid: int | None = None
+    """The worker's pid (None: an external engine's server, whose pid the agent has)."""
+    engine: str | None = None
+    """An external engine's name (None: the embedded engine's worker)."""
+    load_time_s: float = Field(ge=0)
+    """Seconds to load (an external server: from its start until its ready path answered)."""
+    compile_time_s: float | None = None
+    """Seconds of conversion and compilation before the load (the worker's ``Compilation
+    Time``; None: not measured, an external server)."""
+    warmup_ttft_ms: float | None = None
+    """The warm-up generation's time to first token (the embedded engine)."""
+    ranks: tuple[Rank, ...] = ()
+    """Each process of the replica, rank 0 first (the embedded engine)."""
+
+    def write(self, path: str | Path) -> Path:
+        """Write to ``path`` as JSON, atomically (a reader never sees half a file)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        temporary.write_text(self.model_dump_json(exclude_none=True), encoding="utf-8")
+        os.replace(temporary, path)
+        return path
+
+    @classmethod
+    def read(cls, path: str | Path) -> ReadyInfo | None:
+        """The ready record at ``path``; None while there is none yet. A file that is not
+        one raises :class:`ConfigError` naming the file and the field."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return None
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or None
+            raise ConfigError(f"not a ready record: {first['msg']}",
+                              location=Location(str(path), field=field)) from None  # fmt: skip
+
+
 def device_fields(plugin: DevicePlugin, device: str) -> dict[str, Any]:
     """The launch fields that describe ``device`` (a torch device string), taken from its
     device plugin, the one owner of these facts: device type, torch extension module and

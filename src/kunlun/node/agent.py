@@ -38,14 +38,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import httpx
 import psutil
 
-from kunlun.engine.launch import EngineLaunch
+from kunlun.engine.launch import EngineLaunch, ReadyInfo
 from kunlun.engines.adapter import EngineCommand
-from kunlun.errors import KunlunError
+from kunlun.errors import ConfigError, KunlunError
 from kunlun.node import external
 from kunlun.node.liveness import Liveness, LivenessConfig, probe
 from kunlun.node.sandbox import (
@@ -86,7 +85,8 @@ class Worker:
     stopping: bool = False
     load_failures: int = 0
     """Consecutive exits before becoming ready (reset once ready)."""
-    info: dict[str, object] = field(default_factory=dict)
+    info: ReadyInfo | None = None
+    """What it reported once ready (its ready file; an external server's check)."""
     liveness: Liveness | None = None
     """Probe history while ready (None otherwise)."""
     next_probe: float = 0.0
@@ -370,13 +370,19 @@ class NodeAgent:
             f"replica {w.replica.replica_id} started (pid {w.proc.pid}) on {w.replica.device}",
         )
 
-    def _became_ready(self, w: Worker, info: dict[str, Any] | None = None) -> None:
+    def _became_ready(self, w: Worker, info: ReadyInfo | None = None) -> None:
         """The worker's ready file appeared (or an external engine answered: ``info``)."""
         try:
-            info = info or json.loads(w.ready_file.read_text())
-            port = int(info["port"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return  # written atomically by the worker; a partial read retries next tick
+            info = info or ReadyInfo.read(w.ready_file)
+        except ConfigError as exc:  # written atomically by our own worker: a defect
+            assert w.proc is not None
+            w.proc.kill()
+            w.proc.wait()
+            self._give_up(w, f"its ready file: {exc}")
+            return
+        if info is None:
+            return
+        port = info.port
         w.info = info
         w.replica.base_url = f"http://127.0.0.1:{port}"
         w.replica.ready, w.replica.fault = True, None
@@ -387,7 +393,7 @@ class NodeAgent:
         self.on_event(
             w.replica.workload_id,
             "ready",
-            f"replica {w.replica.replica_id} ready on port {port} (load {info.get('load_time_s')} s, first token {info.get('warmup_ttft_ms')} ms)",
+            f"replica {w.replica.replica_id} ready on port {port} (load {info.load_time_s} s, first token {info.warmup_ttft_ms} ms)",
         )
 
     def _crashed(self, w: Worker, code: int) -> None:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import httpx
 
+from kunlun.engine.launch import ReadyInfo
 from kunlun.engines.adapter import EngineCommand, find_binary
 from kunlun.node import confine
 from kunlun.node.sandbox import WorkerSandbox
@@ -35,7 +35,7 @@ def start_argv(command: EngineCommand, sandbox: WorkerSandbox) -> list[str]:
 
 async def ready_info(
     client: httpx.AsyncClient, command: EngineCommand, started_at: float
-) -> dict[str, Any] | None:
+) -> ReadyInfo | None:
     """The ready record of a server that answers 200 on its ready path (as a worker's ready
     file would say it), or None after a short pause while it does not yet."""
     assert command.ready_path is not None
@@ -47,5 +47,8 @@ async def ready_info(
     if not answered:
         await asyncio.sleep(ASK_AGAIN_S)
         return None
-    return {"port": command.port, "engine": command.engine,
-            "load_time_s": round(time.monotonic() - started_at, 3)}  # fmt: skip
+    return ReadyInfo(
+        port=command.port,
+        engine=command.engine,
+        load_time_s=round(time.monotonic() - started_at, 3),
+    )

@@ -4,7 +4,7 @@
 :class:`~kunlun.engine.launch.EngineLaunch` as JSON (model, device, engine settings, its own
 settings; nothing else reaches a worker), loads the model into an :class:`LLMEngine`, runs one warm-up generation, then serves the OpenAI API
 (:mod:`kunlun.serving.worker_app`) on loopback. Once it accepts connections it writes the
-ready file atomically, as JSON::
+ready file atomically, a :class:`~kunlun.engine.launch.ReadyInfo` as JSON::
 
     {"pid": 1234, "port": 41234, "load_time_s": 1.23, "warmup_ttft_ms": 45.6,
      "compile_time_s": 0.0, "ranks": [{"rank": 0, "pid": 1234, "device": "cpu:0"}]}
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kunlun.engine.launch import EngineLaunch
+    from kunlun.engine.launch import EngineLaunch, Rank
 
 WORKER_NICE = 5
 """Scheduling niceness a worker gives itself (the launch's ``nice``; ``KUNLUN_WORKER_NICE``
@@ -85,14 +84,6 @@ def write_launch(
     facts = {"device": device} if plugin is None else device_fields(plugin, device)
     return EngineLaunch(model_dir=Path(model_dir), served_name=served_name, **facts,
                         **settings).write(path)  # fmt: skip
-
-
-def read_ready_file(path: str | Path) -> dict[str, Any] | None:
-    """The ready JSON a worker wrote, or None while it is not there yet."""
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        return None
 
 
 def worker_nice(launch: EngineLaunch) -> int:
@@ -224,17 +215,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def write_ready_file(path: Path, info: dict[str, Any]) -> None:
-    """Write ``info`` as JSON to ``path`` atomically (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(info))
-    os.replace(temporary, path)
-
-
 async def serve(launch: EngineLaunch, group: Any = None) -> None:
     import uvicorn
 
+    from kunlun.engine.launch import ReadyInfo
     from kunlun.serving.worker_app import create_worker_app
 
     engine, times = build_engine(launch, group)
@@ -260,11 +244,10 @@ async def serve(launch: EngineLaunch, group: Any = None) -> None:
     while not server.started and not task.done():
         await asyncio.sleep(0.01)
     if server.started:
-        info = {"pid": os.getpid(), "port": port, "load_time_s": round(load_time, 3),
-                "warmup_ttft_ms": round(ttft_ms, 1), "compile_time_s": round(compile_time, 3),
-                "ranks": ranks(group, launch.device)}  # fmt: skip
         if launch.ready_file is not None:
-            write_ready_file(launch.ready_file, info)
+            ReadyInfo(pid=os.getpid(), port=port, load_time_s=round(load_time, 3),
+                      warmup_ttft_ms=round(ttft_ms, 1), compile_time_s=round(compile_time, 3),
+                      ranks=ranks(group, launch.device)).write(launch.ready_file)  # fmt: skip
         say(f"Serving {launch.served_name} on http://{launch.host}:{port}")
     try:
         await task
@@ -278,13 +261,14 @@ async def serve(launch: EngineLaunch, group: Any = None) -> None:
         raise EngineError(lost[0])
 
 
-def ranks(group: Any, device: str) -> list[dict[str, Any]]:
+def ranks(group: Any, device: str) -> tuple[Rank, ...]:
     """Each rank of the replica: its number, process id and device (for ``workload describe``)."""
+    from kunlun.engine.launch import Rank
     from kunlun.engine.tp_group import rank_device
 
     pids = [os.getpid(), *([] if group is None else group.pids)]
-    return [{"rank": rank, "pid": pid, "device": rank_device(device, rank)}
-            for rank, pid in enumerate(pids)]  # fmt: skip
+    return tuple(Rank(rank=rank, pid=pid, device=rank_device(device, rank))
+                 for rank, pid in enumerate(pids))  # fmt: skip
 
 
 def watch_rank_group(group: Any, engine: Any, server: Any) -> list[str]:

@@ -21,7 +21,7 @@ import asyncio
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import httpx
 import psutil
@@ -36,6 +36,7 @@ from kunlun.telemetry.gateway_metrics import GatewayMetrics
 
 if TYPE_CHECKING:
     from kunlun.device.inventory import Inventory
+    from kunlun.engine.launch import ReadyInfo
     from kunlun.node.agent import NodeAgent
     from kunlun.serving.replica import Replica, ReplicaSet
 
@@ -195,17 +196,15 @@ def _replica_families(
 
 
 def _startup(
-    info: dict[str, Any], started_at: float, ready_at: float | None
+    info: ReadyInfo | None, started_at: float, ready_at: float | None
 ) -> Iterator[tuple[str, float]]:
-    """(phase, seconds) from a worker's ready file and the agent's start and ready times."""
-    for phase, key, scale in (
-        ("compile", "compile_time_s", 1.0),
-        ("load", "load_time_s", 1.0),
-        ("warmup_ttft", "warmup_ttft_ms", 1e-3),
-    ):
-        value = info.get(key)
-        if isinstance(value, int | float):
-            yield phase, value * scale
+    """(phase, seconds) from a worker's ready record and the agent's start and ready times."""
+    if info is not None:
+        ttft_s = None if info.warmup_ttft_ms is None else info.warmup_ttft_ms * 1e-3
+        for phase, value in (("compile", info.compile_time_s), ("load", info.load_time_s),
+                             ("warmup_ttft", ttft_s)):  # fmt: skip
+            if value is not None:
+                yield phase, value
     if ready_at is not None:
         yield "total", ready_at - started_at
 

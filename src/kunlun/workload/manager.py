@@ -326,18 +326,19 @@ class WorkloadManager:
         for r in self.replicas.all():
             if r.workload_id == record.workload_id:
                 worker = self.agent.workers.get(r.replica_id)
+                info = worker.info if worker else None
                 replicas.append(
                     {
                         "replica_id": r.replica_id,
                         "device": r.device,
                         "engine": r.engine,
-                        "ranks": (worker.info if worker else {}).get("ranks", []),
+                        "ranks": [r.model_dump() for r in info.ranks] if info else [],
                         "ready": r.ready,
                         "pid": r.pid,
                         "base_url": r.base_url,
                         "in_flight": r.in_flight,
                         "restarts": worker.restarts if worker else 0,
-                        "startup": worker.info if worker else {},
+                        "startup": info.model_dump(exclude_none=True) if info else {},
                     }
                 )
         return {
