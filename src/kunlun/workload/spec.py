@@ -18,6 +18,7 @@ from pydantic import (
 )
 
 from kunlun.engine.launch import Pooling, Task
+from kunlun.engine.quant import SCHEMES
 from kunlun.errors import ConfigError, Location
 from kunlun.serving.faults import FaultSpec
 from kunlun.telemetry.spec import TelemetrySpec
@@ -45,8 +46,9 @@ class WorkloadSpec(BaseModel):
     dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
         None, description="Compute dtype; default: the best the device supports (fp32 on CPU)."
     )
-    quantization: Literal["none", "w8a8", "w8a16", "w4a16"] = Field(
+    quantization: str = Field(
         "none",
+        json_schema_extra={"enum": list(SCHEMES)},
         description="Weight quantization (kunlun.engine.quant.SCHEMES): none; w8a8 (int8 "
         "weights and activations, needs int8 in the device's supported_dtypes); w8a16 (int8 "
         "weights); w4a16 (4-bit weights in groups of 128, or 32 where the layers need it). "
@@ -159,6 +161,13 @@ class WorkloadSpec(BaseModel):
     def _pooling_embeds(cls, value: Pooling | None, info: ValidationInfo) -> Pooling | None:
         if value is not None and info.data.get("task") != "embed":
             raise ValueError("pooling applies only with task: embed")
+        return value
+
+    @field_validator("quantization")
+    @classmethod
+    def _scheme(cls, value: str) -> str:
+        if value not in SCHEMES:  # the schemes' owner: kunlun.engine.quant
+            raise ValueError(f"quantization must be one of {', '.join(SCHEMES)}, got {value!r}")
         return value
 
     @field_validator("engine")
