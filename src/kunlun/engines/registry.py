@@ -96,6 +96,13 @@ def _registered() -> LoadedEngines:
     return load_engines()
 
 
+def registered_names() -> tuple[str, ...]:
+    """Every engine name the registry knows: loaded, or registered and failing to load (a
+    spec may name it; choosing it then says why it cannot run)."""
+    loaded = _registered()
+    return (*loaded.engines, *(n for n in loaded.load_errors if n not in loaded.engines))
+
+
 @dataclass(frozen=True, slots=True)
 class EngineChoice:
     """The engine chosen for a replica, and every other engine with why it was not."""

@@ -141,10 +141,12 @@ class WorkloadSpec(BaseModel):
         description="A jinja2 chat template (the text) used instead of the model's own, for "
         "chat, /tokenize and tool calls (vLLM's --chat-template); checked when submitted.",
     )
-    engine: Literal["auto", "kunlun", "llama.cpp", "vllm", "sglang", "embedded"] = Field(
+    engine: str = Field(
         "auto",
-        description="Inference engine (kunlun.engines): auto (the plan chooses), kunlun (the "
-        "embedded engine; embedded is its old name), llama.cpp, vllm or sglang.",
+        max_length=64,
+        description="Inference engine (kunlun.engines): auto (the plan chooses) or a registered "
+        "engine's name: kunlun (the embedded engine; embedded is its old name), llama.cpp, "
+        "vllm, sglang, or one a package registers under the kunlun.engines entry points.",
     )
     telemetry: TelemetrySpec | None = Field(
         None, description="Per-step engine profiling (advanced_profiling, profiling_interval_ms)."
@@ -173,7 +175,16 @@ class WorkloadSpec(BaseModel):
     @field_validator("engine")
     @classmethod
     def _engine_name(cls, value: str) -> str:
-        return "kunlun" if value == "embedded" else value  # old specs and state stores
+        if value == "auto":
+            return value
+        # the registry owns the names (built-ins and entry points), loaded once per process
+        from kunlun.engines.registry import canonical, registered_names
+
+        name = canonical(value)  # old spellings in specs and state stores
+        if name not in (names := registered_names()):
+            raise ValueError(f"engine must be auto or a registered engine "
+                             f"({', '.join(sorted(names))}), got {value!r}")  # fmt: skip
+        return name
 
     @field_validator("chat_template")
     @classmethod
