@@ -17,6 +17,7 @@ from kunlun import catalog
 from kunlun.cli.client import state_client
 from kunlun.cli.commands import summary
 from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.engine.schemes import SCHEMES, listed
 from kunlun.paths import kunlun_home
 from kunlun.state.sqlite import SQLiteStore
 
@@ -93,7 +94,7 @@ def import_gguf(
 def quantize(
     model: Annotated[str, typer.Option(help="Alias or local HF directory (floating point).")],
     quantization: Annotated[
-        str, typer.Option("--quantization", "--quantize", help="w8a8, w8a16 or w4a16.")
+        str, typer.Option("--quantization", "--quantize", help=f"{listed(SCHEMES[1:])}.")
     ],
     group_size: Annotated[
         int | None,
@@ -144,7 +145,7 @@ def pack(
         str | None, typer.Option(help="Device the plan is for, e.g. cpu:0 or ascend:0.")
     ] = None,
     quantize: Annotated[
-        str | None, typer.Option("--quantize", help="w8a8, w8a16 or w4a16 (default: the plan's).")
+        str | None, typer.Option("--quantize", help=f"{listed(SCHEMES[1:])} (default: the plan's).")
     ] = None,
     replay: Annotated[
         Path | None, typer.Option(help="Plan for a recorded node (vendor-tool outputs).")

@@ -6,9 +6,11 @@ from typing import Annotated
 
 import typer
 
+from kunlun.engine.schemes import listed
+
 Quantization = Annotated[
     str | None,
-    typer.Option("--quantization", "--quantize", help="none, w8a8, w8a16 or w4a16."),
+    typer.Option("--quantization", "--quantize", help=f"{listed()}."),
 ]
 """Weight quantization (``--quantize`` is the seed's spelling)."""
 TpSize = Annotated[

@@ -31,6 +31,7 @@ from kunlun.batch.jobs import MAX_RUNNING_JOBS
 from kunlun.cli.output import console, handle_errors
 from kunlun.daemon.pidfile import PID_FILE, pid_info
 from kunlun.daemon.request_log import RequestLogConfig
+from kunlun.engine.schemes import listed
 from kunlun.errors import ConfigError, KunlunError, Location
 from kunlun.node.sandbox import SELF_TEST_FORBIDDEN_SYSCALL, SandboxPolicy
 from kunlun.paths import kunlun_home, private_umask, secure_home
@@ -202,7 +203,7 @@ def serve(
         typer.Option(
             "--quantization",
             "--quantize",
-            help="With --model: none, w8a8, w8a16 or w4a16 (quantized while loading).",
+            help=f"With --model: {listed()} (quantized while loading).",
         ),
     ] = None,
     task: Annotated[

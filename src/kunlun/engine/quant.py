@@ -34,14 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kunlun.engine import schemes
 from kunlun.errors import ConfigError, Location, ModelError
 from kunlun.hf_config import HFConfig
 
 if TYPE_CHECKING:
     import torch
 
-#: Weight quantization schemes, ``"none"`` first.
-SCHEMES: tuple[str, ...] = ("none", "w8a8", "w8a16", "w4a16")
+#: Weight quantization schemes, ``"none"`` first (named in :mod:`kunlun.engine.schemes`).
+SCHEMES = schemes.SCHEMES
 #: Group sizes ``w4a16`` takes.
 GROUP_SIZES: tuple[int, ...] = (32, 128)
 #: The group size the platform quantizes to when none is asked and the layers allow it.
@@ -164,7 +165,7 @@ def quantize(weight: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
     import torch
 
     w = weight.detach().float()
-    if spec.scheme in ("w8a8", "w8a16"):
+    if spec.scheme in schemes.INT8_SCHEMES:
         scale = _int8_scales(w)
         q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         return {"weight": q.contiguous(), "weight_scale": scale.contiguous()}
@@ -220,7 +221,7 @@ def dequantize(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tenso
     """The float32 weight [out, in] the canonical ``tensors`` stand for."""
 
     scale = tensors["weight_scale"].float()
-    if spec.scheme in ("w8a8", "w8a16"):
+    if spec.scheme in schemes.INT8_SCHEMES:
         return tensors["weight"].float() * scale[:, None]
     group = _group_size(spec)
     q = unpack_int4(tensors["weight_packed"]).float()

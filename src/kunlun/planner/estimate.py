@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kunlun.engine import schemes
 from kunlun.planner.capacity import DeviceCapacity
 from kunlun.planner.model_info import ModelInfo
 
@@ -57,7 +58,7 @@ def average_context(max_model_len: int) -> int:
 
 def compute_dtype(dtype: str, quantization: str) -> str:
     """The dtype whose compute figure applies: int8 for w8a8, else the activation dtype."""
-    return "int8" if quantization == "w8a8" else dtype
+    return schemes.compute_dtype(quantization, dtype)
 
 
 def memory_need(

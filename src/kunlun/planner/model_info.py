@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from kunlun.catalog import resolve
-from kunlun.engine.quant import DEFAULT_GROUP_SIZE, SCHEMES
+from kunlun.engine.quant import DEFAULT_GROUP_SIZE
+from kunlun.engine.schemes import INT8_SCHEMES, SCHEMES
 from kunlun.errors import UnknownModel
 from kunlun.hf_config import SUPPORTED_ARCHITECTURES, CheckpointQuantization, HFConfig
 from kunlun.state.store import StateStore
@@ -86,7 +87,7 @@ class ModelInfo:
         if quantization == "none":
             return int(self.num_parameters * element)
         rest = (self.num_parameters - self.linear_parameters) * element
-        if quantization in ("w8a8", "w8a16"):
+        if quantization in INT8_SCHEMES:
             return int(self.linear_parameters * 1 + self.linear_out_channels * 4 + rest)
         if quantization == "w4a16":
             scales = self.linear_parameters / DEFAULT_GROUP_SIZE * 2 * 4

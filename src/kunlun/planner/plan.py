@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kunlun.engine.launch import EngineLaunch, device_fields
+from kunlun.engine.schemes import COMPUTE_DTYPES
 from kunlun.engine.tp_layout import head_split_problem, quantized_split_problem
 from kunlun.planner.batching import BatchSizing, StepSizing, size_batch, size_step_tokens
 from kunlun.planner.capacity import DeviceCapacity
@@ -128,7 +129,7 @@ def dtype_order(model: ModelInfo, cap: DeviceCapacity) -> list[str]:
 
 def quantization_problem(cap: DeviceCapacity, quantization: str, label: str) -> str | None:
     """Why ``cap`` cannot run weights quantized as ``quantization``, or None."""
-    needed = {"w8a8": "int8", "fp8": "fp8_e4m3"}.get(quantization)
+    needed = COMPUTE_DTYPES.get(quantization)
     if needed is not None and needed not in cap.dtypes:
         return (
             f"quantization={quantization} needs {needed} but {label} has supported_dtypes "

@@ -18,7 +18,7 @@ from pydantic import (
 )
 
 from kunlun.engine.launch import Pooling, Task
-from kunlun.engine.quant import SCHEMES
+from kunlun.engine.schemes import SCHEMES
 from kunlun.errors import ConfigError, Location
 from kunlun.serving.faults import FaultSpec
 from kunlun.telemetry.spec import TelemetrySpec
@@ -49,7 +49,7 @@ class WorkloadSpec(BaseModel):
     quantization: str = Field(
         "none",
         json_schema_extra={"enum": list(SCHEMES)},
-        description="Weight quantization (kunlun.engine.quant.SCHEMES): none; w8a8 (int8 "
+        description="Weight quantization (kunlun.engine.schemes.SCHEMES): none; w8a8 (int8 "
         "weights and activations, needs int8 in the device's supported_dtypes); w8a16 (int8 "
         "weights); w4a16 (4-bit weights in groups of 128, or 32 where the layers need it). "
         "A checkpoint that is already quantized keeps its own scheme.",
@@ -168,7 +168,7 @@ class WorkloadSpec(BaseModel):
     @field_validator("quantization")
     @classmethod
     def _scheme(cls, value: str) -> str:
-        if value not in SCHEMES:  # the schemes' owner: kunlun.engine.quant
+        if value not in SCHEMES:  # the schemes' owner: kunlun.engine.schemes
             raise ValueError(f"quantization must be one of {', '.join(SCHEMES)}, got {value!r}")
         return value
 

@@ -47,8 +47,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kunlun.engine.quant import QuantSpec, dequantize, quantize, unpack_int4
+from kunlun.engine.schemes import INT8_SCHEMES
 
-_INT8_SCHEMES = ("w8a8", "w8a16")
 DEQUANTIZE_FROM_TOKENS = 48
 """From this many tokens in one call (a prefill chunk) the int8 schemes dequantize their rows
 into float32 ``F.linear`` rather than call the int8pack kernel: on the 2-vCPU machine, one
@@ -101,7 +101,7 @@ class QuantLinear(nn.Module):
 
     def _canonical_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         out_f, in_f = self.out_features, self.in_features
-        if self.spec.scheme in _INT8_SCHEMES:
+        if self.spec.scheme in INT8_SCHEMES:
             return {
                 "weight": ((out_f, in_f), torch.int8),
                 "weight_scale": ((out_f,), torch.float32),
@@ -140,7 +140,7 @@ class QuantLinear(nn.Module):
         after loading)."""
         device = self.weight_scale.device
         scheme = self.spec.scheme
-        if scheme in _INT8_SCHEMES and int8pack_runs_on(device):
+        if scheme in INT8_SCHEMES and int8pack_runs_on(device):
             self.kernel = "int8pack"
             self._unit_scale = torch.ones(self.out_features, dtype=torch.bfloat16, device=device)
         elif scheme == "w8a8" and device.type != "cpu" and hasattr(torch, "_int_mm"):
