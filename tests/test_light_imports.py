@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +67,24 @@ def test_a_daemon_command_talks_http_without_an_http_client_library() -> None:
     assert "cli.daemon_unreachable" in out and "127.0.0.1:9" in out, out
     assert "kunlun.cli.workload" in modules
     assert not {"httpx", "kunlun.cli.model", "kunlun.cli.validate"} & set(modules)
+
+
+def test_the_pid_file_names_a_live_daemon_only_while_that_process_runs(tmp_path: Path) -> None:
+    """The CLI reads the daemon's pid file without psutil (``/proc``): the process must be
+    alive and started when the file says (a pid reused by another process is not it)."""
+    import psutil
+
+    from kunlun.daemon.pidfile import PID_FILE, pid_info
+
+    me = psutil.Process()
+    record = {"pid": me.pid, "create_time": me.create_time(), "host": "127.0.0.1", "port": 1}
+    (tmp_path / PID_FILE).write_text(json.dumps(record))
+    assert pid_info(tmp_path) == record
+    (tmp_path / PID_FILE).write_text(json.dumps({**record, "create_time": me.create_time() - 5}))
+    assert pid_info(tmp_path) is None  # the same pid, another process
+    (tmp_path / PID_FILE).write_text(json.dumps({**record, "pid": 2**22 + 1}))
+    assert pid_info(tmp_path) is None  # no such process
+    code = (f"import sys; from pathlib import Path; from kunlun.daemon.pidfile import pid_info; "
+            f"assert pid_info(Path({str(tmp_path)!r})) is None; assert 'psutil' not in sys.modules")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
