@@ -11,7 +11,7 @@ Flag names written from (read for this table, December 2026):
   Features on Ascend NPU" (docs.sglang.io/platforms/ascend_npu_support_features: --device
   npu, --attention-backend ascend, --dtype float16/bfloat16);
 - llama.cpp ``tools/server/README.md`` (llama-server: --ctx-size shared by --parallel
-  slots, one unified KV pool with a per-slot limit (--kv-unified, --kv-unified-per-slot), --cont-batching, --n-gpu-layers, --cache-type-k/v, --metrics, --alias).
+  slots, --cont-batching, --n-gpu-layers, --cache-type-k/v, --metrics, --alias).
 The Cambricon rows (vllm-mlu, SGLang with --device mlu) and the Hygon DTK rows follow the
 vendor builds' naming; no vendor document was available to check them against.
 """
@@ -134,9 +134,8 @@ def test_llama_server_on_nvidia_offloads_every_layer() -> None:
     command = LlamaCppEngine().command(plan, GGUF)
     assert command.argv == [
         "llama-server", "--model", "/models/qwen2-0_5b-q4_1.gguf", "--alias", "qwen",
-        "--host", "127.0.0.1", "--port", "8100",
-        "--ctx-size", str(plan.num_kv_blocks * plan.block_size), "--kv-unified",
-        "--kv-unified-per-slot", "4096", "--parallel", "32", "--cont-batching", "--n-gpu-layers", "999", "--threads", "4",
+        "--host", "127.0.0.1", "--port", "8100", "--ctx-size", str(4096 * 32),
+        "--parallel", "32", "--cont-batching", "--n-gpu-layers", "999", "--threads", "4",
         "--batch-size", "512", "--cache-type-k", "f16", "--cache-type-v", "f16", "--metrics",
     ]  # fmt: skip
     assert command.env == {"CUDA_VISIBLE_DEVICES": "0"}
@@ -147,11 +146,12 @@ def test_llama_server_on_this_cpu() -> None:
                         batch_size=4, max_num_batched_tokens=256)  # fmt: skip
     plan = place(spec, build_inventory(), QWEN).plans[0]  # live discovery: this machine
     command = LlamaCppEngine().command(plan, GGUF)
+    # as many slots of 2,048 tokens as the plan's KV holds, at most its 4 sequences
+    slots = max(1, min(4, plan.num_kv_blocks * plan.block_size // 2048))
     assert command.argv == [
         "llama-server", "--model", "/models/qwen2-0_5b-q4_1.gguf", "--alias", "qwen",
-        "--host", "127.0.0.1", "--port", "8100",
-        "--ctx-size", str(plan.num_kv_blocks * plan.block_size), "--kv-unified",
-        "--kv-unified-per-slot", "2048", "--parallel", "4", "--cont-batching", "--n-gpu-layers", "0", "--threads", "4", "--batch-size", "256",
+        "--host", "127.0.0.1", "--port", "8100", "--ctx-size", str(2048 * slots),
+        "--parallel", str(slots), "--cont-batching", "--n-gpu-layers", "0", "--threads", "4", "--batch-size", "256",
         "--cache-type-k", "f32", "--cache-type-v", "f32", "--metrics",
     ]  # fmt: skip
     assert command.env == {}

@@ -214,13 +214,11 @@ class LlamaCppEngine(TableEngine):
             "--alias", context.served_name,
             "--host", context.host,
             "--port", str(context.port),
-            # one KV pool of the plan's size (its blocks' tokens, in the plan's KV memory)
-            # shared by the slots, each sequence held to max_model_len; a context of
-            # max_model_len per slot would be max_num_seqs times the memory the plan has
-            "--ctx-size", str(kv_tokens(plan)),
-            "--kv-unified",
-            "--kv-unified-per-slot", str(plan.max_model_len),
-            "--parallel", str(plan.max_num_seqs),
+            # each slot its own context of max_model_len, as many slots as the plan's KV
+            # memory holds (llama.cpp's unified KV would fit more, but where a sequence's
+            # cells land changes its numbers: a seed no longer gives the same text)
+            "--ctx-size", str(slots(plan) * plan.max_model_len),
+            "--parallel", str(slots(plan)),
             "--cont-batching",
             "--n-gpu-layers", str(ALL_LAYERS if vendor.offload_all_layers else 0),
             *(["--split-mode", "row"] if plan.tensor_parallel_size > 1 else []),
@@ -236,13 +234,22 @@ class LlamaCppEngine(TableEngine):
             command.notes.append(f"quantization {plan.quantization}: the GGUF file's own types")
         if not threads:
             command.notes.append("threads: llama-server's default (every core)")
+        if slots(plan) < plan.max_num_seqs:
+            command.notes.append(
+                f"slots: {slots(plan)} of max_model_len {plan.max_model_len} (the plan's KV "
+                f"holds {plan.num_kv_blocks * plan.block_size} tokens; max_num_seqs "
+                f"{plan.max_num_seqs} counts on paged KV): more requests wait in llama-server"
+            )
         return command
 
 
-def kv_tokens(plan: ExecutionPlan) -> int:
-    """The tokens the plan's KV cache holds: its blocks times their size, at least one
-    sequence of ``max_model_len``."""
-    return max(plan.num_kv_blocks * plan.block_size, plan.max_model_len)
+def slots(plan: ExecutionPlan) -> int:
+    """llama-server's slots for ``plan``: ``max_num_seqs``, or fewer where the plan's KV
+    (its blocks times their size, in tokens) cannot hold that many whole contexts of
+    ``max_model_len`` (at least one). With the defaults on a 2-core CPU the plan holds 22
+    sequences of the paged engine's average length, and 2 contexts of 8,192 tokens."""
+    whole = plan.num_kv_blocks * plan.block_size // plan.max_model_len
+    return max(1, min(plan.max_num_seqs, whole))
 
 
 LLAMA_CPP_LACKS: dict[str, str] = {
