@@ -135,7 +135,7 @@ def test_llama_server_on_nvidia_offloads_every_layer() -> None:
     assert command.argv == [
         "llama-server", "--model", "/models/qwen2-0_5b-q4_1.gguf", "--alias", "qwen",
         "--host", "127.0.0.1", "--port", "8100", "--ctx-size", str(4096 * 32),
-        "--parallel", "32", "--cont-batching", "--n-gpu-layers", "999", "--threads", "4",
+        "--parallel", "32", "--threads-http", "34", "--cont-batching", "--n-gpu-layers", "999", "--threads", "4",
         "--batch-size", "512", "--cache-type-k", "f16", "--cache-type-v", "f16", "--metrics",
     ]  # fmt: skip
     assert command.env == {"CUDA_VISIBLE_DEVICES": "0"}
@@ -151,7 +151,7 @@ def test_llama_server_on_this_cpu() -> None:
     assert command.argv == [
         "llama-server", "--model", "/models/qwen2-0_5b-q4_1.gguf", "--alias", "qwen",
         "--host", "127.0.0.1", "--port", "8100", "--ctx-size", str(2048 * slots),
-        "--parallel", str(slots), "--cont-batching", "--n-gpu-layers", "0", "--threads", "4", "--batch-size", "256",
+        "--parallel", str(slots), "--threads-http", "6", "--cont-batching", "--n-gpu-layers", "0", "--threads", "4", "--batch-size", "256",
         "--cache-type-k", "f32", "--cache-type-v", "f32", "--metrics",
     ]  # fmt: skip
     assert command.env == {}

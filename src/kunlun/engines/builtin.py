@@ -219,6 +219,11 @@ class LlamaCppEngine(TableEngine):
             # cells land changes its numbers: a seed no longer gives the same text)
             "--ctx-size", str(slots(plan) * plan.max_model_len),
             "--parallel", str(slots(plan)),
+            # a thread for each request the gateway may send (max_num_seqs, more than the
+            # slots when the KV holds fewer) and two for health probes and metrics: by
+            # default llama-server has slots + 2, and with fewer slots than requests in flight
+            # its /health went unanswered and the health checks took the replica out
+            "--threads-http", str(plan.max_num_seqs + 2),
             "--cont-batching",
             "--n-gpu-layers", str(ALL_LAYERS if vendor.offload_all_layers else 0),
             *(["--split-mode", "row"] if plan.tensor_parallel_size > 1 else []),
