@@ -226,12 +226,18 @@ class EngineLaunch(BaseModel):
     def write(self, path: str | Path) -> Path:
         """Write this launch to ``path`` as JSON, atomically (a reader never sees half a
         file); returns the path."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(self.model_dump_json(indent=2) + "\n", encoding="utf-8")
-        os.replace(temporary, path)
-        return path
+        return write_atomically(path, self.model_dump_json(indent=2) + "\n")
+
+
+def write_atomically(path: str | Path, text: str) -> Path:
+    """``text`` to ``path`` through a temporary file renamed into place: a reader never sees
+    half of it. Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text, encoding="utf-8")
+    os.replace(temporary, path)
+    return path
 
 
 class Rank(BaseModel):
@@ -271,12 +277,7 @@ class ReadyInfo(BaseModel):
 
     def write(self, path: str | Path) -> Path:
         """Write to ``path`` as JSON, atomically (a reader never sees half a file)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(self.model_dump_json(exclude_none=True), encoding="utf-8")
-        os.replace(temporary, path)
-        return path
+        return write_atomically(path, self.model_dump_json(exclude_none=True))
 
     @classmethod
     def read(cls, path: str | Path) -> ReadyInfo | None:
