@@ -1,7 +1,7 @@
 """A cluster of three platform nodes on a three-member etcd cluster, all TLS, on loopback.
 
 The set-up is the failover tests' (``tests/cluster/``, whose helpers this script imports):
-certificates from :func:`kunlun.cluster.certs.make_certs`, a real etcd cluster, the demo
+certificates from :func:`kunlun.state.certs.make_certs`, a real etcd cluster, the demo
 model imported once and its record put into etcd, three ``kunlun-platform`` nodes with
 ``--cluster-lease-ttl 4`` (``--lease-ttl``; the daemon's default is 10), an admin key, and
 one workload of the demo model with two replicas (on two of the three nodes). Then, in this
@@ -79,9 +79,9 @@ from tests.cluster.test_cluster_failover import (  # noqa: E402
     _spread,
 )
 
-from kunlun.cluster.certs import make_certs  # noqa: E402
-from kunlun.cluster.etcd import Etcd  # noqa: E402
+from kunlun.state.certs import make_certs  # noqa: E402
 from kunlun.state.etcd import EtcdStore  # noqa: E402
+from kunlun.state.etcd_client import Etcd  # noqa: E402
 from kunlun.state.sqlite import SQLiteStore  # noqa: E402
 
 NAMES = ["node-a", "node-b", "node-c"]

@@ -162,7 +162,8 @@ def model_dir(which: str, folder: Path) -> Path:
 def start_processes(
     folder: Path, num_threads: int, which: str
 ) -> tuple[list[subprocess.Popen[bytes]], str, str]:
-    from kunlun.serving.worker import worker_command, write_launch
+    from kunlun.engine.launch import worker_command
+    from kunlun.serving.worker import write_launch
 
     launch = write_launch(folder / "launch.json", model_dir(which, folder), MODEL,
                           ready_file=folder / "worker.json", max_num_seqs=MAX_NUM_SEQS,

@@ -11,6 +11,7 @@ older version left readable.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -70,3 +71,29 @@ def secure_home(home: Path) -> int:
             except FileNotFoundError:  # removed meanwhile
                 continue
     return fixed
+
+
+CONVERSION_RECORD = "conversion.json"
+"""What :func:`kunlun.engine.convert.write_quantized` keeps in a plan-cache entry's
+``weights/``: written last, so a ``weights/`` without it is not a conversion (and is made
+again)."""
+
+
+def make_writable(folder: Path) -> None:
+    """Let the owner change (or remove) a tree sealed read-only again (a sealed conversion's
+    or an installed package's directories are 0500): its own directories only, a symbolic
+    link to a directory is neither followed nor changed."""
+    if not folder.exists() or folder.is_symlink():
+        return
+    os.chmod(folder, DIR_MODE)
+    for root, dirs, _files in os.walk(folder):
+        for name in dirs:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, DIR_MODE)
+
+
+def remove_tree(folder: Path) -> None:
+    """Remove the directory ``folder`` (if any), also when it was sealed read-only."""
+    make_writable(folder)
+    shutil.rmtree(folder, ignore_errors=True)

@@ -9,7 +9,7 @@ import pytest
 from tests.cluster.etcd_cluster import ETCD, EtcdCluster
 from tests.daemons import prune
 
-from kunlun.cluster.certs import make_certs
+from kunlun.state.certs import make_certs
 
 ETCD_MEMBERS = ["etcd-0", "etcd-1", "etcd-2"]
 NODES = ["node-a", "node-b", "node-c"]

@@ -5,7 +5,7 @@
     cluster.kill(0); cluster.restart(0)
     cluster.stop()                   # also run at interpreter exit, whatever happened
 
-``certs`` is a directory made by :func:`kunlun.cluster.certs.make_certs` with the names
+``certs`` is a directory made by :func:`kunlun.state.certs.make_certs` with the names
 ``etcd-0`` .. ``etcd-N``: clients and peers then need a certificate from its CA. Each
 member logs to ``root/etcd-N.log``; a member that does not come up fails with that log's tail.
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from kunlun.cluster.certs import MemberTLS
+from kunlun.state.certs import MemberTLS
 
 ETCD = shutil.which("etcd")
 START_TIMEOUT_S = 30.0

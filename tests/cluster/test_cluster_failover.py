@@ -34,8 +34,8 @@ from tests.cluster.platform_nodes import (
     wait_for,
 )
 
-from kunlun.cluster.etcd import Etcd
 from kunlun.state.etcd import EtcdStore
+from kunlun.state.etcd_client import Etcd
 
 WORKLOAD = {"model": "tiny", "replicas": 2, "batch_size": 4, "max_model_len": 1024,
             "kv_cache_memory_mb": 16}  # fmt: skip

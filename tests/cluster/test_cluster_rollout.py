@@ -16,8 +16,8 @@ from tests import loopback
 from tests.cluster.etcd_cluster import EtcdCluster
 from tests.cluster.platform_nodes import ClusterNodeProc, dump, make_node, tiny_record, wait_for
 
-from kunlun.cluster.etcd import Etcd
 from kunlun.state.etcd import EtcdStore
+from kunlun.state.etcd_client import Etcd
 
 WORKLOAD = {"model": "tiny", "name": "chat", "replicas": 2, "batch_size": 4,
             "max_model_len": 512, "kv_cache_memory_mb": 16}  # fmt: skip

@@ -17,7 +17,7 @@ from tests.cluster.etcd_cluster import EtcdCluster
 from tests.cluster.platform_nodes import ClusterNodeProc, make_node
 from tests.daemons import BIN, refused
 
-from kunlun.cluster.certs import MemberTLS
+from kunlun.state.certs import MemberTLS
 
 
 def test_cluster_certs_command(tmp_path: Path) -> None:

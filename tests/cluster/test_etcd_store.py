@@ -12,11 +12,11 @@ import httpx
 import pytest
 from tests.cluster.etcd_cluster import EtcdCluster
 
-from kunlun.cluster import etcd_watch as watch_module
-from kunlun.cluster.certs import MemberTLS
-from kunlun.cluster.etcd import Compare, Etcd, Op, WatchEvent
 from kunlun.errors import ClusterUnavailable, ConfigError
+from kunlun.state import etcd_watch as watch_module
+from kunlun.state.certs import MemberTLS
 from kunlun.state.etcd import EtcdStore
+from kunlun.state.etcd_client import Compare, Etcd, Op, WatchEvent
 from kunlun.state.sqlite import SQLiteStore
 from kunlun.state.store import (
     ApiKeyRecord,

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from tests.daemons import BIN, Daemon, settled_request_log
 
-from kunlun.serving.limits import CLIENT_GONE
+from kunlun.limits import CLIENT_GONE
 
 NUM_LINES = 40
 TASK = "kill40"

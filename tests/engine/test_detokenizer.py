@@ -112,7 +112,7 @@ def test_an_end_text_rule_ends_the_sequence_where_it_says(tokenizer: Tokenizer) 
     """The serving layer's rule on the text (a repeated tool call, issue 32): the sequence
     ends with ``stop`` and its text is cut where the rule says; nothing after the cut is
     handed out."""
-    from kunlun.serving.tool_formats import Hermes
+    from kunlun.protocol.tool_formats import Hermes
 
     call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
     other = '<tool_call>\n{"name": "f", "arguments": {"x": 2}}\n</tool_call>'

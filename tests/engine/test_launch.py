@@ -15,12 +15,19 @@ from tests.planner.conftest import model, node
 
 from kunlun.device.registry import load_plugins, plugin_for_torch_device, torch_extension
 from kunlun.engine.device import extension_module, resolve_device
-from kunlun.engine.launch import EngineLaunch, Rank, ReadyInfo, device_fields, read_launch
+from kunlun.engine.launch import (
+    EngineLaunch,
+    Rank,
+    ReadyInfo,
+    device_fields,
+    read_launch,
+    worker_command,
+)
 from kunlun.errors import ConfigError, EngineError
 from kunlun.planner.capacity import capacity_of
 from kunlun.planner.operators import choose_operators
 from kunlun.planner.plan import engine_launch
-from kunlun.serving.worker import worker_command, write_launch
+from kunlun.serving.worker import write_launch
 from kunlun.workload.placement import place
 from kunlun.workload.placement.filters import runnable
 from kunlun.workload.spec import WorkloadSpec

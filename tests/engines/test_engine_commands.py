@@ -196,7 +196,7 @@ def test_every_engine_spells_every_plan_dtype() -> None:
 
 
 def test_the_embedded_engine_is_the_worker_launch() -> None:
-    from kunlun.serving.worker import worker_command
+    from kunlun.engine.launch import worker_command
 
     plan = plan_on("mixed", "nvidia:0")
     context = LaunchContext(CONTEXT.model_path, "qwen", 8100, Path("/logs/wl-1.log"),

@@ -22,7 +22,7 @@ from kunlun.node import confine
 PARENT = """
 import os, subprocess, sys, time
 from kunlun.node import confine
-from kunlun.node.sandbox import WorkerSandbox
+from kunlun.sandbox import WorkerSandbox
 child = subprocess.Popen(confine.command(WorkerSandbox(parent_pid=os.getpid()), 3,
                                          ["sleep", "600"]))
 print(child.pid, flush=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kunlun.device.registry import load_plugins
-from kunlun.node.sandbox import WorkerSandbox, seccomp_available, worker_environment
+from kunlun.sandbox import WorkerSandbox, seccomp_available, worker_environment
 
 needs_seccomp = pytest.mark.skipif(
     seccomp_available() is not None, reason=f"no seccomp here: {seccomp_available()}"
@@ -22,7 +22,7 @@ needs_seccomp = pytest.mark.skipif(
 
 def run_locked(body: str) -> subprocess.CompletedProcess[str]:
     """Run ``body`` in a fresh interpreter after installing the worker's filter."""
-    script = "from kunlun.node.syscalls import install_filter\ninstall_filter()\n"
+    script = "from kunlun.syscalls import install_filter\ninstall_filter()\n"
     return subprocess.run(
         [sys.executable, "-c", script + textwrap.dedent(body)],
         capture_output=True,
@@ -74,7 +74,7 @@ def test_filter_kills_the_process_on_a_forbidden_call(call: str) -> None:
 
 def test_worker_whose_daemon_is_gone_exits_at_once() -> None:
     script = (
-        "from kunlun.node.sandbox import WorkerSandbox, enter\n"
+        "from kunlun.sandbox import WorkerSandbox, enter\n"
         "enter(WorkerSandbox(parent_pid=1))\nprint('ran')"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)

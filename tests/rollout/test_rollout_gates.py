@@ -10,8 +10,14 @@ import pytest
 from kunlun.errors import ConfigError
 from kunlun.rollout.gates import FAIL, INCONCLUSIVE, PASS, evaluate
 from kunlun.rollout.spec import parse_rollout
-from kunlun.rollout.split import Split
-from kunlun.rollout.window import BASELINE, CANARY, LatencyHistogram, RolloutStats, VersionWindow
+from kunlun.serving.canary_split import Split
+from kunlun.serving.canary_window import (
+    BASELINE,
+    CANARY,
+    LatencyHistogram,
+    RolloutStats,
+    VersionWindow,
+)
 
 
 def test_spec_parses_what_users_type() -> None:

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from tests import loopback
 
-from kunlun.engine.launch import ReadyInfo
+from kunlun.engine.launch import ReadyInfo, worker_command
 from kunlun.serving.replica import Replica, ReplicaSet
-from kunlun.serving.worker import bind_socket, worker_command, write_launch
+from kunlun.serving.worker import bind_socket, write_launch
 
 MODEL = "smollm2"
 MAX_MODEL_LEN = 512

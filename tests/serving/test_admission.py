@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
+from kunlun.protocol.openai_api import QueueFull, ServiceUnavailable
 from kunlun.serving.admission import MAX_RETRY_AFTER_S, Admission, DrainRate, Ticket
-from kunlun.serving.protocol import QueueFull, ServiceUnavailable
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.serving.routing import DeviceSamples, Router
 from kunlun.serving.scheduler_config import SchedulerConfig, SchedulerConfigSource

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from kunlun.errors import RequestError
-from kunlun.serving.fields import IGNORED_FIELDS
-from kunlun.serving.protocol import (
+from kunlun.protocol.fields import IGNORED_FIELDS
+from kunlun.protocol.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     error_status_and_body,

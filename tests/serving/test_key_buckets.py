@@ -7,8 +7,8 @@ import ipaddress
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kunlun.protocol.openai_api import RateLimited
 from kunlun.serving.key_limits import KeyLimiter, TokenCharge
-from kunlun.serving.protocol import RateLimited
 from kunlun.serving.scheduler_config import KeyDefaults
 from kunlun.state.api_keys import ActiveKey
 

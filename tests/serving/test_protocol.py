@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from kunlun.errors import EngineError, Location, PromptTooLong, RequestError
-from kunlun.serving import responses, sse
-from kunlun.serving.protocol import (
+from kunlun.protocol import responses, sse
+from kunlun.protocol.openai_api import (
     AuthenticationError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -133,7 +133,7 @@ def test_ignored_fields_and_unsupported_ones_that_ask_for_nothing_are_accepted()
 def test_the_documented_lists_of_fields_are_disjoint_and_in_the_readme() -> None:
     from pathlib import Path
 
-    from kunlun.serving.fields import IGNORED_FIELDS, UNSUPPORTED_FIELDS
+    from kunlun.protocol.fields import IGNORED_FIELDS, UNSUPPORTED_FIELDS
 
     assert not IGNORED_FIELDS.keys() & UNSUPPORTED_FIELDS.keys()
     readme = (Path(__file__).parents[2] / "README.md").read_text()

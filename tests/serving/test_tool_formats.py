@@ -3,7 +3,7 @@ repeated call, and what an answer cut inside a call's tag leaves (issue 32)."""
 
 from __future__ import annotations
 
-from kunlun.serving.tool_formats import Hermes, Llama3Json
+from kunlun.protocol.tool_formats import Hermes, Llama3Json
 
 
 def hermes(arguments: str, name: str = "get_time") -> str:

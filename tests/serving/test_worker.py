@@ -16,7 +16,7 @@ import openai
 import pytest
 from tests import loopback
 
-from kunlun.serving.worker import worker_command
+from kunlun.engine.launch import worker_command
 
 if TYPE_CHECKING:
     from .conftest import WorkerProcess

@@ -11,10 +11,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from tests.telemetry.conftest import mixed_inventory
 
+from kunlun.daemon.exposition import PlatformTelemetry
 from kunlun.node.agent import NodeAgent
-from kunlun.serving.protocol import ModelNotFound, QueueFull
+from kunlun.protocol.openai_api import ModelNotFound, QueueFull
 from kunlun.serving.replica import Replica, ReplicaSet
-from kunlun.telemetry.exposition import PlatformTelemetry
 from kunlun.telemetry.gateway_metrics import GatewayMetrics
 from kunlun.telemetry.view import histogram_quantile, parse, parse_filters
 

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from kunlun.cli.client import state_client
 from kunlun.cli.commands import summary
-from kunlun.cli.output import console, err_console, handle_errors, print_json
+from kunlun.console import console, err_console, handle_errors, print_json
 from kunlun.paths import kunlun_home
 from kunlun.state.api_keys import (
     DEFAULT_SCOPE,

@@ -29,7 +29,7 @@ from rich.progress import (
 from kunlun.address import DEFAULT_ENDPOINT
 from kunlun.cli.client import DaemonClient, running_endpoint
 from kunlun.cli.commands import summary
-from kunlun.cli.output import console, err_console, handle_errors, print_json
+from kunlun.console import console, err_console, handle_errors, print_json
 from kunlun.errors import ConfigError, Location
 
 app = typer.Typer(help=summary("batch"), no_args_is_help=True)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kunlun.address import DEFAULT_ENDPOINT
-from kunlun.cli.output import console, err_console, handle_errors, print_json
+from kunlun.console import console, err_console, handle_errors, print_json
 from kunlun.errors import ConfigError, Location
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
 from kunlun.cli.commands import summary
-from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.console import console, handle_errors, print_json
 
 nodes_app = typer.Typer(help=summary("node"), no_args_is_help=True)
 cluster_app = typer.Typer(help=summary("cluster"), no_args_is_help=True)
@@ -75,7 +75,7 @@ def certs(
     days: Annotated[int, typer.Option(min=1, help="Validity in days.")] = 825,
 ) -> None:
     """A CA (made once in DIR, reused after) and a certificate for each --name."""
-    from kunlun.cluster.certs import make_certs
+    from kunlun.state.certs import make_certs
 
     for path in make_certs(out, name, host or [], days):
         console.print(f"wrote {path}", markup=False)

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from kunlun.cli.client import DaemonClient, running_endpoint
 from kunlun.cli.commands import summary
-from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.console import console, handle_errors, print_json
 from kunlun.device.inventory import Inventory, build_inventory
 from kunlun.device.profile import Status
 

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
 from kunlun.cli.commands import summary
-from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.console import console, handle_errors, print_json
 from kunlun.errors import ConfigError, Location, RequestError
 from kunlun.serving.endpoints import check_definition
 

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from kunlun.cli.commands import summary
-from kunlun.cli.output import console, handle_errors
+from kunlun.console import console, handle_errors
 
 app = typer.Typer(help=summary("keys"), no_args_is_help=True)
 

@@ -13,7 +13,7 @@ import typer
 
 from kunlun import __version__
 from kunlun.cli.commands import COMMANDS
-from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.console import console, handle_errors, print_json
 from kunlun.paths import private_umask
 
 app = typer.Typer(

@@ -16,7 +16,7 @@ from rich.table import Table
 from kunlun import catalog
 from kunlun.cli.client import state_client
 from kunlun.cli.commands import summary
-from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.console import console, handle_errors, print_json
 from kunlun.engine.schemes import SCHEMES, listed
 from kunlun.paths import kunlun_home
 from kunlun.state.sqlite import SQLiteStore
@@ -167,9 +167,11 @@ def pack(
     """Plan MODEL for the target device and write a signed .kunlunpkg (weights, tokenizer,
     plan, device profile, engine configuration, manifest.json, manifest.sig)."""
     from kunlun.offline.package import pack as do_pack
+    from kunlun.workload.packing import plan_package
 
-    result = do_pack(model, out, key, target_device=target_device, quantize=quantize,
-                     replay=replay, config=config, version=version, created=created)  # fmt: skip
+    source = plan_package(model, target_device=target_device, quantize=quantize, replay=replay,
+                          config=config)  # fmt: skip
+    result = do_pack(source, out, key, version=version, created=created)
     m = result.manifest
     console.print(
         f"packed {m.name} version {m.version}: {len(m.files)} files, {m.total_bytes} bytes -> "

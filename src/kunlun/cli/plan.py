@@ -22,7 +22,7 @@ from kunlun.cli.options import (
     StepTokens,
     TpSize,
 )
-from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.console import console, handle_errors, print_json
 from kunlun.device.inventory import build_inventory
 from kunlun.engines import measured
 from kunlun.errors import ConfigError, Location

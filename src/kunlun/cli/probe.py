@@ -13,7 +13,7 @@ from typing import Annotated, Any
 import typer
 
 from kunlun.cli.device import device_table, memory_text
-from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.console import console, handle_errors, print_json
 from kunlun.device.inventory import Inventory, build_inventory, read_config, resolve_replay_dir
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)

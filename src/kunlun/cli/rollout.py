@@ -11,7 +11,7 @@ from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
 from kunlun.cli.commands import summary
-from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.console import console, handle_errors, print_json
 from kunlun.errors import ConfigError, Location
 from kunlun.workload.spec import read_spec_fields
 

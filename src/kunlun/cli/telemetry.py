@@ -15,7 +15,7 @@ from rich.text import Text
 
 from kunlun.cli.client import DaemonClient
 from kunlun.cli.commands import summary
-from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.console import console, handle_errors, print_json
 from kunlun.errors import ConfigError, Location
 from kunlun.telemetry.view import Snapshot, parse, parse_filters
 

@@ -11,7 +11,7 @@ import typer
 
 from kunlun.address import DEFAULT_ENDPOINT
 from kunlun.cli.client import running_endpoint
-from kunlun.cli.output import console, err_console, handle_errors
+from kunlun.console import console, err_console, handle_errors
 from kunlun.errors import ConfigError, Location
 from kunlun.validate.matrix import Cell, Column, Row
 

@@ -21,7 +21,7 @@ from kunlun.cli.options import (
     StepTokens,
     TpSize,
 )
-from kunlun.cli.output import console, handle_errors, print_json
+from kunlun.console import console, handle_errors, print_json
 
 
 def plan_summary(plan: dict[str, Any]) -> str:

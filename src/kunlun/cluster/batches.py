@@ -20,8 +20,8 @@ import time
 
 from kunlun.batch.jobs import BatchJobs
 from kunlun.batch.objects import TERMINAL
-from kunlun.cluster.etcd import Op
 from kunlun.cluster.member import NODES, ClusterView, Membership
+from kunlun.state.etcd_client import Op
 
 OWNER, CANCEL, BATCHES = "cluster/batch-owner/", "cluster/batch-cancel/", "batches/"
 

@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kunlun.cluster.etcd import LeaseNotFound
 from kunlun.cluster.member import (
     ASSIGN,
     NODES,
@@ -40,6 +39,7 @@ from kunlun.planner.cache import PlanCache
 from kunlun.planner.model_info import inspect_model, locate_model
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.serving.routing import DeviceSample, DeviceSamples
+from kunlun.state.etcd_client import LeaseNotFound
 from kunlun.state.store import WorkloadRecord
 from kunlun.workload.manager import ACTIVE, WorkloadManager
 from kunlun.workload.placement import place

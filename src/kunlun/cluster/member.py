@@ -28,9 +28,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kunlun.cluster.certs import MemberTLS
-from kunlun.cluster.etcd import KV, Compare, Etcd, Op, WatchEvent
 from kunlun.errors import ClusterUnavailable, ConfigError, Location
+from kunlun.state.certs import MemberTLS
+from kunlun.state.etcd_client import KV, Compare, Etcd, Op, WatchEvent
 
 NODES, DRAIN, LEADER = "cluster/nodes/", "cluster/drain/", "cluster/leader"
 ASSIGN, REPLICAS, WORKLOADS = "cluster/assign/", "cluster/replicas/", "workloads/"

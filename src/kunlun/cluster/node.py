@@ -22,7 +22,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kunlun.cluster.batches import BatchOwners
 from kunlun.cluster.controller import HEARTBEAT, Controller
-from kunlun.cluster.etcd import Op
 from kunlun.cluster.local import LocalReplicas
 from kunlun.cluster.member import (
     DRAIN,
@@ -36,6 +35,7 @@ from kunlun.errors import ClusterUnavailable, ConfigError, Location
 from kunlun.serving.replica import ReplicaSet
 from kunlun.serving.routing import DeviceSamples
 from kunlun.state.etcd import EtcdStore
+from kunlun.state.etcd_client import Op
 from kunlun.state.store import EventRecord
 from kunlun.workload.manager import WorkloadManager
 

@@ -19,9 +19,9 @@ import json
 import time
 from typing import TYPE_CHECKING, Any
 
-from kunlun.cluster.etcd import LeaseNotFound, Op
 from kunlun.rollout.controller import ClusterHooks
-from kunlun.rollout.window import RolloutStats, VersionWindow
+from kunlun.serving.canary_window import RolloutStats, VersionWindow
+from kunlun.state.etcd_client import LeaseNotFound, Op
 from kunlun.state.store import RolloutRecord
 
 if TYPE_CHECKING:

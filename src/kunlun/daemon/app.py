@@ -8,7 +8,7 @@ Routes:
   (:mod:`kunlun.daemon.endpoints_api`); each finished ``/v1`` request is logged to
   ``KUNLUN_HOME/logs/requests.jsonl`` (:mod:`kunlun.daemon.request_log`).
 - ``/metrics``: Prometheus exposition of devices, replicas and requests
-  (:mod:`kunlun.telemetry.exposition`).
+  (:mod:`kunlun.daemon.exposition`).
 
 Once any API key exists, every route but ``/healthz`` and ``/readyz`` needs one
 (``Authorization: Bearer <key>``), ``/api/v1`` an ``admin`` one (:mod:`kunlun.daemon.auth`).
@@ -43,6 +43,7 @@ from kunlun.daemon.auth import ApiKeyMiddleware
 from kunlun.daemon.batch_api import batch_router, gateway_app, in_process_sender
 from kunlun.daemon.body_check import JsonBodyCheck
 from kunlun.daemon.endpoints_api import endpoints_admin_router, endpoints_router
+from kunlun.daemon.exposition import PlatformTelemetry  # telemetry
 from kunlun.daemon.measurements_api import measurements_router
 from kunlun.daemon.request_log import RequestLog, RequestLogConfig, RequestLogMiddleware
 from kunlun.daemon.rollout_api import rollout_router
@@ -52,9 +53,10 @@ from kunlun.errors import ConfigError, KunlunError, Location, RequestError
 from kunlun.node.agent import NodeAgent
 from kunlun.node.health import HealthChecker, HealthConfig
 from kunlun.node.liveness import LivenessConfig
-from kunlun.node.sandbox import SandboxPolicy
 from kunlun.offline.integrity import DEFAULT_INTERVAL_S, ModelGuard
+from kunlun.protocol.openai_api import http_error
 from kunlun.rollout.controller import RolloutController
+from kunlun.sandbox import SandboxPolicy
 from kunlun.serving.gateway import (
     GatewayEndpoints,
     GatewayState,
@@ -62,7 +64,6 @@ from kunlun.serving.gateway import (
     gateway_router,
 )
 from kunlun.serving.key_limits import KeyLimiter
-from kunlun.serving.protocol import http_error
 from kunlun.serving.replica import ReplicaSet
 from kunlun.serving.routing import DeviceSample
 from kunlun.serving.scheduler_config import FILE_NAME as SCHEDULER_CONFIG
@@ -70,7 +71,6 @@ from kunlun.serving.scheduler_config import SchedulerConfigSource
 from kunlun.state.api_keys import KeyRing
 from kunlun.state.sqlite import SQLiteStore
 from kunlun.state.store import StateStore
-from kunlun.telemetry.exposition import PlatformTelemetry  # telemetry
 from kunlun.workload.manager import WorkloadManager
 
 if TYPE_CHECKING:  # a cluster's modules (etcd client, certificates) load only for a cluster
@@ -146,8 +146,8 @@ def make_platform(
     if cluster is None:
         store = SQLiteStore(home / "state.db")
     else:
-        from kunlun.cluster.etcd import Etcd  # a cluster's modules: only for a cluster
         from kunlun.state.etcd import EtcdStore
+        from kunlun.state.etcd_client import Etcd  # a cluster's modules: only for a cluster
 
         store = etcd_store = EtcdStore(Etcd(cluster.endpoints, cluster.tls), cluster.prefix)
     replicas = ReplicaSet()

@@ -24,10 +24,10 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kunlun.errors import KunlunError, Location, PermissionDenied, RequestError
+from kunlun.protocol.openai_api import AuthenticationError, RateLimited, error_status_and_body
 from kunlun.serving.endpoints import PREFIX as ENDPOINT_CALLS
 from kunlun.serving.gateway import ENDPOINTS
 from kunlun.serving.key_limits import KEY_TOKENS_SCOPE, KeyLimiter, TokenCharge
-from kunlun.serving.protocol import AuthenticationError, RateLimited, error_status_and_body
 from kunlun.serving.routing import KEY_PRIORITY_SCOPE
 from kunlun.state.api_keys import KeyRing, masked
 

@@ -32,8 +32,8 @@ from kunlun import headers as http_headers
 from kunlun.batch.files import FileStore, expiry_seconds, file_object
 from kunlun.batch.jobs import BatchJobs, Reply, Send
 from kunlun.batch.objects import batch_object
+from kunlun.protocol.openai_api import param_error, parse_request
 from kunlun.serving.gateway import GatewayState, mount_gateway
-from kunlun.serving.protocol import param_error, parse_request
 from kunlun.serving.replica import ReplicaSet
 
 

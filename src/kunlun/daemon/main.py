@@ -28,14 +28,14 @@ import uvicorn
 from kunlun import budgets
 from kunlun.address import DEFAULT_HOST, DEFAULT_PORT
 from kunlun.batch.jobs import MAX_RUNNING_JOBS
-from kunlun.cli.output import console, handle_errors
+from kunlun.console import console, handle_errors
 from kunlun.daemon.pidfile import PID_FILE, pid_info
 from kunlun.daemon.request_log import RequestLogConfig
 from kunlun.engine.schemes import listed
 from kunlun.errors import ConfigError, KunlunError, Location
-from kunlun.node.sandbox import SELF_TEST_FORBIDDEN_SYSCALL, SandboxPolicy
+from kunlun.limits import DEFAULT_MAX_SEQUENCES
 from kunlun.paths import kunlun_home, private_umask, secure_home
-from kunlun.serving.limits import DEFAULT_MAX_SEQUENCES
+from kunlun.sandbox import SELF_TEST_FORBIDDEN_SYSCALL, SandboxPolicy
 
 DRAIN_TIMEOUT_S = 120.0
 MODEL_ROOTS_ENV = "KUNLUN_MODEL_ROOTS"

@@ -43,7 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kunlun import headers as http_headers
 from kunlun.json_text import dumps_line
-from kunlun.serving.limits import CLIENT_GONE
+from kunlun.limits import CLIENT_GONE
 
 PREFIX = "/v1/"
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from kunlun.serving.protocol import StrictModel, parse_request
+from kunlun.protocol.openai_api import StrictModel, parse_request
 from kunlun.workload.scale import scale
 
 if TYPE_CHECKING:

@@ -87,7 +87,7 @@ class DevicePlugin(ABC):
     visibility_env: ClassVar[str | None] = None
     #: Environment variables of the vendor's runtime (its toolkit's home and library path)
     #: that a worker on this family's devices gets from the daemon's environment, when set.
-    #: A sandboxed worker sees no other vendor's variables (:mod:`kunlun.node.sandbox`).
+    #: A sandboxed worker sees no other vendor's variables (:mod:`kunlun.sandbox`).
     runtime_env: ClassVar[tuple[str, ...]] = ()
     #: torch device type (``torch.device(torch_device_type, i)``) and the extension module
     #: that registers it (``None`` when torch has it built in).

@@ -40,7 +40,7 @@ from kunlun.engine.quant import (
     read_spec,
 )
 from kunlun.engine.smooth import smoothed_tensors
-from kunlun.planner.cache import CONVERSION_RECORD, remove_tree
+from kunlun.paths import CONVERSION_RECORD, remove_tree
 
 #: Plan dtype -> (torch dtype, safetensors header dtype).
 DTYPES: dict[str, tuple[torch.dtype, str]] = {

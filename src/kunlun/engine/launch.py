@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kunlun.errors import ConfigError, Location
-from kunlun.serving.faults import FaultSpec
 
 if TYPE_CHECKING:
     from kunlun.device.plugin import DevicePlugin
@@ -41,6 +41,23 @@ Task = Literal["generate", "embed"]
 """What a served model answers: generated text (chat, completions) or embeddings."""
 Pooling = Literal["mean", "last"]
 """How an embedding model's per-token hidden states become one vector (kunlun.engine.pooling)."""
+
+
+class FaultSpec(BaseModel):
+    """Faults a workload's workers inject into client requests (testing only; :mod:`kunlun.serving.faults` injects them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    error_rate: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Fraction of requests answered 500 (engine error, code fault_injected).",
+    )
+    delay_ms: int = Field(
+        0, ge=0, le=600_000, description="Added before each request reaches the engine."
+    )
+    seed: int | None = Field(None, description="Seed of the error draws (None: random).")
 
 
 class EngineLaunch(BaseModel):
@@ -132,7 +149,7 @@ class EngineLaunch(BaseModel):
     )
     sandbox: dict[str, Any] | None = Field(
         None,
-        description="The worker's confinement, a WorkerSandbox (kunlun.node.sandbox) as a "
+        description="The worker's confinement, a WorkerSandbox (kunlun.sandbox) as a "
         "JSON object; set by the node agent, absent when the worker is started by hand.",
     )
     trace_prefix: str | None = Field(
@@ -144,7 +161,8 @@ class EngineLaunch(BaseModel):
         50.0, ge=0, description="With trace_prefix: at most one traced step per interval."
     )
     faults: FaultSpec | None = Field(
-        None, description="Faults injected into client requests (testing; kunlun.serving.faults)."
+        None,
+        description="Faults injected into client requests (testing; injected by kunlun.serving.faults).",
     )
 
     @field_validator("device")
@@ -168,7 +186,7 @@ class EngineLaunch(BaseModel):
     @classmethod
     def _sandbox(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
-            from kunlun.node.sandbox import WorkerSandbox
+            from kunlun.sandbox import WorkerSandbox
 
             WorkerSandbox.from_json(json.dumps(value))  # ValueError naming what is wrong
         return value
@@ -238,6 +256,13 @@ def write_atomically(path: str | Path, text: str) -> Path:
     temporary.write_text(text, encoding="utf-8")
     os.replace(temporary, path)
     return path
+
+
+def worker_command(launch_file: str | Path) -> list[str]:
+    """The command line that starts a worker (:mod:`kunlun.serving.worker`) from ``launch_file``
+    with this interpreter. The one place it is spelled: the embedded engine's adapter, tests
+    and benchmarks call it."""
+    return [sys.executable, "-m", "kunlun.serving.worker", "--launch", str(launch_file)]
 
 
 class Rank(BaseModel):

@@ -2,7 +2,7 @@
 
 Each adapter reads its rows of :mod:`kunlun.engines.table`; none starts anything. The
 embedded engine's command is the existing worker launch
-(:func:`kunlun.serving.worker.worker_command`), described here, not re-made. Launching the
+(:func:`kunlun.engine.launch.worker_command`), described here, not re-made. Launching the
 external ones through the node agent is not built yet (docs/engines.md).
 """
 
@@ -36,7 +36,7 @@ from kunlun.engines.table import (
     row,
 )
 from kunlun.planner.plan import ExecutionPlan
-from kunlun.serving.fields import asks_nothing
+from kunlun.protocol.fields import asks_nothing
 
 
 class TableEngine(EngineAdapter):
@@ -312,7 +312,7 @@ class KunlunEngine(EngineAdapter):
         return Availability(True, "built in")
 
     def command(self, plan: ExecutionPlan, context: LaunchContext) -> EngineCommand:
-        from kunlun.serving.worker import worker_command
+        from kunlun.engine.launch import worker_command
 
         if context.launch_file is None:
             raise self.refuse("launch_file", None, "the worker starts from its launch file "

@@ -1,7 +1,7 @@
 """The node agent's engine supervisor: one worker process per replica, kept alive.
 
 Each replica is a ``python -m kunlun.serving.worker --launch FILE`` process
-(:func:`~kunlun.serving.worker.worker_command`) started with its device's visibility
+(:func:`~kunlun.engine.launch.worker_command`) started with its device's visibility
 environment; ``FILE`` is the replica's :class:`~kunlun.engine.launch.EngineLaunch` with its ready
 file and sandbox, written to ``KUNLUN_HOME/run/workers/<replica>.launch.json`` before each start, its output appended to ``KUNLUN_HOME/logs/<workload>.log``. The
 supervisor loop notices a worker's ready file (the worker writes it after loading and a
@@ -15,7 +15,7 @@ is reported through ``on_event`` (and a kill also in the workload's log). Worker
 left behind (a worker dies with its daemon, so these are rare: a worker that was stopped
 when its daemon died, or one started before this rule).
 
-Each worker is confined by the :mod:`kunlun.node.sandbox` its :class:`WorkerSandbox` says
+Each worker is confined by the :mod:`kunlun.sandbox` its :class:`WorkerSandbox` says
 (the launch's ``sandbox`` field): a clean environment (:meth:`NodeAgent.worker_env`), its own
 directory, rlimits, seccomp. The supervisor enforces its host memory cap: a worker over it is
 killed and its workload fails (``worker exceeded its memory cap of N MiB``); a worker killed
@@ -42,12 +42,12 @@ from pathlib import Path
 import httpx
 import psutil
 
-from kunlun.engine.launch import EngineLaunch, ReadyInfo
+from kunlun.engine.launch import EngineLaunch, ReadyInfo, worker_command
 from kunlun.engines.adapter import EngineCommand
 from kunlun.errors import ConfigError, KunlunError
 from kunlun.node import external
 from kunlun.node.liveness import Liveness, LivenessConfig, probe
-from kunlun.node.sandbox import (
+from kunlun.sandbox import (
     SandboxPolicy,
     WorkerSandbox,
     over_memory_cap,
@@ -55,7 +55,6 @@ from kunlun.node.sandbox import (
     worker_environment,
 )
 from kunlun.serving.replica import Replica, ReplicaSet
-from kunlun.serving.worker import worker_command
 
 EventSink = Callable[[str, str, str], None]  # (workload_id, kind, message)
 MAX_BACKOFF_S = 60.0
@@ -466,7 +465,7 @@ class NodeAgent:
         num_threads: int,
     ) -> dict[str, str]:  # fmt: skip
         """The environment of a worker: with the sandbox on, only what it needs (see
-        :func:`~kunlun.node.sandbox.worker_environment`); off, the daemon's own. Both with
+        :func:`~kunlun.sandbox.worker_environment`); off, the daemon's own. Both with
         ``device_env`` (the plan's visibility and engine variables) and the thread count."""
         if not self.sandbox.enabled:
             env = dict(os.environ, OMP_NUM_THREADS=str(num_threads), PYTHONUNBUFFERED="1")

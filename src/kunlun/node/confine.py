@@ -9,7 +9,7 @@ watchdog and its cgroup) and inherits all of it:
 - it dies with the daemon (``PR_SET_PDEATHSIG`` SIGKILL, checked against the daemon's pid:
   a daemon that is killed leaves no orphaned server holding a port and its memory);
 - with the sandbox on, ``RLIMIT_CORE`` 0, ``RLIMIT_NOFILE`` and ``no_new_privs``
-  (:func:`kunlun.node.sandbox.enter`, the same call the worker makes);
+  (:func:`kunlun.sandbox.enter`, the same call the worker makes);
 - the workers' niceness (:func:`kunlun.serving.worker.default_nice`), so that engine compute
   yields to the gateway's short bursts whichever engine runs it.
 
@@ -25,7 +25,7 @@ import argparse
 import os
 import sys
 
-from kunlun.node import sandbox
+from kunlun import sandbox
 
 MODULE = "kunlun.node.confine"
 

@@ -19,7 +19,7 @@ import httpx
 from kunlun.engine.launch import ReadyInfo
 from kunlun.engines.adapter import EngineCommand, find_binary
 from kunlun.node import confine
-from kunlun.node.sandbox import WorkerSandbox
+from kunlun.sandbox import WorkerSandbox
 from kunlun.serving.worker import default_nice
 
 ASK_AGAIN_S = 0.25

@@ -53,7 +53,7 @@ from kunlun.offline.package import (
     read_manifest,
 )
 from kunlun.offline.signing import TrustedKeys
-from kunlun.paths import READ_ONLY_DIR
+from kunlun.paths import READ_ONLY_DIR, make_writable, remove_tree
 
 REQUIRED_MEMBERS = (f"{MODEL_DIR}/config.json", PLAN_FILE, PROFILE_FILE)
 """What a model package must hold besides its weights."""
@@ -145,24 +145,6 @@ def _make_read_only(folder: Path, mtime: float) -> None:
             if not os.path.islink(path):
                 os.chmod(path, DIR_MODE_RO)
     os.chmod(folder, DIR_MODE_RO)
-
-
-def _make_writable(folder: Path) -> None:
-    """Let the owner change (or remove) an installed tree again (its own directories only:
-    a symbolic link to a directory is neither followed nor changed)."""
-    if not folder.exists() or folder.is_symlink():
-        return
-    os.chmod(folder, 0o700)
-    for root, dirs, _files in os.walk(folder):
-        for name in dirs:
-            path = os.path.join(root, name)
-            if not os.path.islink(path):
-                os.chmod(path, 0o700)
-
-
-def remove_tree(folder: Path) -> None:
-    _make_writable(folder)
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _created_epoch(manifest: Manifest) -> float:
@@ -544,7 +526,7 @@ def _restore(
             wanted = {f.path for f in manifest.files} | {MANIFEST, SIGNATURE}
             restored.append(".")
         real_base = os.path.realpath(base)
-        _make_writable(base)
+        make_writable(base)
         try:
             listed = manifest.by_path()
             # first what the manifest does not list (an extra file, directory or link, a
@@ -554,7 +536,7 @@ def _restore(
                 if path.is_symlink() or (path.exists() and not path.is_dir()):
                     path.unlink()
                 elif path.is_dir():
-                    _make_writable(path)
+                    make_writable(path)
                     shutil.rmtree(path)
                 if rel in (MANIFEST, SIGNATURE):
                     data = reader.manifest_bytes if rel == MANIFEST else reader.signature

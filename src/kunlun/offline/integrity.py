@@ -55,7 +55,8 @@ from kunlun.errors import ConfigError, KunlunError, Location, PermissionDenied
 from kunlun.offline.bootstrap import TRUSTED_KEYS_DIR
 from kunlun.offline.install import InstalledPackage, Registry, check_installed
 from kunlun.offline.signing import TrustedKeys, verify_file
-from kunlun.planner.cache import CONVERSION_RECORD, artifacts, remove_tree
+from kunlun.paths import CONVERSION_RECORD, remove_tree
+from kunlun.planner.cache import artifacts
 
 AUDIT_FILE = Path("logs") / "audit.jsonl"
 CONVERSIONS_DIR = Path("integrity") / "conversions"

@@ -20,17 +20,16 @@ model and plan give the same file hashes.
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kunlun import __version__
-from kunlun.errors import ConfigError, Location, ModelFileMissing, PackageError
+from kunlun.errors import ConfigError, Location, PackageError
 from kunlun.offline.archive import (
     ArchiveError,
     ArchiveReader,
@@ -41,6 +40,10 @@ from kunlun.offline.archive import (
 from kunlun.offline.manifest import PACKAGE_FORMAT, FileEntry, Manifest, ManifestError, dump, parse
 from kunlun.offline.signing import TrustedKeys, fingerprint, load_private_key, sign
 
+if TYPE_CHECKING:
+    from kunlun.engine.launch import EngineLaunch
+    from kunlun.planner.plan import ExecutionPlan
+
 MODEL_DIR = "model"
 PLAN_FILE = "plan/plan.json"
 ENGINE_FILE = "plan/engine.json"
@@ -48,7 +51,6 @@ PROFILE_FILE = "plan/device-profile.json"
 DECLARATION_FILE = "plan/device-plugin-config.yaml"
 _SKIP = {"conversion.json", "kunlun-import.json"}
 """Model files that record where and when this machine made them: not shipped."""
-MIB = 1 << 20
 
 
 def model_license(model_dir: Path) -> str | None:
@@ -116,49 +118,46 @@ class PackResult:
     seconds: float
 
 
+@dataclass
+class PackInput:
+    """What a package holds besides the weights, planned by the layer above
+    (:func:`kunlun.workload.packing.plan_package`): packing writes it and plans nothing."""
+
+    name: str
+    """The package's name (the model's alias)."""
+    path: Path
+    """Where the model's files are on this machine."""
+    plan: ExecutionPlan
+    launch: EngineLaunch
+    """The engine launch the plan gives, its model directory relative to the package."""
+    snapshot: list[dict[str, Any]]
+    """The snapshot of each target device the plan cache keys on."""
+    profiles: list[dict[str, Any]]
+    """The profile of each target device."""
+    device_types: list[str]
+    min_memory_mb: int
+    """Weights and one sequence's KV cache at ``max_model_len``."""
+    declaration: Path | None
+    """The declaration the plan was made against, when one was."""
+
+
 def pack(
-    model: str,
+    source: PackInput,
     out: Path,
     key_path: Path,
     *,
-    target_device: str | None = None,
-    quantize: str | None = None,
-    replay: Path | None = None,
-    config: Path | None = None,
     version: int | None = None,
     created: int | None = None,
 ) -> PackResult:
-    """Plan ``model`` for ``target_device`` and write the signed package ``out``."""
-    from kunlun.device.inventory import build_inventory
+    """Write the signed package ``out`` of ``source``: the weights its plan runs, the plan,
+    the launch, the device profiles and the manifest."""
     from kunlun.engine.convert import prepare_weights
-    from kunlun.paths import kunlun_home
-    from kunlun.planner.cache import device_snapshot
-    from kunlun.planner.model_info import inspect_model, locate_model
-    from kunlun.planner.plan import engine_launch
-    from kunlun.state.sqlite import SQLiteStore
-    from kunlun.workload.placement import place
-    from kunlun.workload.spec import parse_spec
 
     started = time.perf_counter()
     key = load_private_key(key_path)
     signer = fingerprint(key.public_key())
     when = created_time(created)
-    state = kunlun_home() / "state.db"
-    name, path = locate_model(SQLiteStore(state) if state.exists() else None, model)
-    if not any(path.glob("*.safetensors")):
-        raise ModelFileMissing(
-            f"model {model!r} has no weights (*.safetensors) to pack", location=Location(str(path))
-        )
-    fields = {"model": model, "device": target_device, "quantization": quantize}
-    spec = parse_spec({k: v for k, v in fields.items() if v is not None}, "command line")
-    inventory = build_inventory(config=config, replay=replay)
-    # the plan is for the device, not for this moment of it: idle, so packing is reproducible
-    inventory.profiles = [p.at_rest() for p in inventory.profiles]
-    info = inspect_model(path, name)
-    placement = place(spec, inventory, info)
-    plan, group = placement.plans[0], placement.groups[0]
-    plan.model_path = None  # where the packer kept it means nothing to an installer
-    profiles = {f"{p.device_type}:{p.index}": p for p in inventory.profiles}
+    plan, path = source.plan, source.path
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".kunlunpkg-", dir=out.parent) as scratch:
         work = Path(scratch)
@@ -168,35 +167,26 @@ def pack(
             for p in sorted(weights.iterdir())
             if p.name not in _SKIP and p.resolve().is_file()
         ]
-        plugin = _plugin(plan.device_type)
-        launch = engine_launch(plan, plugin, MODEL_DIR, name, None, None)
         generated: dict[str, Any] = {
             PLAN_FILE: plan.to_dict(),
-            ENGINE_FILE: json.loads(launch.model_dump_json()),
-            PROFILE_FILE: {
-                "snapshot": [device_snapshot(c) for c in group],
-                "profiles": [
-                    profiles[c.device_id].to_dict() for c in group if c.device_id in profiles
-                ],
-            },
+            ENGINE_FILE: json.loads(source.launch.model_dump_json()),
+            PROFILE_FILE: {"snapshot": source.snapshot, "profiles": source.profiles},
         }
         for member, data in generated.items():
             target = work / member
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
             files.append((member, target))
-        declaration = config or _default_declaration(kunlun_home(), replay)
-        if declaration is not None:
-            files.append((DECLARATION_FILE, declaration))
+        if source.declaration is not None:
+            files.append((DECLARATION_FILE, source.declaration))
         files.sort()
         entries = []
-        for member, source in files:
-            size, digest = hash_file(source)
-            entries.append((FileEntry(member, size, digest), source))
-        kv_mb = math.ceil(info.kv_bytes_per_token(plan.dtype) * plan.max_model_len / MIB)
+        for member, file in files:
+            size, digest = hash_file(file)
+            entries.append((FileEntry(member, size, digest), file))
         manifest = Manifest(
             format=PACKAGE_FORMAT,
-            name=name,
+            name=source.name,
             version=version if version is not None else when,
             created=iso_utc(when),
             kunlun_version=__version__,
@@ -208,30 +198,18 @@ def pack(
                     "dtype": plan.dtype,
                     "quantization": plan.quantization,
                     "target_devices": plan.devices,
-                    "target_device_types": sorted({c.device_type for c in group}),
+                    "target_device_types": source.device_types,
                     "tensor_parallel_size": plan.tensor_parallel_size,
-                    "min_memory_mb": plan.weight_memory_mb + kv_mb,
+                    "min_memory_mb": source.min_memory_mb,
                     "license": model_license(path),
                     "plan_summary": plan.summary(),
-                    "declaration": DECLARATION_FILE if declaration is not None else None,
+                    "declaration": DECLARATION_FILE if source.declaration is not None else None,
                 }
             },
         )
         data = checked_manifest(dump(manifest), out, PACKAGE_FORMAT)
         write_archive(out, data, sign(key, data), entries, when)
     return PackResult(out, manifest, time.perf_counter() - started)
-
-
-def _plugin(device_type: str) -> Any:
-    from kunlun.device.registry import load_plugins
-
-    return load_plugins().plugins.get(device_type)
-
-
-def _default_declaration(home: Path, replay: Path | None) -> Path | None:
-    """The declaration a plan of this node used when none was given: the daemon's default."""
-    path = home / "device-plugin-config.yaml"
-    return path if replay is None and path.is_file() else None
 
 
 @dataclass

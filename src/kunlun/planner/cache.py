@@ -34,7 +34,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,9 +45,6 @@ from kunlun.planner.plan import ExecutionPlan
 CACHE_DIR = "plan-cache"
 WEIGHTS_DIR = "weights"
 LAUNCH_FILE = "launch.json"
-CONVERSION_RECORD = "conversion.json"
-"""What :func:`kunlun.engine.convert.write_quantized` keeps in ``weights/``: written last, so a
-``weights/`` without it is not a conversion (and is made again)."""
 BOOKKEEPING = frozenset({"plan.json", "key.json", LAUNCH_FILE})
 """The files of an entry the daemon writes itself (no engine loads them)."""
 _WEIGHT_SUFFIXES = (".safetensors",)
@@ -153,14 +149,6 @@ class PlanCache:
             _write_json(path / "key.json", inputs)
         _write_json(path / "plan.json", plan.to_dict())
         return CacheEntry(key, path, hit)
-
-
-def remove_tree(path: Path) -> None:
-    """Remove the directory ``path`` (if any), also when it was sealed read-only (the daemon
-    leaves a sealed conversion's directories 0500 and files 0400). Links are not followed."""
-    for root, _dirs, _files in os.walk(path):
-        os.chmod(root, 0o700)
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _write_json(path: Path, data: Any) -> None:

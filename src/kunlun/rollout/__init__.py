@@ -4,10 +4,11 @@ back on its own (``kunlun-cli rollout``, ``/api/v1/rollouts``; docs/rollouts.md)
 
 - :mod:`~kunlun.rollout.spec`: what a rollout is asked to do, and the parsing of ``10%``,
   ``5m``, ``0.1%``;
-- :mod:`~kunlun.rollout.window`: per-version request counts and latency histograms of one
-  step (mergeable across cluster nodes);
 - :mod:`~kunlun.rollout.gates`: the gate verdicts (error rate, p95 TTFT, p95 end-to-end);
-- :mod:`~kunlun.rollout.split`: the gateway's traffic split and sticky sessions;
 - :mod:`~kunlun.rollout.controller`: the loop that starts the canary, steps, promotes and
   rolls back, and keeps the state in the store.
+
+The gateway's side lives below, in :mod:`kunlun.serving`: the traffic split and sticky
+sessions (:mod:`~kunlun.serving.canary_split`) and the per-version counts and latency
+histograms of one step, mergeable across cluster nodes (:mod:`~kunlun.serving.canary_window`).
 """

@@ -34,8 +34,8 @@ from kunlun.errors import ConfigError, KunlunError, Location
 from kunlun.planner.model_info import locate_model
 from kunlun.rollout.gates import FAIL, PASS, GateResult, evaluate
 from kunlun.rollout.spec import RolloutSpec
-from kunlun.rollout.split import Split
-from kunlun.rollout.window import BASELINE, CANARY, VersionWindow
+from kunlun.serving.canary_split import Split
+from kunlun.serving.canary_window import BASELINE, CANARY, VersionWindow
 from kunlun.serving.gateway import GatewayState
 from kunlun.serving.replica import ReplicaSet
 from kunlun.state.store import RolloutRecord, StateStore

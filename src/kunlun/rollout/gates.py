@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from kunlun.rollout.window import BASELINE, CANARY, LatencyHistogram, VersionWindow
+from kunlun.serving.canary_window import BASELINE, CANARY, LatencyHistogram, VersionWindow
 
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
 QUANTILE = 0.95

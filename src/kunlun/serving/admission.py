@@ -29,10 +29,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kunlun.rollout.split import Version
-from kunlun.serving.protocol import QueueFull, ServiceUnavailable
+from kunlun.limits import PRIORITIES
+from kunlun.protocol.openai_api import QueueFull, ServiceUnavailable
+from kunlun.serving.canary_split import Version
 from kunlun.serving.replica import Replica, ReplicaSet
-from kunlun.serving.routing import PRIORITIES, Router
+from kunlun.serving.routing import Router
 from kunlun.serving.scheduler_config import SchedulerConfig
 
 DRAIN_WINDOW_S = 30.0

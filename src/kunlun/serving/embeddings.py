@@ -12,7 +12,7 @@ bytes, what OpenAI's SDK asks for by default and decodes). ``dimensions`` is acc
 is the model's embedding size; a smaller one only when the model's ``config.json`` declares
 Matryoshka training (``matryoshka_dimensions``: the sizes it was trained for, or
 ``is_matryoshka: true``: any size), and the vector is then cut to it and normalised again.
-``user`` is accepted and ignored, as on every route (:data:`kunlun.serving.fields
+``user`` is accepted and ignored, as on every route (:data:`kunlun.protocol.fields
 .IGNORED_FIELDS`). Every bad input is a 400 naming its field: an empty input, an input longer
 than the model takes (``input`` or ``input.3``, with the limit), a token id outside the
 vocabulary, more than :data:`MAX_INPUTS` inputs.
@@ -33,8 +33,8 @@ from fastapi.responses import Response
 from kunlun.engine.launch import Pooling, Task
 from kunlun.engine.pooling import check_input, input_limit
 from kunlun.errors import Location, PromptTooLong, RequestError
-from kunlun.serving.embedding_request import EmbeddingRequest, served_for_generation
-from kunlun.serving.protocol import param_error, parse_request
+from kunlun.protocol.embedding_request import EmbeddingRequest, served_for_generation
+from kunlun.protocol.openai_api import param_error, parse_request
 from kunlun.serving.worker_app import (
     PROMPT_BYTES_MARGIN,
     _json,

@@ -16,8 +16,8 @@ from pydantic import BaseModel
 from kunlun import json_text
 from kunlun.engines.registry import engine_named
 from kunlun.errors import EngineLacks, Location
-from kunlun.serving.embedding_request import served_for_generation
-from kunlun.serving.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from kunlun.protocol.embedding_request import served_for_generation
+from kunlun.protocol.openai_api import ChatCompletionRequest, CompletionRequest, parse_request
 
 EMBEDDINGS_PATH = "/v1/embeddings"
 _REQUESTS: dict[str, type[BaseModel]] = {

@@ -2,7 +2,7 @@
 on purpose, to test what watches them (rollout gates, dashboards, alerts) with a real broken
 version instead of a mock.
 
-A workload spec's ``faults`` (:class:`FaultSpec`) reaches each worker in its launch
+A workload spec's ``faults`` (:class:`~kunlun.engine.launch.FaultSpec`) reaches each worker in its launch
 (:class:`~kunlun.engine.launch.EngineLaunch`). Each chat or completion request then
 
 - waits ``delay_ms`` before it is given to the engine (its time to first token and its
@@ -20,31 +20,13 @@ import asyncio
 import random
 from collections.abc import Mapping
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from kunlun import headers as http_headers
+from kunlun.engine.launch import FaultSpec
 from kunlun.errors import KunlunError
 
 PROBE_HEADER = http_headers.HEALTH_PROBE
 """Sent (value ``1``) with every health probe of :mod:`kunlun.node.health`, so a worker can
 tell probes from client requests: injected faults leave probes alone."""
-
-
-class FaultSpec(BaseModel):
-    """Faults a workload's workers inject into client requests (testing only)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    error_rate: float = Field(
-        0.0,
-        ge=0.0,
-        le=1.0,
-        description="Fraction of requests answered 500 (engine error, code fault_injected).",
-    )
-    delay_ms: int = Field(
-        0, ge=0, le=600_000, description="Added before each request reaches the engine."
-    )
-    seed: int | None = Field(None, description="Seed of the error draws (None: random).")
 
 
 class InjectedFault(KunlunError):

@@ -39,13 +39,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from kunlun import headers as http_headers
 from kunlun import json_text
 from kunlun.errors import KunlunError, Location, RequestError
-from kunlun.rollout.split import SESSION_HEADER, Split
-from kunlun.rollout.window import BASELINE, RolloutStats
-from kunlun.serving.admission import Admission, Ticket
-from kunlun.serving.embedding_request import EmbeddingRequest
-from kunlun.serving.key_limits import KEY_TOKENS_SCOPE
-from kunlun.serving.limits import DEFAULT_MAX_SEQUENCES
-from kunlun.serving.protocol import (
+from kunlun.limits import DEFAULT_MAX_SEQUENCES
+from kunlun.protocol.embedding_request import EmbeddingRequest
+from kunlun.protocol.openai_api import (
     BodyTooLarge,
     ChatCompletionRequest,
     CompletionRequest,
@@ -57,6 +53,11 @@ from kunlun.serving.protocol import (
     param_error,
     request_sequences,
 )
+from kunlun.serving.admission import Admission, Ticket
+from kunlun.serving.canary_split import SESSION_HEADER, Split
+from kunlun.serving.canary_window import BASELINE, RolloutStats
+from kunlun.serving.key_limits import KEY_TOKENS_SCOPE
+from kunlun.serving.queue_metrics import QueueDepth  # telemetry
 from kunlun.serving.relay import Relay
 from kunlun.serving.replica import ReplicaSet
 from kunlun.serving.routing import (
@@ -73,7 +74,6 @@ from kunlun.serving.scheduler_config import SchedulerConfigSource
 from kunlun.serving.sglang_gateway import GENERATE_PATH, add_sglang_routes, admission_view
 from kunlun.serving.upstream import UpstreamError, UpstreamPool
 from kunlun.telemetry.gateway_metrics import GatewayMetrics  # telemetry
-from kunlun.telemetry.queue_metrics import QueueDepth  # telemetry
 
 _CHAT_BODY = openapi_body(ChatCompletionRequest)
 _COMPLETION_BODY = openapi_body(CompletionRequest)

@@ -23,17 +23,17 @@ from starlette.types import Receive, Scope, Send
 
 from kunlun import headers as http_headers
 from kunlun.errors import KunlunError
-from kunlun.serving import sse
-from kunlun.serving.admission import Ticket
-from kunlun.serving.external import external_body
-from kunlun.serving.limits import CLIENT_GONE
-from kunlun.serving.protocol import (
+from kunlun.limits import CLIENT_GONE
+from kunlun.protocol import sse
+from kunlun.protocol.openai_api import (
     QueueFull,
     ServiceUnavailable,
     WorkerDied,
     WorkerUnresponsive,
     error_status_and_body,
 )
+from kunlun.serving.admission import Ticket
+from kunlun.serving.external import external_body
 from kunlun.serving.replica import Replica
 from kunlun.serving.upstream import (
     UpstreamBroken,

@@ -34,12 +34,11 @@ from typing import NamedTuple
 
 from kunlun import headers as http_headers
 from kunlun.errors import Location, RequestError
+from kunlun.limits import PRIORITIES
 from kunlun.serving.pools import parse_pool, pool_name
 from kunlun.serving.replica import Replica
 from kunlun.serving.scheduler_config import SchedulerConfig, SchedulerConfigSource, ThermalConfig
 
-PRIORITIES = ("high", "normal", "low")
-"""The priority classes, most urgent first (ties in fair queuing go to the earlier one)."""
 PRIORITY_HEADER = http_headers.PRIORITY
 POOL_HEADER = http_headers.POOL
 KEY_PRIORITY_SCOPE = "kunlun.key_priority"

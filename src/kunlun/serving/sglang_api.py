@@ -4,7 +4,7 @@
 The handlers ride on :class:`~kunlun.serving.worker_app.WorkerApp`: the same prompt checks,
 submission, disconnect handling, streaming response (an SSE stream that fails ends with one
 error event) and request log as the OpenAI routes, only the request and response shapes
-differ (:mod:`kunlun.serving.sglang_protocol`). A streamed ``/generate`` sends, for each new
+differ (:mod:`kunlun.protocol.sglang`). A streamed ``/generate`` sends, for each new
 piece of a completion, ``data: {"text": <all its text so far>, "meta_info": {...}}`` (plus
 ``"index"`` when the answer is a list), then ``data: [DONE]``, as SGLang does; the input
 logprobs, known once the request ends, come with its last event.
@@ -27,10 +27,11 @@ from fastapi.responses import PlainTextResponse, Response
 import kunlun
 from kunlun.engine.outputs import CompletionOutput, RequestOutput
 from kunlun.errors import RequestError
-from kunlun.serving import sse
-from kunlun.serving.protocol import param_error, parse_request
-from kunlun.serving.sglang_protocol import GenerateRequest, finish_reason, generate_item
-from kunlun.serving.sglang_protocol import logprob_fields as _logprob_fields
+from kunlun.limits import CLIENT_GONE
+from kunlun.protocol import sse
+from kunlun.protocol.openai_api import param_error, parse_request
+from kunlun.protocol.sglang import GenerateRequest, finish_reason, generate_item
+from kunlun.protocol.sglang import logprob_fields as _logprob_fields
 
 if TYPE_CHECKING:
     from kunlun.serving.worker_app import WorkerApp, _Call
@@ -46,7 +47,7 @@ class SGLangRoutes:
         self.worker = worker
 
     async def generate(self, request: Request) -> Response:
-        from kunlun.serving.worker_app import _CLIENT_GONE, _json, _new_call, _off_loop_if_large
+        from kunlun.serving.worker_app import _json, _new_call, _off_loop_if_large
 
         worker = self.worker
         raw = await request.body()
@@ -77,7 +78,7 @@ class SGLangRoutes:
             return worker._sse(call, submitted, self._events(call, req, rids, submitted.streams))
         outputs = await worker._collect(request, call, submitted)
         if outputs is None:
-            return worker._finish(call, Response(status_code=_CLIENT_GONE))
+            return worker._finish(call, Response(status_code=CLIENT_GONE))
         latency = time.perf_counter() - call.started
         items = [
             generate_item(req, worker.tokens, _rid(rids[i], req, o), final, o, latency)

@@ -25,16 +25,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from kunlun.errors import KunlunError, RequestError
-from kunlun.serving.protocol import (
+from kunlun.protocol.openai_api import (
     ModelNotFound,
     ServiceUnavailable,
     WorkerDied,
     error_status_and_body,
     param_error,
 )
+from kunlun.protocol.sglang import DEFAULT_MAX_NEW_TOKENS
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.serving.sglang_api import FLUSHED
-from kunlun.serving.sglang_protocol import DEFAULT_MAX_NEW_TOKENS
 from kunlun.serving.upstream import UpstreamError
 
 GENERATE_PATH = "/generate"

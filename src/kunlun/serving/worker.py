@@ -59,12 +59,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def worker_command(launch_file: str | Path) -> list[str]:
-    """The command line that starts a worker from ``launch_file`` (this interpreter). The one
-    place a worker's command line is spelled: the node agent, tests and benchmarks call it."""
-    return [sys.executable, "-m", "kunlun.serving.worker", "--launch", str(launch_file)]
-
-
 def write_launch(
     path: str | Path,
     model_dir: str | Path,
@@ -336,9 +330,9 @@ def import_trusted_modules(launch: EngineLaunch) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kunlun import sandbox
     from kunlun.engine.launch import read_launch
     from kunlun.errors import KunlunError
-    from kunlun.node import sandbox
 
     args = parse_args(argv)
     try:

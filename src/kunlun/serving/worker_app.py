@@ -30,13 +30,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from kunlun import budgets
 from kunlun import headers as http_headers
 from kunlun.engine.async_engine import AsyncLLMEngine
-from kunlun.engine.launch import Pooling, Task
+from kunlun.engine.launch import FaultSpec, Pooling, Task
 from kunlun.engine.outputs import RequestOutput, RequestOutputDelta
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import EngineError, KunlunError, PromptTooLong
-from kunlun.serving import responses, sse
-from kunlun.serving.faults import PROBE_HEADER, Faults, FaultSpec
-from kunlun.serving.protocol import (
+from kunlun.limits import CLIENT_GONE
+from kunlun.protocol import responses, sse
+from kunlun.protocol.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -47,16 +47,16 @@ from kunlun.serving.protocol import (
     param_error,
     parse_request,
 )
+from kunlun.protocol.tool_formats import ToolStream
+from kunlun.protocol.tools import ToolUse
+from kunlun.serving.faults import PROBE_HEADER, Faults
 from kunlun.serving.sglang_api import add_sglang_routes
-from kunlun.serving.tool_formats import ToolStream
-from kunlun.serving.tools import ToolUse
 from kunlun.telemetry.worker_metrics import WorkerTelemetry  # telemetry
 
 if TYPE_CHECKING:
     from kunlun.serving.embeddings import Embeddings
 
 _T = TypeVar("_T")
-_CLIENT_GONE = 499
 """Logged status of a request whose client disconnected (nginx's convention)."""
 SURE_PIECE_CHARS = 16_384
 """Characters tokenized at a time to learn that a long prompt cannot fit."""
@@ -160,7 +160,7 @@ class WorkerApp:
             return self._sse(call, submitted, events)
         outputs = await self._collect(request, call, submitted)
         if outputs is None:
-            return self._finish(call, Response(status_code=_CLIENT_GONE))
+            return self._finish(call, Response(status_code=CLIENT_GONE))
         body = responses.chat_completion(
             response_id, req.model, outputs[0], self.tokens, params.logprobs
         )
@@ -197,7 +197,7 @@ class WorkerApp:
             return self._sse(call, submitted, events)
         outputs = await self._collect(request, call, submitted)
         if outputs is None:
-            return self._finish(call, Response(status_code=_CLIENT_GONE))
+            return self._finish(call, Response(status_code=CLIENT_GONE))
         body = responses.text_completion(
             response_id, req.model, outputs, self.tokens, params.logprobs, echo_texts
         )
@@ -388,7 +388,7 @@ class WorkerApp:
         finally:
             self.num_active -= 1
         if result is None:
-            call.status = _CLIENT_GONE
+            call.status = CLIENT_GONE
             await self._abort(submitted)
         return result
 
@@ -587,7 +587,7 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             if not self.completed:
-                self.call.status = _CLIENT_GONE
+                self.call.status = CLIENT_GONE
                 await self.worker._abort(self.submitted)
             self.worker.log(self.call.log_line())
             self.worker.telemetry.observe(self.call)  # telemetry

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kunlun.errors import ClusterUnavailable, ConfigError, Location, RequestError
+from kunlun.limits import PRIORITIES
 from kunlun.state.store import ApiKeyRecord, StateStore
 
 PREFIX = "kl-"
@@ -31,7 +32,6 @@ def hash_key(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-PRIORITIES = ("high", "normal", "low")
 SCOPES = ("admin", "inference")
 """``admin``: every route; ``inference``: the OpenAI API (``/v1/...``, ``/metrics``) only."""
 DEFAULT_SCOPE = "inference"

@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict
 from typing import Any, TypeVar
 
-from kunlun.cluster.etcd import KV, Compare, Etcd, Op, WatchEvent
+from kunlun.state.etcd_client import KV, Compare, Etcd, Op, WatchEvent
 from kunlun.state.store import (
     ApiKeyRecord,
     BatchRecord,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kunlun.errors import KunlunError
-from kunlun.serving.limits import CLIENT_GONE
+from kunlun.limits import CLIENT_GONE
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 """Seconds; end-to-end latency of a request (prefill plus every output token)."""

@@ -3,7 +3,7 @@
 The worker app calls :meth:`WorkerTelemetry.observe` once per finished API call (the same
 moment it logs the call) and serves :meth:`WorkerTelemetry.metrics` as ``GET /metrics``.
 The daemon's ``/metrics`` scrapes every ready worker and adds the labels that say which
-model, replica, priority and device the series belong to (:mod:`kunlun.telemetry.exposition`);
+model, replica, priority and device the series belong to (:mod:`kunlun.daemon.exposition`);
 the worker's series carry none of those.
 
 Definitions (all times from the worker's clock):

@@ -22,8 +22,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kunlun.serving.queue_metrics import NAME as QUEUE_DEPTH
 from kunlun.telemetry.gateway_metrics import NONE
-from kunlun.telemetry.queue_metrics import NAME as QUEUE_DEPTH
 from kunlun.telemetry.view import histogram_quantile
 
 HISTOGRAMS = {

@@ -24,11 +24,11 @@ from kunlun.engines import measured
 from kunlun.engines.registry import DEFAULT_ENGINE, external_command
 from kunlun.errors import ConfigError, KunlunError, Location, ModelError
 from kunlun.node.agent import NodeAgent
-from kunlun.node.sandbox import memory_cap_mb
 from kunlun.offline.integrity import Finding, ModelGuard
 from kunlun.planner.cache import LAUNCH_FILE, PlanCache
 from kunlun.planner.model_info import ModelInfo, inspect_model, locate_model
 from kunlun.planner.plan import ExecutionPlan, engine_launch
+from kunlun.sandbox import memory_cap_mb
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.state.store import EventRecord, StateStore, WorkloadRecord
 from kunlun.telemetry.spec import worker_profiling

@@ -17,10 +17,9 @@ from pydantic import (
     field_validator,
 )
 
-from kunlun.engine.launch import Pooling, Task
+from kunlun.engine.launch import FaultSpec, Pooling, Task
 from kunlun.engine.schemes import SCHEMES
 from kunlun.errors import ConfigError, Location
-from kunlun.serving.faults import FaultSpec
 from kunlun.telemetry.spec import TelemetrySpec
 from kunlun.workload.chat_template import MAX_CHAT_TEMPLATE_CHARS, template_problem
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import Any
 
+import kunlun.workload.placement.reasons as reasons
 from kunlun.device.inventory import Inventory
 from kunlun.engines.measured import Measurement
 from kunlun.engines.registry import EngineChoice, choose_plan_engines
@@ -30,7 +31,6 @@ from kunlun.planner.plan import (
     kv_budget_mb,
 )
 from kunlun.workload.ledger import Ledger, Reservation
-from kunlun.workload.placement import reasons
 from kunlun.workload.placement.filters import explicit_index, judge_class, pools_for
 from kunlun.workload.placement.scorers import (
     RATED,

@@ -12,7 +12,7 @@ The formats (:data:`TOOL_FORMATS`):
 ``hermes``
     ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one block per call:
     the format of Qwen2.5, Qwen3, Hermes and many fine-tunes, and the one Kunlun teaches a
-    model whose chat template does not take tools (:mod:`kunlun.serving.tools`).
+    model whose chat template does not take tools (:mod:`kunlun.protocol.tools`).
 ``llama3_json``
     The whole answer is a JSON object ``{"name": ..., "parameters": {...}}`` (several
     separated by ``;``), optionally after ``<|python_tag|>``: Llama 3.1 to 3.3.

@@ -4,7 +4,7 @@ Requests are pydantic models that turn into one :class:`SamplingParams` with
 :meth:`to_sampling_params`. Nothing a client sends is dropped silently: a field this server
 does not implement (``tools``, ``response_format``...) or does not know (a typo) is a 400
 naming it; the fields accepted and deliberately ignored are declared
-(:mod:`kunlun.serving.fields` keeps both lists). Every error an endpoint
+(:mod:`kunlun.protocol.fields` keeps both lists). Every error an endpoint
 answers goes through :func:`error_status_and_body`, the one place that maps a
 :class:`KunlunError` (by its ``http_status``) to the OpenAI error shape::
 
@@ -20,7 +20,7 @@ The serving errors below extend the project hierarchy (:mod:`kunlun.errors`)::
     ServiceUnavailable           serving.unavailable            http 503  (Retry-After)
     WorkerDied                   serving.worker_died            http 502
 
-Response bodies are built in :mod:`kunlun.serving.responses`.
+Response bodies are built in :mod:`kunlun.protocol.responses`.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from kunlun import budgets, json_text
 from kunlun.engine.guided import Guide
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import KunlunError, Location, PermissionDenied, PromptTooLong, RequestError
-from kunlun.serving.fields import StrictModel, extra_field_message
-from kunlun.serving.tools import MessageToolCall, ToolChoice, ToolDef, ToolUse
+from kunlun.protocol.fields import StrictModel, extra_field_message
+from kunlun.protocol.tools import MessageToolCall, ToolChoice, ToolDef, ToolUse
 
 # ---- serving errors ----
 
@@ -391,7 +391,7 @@ class ChatCompletionRequest(_CommonRequest):
     parallel_tool_calls: bool | None = None
 
     def tool_use(self, chat_template: str | None) -> ToolUse:
-        """What this request's tools change (:mod:`kunlun.serving.tools`); 400s first."""
+        """What this request's tools change (:mod:`kunlun.protocol.tools`); 400s first."""
         guides = self.guide_fields()
         return ToolUse.of(self.tools, self.tool_choice, self.parallel_tool_calls,
                           guides[0] if guides else None, chat_template)  # fmt: skip

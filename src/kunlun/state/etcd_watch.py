@@ -1,4 +1,4 @@
-"""The watch of :meth:`kunlun.cluster.etcd.Etcd.watch`: one prefix's events streamed from
+"""The watch of :meth:`kunlun.state.etcd_client.Etcd.watch`: one prefix's events streamed from
 ``/v3/watch`` in a thread, resumed on the next member after the last delivered revision,
 reopened when idle for :data:`WATCH_IDLE_S`, closed at once when its ``stop`` is set."""
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from kunlun.cluster.etcd import Etcd, WatchEvent, error_of, event_of, key_span, revision_of
+from kunlun.state.etcd_client import Etcd, WatchEvent, error_of, event_of, key_span, revision_of
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Shared CLI plumbing: the one place that maps Kunlun errors to exit codes and messages."""
+"""Terminal output of both entry points (`kunlun-cli`, `kunlun-platform`), and the one place
+that maps Kunlun errors to exit codes and messages."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import zlib
 from dataclasses import dataclass
 
 from kunlun import headers as http_headers
-from kunlun.rollout.window import BASELINE, CANARY
+from kunlun.serving.canary_window import BASELINE, CANARY
 
 SESSION_HEADER = http_headers.SESSION
 VERSION_HEADER = http_headers.VERSION

@@ -1,4 +1,4 @@
-"""Figures the gateway's edge is defined by, kept free of imports so that the daemon's
+"""Figures and names the gateway's edge is defined by, kept free of imports so that the daemon's
 command line and request log can read them without loading the web stack."""
 
 from __future__ import annotations
@@ -9,3 +9,6 @@ DEFAULT_MAX_SEQUENCES = 256
 CLIENT_GONE = 499
 """Status counted and logged when the client disconnects before its answer is complete
 (while it waits in the gateway's queue, or mid-stream)."""
+PRIORITIES = ("high", "normal", "low")
+"""The priority classes of requests, API keys and workloads, most urgent first (ties in the
+gateway's fair queuing go to the earlier one)."""

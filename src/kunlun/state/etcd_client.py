@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from kunlun.cluster.certs import MemberTLS
 from kunlun.errors import ClusterUnavailable, ConfigError, KunlunError
+from kunlun.state.certs import MemberTLS
 
 if TYPE_CHECKING:
-    from kunlun.cluster.etcd_watch import Watch
+    from kunlun.state.etcd_watch import Watch
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +325,7 @@ class Etcd:
         ``compact_revision``, the oldest revision left. An exception from ``on_events`` is
         logged and the batch counts as delivered.
         """
-        from kunlun.cluster.etcd_watch import Watch
+        from kunlun.state.etcd_watch import Watch
 
         watch = Watch(self, prefix, start_revision, on_events, stop)
         thread = threading.Thread(target=watch.run, name=f"etcd-watch {prefix}", daemon=True)

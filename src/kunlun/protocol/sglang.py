@@ -30,9 +30,9 @@ from kunlun.engine.guided import Guide
 from kunlun.engine.outputs import CompletionOutput, RequestOutput
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.engine.sequence import TopLogprobs
-from kunlun.serving.fields import StrictModel
-from kunlun.serving.protocol import TokenIds, param_error
-from kunlun.serving.responses import TokenText
+from kunlun.protocol.fields import StrictModel
+from kunlun.protocol.openai_api import TokenIds, param_error
+from kunlun.protocol.responses import TokenText
 
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's default ``max_new_tokens``."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kunlun.serving.routing import PRIORITIES
+from kunlun.limits import PRIORITIES
 
 if TYPE_CHECKING:
     from prometheus_client import Metric

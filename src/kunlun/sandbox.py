@@ -10,7 +10,7 @@ to itself in two steps:
    closes the race of a daemon that died before the call) and, when the sandbox is on, it
    sets ``RLIMIT_CORE`` 0 (no core dumps), ``RLIMIT_NOFILE`` and ``no_new_privs``;
 2. :func:`lock` after its trusted imports (torch, uvicorn) and before it opens any model
-   file: the seccomp allow-list of :mod:`kunlun.node.syscalls` is installed; a call outside it
+   file: the seccomp allow-list of :mod:`kunlun.syscalls` is installed; a call outside it
    kills the worker with SIGSYS (``SECCOMP_RET_KILL_PROCESS``).
 
 The daemon side also gives each worker a clean environment (:func:`worker_environment`: only
@@ -129,7 +129,7 @@ def enter(sandbox: WorkerSandbox) -> None:
 def lock(sandbox: WorkerSandbox) -> None:
     """Second step: install the system call allow-list, then run the self-test if asked."""
     if sandbox.enabled and sandbox.seccomp:
-        from kunlun.node.syscalls import install_filter
+        from kunlun.syscalls import install_filter
 
         install_filter()
     if sandbox.self_test == SELF_TEST_FORBIDDEN_SYSCALL:

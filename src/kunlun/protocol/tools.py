@@ -11,7 +11,7 @@ back in that format, and tool results become user turns in ``<tool_response>`` t
 ``tool_choice``:
 
 - ``auto`` (the default with tools): the model answers freely; calls written in the model's
-  format (:mod:`kunlun.serving.tool_formats`) are parsed out of the answer into
+  format (:mod:`kunlun.protocol.tool_formats`) are parsed out of the answer into
   ``tool_calls``; text that does not parse stays content.
 - ``required``, or a named function: the engine's grammar engine holds the answer to one
   call (one or more with ``parallel_tool_calls``, the default) of the allowed functions,
@@ -41,8 +41,8 @@ from pydantic import Field
 from kunlun.engine.guided import Guide
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import Location, RequestError
-from kunlun.serving.fields import StrictModel
-from kunlun.serving.tool_formats import ToolFormat, ToolStream, format_for_template
+from kunlun.protocol.fields import StrictModel
+from kunlun.protocol.tool_formats import ToolFormat, ToolStream, format_for_template
 
 # ---- request objects ----
 
@@ -52,7 +52,7 @@ class FunctionDef(StrictModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
-    """Accepted, ignored (:data:`~kunlun.serving.fields.IGNORED_FIELDS` says why)."""
+    """Accepted, ignored (:data:`~kunlun.protocol.fields.IGNORED_FIELDS` says why)."""
 
 
 class ToolDef(StrictModel):

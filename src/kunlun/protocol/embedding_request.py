@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from kunlun.errors import RequestError
-from kunlun.serving.protocol import StrictModel, TokenIds, param_error
+from kunlun.protocol.openai_api import StrictModel, TokenIds, param_error
 
 
 class EmbeddingRequest(StrictModel):
