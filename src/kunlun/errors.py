@@ -52,11 +52,19 @@ class KunlunError(Exception):
 
     ``message`` says what is wrong, naming the offending value; ``location`` says where;
     ``hint`` says what to do about it.
+
+    Each class is its own entry of the error catalog: its stable ``code`` (CLI messages,
+    logs, the admin API), the CLI's ``exit_code``, the ``http_status`` it answers, and the
+    ``openai_type`` and ``openai_code`` of the OpenAI-shaped body the inference API answers
+    it with (``openai_code`` None: ``code``). ``tests/test_error_catalog.py`` walks every
+    subclass.
     """
 
     code = "kunlun.error"
+    openai_code: str | None = None
     exit_code = 1
     http_status = 500
+    openai_type = "server_error"
 
     def __init__(
         self, message: str, *, location: Location | None = None, hint: str | None = None
@@ -86,6 +94,7 @@ class ConfigError(KunlunError):
     code = "config.invalid"
     exit_code = 2
     http_status = 400
+    openai_type = "invalid_request_error"
 
 
 class DeviceError(KunlunError):
@@ -105,6 +114,7 @@ class ModelError(KunlunError):
 
     code = "model.error"
     http_status = 400
+    openai_type = "invalid_request_error"
 
 
 class UnsupportedArchitecture(ModelError):
@@ -148,6 +158,7 @@ class ClusterUnavailable(KunlunError):
     code = "cluster.unavailable"
     exit_code = 2
     http_status = 503
+    openai_type = "service_unavailable_error"
 
 
 class RequestError(KunlunError):
@@ -156,6 +167,7 @@ class RequestError(KunlunError):
     code = "request.invalid"
     exit_code = 2
     http_status = 400
+    openai_type = "invalid_request_error"
 
 
 class EngineLacks(RequestError):
@@ -167,6 +179,7 @@ class EngineLacks(RequestError):
 
 class PromptTooLong(RequestError):
     code = "request.prompt_too_long"
+    openai_code = "context_length_exceeded"
 
 
 class OverBudget(RequestError):
@@ -182,8 +195,10 @@ class PermissionDenied(KunlunError):
     client address outside its key's allow-list, a model path outside the model roots."""
 
     code = "auth.permission_denied"
+    openai_code = "permission_denied"
     exit_code = 2
     http_status = 403
+    openai_type = "permission_error"
 
 
 class PackageError(KunlunError):
@@ -193,6 +208,7 @@ class PackageError(KunlunError):
     code = "package.invalid"
     exit_code = 3
     http_status = 400
+    openai_type = "invalid_request_error"
 
 
 class SignatureError(PackageError):

@@ -64,6 +64,7 @@ class NotFound(RequestError):
 
     code = "not_found"
     http_status = 404
+    openai_type = "invalid_request_error"
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ class FileInUse(RequestError):
 
     code = "file_in_use"
     http_status = 409
+    openai_type = "invalid_request_error"
 
 
 class FileStore:

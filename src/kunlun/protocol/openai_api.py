@@ -33,7 +33,7 @@ from pydantic import BaseModel, Field, ValidationError
 from kunlun import budgets, json_text
 from kunlun.engine.guided import Guide
 from kunlun.engine.sampling_params import SamplingParams
-from kunlun.errors import KunlunError, Location, PermissionDenied, PromptTooLong, RequestError
+from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.protocol.fields import StrictModel, extra_field_message
 from kunlun.protocol.tools import MessageToolCall, ToolChoice, ToolDef, ToolUse
 
@@ -44,21 +44,27 @@ class ModelNotFound(RequestError):
     """The request names a model that nothing here serves."""
 
     code = "serving.model_not_found"
+    openai_code = "model_not_found"
     http_status = 404
+    openai_type = "invalid_request_error"
 
 
 class RouteNotFound(RequestError):
     """No route answers this path."""
 
     code = "serving.not_found"
+    openai_code = "not_found"
     http_status = 404
+    openai_type = "invalid_request_error"
 
 
 class MethodNotAllowed(RequestError):
     """The path exists, but not for this HTTP method."""
 
     code = "serving.method_not_allowed"
+    openai_code = "method_not_allowed"
     http_status = 405
+    openai_type = "invalid_request_error"
 
 
 def http_error(status: int, method: str, path: str, detail: str) -> KunlunError:
@@ -70,6 +76,7 @@ def http_error(status: int, method: str, path: str, detail: str) -> KunlunError:
         return MethodNotAllowed(f"{method} {path}: method not allowed on this route")
     error = RequestError(f"{method} {path}: {detail}")
     error.http_status = status
+    error.openai_type = "invalid_request_error" if status < 500 else "server_error"
     return error
 
 
@@ -78,14 +85,17 @@ class BodyTooLarge(RequestError):
 
     code = "serving.body_too_large"
     http_status = 413
+    openai_type = "invalid_request_error"
 
 
 class AuthenticationError(KunlunError):
     """The API key is missing or wrong."""
 
     code = "serving.invalid_api_key"
+    openai_code = "invalid_api_key"
     exit_code = 2
     http_status = 401
+    openai_type = "authentication_error"
 
 
 class _RetryLater(KunlunError):
@@ -99,28 +109,36 @@ class QueueFull(_RetryLater):
     """Every replica of the model has its queue full."""
 
     code = "serving.queue_full"
+    openai_code = "rate_limit_exceeded"
     http_status = 429
+    openai_type = "rate_limit_error"
 
 
 class RateLimited(_RetryLater):
     """The API key has used its requests or tokens per minute (:mod:`kunlun.serving.key_limits`)."""
 
     code = "serving.rate_limited"
+    openai_code = "rate_limit_exceeded"
     http_status = 429
+    openai_type = "rate_limit_error"
 
 
 class ServiceUnavailable(_RetryLater):
     """No replica can take the request now (none ready, or the platform is draining)."""
 
     code = "serving.unavailable"
+    openai_code = "service_unavailable"
     http_status = 503
+    openai_type = "service_unavailable_error"
 
 
 class WorkerDied(KunlunError):
     """The engine worker serving a request stopped before answering it."""
 
     code = "serving.worker_died"
+    openai_code = "worker_died"
     http_status = 502
+    openai_type = "server_error"
 
 
 class WorkerUnresponsive(KunlunError):
@@ -128,36 +146,12 @@ class WorkerUnresponsive(KunlunError):
     progress deadline, or an upstream read timed out)."""
 
     code = "serving.worker_unresponsive"
+    openai_code = "worker_unresponsive"
     http_status = 504
+    openai_type = "timeout_error"
 
 
 # ---- errors -> OpenAI shape, in one place ----
-
-_TYPES = {
-    400: "invalid_request_error",
-    409: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable_error",
-    504: "timeout_error",
-}
-_CODES: dict[type[KunlunError], str] = {
-    PromptTooLong: "context_length_exceeded",
-    ModelNotFound: "model_not_found",
-    RouteNotFound: "not_found",
-    MethodNotAllowed: "method_not_allowed",
-    AuthenticationError: "invalid_api_key",
-    QueueFull: "rate_limit_exceeded",
-    RateLimited: "rate_limit_exceeded",
-    PermissionDenied: "permission_denied",
-    ServiceUnavailable: "service_unavailable",
-    WorkerDied: "worker_died",
-    WorkerUnresponsive: "worker_unresponsive",
-}
 
 
 def error_status_and_body(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
@@ -169,7 +163,7 @@ def error_status_and_body(exc: BaseException) -> tuple[int, dict[str, Any], dict
     if not isinstance(exc, KunlunError):
         exc = KunlunError(f"internal error: {type(exc).__name__}: {exc}")
     status = exc.http_status
-    code = next((c for cls, c in _CODES.items() if isinstance(exc, cls)), exc.code)
+    code = exc.openai_code or exc.code
     where = exc.location
     message = exc.message if where is None or where.path == "request" else f"{where}: {exc.message}"
     if exc.hint:
@@ -177,7 +171,7 @@ def error_status_and_body(exc: BaseException) -> tuple[int, dict[str, Any], dict
     body = {
         "error": {
             "message": message,
-            "type": _TYPES.get(status, "server_error"),
+            "type": exc.openai_type,
             "param": where.field if where is not None else None,
             "code": code,
         }

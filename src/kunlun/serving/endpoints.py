@@ -54,6 +54,7 @@ class EndpointNotFound(RequestError):
 
     code = "endpoint_not_found"
     http_status = 404
+    openai_type = "invalid_request_error"
     exit_code = 2
 
 
@@ -62,6 +63,7 @@ class EndpointExists(RequestError):
 
     code = "endpoint_exists"
     http_status = 409
+    openai_type = "invalid_request_error"
     exit_code = 2
 
 
@@ -71,6 +73,7 @@ class OutputInvalid(KunlunError):
 
     code = "endpoint_output_invalid"
     http_status = 502
+    openai_type = "server_error"
 
 
 class OutputTruncated(OutputInvalid):

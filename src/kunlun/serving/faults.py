@@ -34,6 +34,7 @@ class InjectedFault(KunlunError):
 
     code = "fault_injected"
     http_status = 500
+    openai_type = "server_error"
 
 
 class Faults:

@@ -56,6 +56,7 @@ class PoolNotFound(RequestError):
 
     code = "pool_not_found"
     http_status = 404
+    openai_type = "invalid_request_error"
 
 
 def resolve_priority(header: str | None, key_priority: str | None, workload_priority: str) -> str:

@@ -25,6 +25,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kunlun.errors import KunlunError, PermissionDenied
+from kunlun.protocol.openai_api import AuthenticationError, error_status_and_body
 from kunlun.state.api_keys import KeyRing
 from kunlun.ui.session import COOKIE, Session, Sessions
 
@@ -166,13 +168,9 @@ class Dashboard:
         target = scope["path"][len(CALL) :]
         session = self.session(request)
         if session is None:
-            response: Response = JSONResponse({"error": {"message": "log in again",
-                                                         "type": "authentication_error",
-                                                         "param": None, "code": None}}, 401)  # fmt: skip
+            response: Response = _error(AuthenticationError("log in again"))
         elif not _callable(target) or not same_origin(request):
-            response = JSONResponse({"error": {"message": f"{target} is not callable from "
-                                               "the dashboard", "type": "invalid_request_error",
-                                               "param": None, "code": None}}, 403)  # fmt: skip
+            response = _error(PermissionDenied(f"{target} is not callable from the dashboard"))
         else:
             headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _DROPPED]
             if session.key:
@@ -213,3 +211,9 @@ def _error_of(resp: httpx.Response) -> dict[str, Any]:
     if isinstance(error, dict):
         return error
     return {"message": f"HTTP {resp.status_code}: {resp.text[:200]}"}
+
+
+def _error(exc: KunlunError) -> Response:
+    """``exc`` answered as the API answers it (its catalog entry: status, type, code)."""
+    status, body, headers = error_status_and_body(exc)
+    return JSONResponse(body, status, headers)
