@@ -111,7 +111,7 @@ def test_every_completion_field_is_implemented_or_refused_by_name(field: str) ->
 
 
 def test_the_walk_knows_which_are_refused() -> None:
-    """The outcome of each field is as documented (README, "The OpenAI API")."""
+    """The outcome of each field is as documented (docs/openai-api.md)."""
     chat = {f: outcome(ChatCompletionRequest, {"model": "m", "messages": [
         {"role": "user", "content": "hi"}], f: v}, f) for f, v in CHAT_FIELDS.items()}  # fmt: skip
     refused = sorted(f for f, how in chat.items() if how == "refused")

@@ -130,14 +130,14 @@ def test_ignored_fields_and_unsupported_ones_that_ask_for_nothing_are_accepted()
     assert completion(best_of=1, suffix=None, user="u").prompts() == ["hi"]
 
 
-def test_the_documented_lists_of_fields_are_disjoint_and_in_the_readme() -> None:
+def test_the_documented_lists_of_fields_are_disjoint_and_in_the_docs() -> None:
     from pathlib import Path
 
     from kunlun.protocol.fields import IGNORED_FIELDS, UNSUPPORTED_FIELDS
 
     assert not IGNORED_FIELDS.keys() & UNSUPPORTED_FIELDS.keys()
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split("## The OpenAI API", 1)[1].split("\n## ", 1)[0]
+    doc = (Path(__file__).parents[2] / "docs" / "openai-api.md").read_text()
+    section = doc.split("# The OpenAI API", 1)[1].split("\n## ", 1)[0]
     for name in (*IGNORED_FIELDS, *UNSUPPORTED_FIELDS):
         assert f"`{name}`" in section, name
 

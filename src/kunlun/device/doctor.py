@@ -280,7 +280,7 @@ def _check_torch(report: DoctorReport, plugins: list[DevicePlugin]) -> None:
             "torch",
             Level.WARN,
             "torch is not installed; the embedded engine cannot run",
-            "pip install torch==<version for your chip> (see README: per-vendor installs)",
+            "pip install torch==<version for your chip> (see docs/devices.md: per-vendor installs)",
         )
     else:
         report.add("python", "torch", Level.OK, f"installed at {Path(spec.origin or '').parent}")

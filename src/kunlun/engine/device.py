@@ -64,7 +64,7 @@ def import_extension(module: str | None, device: str) -> None:
     except ImportError as exc:
         raise EngineError(
             f"device {device!r} needs the PyTorch extension {module!r}, which is not installed",
-            hint=f"install the vendor's build of {module} (see README, per-vendor installs)",
+            hint=f"install the vendor's build of {module} (see docs/devices.md, per-vendor installs)",
         ) from exc
 
 

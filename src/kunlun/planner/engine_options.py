@@ -2,7 +2,7 @@
 
 Each attribute a device plugin knows (see each plugin's ``custom_attributes``) maps to one
 documented engine option; a few also set an environment variable of the vendor's stack. The
-table is data; README "Plans and placement" lists it. An attribute without a mapping is kept
+table is data; docs/plans.md lists it. An attribute without a mapping is kept
 in the plan's notes, not silently dropped.
 
 | attribute | engine option | environment |

@@ -8,7 +8,7 @@ learns at once that it does not get what it asked; any other undeclared field
 is unknown (a typo) and a 400 naming it too. An unsupported field whose value asks for
 nothing (``null``, ``[]``, ``{}``, ``function_call: "none"``...) is accepted as if absent. The
 fields accepted and ignored on purpose are declared on the models and listed here with the
-reason (:data:`IGNORED_FIELDS`); the README's section "The OpenAI API" shows both lists.
+reason (:data:`IGNORED_FIELDS`); docs/openai-api.md shows both lists.
 """
 
 from __future__ import annotations
@@ -108,5 +108,5 @@ def extra_field_message(field: str) -> str:
         )
     return (
         f"unknown field '{field}'; check its spelling (the fields accepted are listed in "
-        "the README, section 'The OpenAI API')"
+        "docs/openai-api.md)"
     )

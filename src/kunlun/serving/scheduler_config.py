@@ -211,7 +211,7 @@ def parse_scheduler_config(text: str, path: str) -> SchedulerConfig:
         problems = [_describe(err, path, lines) for err in exc.errors()]
         raise ConfigError(
             f"{len(problems)} problem(s) in {path}:\n  " + "\n  ".join(problems),
-            hint="every field is documented in the README, section 'Scheduling and routing'; "
+            hint="every field is documented in docs/scheduling.md; "
             "remove a field to take its default",
         ) from None
 
