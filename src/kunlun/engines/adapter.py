@@ -8,8 +8,9 @@ paths, stop signal and log file of one replica of a plan. An :class:`EngineAdapt
 them; adapters are registered through the entry-point group ``kunlun.engines``
 (:mod:`kunlun.engines.registry`), so a vendor package can add one.
 
-The flags and environment themselves live in one table (:mod:`kunlun.engines.table`); an
-adapter is the small amount of code that reads it.
+An adapter holds its engine's facts (for the external engines its rows per vendor family,
+:class:`kunlun.engines.table.VendorRow`, and its spelling of dtypes and schemes) beside the
+small amount of code that reads them.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from kunlun.device.registry import known_device_types, load_plugins
@@ -26,30 +28,31 @@ from kunlun.engines.adapter import (
     lacks,
     module_available,
 )
-from kunlun.engines.table import (
-    ALL_LAYERS,
-    DTYPE_FLAGS,
-    QUANTIZATION_FLAGS,
-    QUANTIZATION_GAP,
-    VENDORS,
-    VendorRow,
-    row,
-)
+from kunlun.engines.table import ALL_LAYERS, QUANTIZATION_GAP, VendorRow
 from kunlun.planner.plan import ExecutionPlan
 from kunlun.protocol.fields import asks_nothing
 
 
-class TableEngine(EngineAdapter):
-    """An external engine whose device types and requirements are its rows of the table."""
+class ExternalEngine(EngineAdapter):
+    """An external engine: its device types and requirements are its rows (``vendors``: one
+    :class:`VendorRow` per Kunlun device type), its spelling of Kunlun's dtypes
+    ``dtype_flags``, and of quantization schemes ``quantization_flags`` (None: no flag)."""
 
     formats: tuple[ModelFormat, ...] = ("hf",)
+    vendors: Mapping[str, VendorRow] = MappingProxyType({})
+    dtype_flags: Mapping[str, str] = MappingProxyType({})
+    quantization_flags: Mapping[str, str | None] = MappingProxyType({})
+
+    def row(self, device_type: str) -> VendorRow | None:
+        """This engine's row for ``device_type``, or None."""
+        return self.vendors.get(device_type)
 
     @property
     def device_types(self) -> tuple[str, ...]:  # type: ignore[override]
-        return tuple(VENDORS[self.name])
+        return tuple(self.vendors)
 
     def installed(self, device_type: str | None = None) -> Availability:
-        rows = [row(self.name, device_type)] if device_type else list(VENDORS[self.name].values())
+        rows = [self.row(device_type)] if device_type else list(self.vendors.values())
         needed = dict.fromkeys(r for vendor in rows if vendor for r in vendor.requires)
         if not needed:
             return Availability(False, f"{self.name} has no build for {device_type} devices")
@@ -67,7 +70,7 @@ class TableEngine(EngineAdapter):
         return module_available(requirement)
 
     def vendor(self, plan: ExecutionPlan) -> VendorRow:
-        found = row(self.name, plan.device_type)
+        found = self.row(plan.device_type)
         if found is None:
             raise self.refuse("device_type", plan.device_type,
                               f"runs on {', '.join(self.device_types)}")  # fmt: skip
@@ -77,7 +80,7 @@ class TableEngine(EngineAdapter):
         return found
 
     def quantization_flag(self, plan: ExecutionPlan) -> list[str]:
-        table = QUANTIZATION_FLAGS[self.name]
+        table = self.quantization_flags
         if plan.quantization not in table:
             why = QUANTIZATION_GAP.format(scheme=plan.quantization, engine=self.name)
             raise self.refuse("quantization", plan.quantization, why)
@@ -106,10 +109,28 @@ class TableEngine(EngineAdapter):
         )
 
 
-class VllmEngine(TableEngine):
+class VllmEngine(ExternalEngine):
     """vLLM's OpenAI-compatible server (``vllm.entrypoints.openai.api_server``)."""
 
     name = "vllm"
+    vendors = MappingProxyType(
+        {
+            "nvidia": VendorRow(requires=("vllm",)),
+            # ROCm and Hygon DTK builds of vLLM: same module, HIP visibility from the plan
+            "amd": VendorRow(requires=("vllm",)),
+            "hygon": VendorRow(requires=("vllm",), note="vLLM built against Hygon DTK"),
+            # the vllm-ascend platform plugin; its guide asks for spawned workers on NPUs
+            "ascend": VendorRow(
+                requires=("vllm", "vllm_ascend"),
+                env={"VLLM_WORKER_MULTIPROC_METHOD": "spawn"},
+                dtypes=("bf16", "fp16"),
+            ),
+            # Cambricon's vllm-mlu
+            "cambricon": VendorRow(requires=("vllm", "vllm_mlu"), dtypes=("bf16", "fp16")),
+        }
+    )
+    dtype_flags = MappingProxyType({"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"})
+    quantization_flags = MappingProxyType({"none": None})
 
     def command(self, plan: ExecutionPlan, context: LaunchContext) -> EngineCommand:
         vendor = self.vendor(plan)
@@ -120,7 +141,7 @@ class VllmEngine(TableEngine):
             "--host", context.host,
             "--port", str(context.port),
             "--tensor-parallel-size", str(plan.tensor_parallel_size),
-            "--dtype", DTYPE_FLAGS[self.name][plan.dtype],
+            "--dtype", self.dtype_flags[plan.dtype],
             *self.quantization_flag(plan),
             "--max-model-len", str(plan.max_model_len),
             "--max-num-seqs", str(plan.max_num_seqs),
@@ -131,10 +152,39 @@ class VllmEngine(TableEngine):
         return self.finish(plan, context, argv, vendor)
 
 
-class SglangEngine(TableEngine):
+class SglangEngine(ExternalEngine):
     """SGLang's server (``sglang.launch_server``)."""
 
     name = "sglang"
+    vendors = MappingProxyType(
+        {
+            "nvidia": VendorRow(requires=("sglang",), device_flag="cuda"),
+            "amd": VendorRow(requires=("sglang",), device_flag="cuda", attention_backend="triton"),
+            "hygon": VendorRow(
+                requires=("sglang",),
+                device_flag="cuda",
+                attention_backend="triton",
+                note="SGLang built against Hygon DTK",
+            ),
+            # SGLang's Ascend support: float16 and bfloat16 only
+            "ascend": VendorRow(
+                requires=("sglang",),
+                needs_torch_extension=True,
+                device_flag="npu",
+                attention_backend="ascend",
+                dtypes=("bf16", "fp16"),
+            ),
+            "cambricon": VendorRow(
+                requires=("sglang",),
+                needs_torch_extension=True,
+                device_flag="mlu",
+                dtypes=("bf16", "fp16"),
+                note="Cambricon's SGLang build; upstream --device has no mlu",
+            ),
+        }
+    )
+    dtype_flags = MappingProxyType({"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"})
+    quantization_flags = MappingProxyType({"none": None})
 
     def command(self, plan: ExecutionPlan, context: LaunchContext) -> EngineCommand:
         vendor = self.vendor(plan)
@@ -145,7 +195,7 @@ class SglangEngine(TableEngine):
             "--host", context.host,
             "--port", str(context.port),
             "--tp-size", str(plan.tensor_parallel_size),
-            "--dtype", DTYPE_FLAGS[self.name][plan.dtype],
+            "--dtype", self.dtype_flags[plan.dtype],
             *self.quantization_flag(plan),
             "--context-length", str(plan.max_model_len),
             "--max-running-requests", str(plan.max_num_seqs),
@@ -160,10 +210,18 @@ class SglangEngine(TableEngine):
         return self.finish(plan, context, argv, vendor)
 
 
-class LlamaCppEngine(TableEngine):
+class LlamaCppEngine(ExternalEngine):
     """llama.cpp's ``llama-server``: one GGUF file, continuous batching over parallel slots."""
 
     name = "llama.cpp"
+    vendors = MappingProxyType(
+        {
+            "cpu": VendorRow(requires=("llama-server",)),
+            "nvidia": VendorRow(requires=("llama-server",), offload_all_layers=True),
+            "amd": VendorRow(requires=("llama-server",), offload_all_layers=True),
+        }
+    )
+    dtype_flags = MappingProxyType({"bf16": "bf16", "fp16": "f16", "fp32": "f32"})
     formats = ("gguf",)
     progress_metrics = {  # noqa: RUF012 - read only
         "num_steps": ("llamacpp:n_decode_total",),
@@ -207,7 +265,7 @@ class LlamaCppEngine(TableEngine):
                               f"llama-server runs one process on {plan.device_type}; "
                               "it splits a model only across GPUs")  # fmt: skip
         threads = context.num_threads or plan.engine_options.get("num_threads")
-        kv_type = DTYPE_FLAGS[self.name][plan.dtype]
+        kv_type = self.dtype_flags[plan.dtype]
         argv = [
             "llama-server",
             "--model", str(context.model_path),
