@@ -158,10 +158,10 @@ def test_an_enflame_launch_is_refused_by_the_worker_naming_torch_gcu(tmp_path: P
     assert "'gcu:0' needs the PyTorch extension 'torch_gcu'" in done.stderr
 
 
-def test_vendor_kernels_need_the_extension_their_plugin_names() -> None:
+def test_the_vendor_kernels_a_plan_lacks_are_the_plugins_own() -> None:
     for name, kind in (("ascend", "npu"), ("cambricon", "mlu")):
-        module = PLUGINS[name].torch_module
-        assert choose_operators(kind, "none")["matmul"].why == f"{module} not importable"
+        offered = PLUGINS[name].vendor_kernels["matmul"]
+        assert offered in choose_operators(kind, "w8a8")["matmul"].why
 
 
 def test_the_plan_gives_the_launch_its_settings_and_the_plugin_its_device_facts(

@@ -3,9 +3,6 @@ fallbacks, vendor attributes as engine options, and the visibility environment."
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from tests.planner.conftest import EditConfig, model, node
 
@@ -61,37 +58,41 @@ def test_kv_blocks_come_from_the_device_memory_budget() -> None:
     assert plan.max_num_seqs == 64
 
 
-def test_operators_fall_back_to_generic_torch_when_the_vendor_extension_is_missing() -> None:
-    chosen = operators.choose_operators("npu", "none")
-    assert {op: c.fallback for op, c in chosen.items()} == dict.fromkeys(operators.OPERATORS, True)
-    assert chosen["attention"].implementation == operators.GENERIC["attention"]
-    assert chosen["attention"].why == "torch_npu not importable"
+def test_the_operator_report_is_what_the_engine_runs_and_names_what_the_chip_offers() -> None:
+    """The report comes from the engine's own kernel registry: on an Ascend NPU the engine
+    runs torch's ops through torch_npu, and each op the vendor has a fused kernel for is a
+    fallback naming that kernel; on this CPU every op is the engine's native kernel."""
+    npu = operators.choose_operators("npu", "none")
+    assert {op: c.fallback for op, c in npu.items()} == dict.fromkeys(operators.OPERATORS, True)
+    assert npu["attention"].implementation.startswith("torch.nn.functional.scaled_dot_product")
+    assert "npu_fusion_attention (torch_npu) is not wired into it" in npu["attention"].why
     quantized = operators.choose_operators("npu", "w4a16")["matmul"]
     assert quantized.fallback and quantized.implementation.startswith("dequantize")
-    on_cpu = operators.choose_operators("cpu", "w4a16")["matmul"]  # the engine's own kernels
-    assert not on_cpu.fallback and on_cpu.implementation == "torch._weight_int4pack_mm_for_cpu"
-    unknown = operators.choose_operators("gcu", "none")["rmsnorm"]
-    assert unknown.fallback and "no gcu kernel registered" in unknown.why
+    on_cpu = operators.choose_operators("cpu", "w4a16")
+    assert not any(c.fallback for c in on_cpu.values())
+    assert on_cpu["matmul"].implementation.startswith("torch._weight_int4pack_mm_for_cpu")
+    cuda = operators.choose_operators("cuda", "w8a8")["matmul"]  # NVIDIA offers nothing else
+    assert not cuda.fallback and cuda.implementation.startswith("torch._int_mm")
+    unknown = operators.choose_operators("xla", "none")["rmsnorm"]
+    assert unknown.fallback and "no device plugin registers xla" in unknown.why
 
 
-def test_an_importable_extension_gets_the_vendor_kernel(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A package named torch_npu on the path is what makes the Ascend kernels eligible."""
-    (tmp_path / "torch_npu").mkdir()
-    (tmp_path / "torch_npu" / "__init__.py").write_text("")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    operators.importable.cache_clear()
-    operators.choose_operators.cache_clear()
-    try:
-        chosen = operators.choose_operators("npu", "w8a8")
-    finally:
-        sys.modules.pop("torch_npu", None)
-        operators.importable.cache_clear()
-        operators.choose_operators.cache_clear()
-    assert chosen["attention"].implementation == "npu_fusion_attention (torch_npu)"
-    assert chosen["matmul"].implementation == "npu_quant_matmul (torch_npu)"
-    assert not any(c.fallback for c in chosen.values())
+def test_the_quantized_layers_run_the_kernel_the_plan_reports() -> None:
+    """One registry: a QuantLinear on this CPU picks the kernel the report names."""
+    import torch
+
+    from kunlun.engine.models.quant_linear import QuantLinear
+    from kunlun.engine.quant import QuantSpec
+
+    CPU = torch.device("cpu")
+    for scheme, key in (("w8a16", "int8pack"), ("w8a8", "int8pack"), ("w4a16", "int4pack")):
+        spec = QuantSpec(scheme, 32 if scheme == "w4a16" else None)
+        layer = QuantLinear(64, 32, spec, bias=False, dtype=torch.float32, device=CPU)
+        layer.prepare()
+        assert layer.kernel == key
+        reported = operators.choose_operators("cpu", scheme)["matmul"].implementation
+        assert reported.startswith({"int8pack": "torch._weight_int8pack_mm",
+                                    "int4pack": "torch._weight_int4pack_mm_for_cpu"}[key])  # fmt: skip
 
 
 def test_vendor_attributes_become_engine_options_and_environment() -> None:

@@ -22,8 +22,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 from kunlun.device.tools import ToolRunner
@@ -93,6 +95,10 @@ class DevicePlugin(ABC):
     #: that registers it (``None`` when torch has it built in).
     torch_device_type: ClassVar[str] = "cpu"
     torch_module: ClassVar[str | None] = None
+    #: Fused kernels the vendor's libraries offer per operator (attention, rmsnorm, rotary,
+    #: matmul) that the embedded engine does not call: a plan reports the op as a fallback
+    #: on this family's devices, naming what it lacks (:mod:`kunlun.planner.operators`).
+    vendor_kernels: ClassVar[Mapping[str, str]] = MappingProxyType({})
     #: ``torch.distributed`` backend of a tensor-parallel group on this family's devices, as
     #: the vendor's torch build registers it (``None``: the family runs one device per
     #: replica).

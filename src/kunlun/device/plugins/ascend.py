@@ -31,6 +31,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TypeVar
 
 from kunlun.device.plugin import DevicePlugin, Discovery, Health, ProbedDevice
@@ -309,6 +310,12 @@ class AscendPlugin(DevicePlugin):
     torch_device_type = "npu"
     distributed_backend = "hccl"
     torch_module = "torch_npu"
+    vendor_kernels = MappingProxyType({
+        "attention": "npu_fusion_attention (torch_npu)",
+        "rmsnorm": "npu_rms_norm (torch_npu)",
+        "rotary": "npu_rotary_mul (torch_npu)",
+        "matmul": "npu_quant_matmul, npu_weight_quant_batchmatmul (torch_npu)",
+    })  # fmt: skip
     memory_fields = ("hbm_memory_mb", "sys_memory_mb")
     custom_attributes = {"aclnn_fusion_enabled": bool}
     compute_unit_dtype = "fp16"

@@ -27,6 +27,7 @@ Cambricon states compute in INT8 TOPS; the torch extension is ``torch_mlu`` (dev
 from __future__ import annotations
 
 import re
+from types import MappingProxyType
 
 from kunlun.device.plugin import DevicePlugin, Discovery, Health, ProbedDevice
 from kunlun.device.plugins.smi_output import (
@@ -67,6 +68,12 @@ class CambriconPlugin(DevicePlugin):
     torch_device_type = "mlu"
     distributed_backend = "cncl"
     torch_module = "torch_mlu"
+    vendor_kernels = MappingProxyType({
+        "attention": "flash_attention (torch_mlu_ops)",
+        "rmsnorm": "fused_rms_norm (torch_mlu_ops)",
+        "rotary": "apply_rotary (torch_mlu_ops)",
+        "matmul": "smooth_quant_matmul, weight_only_quant_matmul (torch_mlu_ops)",
+    })  # fmt: skip
     memory_fields = ("mlu_memory_mb", "ddr_memory_mb")
     custom_attributes = {"magicmind_opt_level": str, "mlu_stream_priority": str}
     compute_unit_dtype = "int8"

@@ -37,7 +37,9 @@ Elsewhere: ``w8a8`` uses ``torch._int_mm`` on CUDA-like devices for more than 16
 (its own constraint) and the fallback below that; ``w8a16`` and ``w4a16`` use the fallback,
 which dequantizes the weight to the activation dtype and calls ``F.linear`` (every device
 runs it; it saves memory but not time). ``w8a8``'s fallback quantizes the activations the
-same way, so every path computes the same numbers up to rounding.
+same way, so every path computes the same numbers up to rounding. Which kernel a layer gets
+on its device is the registry's choice (:mod:`kunlun.engine.kernels`), the one the planner
+reports.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kunlun.engine.kernels import candidates
 from kunlun.engine.quant import QuantSpec, dequantize, quantize, unpack_int4
 from kunlun.engine.schemes import INT8_SCHEMES
 
@@ -139,19 +142,13 @@ class QuantLinear(nn.Module):
         """Choose the kernel for this device and repack the loaded tensors for it (once,
         after loading)."""
         device = self.weight_scale.device
-        scheme = self.spec.scheme
-        if scheme in INT8_SCHEMES and int8pack_runs_on(device):
-            self.kernel = "int8pack"
+        found = candidates("matmul", device.type, self.spec.scheme, _has_function)
+        self.kernel = next(
+            k.key for k in found if k.key != "int4pack" or self.out_features % 16 == 0
+        )
+        if self.kernel == "int8pack":
             self._unit_scale = torch.ones(self.out_features, dtype=torch.bfloat16, device=device)
-        elif scheme == "w8a8" and device.type != "cpu" and hasattr(torch, "_int_mm"):
-            self.kernel = "int_mm"
-        elif (
-            scheme == "w4a16"
-            and device.type == "cpu"
-            and self.out_features % 16 == 0
-            and hasattr(torch, "_weight_int4pack_mm_for_cpu")
-        ):
-            self.kernel = "int4pack"
+        elif self.kernel == "int4pack":
             values = unpack_int4(self.weight_packed).to(torch.int32)
             self._packed = torch._convert_weight_to_int4pack_for_cpu(values, 1)
             # the kernel computes (q - 8) * scale + zero, so zero = min + 8 * scale
@@ -160,8 +157,6 @@ class QuantLinear(nn.Module):
             self._scales_zeros = pairs.to(torch.bfloat16).contiguous()
             for suffix in self.spec.tensor_suffixes:  # the kernel's copy replaces them
                 setattr(self, suffix, torch.empty(0, device=device))
-        else:
-            self.kernel = "dequantize"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, in] -> [T, out] in ``x``'s dtype."""
@@ -201,7 +196,12 @@ class QuantLinear(nn.Module):
 
 def int8pack_runs_on(device: torch.device) -> bool:
     """Whether the packed int8 weight kernel serves ``device`` (the CPU, when torch has it)."""
-    return device.type == "cpu" and hasattr(torch, "_weight_int8pack_mm")
+    return candidates("matmul", device.type, "w8a16", _has_function)[0].key == "int8pack"
+
+
+def _has_function(name: str) -> bool:
+    """Whether this torch build has the private function ``torch.<name>``."""
+    return hasattr(torch, name)
 
 
 def _int8pack_mm(x: torch.Tensor, weight: torch.Tensor, unit_scale: torch.Tensor) -> torch.Tensor:
