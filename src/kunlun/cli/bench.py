@@ -19,6 +19,34 @@ if TYPE_CHECKING:
 
 DEFAULT_OUT = Path("kunlun-bench")
 
+ConcurrencyOpt = Annotated[
+    str | None,
+    typer.Option(
+        help="Closed-loop sweep: concurrent clients per run (default 1,4,16; none "
+        "when only --rate is given)."
+    ),
+]
+RateOpt = Annotated[
+    str | None, typer.Option(help="Poisson run(s): mean requests per second, e.g. 2 or 1,2,4.")
+]
+NumPromptsOpt = Annotated[
+    int | None,
+    typer.Option(
+        min=1, help="Requests per run (default: 4 per client, at least 8; 32 per Poisson run)."
+    ),
+]
+ApiKeyOpt = Annotated[
+    str | None, typer.Option(help="Bearer token (default: $KUNLUN_API_KEY, $OPENAI_API_KEY).")
+]
+RecordOpt = Annotated[
+    bool,
+    typer.Option(
+        "--record",
+        help="Keep the sweep's output tokens/s in the Kunlun daemon at --endpoint, as the "
+        "measured speed of the workload named by --model (engine: auto picks by it).",
+    ),
+]
+
 
 def _positive_ints(text: str, option: str) -> tuple[int, ...]:
     try:
@@ -52,22 +80,9 @@ def bench(
         str, typer.Option(help=f"Server root or its /v1 URL, e.g. {DEFAULT_ENDPOINT}.")
     ],
     model: Annotated[str, typer.Option(help="Model name to send.")],
-    concurrency: Annotated[
-        str | None,
-        typer.Option(
-            help="Closed-loop sweep: concurrent clients per run (default 1,4,16; none "
-            "when only --rate is given)."
-        ),
-    ] = None,
-    rate: Annotated[
-        str | None, typer.Option(help="Poisson run(s): mean requests per second, e.g. 2 or 1,2,4.")
-    ] = None,
-    num_prompts: Annotated[
-        int | None,
-        typer.Option(
-            min=1, help="Requests per run (default: 4 per client, at least 8; 32 per Poisson run)."
-        ),
-    ] = None,
+    concurrency: ConcurrencyOpt = None,
+    rate: RateOpt = None,
+    num_prompts: NumPromptsOpt = None,
     input_len: Annotated[int, typer.Option(min=1, help="Prompt tokens per request.")] = 128,
     output_len: Annotated[
         int, typer.Option(min=1, help="Output tokens per request (sent with ignore_eos).")
@@ -79,29 +94,20 @@ def bench(
         float | None, typer.Option(min=0, help="Goodput SLO on time per output token.")
     ] = None,
     out: Annotated[Path, typer.Option(help="Folder for bench.json and bench.png.")] = DEFAULT_OUT,
-    api_key: Annotated[
-        str | None, typer.Option(help="Bearer token (default: $KUNLUN_API_KEY, $OPENAI_API_KEY).")
-    ] = None,
+    api_key: ApiKeyOpt = None,
     seed: Annotated[int, typer.Option(help="Seed of the random prompts and arrivals.")] = 0,
     timeout: Annotated[float, typer.Option(min=1, help="Seconds one request may take.")] = 600.0,
     json: Annotated[
         bool, typer.Option("--json", help="Print the JSON document, not the table.")
     ] = False,
-    record: Annotated[
-        bool,
-        typer.Option(
-            "--record",
-            help="Keep the sweep's output tokens/s in the Kunlun daemon at --endpoint, as the "
-            "measured speed of the workload named by --model (engine: auto picks by it).",
-        ),
-    ] = False,
+    record: RecordOpt = False,
 ) -> None:
     """Runs a warm-up request, a closed-loop concurrency sweep and Poisson runs, then prints a
     table, writes OUT/bench.json and OUT/bench.png (throughput and latency against
     concurrency), and reads the platform's memory and start-up times from /metrics when the
     endpoint is a Kunlun daemon. Exit status 1 when any request failed.
     """
-    from kunlun.bench import load, report, suite
+    from kunlun.bench import load, suite
 
     key = api_key or os.environ.get("KUNLUN_API_KEY") or os.environ.get("OPENAI_API_KEY")
     target = load.Target.parse(endpoint, model, key, timeout)
@@ -114,6 +120,18 @@ def bench(
         target, levels, rates, num_prompts, input_len, output_len, slo_ttft_ms, slo_tpot_ms, seed
     )
     doc = asyncio.run(suite.run(options, lambda message: err_console.print(message, markup=False)))
+    _report(doc, out, json)
+    if any(run["num_errors"] for run in doc["runs"]):
+        raise SystemExit(1)
+    if record:
+        _record(target, doc)
+
+
+def _report(doc: dict[str, Any], out: Path, json: bool) -> None:
+    """Write OUT/bench.png and OUT/bench.json (naming the chart), then print the document
+    (``--json``) or the table, its notes and what was written."""
+    from kunlun.bench import report
+
     out.mkdir(parents=True, exist_ok=True)
     chart = report.write_chart(doc, out / "bench.png")
     doc["chart"] = str(chart)
@@ -125,10 +143,6 @@ def bench(
         for line in report.notes(doc):
             console.print(line, markup=False)
         console.print(f"wrote {out / 'bench.json'} and {chart}")
-    if any(run["num_errors"] for run in doc["runs"]):
-        raise SystemExit(1)
-    if record:
-        _record(target, doc)
 
 
 def _record(target: load.Target, doc: dict[str, Any]) -> None:

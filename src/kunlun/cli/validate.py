@@ -15,52 +15,99 @@ from kunlun.console import console, err_console, handle_errors
 from kunlun.errors import ConfigError, Location
 from kunlun.validate.matrix import Cell, Column, Row
 
+EndpointOpt = Annotated[
+    list[str] | None,
+    typer.Option(help="OpenAI-compatible server root (repeatable); default: the daemon."),
+]
+ModelOpt = Annotated[
+    list[str] | None,
+    typer.Option(help="Served model name (repeatable: one column per endpoint x model)."),
+]
+TargetOpt = Annotated[
+    list[str] | None,
+    typer.Option(help="A named column NAME=URL[,model=M][,pool=P] (repeatable)."),
+]
+ReferenceOpt = Annotated[
+    str | None,
+    typer.Option(help="Column name or endpoint URL to compare numerics with (default: first)."),
+]
+AllPoolsOpt = Annotated[
+    bool,
+    typer.Option("--all-pools", help="One column per device pool serving the model."),
+]
+OnlyOpt = Annotated[
+    list[str] | None,
+    typer.Option(help="Run only these checks or groups, e.g. functional, api.sse."),
+]
+SeedOpt = Annotated[
+    int | None,
+    typer.Option(help="Seed of the numbers, questions and ids drawn (default: random)."),
+]
+
 
 @handle_errors
 def validate(
-    endpoint: Annotated[
-        list[str] | None,
-        typer.Option(help="OpenAI-compatible server root (repeatable); default: the daemon."),
-    ] = None,
-    model: Annotated[
-        list[str] | None,
-        typer.Option(help="Served model name (repeatable: one column per endpoint x model)."),
-    ] = None,
-    target: Annotated[
-        list[str] | None,
-        typer.Option(help="A named column NAME=URL[,model=M][,pool=P] (repeatable)."),
-    ] = None,
-    reference: Annotated[
-        str | None,
-        typer.Option(help="Column name or endpoint URL to compare numerics with (default: first)."),
-    ] = None,
+    endpoint: EndpointOpt = None,
+    model: ModelOpt = None,
+    target: TargetOpt = None,
+    reference: ReferenceOpt = None,
     baseline: Annotated[
         Path | None, typer.Option(help="A saved validation.json: fail on regressions against it.")
     ] = None,
     out: Annotated[
         Path, typer.Option(help="Where the matrix is written (Markdown, HTML, JSON, JUnit XML).")
     ] = Path("kunlun-validation"),
-    all_pools: Annotated[
-        bool,
-        typer.Option("--all-pools", help="One column per device pool serving the model."),
-    ] = False,
+    all_pools: AllPoolsOpt = False,
     api_key: Annotated[
         str | None, typer.Option(help="API key (default: $KUNLUN_API_KEY).", show_default=False)
     ] = None,
-    only: Annotated[
-        list[str] | None,
-        typer.Option(help="Run only these checks or groups, e.g. functional, api.sse."),
-    ] = None,
+    only: OnlyOpt = None,
     max_tokens: Annotated[int, typer.Option(min=4, max=4096, help="Answer budget.")] = 24,
-    seed: Annotated[
-        int | None,
-        typer.Option(help="Seed of the numbers, questions and ids drawn (default: random)."),
-    ] = None,
+    seed: SeedOpt = None,
 ) -> None:
     # summary: kunlun.cli.commands
     from kunlun.validate import battery, report
     from kunlun.validate.check import Settings
     from kunlun.validate.matrix import Status, load_matrix
+
+    key = api_key or os.environ.get("KUNLUN_API_KEY") or None
+    columns = _columns(endpoint, list(model or []), target, reference, all_pools, key)
+    saved = load_matrix(baseline) if baseline is not None else None
+    settings = Settings(
+        work_dir=out / "work",
+        api_key=key,
+        max_tokens=max_tokens,
+        seed=secrets.randbelow(1 << 31) if seed is None else seed,
+    )
+    err_console.print(
+        f"validating {len(columns)} target(s): "
+        + ", ".join(
+            f"{c.name} ({c.endpoint} {c.model}{' pool ' + c.pool if c.pool else ''})"
+            for c in columns
+        )  # fmt: skip
+        + f"; reference {columns[0].name}; seed {settings.seed}",
+        markup=False,
+    )
+    matrix = battery.run_battery(columns, settings, only or (), saved, _progress)
+    paths = report.write_all(matrix, out)
+    console.print(report.rich_table(matrix))
+    for line in report.notes_lines(matrix):
+        console.print(line, markup=False)
+    console.print("written: " + ", ".join(str(p) for p in paths.values()), markup=False)
+    raise SystemExit(1 if any(c.status is Status.FAIL for _, _, c in matrix.failures()) else 0)
+
+
+def _columns(
+    endpoint: list[str] | None,
+    models: list[str],
+    target: list[str] | None,
+    reference: str | None,
+    all_pools: bool,
+    key: str | None,
+) -> list[Column]:
+    """The matrix's columns, the reference first: each ``--target``, then, given
+    ``--endpoint`` or no ``--target``, one per endpoint (default: the running daemon's) and
+    model, or per pool serving the model with ``--all-pools``."""
     from kunlun.validate.target import (
         cross_columns,
         discover_pools,
@@ -69,8 +116,6 @@ def validate(
         with_reference,
     )
 
-    key = api_key or os.environ.get("KUNLUN_API_KEY") or None
-    models = list(model or [])
     columns = [parse_target(spec, models[0] if models else None) for spec in target or []]
     if endpoint or not target:
         if not models:
@@ -88,32 +133,10 @@ def validate(
                     hint="check `kunlun-cli workload list`",
                 )
         columns += cross_columns(urls, models, pools)
-    columns = with_reference(columns, reference, models[0] if models else None)
-    saved = load_matrix(baseline) if baseline is not None else None
-    settings = Settings(
-        work_dir=out / "work",
-        api_key=key,
-        max_tokens=max_tokens,
-        seed=secrets.randbelow(1 << 31) if seed is None else seed,
-    )
-    err_console.print(
-        f"validating {len(columns)} target(s): "
-        + ", ".join(
-            f"{c.name} ({c.endpoint} {c.model}{' pool ' + c.pool if c.pool else ''})"
-            for c in columns
-        )  # fmt: skip
-        + f"; reference {columns[0].name}; seed {settings.seed}",
-        markup=False,
-    )
+    return with_reference(columns, reference, models[0] if models else None)
 
-    def progress(column: Column, row: Row, cell: Cell) -> None:
-        line = f"  {column.name:<16} {row.id:<28} {cell.status.value} {cell.figure}"
-        err_console.print(line, markup=False)
 
-    matrix = battery.run_battery(columns, settings, only or (), saved, progress)
-    paths = report.write_all(matrix, out)
-    console.print(report.rich_table(matrix))
-    for line in report.notes_lines(matrix):
-        console.print(line, markup=False)
-    console.print("written: " + ", ".join(str(p) for p in paths.values()), markup=False)
-    raise SystemExit(1 if any(c.status is Status.FAIL for _, _, c in matrix.failures()) else 0)
+def _progress(column: Column, row: Row, cell: Cell) -> None:
+    """One line on stderr per cell as the battery fills it."""
+    line = f"  {column.name:<16} {row.id:<28} {cell.status.value} {cell.figure}"
+    err_console.print(line, markup=False)

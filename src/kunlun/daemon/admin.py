@@ -54,13 +54,29 @@ def import_options(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def admin_router(platform: Platform) -> APIRouter:
+    """Every route of the admin API, one router per resource, in the order they are matched."""
     router = APIRouter()
-    manager = platform.manager
+    for routes in (_device_routes, _workload_routes, _model_routes, _key_routes, _cluster_routes):
+        router.include_router(routes(platform))
+    return router
+
+
+def _device_routes(platform: Platform) -> APIRouter:
+    """``GET /devices``: the inventory, discovered off the event loop."""
+    router = APIRouter()
 
     @router.get("/devices")
     async def devices() -> list[dict[str, Any]]:
         inventory = await asyncio.to_thread(platform.inventory)
         return inventory.to_list()
+
+    return router
+
+
+def _workload_routes(platform: Platform) -> APIRouter:
+    """``/workloads``: list, submit (or ``dry_run``), describe, read logs, stop."""
+    router = APIRouter()
+    manager = platform.manager
 
     @router.get("/workloads")
     def list_workloads() -> list[dict[str, Any]]:
@@ -128,6 +144,13 @@ def admin_router(platform: Platform) -> APIRouter:
         record = await asyncio.to_thread(manager.stop, workload_id)
         return {"workload_id": record.workload_id, "state": record.state}
 
+    return router
+
+
+def _model_routes(platform: Platform) -> APIRouter:
+    """``/models``: list the catalog, import a GGUF file (or the demo), quantize a model."""
+    router = APIRouter()
+
     @router.get("/models")
     def models() -> list[dict[str, Any]]:
         return [vars(m) for m in platform.store.list_models()]
@@ -170,6 +193,13 @@ def admin_router(platform: Platform) -> APIRouter:
                                          body.get("group_size"), body.get("name"))  # fmt: skip
         return vars(record)
 
+    return router
+
+
+def _key_routes(platform: Platform) -> APIRouter:
+    """``/apikeys``: list, create, revoke; the keyring is refreshed at once after a change."""
+    router = APIRouter()
+
     @router.get("/apikeys")
     def list_keys() -> list[dict[str, Any]]:
         return [describe_key(k) for k in platform.store.list_api_keys()]
@@ -200,6 +230,14 @@ def admin_router(platform: Platform) -> APIRouter:
         record = revoke_key(platform.store, key)
         platform.keyring.refresh(force=True)
         return {"key_id": record.key_id, "name": record.name, "revoked": True}
+
+    return router
+
+
+def _cluster_routes(platform: Platform) -> APIRouter:
+    """``/cluster`` and ``/nodes``: a cluster's status, its nodes, draining one; refused
+    (:class:`NotClustered`) on a single node."""
+    router = APIRouter()
 
     @router.get("/cluster")
     def cluster_status() -> dict[str, Any]:
