@@ -21,7 +21,8 @@ from tests.offline.conftest import (
 )
 
 from kunlun.offline.archive import Limits
-from kunlun.offline.install import Registry, install_package
+from kunlun.offline.install import install_package
+from kunlun.offline.registry import Registry
 from kunlun.offline.signing import TrustedKeys
 
 

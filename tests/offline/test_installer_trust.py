@@ -33,8 +33,9 @@ from tests.offline.conftest import MODEL_FILES, PackFn, member, raw_package, run
 
 from kunlun.offline.archive import ArchiveError, write_archive
 from kunlun.offline.bundle import build_installer
-from kunlun.offline.install import Registry, _Writer
+from kunlun.offline.install import _Writer
 from kunlun.offline.manifest import BUNDLE_FORMAT, FileEntry, Manifest, dump
+from kunlun.offline.registry import Registry
 from kunlun.offline.signing import fingerprint, load_private_key, load_public_key, sign
 
 

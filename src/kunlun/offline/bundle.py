@@ -43,9 +43,11 @@ ZIPAPP_MODULES = (
     "kunlun/errors.py",
     "kunlun/offline/__init__.py",
     "kunlun/offline/archive.py",
+    "kunlun/offline/audit_log.py",
     "kunlun/offline/bootstrap.py",
     "kunlun/offline/ed25519.py",
     "kunlun/offline/manifest.py",
+    "kunlun/offline/trust.py",
 )
 _ZIP_TIME = 315532800 + 86400
 """Every zipapp member's time (1980-01-02: zip has no earlier dates), so the zipapp is the same bytes

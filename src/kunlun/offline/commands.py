@@ -13,14 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kunlun.errors import ConfigError, Location
-from kunlun.offline.bootstrap import (
-    TRUSTED_KEYS_DIR,
-    key_fingerprint,
-    trust_line,
-    trusted_key_files,
-)
-from kunlun.offline.install import Registry, install_package, repair
+from kunlun.offline.install import install_package, repair
+from kunlun.offline.registry import Registry
 from kunlun.offline.signing import TrustedKeys
+from kunlun.offline.trust import TRUSTED_KEYS_DIR, key_fingerprint, trust_line, trusted_key_files
 
 
 def _store(home: Path) -> object:

@@ -3,10 +3,10 @@
 A package is verified and unpacked in one pass: its signature first (trusted keys), then the
 :class:`~kunlun.offline.archive.Limits` from the signed sizes, then its signer (pinned per
 model at its first install: another key's package is refused unless
-``--allow-signer-change``, which is recorded), then the version (never older
-than the highest installed: rollback protection, remembered in
-``KUNLUN_HOME/packages/installed.json`` across restarts), then every member streamed into a
-staging directory while it is hashed. Only a package that passed all of it is renamed into
+``--allow-signer-change``, which is recorded), then the version (never older than the
+highest installed: rollback protection, remembered in ``KUNLUN_HOME/packages/installed.json``
+across restarts, :mod:`.registry`), then every member streamed into a staging directory
+while it is hashed. Only a package that passed all of it is renamed into
 ``KUNLUN_HOME/packages/<name>/<version>/``; any failure removes the staging directory, so
 nothing is ever half-installed. Installed files are read-only (0444, directories 0555; the
 home itself stays 0700) with the package's creation time as their modification time.
@@ -15,9 +15,10 @@ The install then registers the model alias (``source`` ``package:<name>@<version
 seeds the plan cache with the package's plan for the device profile it was planned against,
 so the first start on that device is a plan-cache hit with no weight conversion.
 
-:func:`repair` re-verifies every installed package against its signed manifest and restores
-damaged or missing files from the package file, and removes anything the manifest does not
-list: a file, a directory, a symbolic link (never followed, wherever it points).
+:func:`repair` re-verifies every installed package against its signed manifest
+(:func:`~kunlun.offline.damage.check_installed`), restores damaged or missing files from the
+package file, and removes anything the manifest does not list: a file, a directory, a
+symbolic link (never followed, wherever it points).
 """
 
 from __future__ import annotations
@@ -26,25 +27,17 @@ import hashlib
 import json
 import os
 import shutil
-import stat
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any
 
-from kunlun.errors import Location, PackageError, SignatureError
-from kunlun.offline.archive import ArchiveError, Limits, hash_file, refused
-from kunlun.offline.bootstrap import AUDIT_FILE, audit
-from kunlun.offline.manifest import (
-    MANIFEST,
-    SIGNATURE,
-    FileEntry,
-    Manifest,
-    ManifestError,
-    created_epoch,
-    parse,
-)
+from kunlun.errors import Location, PackageError
+from kunlun.offline.archive import ArchiveError, ArchiveReader, Limits, refused
+from kunlun.offline.audit_log import AUDIT_FILE, audit
+from kunlun.offline.damage import Damage, check_installed
+from kunlun.offline.manifest import MANIFEST, SIGNATURE, FileEntry, Manifest, created_epoch
 from kunlun.offline.package import (
     MODEL_DIR,
     PLAN_FILE,
@@ -52,82 +45,14 @@ from kunlun.offline.package import (
     open_package,
     read_manifest,
 )
+from kunlun.offline.registry import REGISTRY_FILE, InstalledPackage, Registry
 from kunlun.offline.signing import TrustedKeys
-from kunlun.paths import READ_ONLY_DIR, make_writable, remove_tree
+from kunlun.paths import make_writable, remove_tree
 
 REQUIRED_MEMBERS = (f"{MODEL_DIR}/config.json", PLAN_FILE, PROFILE_FILE)
 """What a model package must hold besides its weights."""
-PACKAGES_DIR = READ_ONLY_DIR
-REGISTRY_FILE = "installed.json"
 FILE_MODE_RO = 0o444
 DIR_MODE_RO = 0o555
-
-
-@dataclass
-class InstalledPackage:
-    name: str
-    version: int
-    path: str
-    """The install directory (``packages/<name>/<version>``)."""
-    package_file: str | None
-    signer: str
-    manifest_sha256: str
-    installed_at: float
-
-    @property
-    def model_dir(self) -> Path:
-        return Path(self.path) / MODEL_DIR
-
-
-@dataclass
-class Registry:
-    """``packages/installed.json``: each model's installed package, highest version and
-    pinned signer (the fingerprint of the key its first version was installed with; a
-    registry written before pins existed pins each model to its installed signer)."""
-
-    root: Path
-    highest: dict[str, int] = field(default_factory=dict)
-    active: dict[str, InstalledPackage] = field(default_factory=dict)
-    signers: dict[str, str] = field(default_factory=dict)
-    signer_changes: list[dict[str, Any]] = field(default_factory=list)
-    """Every ``--allow-signer-change``: model, version, old and new signer, when, package."""
-
-    @classmethod
-    def load(cls, home: Path) -> Registry:
-        root = home / PACKAGES_DIR
-        path = root / REGISTRY_FILE
-        if not path.is_file():
-            return cls(root)
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-            active = {k: InstalledPackage(**v) for k, v in raw["active"].items()}
-            signers = {str(k): str(v) for k, v in (raw.get("signers") or {}).items()}
-            for name, installed in active.items():
-                signers.setdefault(name, installed.signer)
-            changes = raw.get("signer_changes") or []
-            if not isinstance(changes, list):
-                raise TypeError("signer_changes is not a list")
-            return cls(root, {k: int(v) for k, v in raw["highest"].items()}, active, signers,
-                       changes)  # fmt: skip
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise PackageError(
-                f"the installed-package registry is unreadable ({exc}); it holds the rollback "
-                "protection, so nothing is installed until it is fixed",
-                location=Location(str(path)),
-            ) from None
-
-    def save(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        data = {
-            "highest": dict(sorted(self.highest.items())),
-            "active": {k: asdict(v) for k, v in sorted(self.active.items())},
-            "signers": dict(sorted(self.signers.items())),
-            "signer_changes": self.signer_changes,
-        }
-        path = self.root / REGISTRY_FILE
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        os.replace(temporary, path)
 
 
 def _make_read_only(folder: Path, mtime: float) -> None:
@@ -148,7 +73,8 @@ def _make_read_only(folder: Path, mtime: float) -> None:
 
 
 def _created_epoch(manifest: Manifest) -> float:
-    """The installed files' modification time (``created``, checked by :func:`parse`)."""
+    """The installed files' modification time (``created``, checked by
+    :func:`~kunlun.offline.manifest.parse`)."""
     return created_epoch(manifest.created)
 
 
@@ -205,76 +131,15 @@ def install_package(
     registry = Registry.load(home)
     with open_package(path) as reader:
         manifest, signer = read_manifest(reader, trusted)
-        manifest_bytes, signature = reader.manifest_bytes, reader.signature
         where = Location(str(path))
-        try:
-            limits.check(manifest, reader.size)
-        except ArchiveError as exc:
-            raise refused(exc, path) from None
-        missing = [m for m in REQUIRED_MEMBERS if m not in manifest.by_path()]
-        if missing:
-            raise PackageError(
-                f"not a model package: the manifest lists no {', '.join(missing)}", location=where
-            )
         pinned = registry.signers.get(manifest.name)
-        if pinned is not None and pinned != signer and not allow_signer_change:
-            raise PackageError(
-                f"{manifest.name} is pinned to signer {pinned}, the key it was first installed "
-                f"with; this package (version {manifest.version}) is signed by {signer}: "
-                "refused, a package from another signer replaces a model only with "
-                "--allow-signer-change",
-                location=where,
-            )
-        highest = registry.highest.get(manifest.name, 0)
+        _check(manifest, reader.size, limits, path, signer, pinned, allow_signer_change)
         current = registry.active.get(manifest.name)
-        digest = hashlib.sha256(manifest_bytes).hexdigest()
-        if manifest.version < highest:
-            raise PackageError(
-                f"{manifest.name} version {manifest.version} is older than version {highest}, "
-                "which was installed here; older packages are refused (rollback protection)",
-                location=where,
-            )
-        if manifest.version == highest and current is not None:
-            if current.manifest_sha256 == digest and Path(current.path).is_dir():
-                return current, f"{manifest.name} version {manifest.version} already installed"
-            raise PackageError(
-                f"{manifest.name} version {manifest.version} is already installed with other "
-                "contents; a new package needs a higher version",
-                location=where,
-            )
-        root = registry.root / manifest.name
-        new_root = not root.exists()
-        root.mkdir(parents=True, exist_ok=True)
-        staging = root / f".staging-{os.getpid()}-{manifest.version}"
-        done = False
-        try:
-            free = shutil.disk_usage(root).free
-            if manifest.total_bytes > free:
-                raise PackageError(
-                    f"needs {manifest.total_bytes} bytes; {free} are free under {root}",
-                    location=where,
-                )
-            remove_tree(staging)
-            staging.mkdir()
-            writer = _Writer(staging)
-            try:
-                for _entry in reader.files(manifest, writer):
-                    writer.close()
-            except ArchiveError as exc:
-                raise refused(exc, path) from None
-            finally:
-                writer.close()
-            (staging / MANIFEST).write_bytes(manifest_bytes)
-            (staging / SIGNATURE).write_bytes(signature)
-            _make_read_only(staging, _created_epoch(manifest))
-            final = root / str(manifest.version)
-            remove_tree(final)
-            os.replace(staging, final)
-            done = True
-        finally:
-            remove_tree(staging)
-            if new_root and not done:  # refused: leave no packages/<name>/ behind either
-                remove_tree(root)
+        digest = hashlib.sha256(reader.manifest_bytes).hexdigest()
+        same = _installed_already(manifest, digest, registry, where)
+        if same is not None:
+            return same, f"{manifest.name} version {manifest.version} already installed"
+        final = _unpack(reader, manifest, registry.root / manifest.name, path)
     installed = InstalledPackage(
         name=manifest.name,
         version=manifest.version,
@@ -284,22 +149,7 @@ def install_package(
         manifest_sha256=digest,
         installed_at=time.time(),
     )
-    registry.highest[manifest.name] = manifest.version
-    registry.active[manifest.name] = installed
-    registry.signers[manifest.name] = signer
-    changed = pinned is not None and pinned != signer
-    if changed:
-        registry.signer_changes.append(
-            {
-                "name": manifest.name,
-                "version": manifest.version,
-                "from": pinned,
-                "to": signer,
-                "at": installed.installed_at,
-                "package": installed.package_file,
-            }
-        )
-    registry.save()
+    changed = _record(registry, installed, pinned)
     if current is not None and current.path != installed.path:
         remove_tree(Path(current.path))
     if store is not None:
@@ -318,6 +168,126 @@ def install_package(
             f"{home / AUDIT_FILE}"
         )
     return installed, "\n".join(lines)
+
+
+def _check(
+    manifest: Manifest,
+    size: int,
+    limits: Limits,
+    path: Path,
+    signer: str,
+    pinned: str | None,
+    allow_signer_change: bool,
+) -> None:
+    """Refuse the package ``path`` (``size`` bytes) unless its signed sizes are within
+    ``limits``, it holds what a model package must (:data:`REQUIRED_MEMBERS`) and ``signer``
+    is its model's ``pinned`` signer (another only with ``allow_signer_change``)."""
+    where = Location(str(path))
+    try:
+        limits.check(manifest, size)
+    except ArchiveError as exc:
+        raise refused(exc, path) from None
+    missing = [m for m in REQUIRED_MEMBERS if m not in manifest.by_path()]
+    if missing:
+        raise PackageError(
+            f"not a model package: the manifest lists no {', '.join(missing)}", location=where
+        )
+    if pinned is not None and pinned != signer and not allow_signer_change:
+        raise PackageError(
+            f"{manifest.name} is pinned to signer {pinned}, the key it was first installed "
+            f"with; this package (version {manifest.version}) is signed by {signer}: "
+            "refused, a package from another signer replaces a model only with "
+            "--allow-signer-change",
+            location=where,
+        )
+
+
+def _installed_already(
+    manifest: Manifest, digest: str, registry: Registry, where: Location
+) -> InstalledPackage | None:
+    """The installed package when it is this very package (manifest digest ``digest``),
+    else None; :class:`PackageError` when its version is older than one installed here
+    (rollback protection) or is installed with other contents."""
+    highest = registry.highest.get(manifest.name, 0)
+    current = registry.active.get(manifest.name)
+    if manifest.version < highest:
+        raise PackageError(
+            f"{manifest.name} version {manifest.version} is older than version {highest}, "
+            "which was installed here; older packages are refused (rollback protection)",
+            location=where,
+        )
+    if manifest.version == highest and current is not None:
+        if current.manifest_sha256 == digest and Path(current.path).is_dir():
+            return current
+        raise PackageError(
+            f"{manifest.name} version {manifest.version} is already installed with other "
+            "contents; a new package needs a higher version",
+            location=where,
+        )
+    return None
+
+
+def _unpack(reader: ArchiveReader, manifest: Manifest, root: Path, path: Path) -> Path:
+    """Stream the package's files (each hashed as it is written) into a staging directory
+    under ``root`` (``packages/<name>``), make them read-only and rename it to
+    ``root/<version>``, which it returns. Any failure removes the staging directory, and
+    ``root`` when it made it: nothing is half-installed."""
+    new_root = not root.exists()
+    root.mkdir(parents=True, exist_ok=True)
+    staging = root / f".staging-{os.getpid()}-{manifest.version}"
+    done = False
+    try:
+        free = shutil.disk_usage(root).free
+        if manifest.total_bytes > free:
+            raise PackageError(
+                f"needs {manifest.total_bytes} bytes; {free} are free under {root}",
+                location=Location(str(path)),
+            )
+        remove_tree(staging)
+        staging.mkdir()
+        writer = _Writer(staging)
+        try:
+            for _entry in reader.files(manifest, writer):
+                writer.close()
+        except ArchiveError as exc:
+            raise refused(exc, path) from None
+        finally:
+            writer.close()
+        (staging / MANIFEST).write_bytes(reader.manifest_bytes)
+        (staging / SIGNATURE).write_bytes(reader.signature)
+        _make_read_only(staging, _created_epoch(manifest))
+        final = root / str(manifest.version)
+        remove_tree(final)
+        os.replace(staging, final)
+        done = True
+    finally:
+        remove_tree(staging)
+        if new_root and not done:  # refused: leave no packages/<name>/ behind either
+            remove_tree(root)
+    return final
+
+
+def _record(registry: Registry, installed: InstalledPackage, pinned: str | None) -> bool:
+    """Record ``installed`` as its model's active, highest version and pin its signer, with
+    the change from ``pinned`` when there is one (returned: whether there is), and save."""
+    name = installed.name
+    registry.highest[name] = installed.version
+    registry.active[name] = installed
+    registry.signers[name] = installed.signer
+    changed = pinned is not None and pinned != installed.signer
+    if changed:
+        registry.signer_changes.append(
+            {
+                "name": name,
+                "version": installed.version,
+                "from": pinned,
+                "to": installed.signer,
+                "at": installed.installed_at,
+                "package": installed.package_file,
+            }
+        )
+    registry.save()
+    return changed
 
 
 def register(store: Any, installed: InstalledPackage, home: Path) -> None:
@@ -340,134 +310,6 @@ def register(store: Any, installed: InstalledPackage, home: Path) -> None:
     plan.model_path = str(installed.model_dir)
     profile = json.loads((base / PROFILE_FILE).read_text(encoding="utf-8"))
     PlanCache(home).seed(plan, installed.model_dir, profile["snapshot"])
-
-
-@dataclass
-class Damage:
-    path: str
-    problem: str
-
-
-_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFREG: "a file", stat.S_IFLNK: "a symbolic link",
-          stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a device",
-          stat.S_IFBLK: "a device"}  # fmt: skip
-
-
-def _kind(mode: int) -> str:
-    return _KINDS.get(stat.S_IFMT(mode), "a special file")
-
-
-def _link(path: str, real_base: str) -> str:
-    """``a symbolic link to 'T'``, and where ``T`` leads when it leaves the package."""
-    target = os.readlink(path)
-    resolved = os.path.realpath(path)
-    inside = resolved == real_base or resolved.startswith(real_base + os.sep)
-    where = "" if inside else ", which points outside the package"
-    return f"a symbolic link to {target!r}{where}"
-
-
-def _parents(paths: Any) -> set[str]:
-    """Every directory the relative ``paths`` need (``a/b/c`` needs ``a`` and ``a/b``)."""
-    dirs: set[str] = set()
-    for path in paths:
-        parts = path.split("/")
-        dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
-    return dirs
-
-
-def check_installed(installed: InstalledPackage, trusted: TrustedKeys | None) -> list[Damage]:
-    """Every way the installed folder differs from the signed manifest (empty: intact): a
-    listed file missing, changed, or of another kind (a directory, a link); a directory the
-    manifest needs that is a file or a link; and anything the manifest does not list (a
-    file, a directory, a link, wherever it points, a FIFO). With ``trusted``, the installed
-    manifest's signature is checked first."""
-    base = Path(installed.path)
-    real_base = os.path.realpath(base)
-    if base.is_symlink() or not base.is_dir():
-        what = _link(str(base), str(base.parent)) if base.is_symlink() else "missing"
-        if base.exists() and not base.is_symlink():
-            what = _kind(base.lstat().st_mode)
-        return [Damage(".", f"the package folder is {what}")]
-    for name in (MANIFEST, SIGNATURE):
-        if (base / name).is_symlink():
-            return [Damage(name, f"{_link(str(base / name), real_base)}, not the installed file")]
-    try:
-        data = (base / MANIFEST).read_bytes()
-        signature = (base / SIGNATURE).read_bytes()
-    except OSError as exc:
-        return [Damage(MANIFEST, f"unreadable: {exc.strerror}")]
-    if hashlib.sha256(data).hexdigest() != installed.manifest_sha256:
-        return [Damage(MANIFEST, "differs from the manifest that was installed")]
-    if trusted is not None:
-        try:
-            trusted.verify(data, signature, str(base / MANIFEST))
-        except SignatureError as exc:  # the manifest is the one installed: its .sig changed?
-            return [Damage(SIGNATURE, f"does not verify: {exc.message}")]
-    try:
-        manifest = parse(data, str(base / MANIFEST))
-    except ManifestError as exc:  # installed before a rule it breaks: repair refuses it
-        return [Damage(MANIFEST, f"cannot be used: {exc}")]
-    damage: list[Damage] = []
-    listed = manifest.by_path()
-    dirs = _parents(listed)
-    # what is there, by relative path: walked without following a link
-    found: dict[str, int] = {}
-
-    def cannot_read(exc: OSError) -> None:
-        rel = os.path.relpath(str(exc.filename), base).replace(os.sep, "/")
-        damage.append(Damage(rel, f"unreadable directory: {exc.strerror}"))
-
-    for root, dirnames, filenames in os.walk(base, onerror=cannot_read):
-        for name in dirnames + filenames:
-            path = os.path.join(root, name)
-            try:
-                found[os.path.relpath(path, base).replace(os.sep, "/")] = os.lstat(path).st_mode
-            except FileNotFoundError:
-                continue
-    for rel in sorted(dirs):  # each directory the manifest needs
-        mode = found.get(rel)
-        if mode is not None and not stat.S_ISDIR(mode):
-            what = _link(str(base / rel), real_base) if stat.S_ISLNK(mode) else _kind(mode)
-            damage.append(Damage(rel, f"{what}, where the manifest expects a directory"))
-    for entry in manifest.files:  # each file it lists
-        rel = entry.path
-        mode = found.get(rel)
-        blocked = next((d for d in sorted(_parents([rel])) if not stat.S_ISDIR(found.get(d, 0))),
-                       None)  # fmt: skip
-        if blocked is not None and blocked in found:
-            damage.append(Damage(rel, f"missing ({blocked!r} is not a directory)"))
-        elif mode is None:
-            damage.append(Damage(rel, "missing"))
-        elif stat.S_ISLNK(mode):
-            damage.append(Damage(rel, f"{_link(str(base / rel), real_base)}, not the signed file"))
-        elif stat.S_ISDIR(mode):
-            damage.append(Damage(rel, "a directory where the manifest lists a file"))
-        elif not stat.S_ISREG(mode):
-            damage.append(Damage(rel, f"{_kind(mode)}, not a regular file"))
-        else:
-            try:
-                size, digest = hash_file(base / rel)
-            except OSError as exc:
-                damage.append(Damage(rel, f"unreadable: {exc.strerror}"))
-                continue
-            if size != entry.size or digest != entry.sha256:
-                damage.append(Damage(rel, "content differs from its SHA-256"))
-    for rel, mode in sorted(found.items()):  # what it does not list
-        if rel in listed or rel in dirs or rel in (MANIFEST, SIGNATURE):
-            continue
-        if any(d not in dirs for d in _parents([rel])):
-            continue  # inside an extra directory (or a directory where a file belongs)
-        if stat.S_ISLNK(mode):
-            what = f"extra {_link(str(base / rel), real_base)[2:]}"
-        elif stat.S_ISDIR(mode):
-            held = sum(1 for other in found if other.startswith(rel + "/"))
-            what = "extra directory" + (f" holding {held} entries" if held else "")
-        elif stat.S_ISREG(mode):
-            what = "extra file"
-        else:
-            what = f"extra {_kind(mode)[2:]}"
-        damage.append(Damage(rel, f"{what}, not in the manifest"))
-    return damage
 
 
 def repair(

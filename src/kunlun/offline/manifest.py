@@ -219,24 +219,7 @@ def dump(manifest: Manifest) -> bytes:
 def parse(data: bytes, where: str = MANIFEST, expect_format: str | None = None) -> Manifest:
     """The manifest in ``data``; :class:`ManifestError` naming ``where`` and the field and its
     value (or the line and column of a JSON error) for anything malformed or unusable."""
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"{where} is {len(data)} bytes, over {MAX_MANIFEST_BYTES}")
-    too_deep = f"{where} nests arrays and objects more than {MAX_DEPTH} levels deep"
-    try:
-        raw = json.loads(data.decode("utf-8"), parse_int=_parse_int)
-    except UnicodeDecodeError as exc:
-        raise ManifestError(f"{where} is not UTF-8 text (byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise ManifestError(
-            f"{where} is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
-    except RecursionError:  # Python's parser recurses: a few thousand levels end here
-        raise ManifestError(too_deep) from None
-    depth, big = _scan(raw) if isinstance(raw, (dict, list)) else (0, None)
-    if depth > MAX_DEPTH:
-        raise ManifestError(too_deep)
-    if not isinstance(raw, dict):
-        raise ManifestError(f"{where} must be a JSON object, got {type(raw).__name__}")
+    raw, big = _load(data, where)
 
     def text(key: str, pattern: re.Pattern[str] | None = None) -> str:
         value = raw.get(key)
@@ -259,27 +242,7 @@ def parse(data: bytes, where: str = MANIFEST, expect_format: str | None = None) 
     created_epoch(created, where)  # anything but a real time written as the packer does
     kunlun_version = text("kunlun_version", _ONE_LINE)
     signer = text("signer", _ONE_LINE)
-    files_raw = raw.get("files")
-    if not isinstance(files_raw, list):
-        raise ManifestError(f"{where}: field 'files' must be a list")
-    files: list[FileEntry] = []
-    seen: set[str] = set()
-    for i, item in enumerate(files_raw):
-        at = f"{where}: files[{i}]"
-        if not isinstance(item, dict):
-            raise ManifestError(f"{at} must be an object")
-        path, size, digest = item.get("path"), item.get("size"), item.get("sha256")
-        if not isinstance(path, str):
-            raise ManifestError(f"{at}.path must be a string: {shorten(path)}")
-        check_member_name(path, f"{at}.path")
-        if path in (MANIFEST, SIGNATURE) or path in seen:
-            raise ManifestError(f"{at}.path {shorten(path)} is listed twice or reserved")
-        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_VERSION:
-            raise ManifestError(f"{at}.size must be an integer from 0 to 2**63-1: {shorten(size)}")
-        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
-            raise ManifestError(f"{at}.sha256 must be 64 lowercase hex digits: {shorten(digest)}")
-        seen.add(path)
-        files.append(FileEntry(path, size, digest))
+    files = _files(raw.get("files"), where)
     _check_clashes(files, where)
     common = {"format", "name", "version", "created", "kunlun_version", "signer", "files"}
     extra = {k: v for k, v in raw.items() if k not in common}
@@ -302,3 +265,55 @@ def parse(data: bytes, where: str = MANIFEST, expect_format: str | None = None) 
         files=files,
         extra=extra,
     )
+
+
+def _load(data: bytes, where: str) -> tuple[dict[str, Any], tuple[str, _BigInt] | None]:
+    """The JSON object in ``data``, within :data:`MAX_MANIFEST_BYTES` and :data:`MAX_DEPTH`,
+    and its first integer of over :data:`MAX_INT_DIGITS` digits with the path to it (None:
+    none), which :func:`parse` refuses only after the fields: one in a field is named by
+    that field's own check."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{where} is {len(data)} bytes, over {MAX_MANIFEST_BYTES}")
+    too_deep = f"{where} nests arrays and objects more than {MAX_DEPTH} levels deep"
+    try:
+        raw = json.loads(data.decode("utf-8"), parse_int=_parse_int)
+    except UnicodeDecodeError as exc:
+        raise ManifestError(f"{where} is not UTF-8 text (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise ManifestError(
+            f"{where} is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    except RecursionError:  # Python's parser recurses: a few thousand levels end here
+        raise ManifestError(too_deep) from None
+    depth, big = _scan(raw) if isinstance(raw, (dict, list)) else (0, None)
+    if depth > MAX_DEPTH:
+        raise ManifestError(too_deep)
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{where} must be a JSON object, got {type(raw).__name__}")
+    return raw, big
+
+
+def _files(files_raw: object, where: str) -> list[FileEntry]:
+    """The manifest's ``files``: each an object with a safe, unreserved ``path`` listed once,
+    a ``size`` from 0 to 2**63-1 and a ``sha256`` of 64 lowercase hex digits."""
+    if not isinstance(files_raw, list):
+        raise ManifestError(f"{where}: field 'files' must be a list")
+    files: list[FileEntry] = []
+    seen: set[str] = set()
+    for i, item in enumerate(files_raw):
+        at = f"{where}: files[{i}]"
+        if not isinstance(item, dict):
+            raise ManifestError(f"{at} must be an object")
+        path, size, digest = item.get("path"), item.get("size"), item.get("sha256")
+        if not isinstance(path, str):
+            raise ManifestError(f"{at}.path must be a string: {shorten(path)}")
+        check_member_name(path, f"{at}.path")
+        if path in (MANIFEST, SIGNATURE) or path in seen:
+            raise ManifestError(f"{at}.path {shorten(path)} is listed twice or reserved")
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_VERSION:
+            raise ManifestError(f"{at}.size must be an integer from 0 to 2**63-1: {shorten(size)}")
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise ManifestError(f"{at}.sha256 must be 64 lowercase hex digits: {shorten(digest)}")
+        seen.add(path)
+        files.append(FileEntry(path, size, digest))
+    return files
