@@ -87,7 +87,7 @@ def make_daemon(work: Path, started: list[Daemon]) -> tuple[Daemon, str, str]:
     started.append(daemon)
     http = httpx.Client(base_url=daemon.url, headers={"authorization": f"Bearer {key}"},
                         timeout=120)  # fmt: skip
-    demo = {"model": "smollm2", "device": "cpu:0", "batch_size": 4,
+    demo = {"model": "smollm2", "device": "cpu:0", "max_num_seqs": 4,
             "max_model_len": 512, "kv_cache_memory_mb": 32}  # fmt: skip
     first = http.post("/api/v1/workloads", json=demo).raise_for_status().json()
     for i in range(WORKLOADS - 1):

@@ -4,7 +4,7 @@ Three sides, in one run, on the demo model (SmolLM2-135M) and this machine's CPU
 
 * ``kunlun_llama_cpp`` (a): ``kunlun-platform`` started here with a fresh ``KUNLUN_HOME``
   (default settings; the demo imported with ``kunlun-cli model import-gguf --demo``) and a
-  workload ``engine: llama.cpp, batch_size: 16, max_model_len: 1024`` submitted with
+  workload ``engine: llama.cpp, max_num_seqs: 16, max_model_len: 1024`` submitted with
   ``kunlun-cli workload submit``: the node agent starts ``llama-server`` (confined, at the
   workers' niceness: ``kunlun.node.confine``) on the GGUF its plan names (for the demo's
   ``fp32, quantization none`` plan, the unquantized export in the plan cache) and every
@@ -15,7 +15,7 @@ Three sides, in one run, on the demo model (SmolLM2-135M) and this machine's CPU
   differs. So the
   only difference between (a) and (b) is the gateway (and the daemon around it).
 * ``kunlun_engine`` (c): a second workload in the same daemon, on the embedded engine with
-  ``quantization: w8a16`` by default (``--quantization``), also ``batch_size: 16``. The
+  ``quantization: w8a16`` by default (``--quantization``), also ``max_num_seqs: 16``. The
   scheme is the int8 one the engine's own benchmark measured fastest on CPU
   (``docs/benchmarks.md``, "Quantized weights"): w4a16 reads fewer bytes but its int4 kernel
   is slower per byte, and w8a8 adds a per-token activation quantization to every layer.
@@ -76,7 +76,7 @@ from kunlun.engines.adapter import find_binary  # noqa: E402
 SIDES = ("kunlun_llama_cpp", "llama_cpp", "kunlun_engine")
 LLAMA_NAME = "smollm2-llama-cpp"
 """The served name of workload (a), and so llama-server's ``--alias`` in (a) and (b)."""
-SPEC = "model: smollm2\nname: {name}\nbatch_size: 16\nmax_model_len: 1024\n"
+SPEC = "model: smollm2\nname: {name}\nmax_num_seqs: 16\nmax_model_len: 1024\n"
 
 
 def parse_args() -> argparse.Namespace:

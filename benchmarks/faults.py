@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 BIN = Path(sys.executable).parent
-SPEC = "model: smollm2\nbatch_size: 8\nmax_model_len: 2048\nkv_cache_memory_mb: 96\n"
+SPEC = "model: smollm2\nmax_num_seqs: 8\nmax_model_len: 2048\nkv_cache_memory_mb: 96\n"
 
 
 def start_daemon(models_home: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str, str]:

@@ -87,7 +87,7 @@ def workloads(num: int, rng: random.Random) -> list[WorkloadSpec]:
                 quantization=rng.choice(["none", "none", "w8a8", "w4a16"]),
                 priority=rng.choice(["high", "normal", "normal", "low"]),
                 scorer=rng.choice(["performance", "roofline", "binpack", "spread"]),
-                batch_size=rng.choice([8, 16, 64]),
+                max_num_seqs=rng.choice([8, 16, 64]),
                 max_model_len=rng.choice([2048, 4096, 8192]),
                 replicas=rng.choice([1, 1, 1, 2]),
                 preferred_device_types=preferred,

@@ -33,7 +33,7 @@ def build(path: Path, num_events: int, num_batches: int, num_keys: int) -> None:
     store = SQLiteStore(path)
     now = time.time()
     for i in range(100):
-        spec = {"model": f"model-{i}", "replicas": 2, "batch_size": 8, "max_model_len": 4096}
+        spec = {"model": f"model-{i}", "replicas": 2, "max_num_seqs": 8, "max_model_len": 4096}
         store.put_workload(WorkloadRecord(f"w{i:04d}", f"job-{i}", spec, "RUNNING", None, "cpu:0"))
         store.put_model(ModelRecord(f"model-{i}", f"/models/model-{i}", "gguf:/x.gguf", now))
     for i in range(num_keys):

@@ -19,7 +19,7 @@ import os
 import statistics
 import time
 
-from kunlun.protocol.openai_api import QueueFull
+from kunlun.protocol.openai_errors import QueueFull
 from kunlun.telemetry.gateway_metrics import GatewayMetrics
 
 

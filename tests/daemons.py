@@ -50,7 +50,7 @@ and their latencies say nothing."""
 
 SPEC = """\
 model: smollm2
-batch_size: 8
+max_num_seqs: 8
 max_model_len: 1024
 kv_cache_memory_mb: 96
 """
@@ -59,7 +59,7 @@ kv_cache_memory_mb: 96
 TINY_SPEC = """\
 model: {path}
 name: {name}
-batch_size: 8
+max_num_seqs: 8
 max_model_len: 1024
 kv_cache_memory_mb: 16
 """

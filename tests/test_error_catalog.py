@@ -11,7 +11,7 @@ import pytest
 
 import kunlun
 from kunlun.errors import KunlunError
-from kunlun.protocol.openai_api import error_status_and_body
+from kunlun.protocol.openai_errors import error_status_and_body
 
 OPENAI_TYPES = {
     "invalid_request_error",

@@ -147,3 +147,24 @@ def test_no_cycle_of_module_imports() -> None:
         if module not in state:
             walk(module)
     assert cycles == [], "module import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
+
+
+def test_modules_and_functions_stay_short() -> None:
+    """No module of ``src/kunlun`` over 450 lines, no function over 80 (from its ``def`` to
+    its last line; a nested function counts within its parent too)."""
+    long = []
+    for path in sources():
+        text = path.read_text()
+        where = path.relative_to(ROOT)
+        if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+            long.append(f"{where}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{where}:{node.lineno} {node.name}: {length} lines")
+    assert long == []

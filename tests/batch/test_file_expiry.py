@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from kunlun.batch.files import FileStore, NotFound, expiry_seconds, file_object
-from kunlun.batch.jobs import BatchJobs, Reply
+from kunlun.batch.jobs import BatchJobs
+from kunlun.batch.sending import Reply
 from kunlun.errors import RequestError
 from kunlun.state.sqlite import SQLiteStore
 

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from kunlun.batch.files import FileStore
-from kunlun.batch.jobs import BatchJobs, Reply
+from kunlun.batch.jobs import BatchJobs
+from kunlun.batch.sending import Reply
 from kunlun.state.sqlite import SQLiteStore
 
 

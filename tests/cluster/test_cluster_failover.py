@@ -37,7 +37,7 @@ from tests.cluster.platform_nodes import (
 from kunlun.state.etcd import EtcdStore
 from kunlun.state.etcd_client import Etcd
 
-WORKLOAD = {"model": "tiny", "replicas": 2, "batch_size": 4, "max_model_len": 1024,
+WORKLOAD = {"model": "tiny", "replicas": 2, "max_num_seqs": 4, "max_model_len": 1024,
             "kv_cache_memory_mb": 16}  # fmt: skip
 
 

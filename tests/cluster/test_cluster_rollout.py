@@ -19,7 +19,7 @@ from tests.cluster.platform_nodes import ClusterNodeProc, dump, make_node, tiny_
 from kunlun.state.etcd import EtcdStore
 from kunlun.state.etcd_client import Etcd
 
-WORKLOAD = {"model": "tiny", "name": "chat", "replicas": 2, "batch_size": 4,
+WORKLOAD = {"model": "tiny", "name": "chat", "replicas": 2, "max_num_seqs": 4,
             "max_model_len": 512, "kv_cache_memory_mb": 16}  # fmt: skip
 
 

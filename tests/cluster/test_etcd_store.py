@@ -16,7 +16,8 @@ from kunlun.errors import ClusterUnavailable, ConfigError
 from kunlun.state import etcd_watch as watch_module
 from kunlun.state.certs import MemberTLS
 from kunlun.state.etcd import EtcdStore
-from kunlun.state.etcd_client import Compare, Etcd, Op, WatchEvent
+from kunlun.state.etcd_client import Etcd
+from kunlun.state.etcd_wire import Compare, Op, WatchEvent
 from kunlun.state.sqlite import SQLiteStore
 from kunlun.state.store import (
     ApiKeyRecord,

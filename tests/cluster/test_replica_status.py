@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from kunlun.cluster.member import REPLICAS, ClusterView, ReplicaStatus
-from kunlun.state.etcd_client import KV
+from kunlun.state.etcd_wire import KV
 
 RUNNING = ReplicaStatus(workload_id="wl-1", index=0, model="smollm2", device="cpu:0",
                         ready=True, max_num_seqs=8, max_queue=64, priority="normal",

@@ -125,11 +125,11 @@ def test_admin_sees_devices_submits_a_workload_and_stops_it(
     shot(page, "devices")
 
     page.goto(daemon.url + "/ui/workloads")
-    for field, value, error in (("batch_size", "many", "batch_size"), ("name", HOSTILE, "name"),
+    for field, value, error in (("max_num_seqs", "many", "max_num_seqs"), ("name", HOSTILE, "name"),
                                 ("model", HOSTILE, "model")):  # fmt: skip
         page.fill("#submit input[name=model]", str(tiny_model))
         page.fill("#submit input[name=name]", "second")
-        page.fill("#submit input[name=batch_size]", "2")
+        page.fill("#submit input[name=max_num_seqs]", "2")
         page.fill(f"#submit input[name={field}]", value)
         page.click("#submit button[type=submit]")
         message = page.text_content("#form-error")
@@ -137,7 +137,7 @@ def test_admin_sees_devices_submits_a_workload_and_stops_it(
         assert page.locator("img").count() == 0
     page.fill("#submit input[name=model]", str(tiny_model))
     page.fill("#submit input[name=name]", "second")
-    page.fill("#submit input[name=batch_size]", "2")
+    page.fill("#submit input[name=max_num_seqs]", "2")
     page.fill("#submit input[name=max_model_len]", "256")
     page.fill("#submit input[name=kv_cache_memory_mb]", "32")
     page.click("#submit button[type=submit]")

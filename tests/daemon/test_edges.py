@@ -290,11 +290,11 @@ def _requests_total(daemon: Daemon, status: str, replica: str | None = None) -> 
 
 one_slot = daemon_fixture(Profile(
     "edges-one-slot",
-    (TINY.replace("batch_size: 8", "batch_size: 1").replace("max_model_len: 1024",
+    (TINY.replace("max_num_seqs: 8", "max_num_seqs: 1").replace("max_model_len: 1024",
                                                             f"max_model_len: {LONG_CONTEXT}"),),
     env=(("KUNLUN_MAX_SEQUENCES_PER_REQUEST", "4"),),
 ))  # fmt: skip
-"""A daemon whose replica runs one request at a time (``batch_size: 1``), taking at most 4
+"""A daemon whose replica runs one request at a time (``max_num_seqs: 1``), taking at most 4
 sequences per request (set by its environment variable). Its context holds the tiny model's
 2,048 positions, so a stream can outlast what the test does meanwhile."""
 

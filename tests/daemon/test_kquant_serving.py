@@ -26,7 +26,7 @@ from tests.engine.gguf_files import write_demo_kquant_gguf
 NAME = "smollm2-q4k"
 KQUANT = Profile(
     "kquant-home",
-    (f"model: {NAME}\nname: {NAME}\ndevice: cpu:0\nbatch_size: 4\nmax_model_len: 1024\n"
+    (f"model: {NAME}\nname: {NAME}\ndevice: cpu:0\nmax_num_seqs: 4\nmax_model_len: 1024\n"
      "kv_cache_memory_mb: 64\n",),
     files=(PATIENT,), demo=True,
 )  # fmt: skip

@@ -24,7 +24,7 @@ from tests.daemons import (
 
 SPEC = """\
 model: smollm2
-batch_size: 4
+max_num_seqs: 4
 max_model_len: 1024
 kv_cache_memory_mb: 64
 """

@@ -20,7 +20,7 @@ holds the slot well past the queue's bound (asserted)."""
 
 ONE_SLOT = Profile(
     "queue-wait-home",
-    (TINY.replace("batch_size: 8", "batch_size: 1").replace("max_model_len: 1024",
+    (TINY.replace("max_num_seqs: 8", "max_num_seqs: 1").replace("max_model_len: 1024",
                                                             f"max_model_len: {CONTEXT}"),),
     files=(("scheduler_config.yaml", "max_queue_wait_s: 0.5\n"),),
 )  # fmt: skip

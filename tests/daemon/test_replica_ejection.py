@@ -81,7 +81,7 @@ TWO_REPLICAS = Profile(
     files=(("scheduler_config.yaml", "policy: round-robin\n"),),
 )  # fmt: skip
 BUSY = Profile(
-    "busy-home", (TINY.replace("batch_size: 8", "batch_size: 2"),),
+    "busy-home", (TINY.replace("max_num_seqs: 8", "max_num_seqs: 2"),),
     args=("--health-check-interval", "1", "--health-check-timeout", "0.5"),
 )  # fmt: skip
 

@@ -55,7 +55,7 @@ def test_a_repo_id_in_the_hf_cache_is_served_under_the_name_given(
         assert reply.choices[0].message.content
         (row,) = json.loads(daemon.cli("workload", "list", "--json").stdout)
         spec = daemon.get(f"/api/v1/workloads/{row['workload_id']}").json()["spec"]
-        assert (spec["dtype"], spec["batch_size"], spec["max_model_len"]) == ("fp32", 4, 512)
+        assert (spec["dtype"], spec["max_num_seqs"], spec["max_model_len"]) == ("fp32", 4, 512)
         assert spec["model"].endswith("snapshots/0123abcd")
 
 

@@ -25,7 +25,7 @@ from kunlun.validate.numerics import MAX_ABS_MAX, MEAN_ABS_MAX
 pytestmark = pytest.mark.skipif(
     find_binary("llama-server") is None, reason="llama-server is not built (make llama-server)"
 )
-SMALL = "engine: {}\nbatch_size: 4\n"  # two plans on one cpu:0, small KV caches each
+SMALL = "engine: {}\nmax_num_seqs: 4\n"  # two plans on one cpu:0, small KV caches each
 
 
 ENGINES = ("kunlun", "llama.cpp")

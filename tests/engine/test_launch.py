@@ -204,7 +204,7 @@ def spelled_in(text: str) -> list[str]:
 
 
 def test_the_worker_command_line_is_spelled_in_one_place() -> None:
-    assert spelled_in('"kunlun.serving.worker"') == ["serving/worker.py"]
+    assert spelled_in('"kunlun.serving.worker"') == ["engine/launch.py"]
     assert worker_command("L")[1:] == ["-m", "kunlun.serving.worker", "--launch", "L"]
 
 

@@ -46,7 +46,7 @@ def test_every_cpu_plan_starts_and_generates(
     model_dir = make_tiny_model("LlamaForCausalLM")
     spec = WorkloadSpec(
         model="tiny", device="cpu:0", quantization=quantization, tensor_parallel_size=tp,
-        max_model_len=128, batch_size=2,
+        max_model_len=128, max_num_seqs=2,
     )  # fmt: skip
     try:
         placement = place(spec, cpu_inventory, inspect_model(model_dir), starting=True)

@@ -39,7 +39,7 @@ GGUF = LaunchContext(Path("/models/qwen2-0_5b-q4_1.gguf"), "qwen", 8100, Path("/
 
 
 def plan_on(name: str, device: str | None = None, **spec: object) -> ExecutionPlan:
-    fields = {"max_model_len": 4096, "batch_size": 32, **spec}
+    fields = {"max_model_len": 4096, "max_num_seqs": 32, **spec}
     return place(WorkloadSpec(model="Qwen2-0.5B", device=device, **fields), node(name),  # type: ignore[arg-type]
                  QWEN).plans[0]  # fmt: skip
 
@@ -142,7 +142,7 @@ def test_llama_server_on_nvidia_offloads_every_layer() -> None:
 
 def test_llama_server_on_this_cpu() -> None:
     spec = WorkloadSpec(model="Qwen2-0.5B", device="cpu:0", dtype="fp32", max_model_len=2048,
-                        batch_size=4, max_num_batched_tokens=256)  # fmt: skip
+                        max_num_seqs=4, max_num_batched_tokens=256)  # fmt: skip
     plan = place(spec, build_inventory(), QWEN).plans[0]  # live discovery: this machine
     command = LlamaCppEngine().command(plan, GGUF)
     # as many slots of 2,048 tokens as the plan's KV holds, at most its 4 sequences
@@ -169,7 +169,7 @@ def test_a_quantization_vllm_does_not_take_is_refused() -> None:
 
 def test_llama_cpp_cannot_split_a_model_on_a_cpu() -> None:
     spec = WorkloadSpec(model="Qwen2-0.5B", device="cpu:0", dtype="fp32", max_model_len=2048,
-                        batch_size=4, tensor_parallel_size=2)  # fmt: skip
+                        max_num_seqs=4, tensor_parallel_size=2)  # fmt: skip
     plan = place(spec, build_inventory(), QWEN).plans[0]
     with pytest.raises(ConfigError) as err:
         LlamaCppEngine().command(plan, GGUF)

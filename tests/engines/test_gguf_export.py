@@ -31,7 +31,7 @@ from kunlun.workload.spec import WorkloadSpec
 def cpu_plan(quantization: str = "none") -> ExecutionPlan:
     """A plan on this machine's CPU (live discovery)."""
     spec = WorkloadSpec(model="Qwen2-0.5B", device="cpu:0", dtype="fp32", max_model_len=2048,
-                        batch_size=4, quantization=quantization)  # type: ignore[arg-type]  # fmt: skip
+                        max_num_seqs=4, quantization=quantization)  # type: ignore[arg-type]  # fmt: skip
     return place(spec, build_inventory(), QWEN).plans[0]
 
 

@@ -103,7 +103,7 @@ def serve() -> None:
         while reachable("127.0.0.1", port) != "connected":
             assert daemon.poll() is None and time.monotonic() < deadline, "daemon did not start"
             time.sleep(0.3)
-        cli = [str(prefix / "bin" / "kunlun-cli"), "workload", "submit", "--batch-size", "4",
+        cli = [str(prefix / "bin" / "kunlun-cli"), "workload", "submit", "--max-num-seqs", "4",
                "--json"]  # fmt: skip
         submitted = subprocess.run([*cli, "--model", "smollm2"], capture_output=True, text=True,
                                    env=env)  # fmt: skip

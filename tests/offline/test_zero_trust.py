@@ -173,7 +173,7 @@ def test_tampered_converted_weights_are_not_served_after_a_restart(
     found at the restart, discarded and converted again from the signed package: the greedy
     answer is the one the intact weights gave, the audit log names the file."""
     home = installed_home(tmp_path, pack_tiny(), keys)
-    spec = "model: tiny\ndtype: bf16\nbatch_size: 4\nmax_model_len: 256\nkv_cache_memory_mb: 8\n"
+    spec = "model: tiny\ndtype: bf16\nmax_num_seqs: 4\nmax_model_len: 256\nkv_cache_memory_mb: 8\n"
     # stopped and started again on its home on purpose (serve() would prune the package)
     daemon = Daemon(home, free_port())
     try:
@@ -224,7 +224,7 @@ def test_the_sweep_stops_a_workload_whose_converted_weights_change(
     that workload, not the other, and ``/metrics`` says so; submitted again, it is converted
     again from the signed package."""
     home = installed_home(tmp_path, pack_tiny(), keys)
-    spec = "model: tiny\nname: {}\n{}\nbatch_size: 4\nmax_model_len: 256\nkv_cache_memory_mb: 8\n"
+    spec = "model: tiny\nname: {}\n{}\nmax_num_seqs: 4\nmax_model_len: 256\nkv_cache_memory_mb: 8\n"
     profile = Profile("conversions", args=("--require-signed", "--integrity-interval", "1"))
     with daemons.serve(profile, home) as daemon:
         bf16 = daemon.submit(spec.format("tiny-bf16", "dtype: bf16"), name="bf16")
@@ -274,8 +274,8 @@ def test_a_conversion_is_sealed_and_each_change_to_it_is_named(
     conversion without a seal is discarded; every kind of change is named (bytes, an added
     file, a link pointed elsewhere, the seal rewritten), by the sweep and after a restart."""
     from kunlun.engine.convert import prepare_weights
-    from kunlun.offline.install import Registry
     from kunlun.offline.integrity import ModelGuard
+    from kunlun.offline.registry import Registry
     from kunlun.offline.signing import TrustedKeys
 
     home = installed_home(tmp_path, pack_tiny(), keys)

@@ -1,6 +1,7 @@
 """The planner's ``max_num_seqs`` sizing (:mod:`kunlun.planner.batching`): monotonic in the
 KV memory, bounded by what the KV holds at the average context (so by ``max_model_len``),
-stopped at the roofline knee where the device declares one, overridden by ``batch_size``,
+stopped at the roofline knee where the device declares one, overridden by ``max_num_seqs``
+(``batch_size``, its old name, still read),
 and explained by ``plan --explain``; and the step budget (``max_num_batched_tokens``):
 monotonic in the declared compute, never below one decode per sequence plus a prompt chunk,
 never above ``max_num_seqs * max_model_len``, overridden by the spec, handed to the engine."""
@@ -15,6 +16,7 @@ import pytest
 from tests.planner.conftest import model, node
 from tests.planner.test_plan_cli import cli, mixed
 
+from kunlun.errors import ConfigError
 from kunlun.planner.batching import (
     DEFAULT_STEP_TOKENS,
     MAX_STEP_TOKENS,
@@ -28,7 +30,7 @@ from kunlun.planner.capacity import capacity_of
 from kunlun.planner.estimate import BLOCK_SIZE, MAX_AUTO_BATCH, MIB, average_context, tokens_per_s
 from kunlun.planner.plan import engine_launch
 from kunlun.workload.placement import place
-from kunlun.workload.spec import WorkloadSpec
+from kunlun.workload.spec import WorkloadSpec, current_names, parse_spec
 
 CAPS = {p.device_type: capacity_of(p) for p in node("mixed").profiles}
 LENGTHS = (128, 512, 1024, 2048, 8192)
@@ -83,8 +85,28 @@ def test_the_spec_overrides_and_the_plan_uses_the_sized_batch() -> None:
     assert sized.max_num_seqs == min(knee or MAX_AUTO_BATCH, MAX_AUTO_BATCH)
     assert any(n.startswith(f"max_num_seqs {sized.max_num_seqs}: the KV") for n in sized.notes)
     fixed = place(WorkloadSpec(model="Qwen2-0.5B", device="nvidia:0", max_model_len=2048,
-                               batch_size=3), node("mixed"), info).plans[0]  # fmt: skip
-    assert fixed.max_num_seqs == 3 and "max_num_seqs 3: the spec's batch_size" in fixed.notes
+                               max_num_seqs=3), node("mixed"), info).plans[0]  # fmt: skip
+    assert fixed.max_num_seqs == 3 and "max_num_seqs 3: the spec's" in fixed.notes
+
+
+def test_batch_size_is_read_as_max_num_seqs_and_both_names_at_once_are_refused() -> None:
+    old = parse_spec({"model": "Qwen2-0.5B", "batch_size": 3}, "old.yaml")
+    assert old.max_num_seqs == 3
+    written = old.model_dump(exclude_unset=True)
+    assert written == {"model": "Qwen2-0.5B", "max_num_seqs": 3}  # stored under the new name
+    with pytest.raises(ConfigError) as both:
+        parse_spec({**written, "batch_size": 5}, "old.yaml")
+    assert "max_num_seqs and batch_size (its old name) are both given (3 and 5)" in str(both.value)
+    assert str(both.value).startswith("old.yaml")
+    stored = {"model": "Qwen2-0.5B", "batch_size": None}  # a workload stored before the rename
+    assert parse_spec({**stored, "max_num_seqs": 4}).max_num_seqs == 4
+    assert current_names({**stored, "batch_size": 2}) == {"model": "Qwen2-0.5B", "max_num_seqs": 2}
+    both_given = {"max_num_seqs": 3, "batch_size": 5}  # kept for the spec to refuse, by name
+    assert current_names(both_given) == both_given
+    with pytest.raises(ConfigError, match=r"batch_size: Input should be greater than or equal"):
+        parse_spec({"model": "Qwen2-0.5B", "batch_size": 0})  # named as given
+    with pytest.raises(ConfigError, match=r"did you mean 'max_num_seqs'"):
+        parse_spec({"model": "Qwen2-0.5B", "batch_sise": 2})
 
 
 def test_plan_explain_shows_the_sizing_and_max_num_seqs_overrides(tmp_path: Path) -> None:
@@ -95,6 +117,9 @@ def test_plan_explain_shows_the_sizing_and_max_num_seqs_overrides(tmp_path: Path
     forced = cli(*args, "--max-num-seqs", "5", "--json", home=tmp_path)
     assert forced.returncode == 0, forced.stderr
     assert json.loads(forced.stdout)["plan"]["max_num_seqs"] == 5
+    old = cli(*args, "--batch-size", "6", "--json", home=tmp_path)  # the flag's old name
+    assert old.returncode == 0, old.stderr
+    assert json.loads(old.stdout)["plan"]["max_num_seqs"] == 6
 
 
 def test_more_declared_compute_never_means_a_smaller_step() -> None:

@@ -22,7 +22,7 @@ LLAMA = model("Llama-3-8B")
 def plan_on(device: str, fraction: float | None) -> ExecutionPlan:
     """The plan of Llama-3-8B on ``device`` of the mixed node, with 64 sequences (their KV
     wants far more than fits: the budget is all the memory left after the weights)."""
-    spec = parse_spec({"model": "Llama-3-8B", "device": device, "batch_size": 64,
+    spec = parse_spec({"model": "Llama-3-8B", "device": device, "max_num_seqs": 64,
                        "memory_utilization": fraction})  # fmt: skip
     return place(spec, node("mixed"), LLAMA).plans[0]
 

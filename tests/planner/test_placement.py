@@ -217,7 +217,7 @@ def test_sharers_split_kv_memory_3_2_1_by_priority() -> None:
     caps = [capacity_of(p) for p in node("mixed").profiles]
     small = model("Qwen2-0.5B")
     specs = {
-        p: WorkloadSpec(model="Qwen2-0.5B", device="ascend:0", priority=p, batch_size=256)
+        p: WorkloadSpec(model="Qwen2-0.5B", device="ascend:0", priority=p, max_num_seqs=256)
         for p in WEIGHTS
     }
     alone = Placer(caps).place(demand_of(specs["high"], small))

@@ -56,7 +56,7 @@ workloads = st.lists(
             "quantization": st.sampled_from(["none", "w8a8", "w4a16"]),
             "scorer": st.sampled_from(["performance", "roofline", "binpack", "spread"]),
             "max_model_len": st.sampled_from([2048, 8192]),
-            "batch_size": st.sampled_from([None, 1, 8, 64]),
+            "max_num_seqs": st.sampled_from([None, 1, 8, 64]),
         }
     ),
     min_size=1,

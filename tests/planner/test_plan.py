@@ -44,7 +44,7 @@ def test_dtype_order_prefers_the_checkpoint_and_native_units() -> None:
 
 def test_kv_blocks_come_from_the_device_memory_budget() -> None:
     placement = place(
-        WorkloadSpec(model="Llama-3-8B", batch_size=64), node("mixed"), model("Llama-3-8B")
+        WorkloadSpec(model="Llama-3-8B", max_num_seqs=64), node("mixed"), model("Llama-3-8B")
     )
     plan = placement.plans[0]
     per_token = model("Llama-3-8B").kv_bytes_per_token(plan.dtype)

@@ -11,7 +11,7 @@ from tests.daemons import PATIENT, Daemon, Daemons, Profile
 SPEC = """\
 model: {model}
 name: chat
-batch_size: 4
+max_num_seqs: 4
 max_model_len: 1024
 kv_cache_memory_mb: 16
 """

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kunlun.protocol.openai_api import QueueFull, ServiceUnavailable
+from kunlun.protocol.openai_errors import QueueFull, ServiceUnavailable
 from kunlun.serving.admission import MAX_RETRY_AFTER_S, Admission, DrainRate, Ticket
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.serving.routing import DeviceSamples, Router

@@ -14,12 +14,9 @@ import pytest
 
 from kunlun.errors import RequestError
 from kunlun.protocol.fields import IGNORED_FIELDS
-from kunlun.protocol.openai_api import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    error_status_and_body,
-    parse_request,
-)
+from kunlun.protocol.openai_api import ChatCompletionRequest, CompletionRequest
+from kunlun.protocol.openai_errors import error_status_and_body
+from kunlun.protocol.request_body import parse_request
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CHAT_FIELDS: dict[str, Any] = {

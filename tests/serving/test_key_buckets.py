@@ -7,7 +7,7 @@ import ipaddress
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kunlun.protocol.openai_api import RateLimited
+from kunlun.protocol.openai_errors import RateLimited
 from kunlun.serving.key_limits import KeyLimiter, TokenCharge
 from kunlun.serving.scheduler_config import KeyDefaults
 from kunlun.state.api_keys import ActiveKey

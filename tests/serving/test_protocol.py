@@ -10,17 +10,16 @@ import pytest
 
 from kunlun.errors import EngineError, Location, PromptTooLong, RequestError
 from kunlun.protocol import responses, sse
-from kunlun.protocol.openai_api import (
+from kunlun.protocol.openai_api import ChatCompletionRequest, CompletionRequest
+from kunlun.protocol.openai_errors import (
     AuthenticationError,
-    ChatCompletionRequest,
-    CompletionRequest,
     ModelNotFound,
     QueueFull,
     ServiceUnavailable,
     WorkerDied,
     error_status_and_body,
-    parse_request,
 )
+from kunlun.protocol.request_body import parse_request
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

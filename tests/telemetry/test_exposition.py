@@ -13,7 +13,7 @@ from tests.telemetry.conftest import mixed_inventory
 
 from kunlun.daemon.exposition import PlatformTelemetry
 from kunlun.node.agent import NodeAgent
-from kunlun.protocol.openai_api import ModelNotFound, QueueFull
+from kunlun.protocol.openai_errors import ModelNotFound, QueueFull
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.telemetry.gateway_metrics import GatewayMetrics
 from kunlun.telemetry.view import histogram_quantile, parse, parse_filters

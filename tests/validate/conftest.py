@@ -22,7 +22,7 @@ SPEC = """\
 model: {model}
 name: {name}
 dtype: {dtype}
-batch_size: 8
+max_num_seqs: 8
 max_model_len: 1024
 kv_cache_memory_mb: 96
 """

@@ -6,8 +6,10 @@ window). At most ``max_running_jobs`` jobs are ``in_progress`` at once; a valida
 for a free slot as ``validating`` (oldest first), so many jobs cannot flood the replicas.
 Each request goes through :attr:`BatchJobs.send` (the daemon passes its own gateway,
 in-process) with ``X-Request-Id: <batch_id>:<custom_id>:<attempt>``, a bounded number in
-flight. Answers are appended to the job's output file (2xx) or error file (anything else,
-after retries) through a :class:`~kunlun.batch.journal.Journal`, fsynced line by line.
+flight, each until it is answered for good (:mod:`kunlun.batch.sending`). Answers are
+appended to the job's output file (2xx) or error file (anything else, after retries) through
+a :class:`~kunlun.batch.journal.Journal`, fsynced line by line; they become files of the API
+when the job ends (:mod:`kunlun.batch.outputs`).
 
 Durability: the record (status, timestamps, totals) is in the state store; progress is the
 two journals themselves. After a crash, :meth:`BatchJobs.start` reopens every unfinished
@@ -22,10 +24,9 @@ the job ends.
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,12 +35,12 @@ from kunlun.batch.journal import Journal
 from kunlun.batch.objects import (
     TERMINAL,
     add_usage,
-    answer_line,
     batch_error,
-    failure_line,
     token_usage,
 )
-from kunlun.batch.retry import RetryPolicy, is_retryable, retry_after_s
+from kunlun.batch.outputs import count_answers, keep_written, register_outputs
+from kunlun.batch.retry import RetryPolicy
+from kunlun.batch.sending import Send, send_line
 from kunlun.errors import Location, RequestError
 from kunlun.state.store import BatchRecord, StateStore
 
@@ -48,26 +49,6 @@ MAX_RUNNING_JOBS = 4
 """Default number of jobs sending requests at once (``kunlun-platform --batch-max-jobs``)."""
 SWEEP_INTERVAL_S = 60.0
 """How often expired files are removed."""
-WAIT_STATUSES = frozenset({429, 503})
-""""Not now" answers (queue full, replica still loading): waited out, not counted as
-failures, for as long as the job lives."""
-WAIT_POLICY = RetryPolicy(max_retries=0, base_delay_s=1.0, max_delay_s=30.0)
-"""How long a line waits after its n-th "not now" in a row: about 1, 2, 4 ... 30 s (with
-jitter), never less than the answer's ``Retry-After``. A model reloading for minutes meets a
-few requests per line, not one every 1.5 s (1,615 503s were logged once)."""
-
-
-@dataclass(frozen=True)
-class Reply:
-    """An answer from the endpoint."""
-
-    status: int
-    headers: Mapping[str, str]
-    body: bytes
-
-
-Send = Callable[[str, bytes, str], Awaitable[Reply]]
-"""``send(path, json_body, request_id)``: one request to the gateway."""
 
 
 @dataclass
@@ -106,7 +87,8 @@ class BatchJobs:
         self.concurrency = concurrency
         """Requests in flight per job."""
         self.policy = policy or RetryPolicy(max_retries=2, max_delay_s=10.0)
-        """For 5xx and transport failures; 429 and 503 are waited out (see WAIT_STATUSES)."""
+        """For 5xx and transport failures; 429 and 503 are waited out
+        (:data:`~kunlun.batch.sending.WAIT_STATUSES`)."""
         self.request_timeout_s = request_timeout_s
         self.max_running_jobs = max_running_jobs
         """Jobs in progress at once, across all jobs (each with ``concurrency`` requests)."""
@@ -300,7 +282,7 @@ class BatchJobs:
         except Exception as exc:  # a bug or a broken disk: fail this job, keep the daemon
             if isinstance(exc, ExceptionGroup):  # from the workers' task group
                 exc = exc.exceptions[0]
-            self._keep_written(record)
+            keep_written(record, self.files)
             self._fail(record, [batch_error("internal_error", f"{type(exc).__name__}: {exc}")])
         finally:
             if record.status in TERMINAL:
@@ -391,7 +373,9 @@ class BatchJobs:
         for line in lines:  # shared: each line goes to one worker
             if self._stopping(job):
                 return
-            ok, entry = await self._one(job, line)
+            ok, entry = await send_line(
+                self.send, line, job.record.batch_id, job.stop, self.policy, self.request_timeout_s
+            )
             if entry is None:  # cancelled while waiting
                 return
             if await (output if ok else errors).append(entry):
@@ -406,61 +390,11 @@ class BatchJobs:
             job.stop.set()
         return job.stop.is_set()
 
-    async def _one(self, job: _Job, line: BatchLine) -> tuple[bool, dict[str, Any] | None]:
-        """Send one request until it is answered for good: (succeeded, its file line), or
-        (False, None) when the job stopped meanwhile."""
-        body = json.dumps(line.body).encode()
-        attempt = num_failures = num_waits = 0
-        while True:
-            attempt += 1
-            request_id = f"{job.record.batch_id}:{line.custom_id}:{attempt}"
-            reply, problem = await self._attempt(line.url, body, request_id)
-            if reply is not None and reply.status < 300:
-                return True, answer_line(
-                    line.custom_id, request_id, reply.status, reply.headers, reply.body
-                )
-            status = reply.status if reply is not None else None
-            wait = retry_after_s(reply.headers.get("retry-after")) if reply is not None else None
-            if status in WAIT_STATUSES:
-                num_waits += 1
-                delay = max(wait or 0.0, WAIT_POLICY.delay_s(num_waits))
-            elif is_retryable(status) and num_failures < self.policy.max_retries:
-                num_failures += 1
-                delay = self.policy.delay_s(num_failures, wait)
-            elif reply is not None:
-                return False, answer_line(
-                    line.custom_id, request_id, reply.status, reply.headers, reply.body
-                )
-            else:
-                return False, failure_line(line.custom_id, problem)
-            if await _wait(job, delay):
-                return False, None
-
-    async def _attempt(self, path: str, body: bytes, request_id: str) -> tuple[Reply | None, str]:
-        """One send: the reply, or None and what went wrong."""
-        try:
-            return await asyncio.wait_for(
-                self.send(path, body, request_id), self.request_timeout_s
-            ), ""
-        except TimeoutError:
-            return None, f"no answer within {self.request_timeout_s:g}s"
-        except Exception as exc:  # the gateway could not answer at all
-            return None, f"{type(exc).__name__}: {exc}"
-
     def _finalize(self, record: BatchRecord) -> None:
         """Count what the files hold, register them, and end the job: ``cancelled`` when
         asked, ``expired`` when requests were left, else ``finalizing -> completed``."""
+        count_answers(record, self.files)
         counts = record.request_counts
-        for file_id, name in (
-            (record.output_file_id, "completed"),
-            (record.error_file_id, "failed"),
-        ):
-            if file_id is not None:
-                journal = Journal.open(self.files.path(file_id), "custom_id")
-                counts[name] = len(journal.ids)
-                if file_id == record.output_file_id:
-                    record.usage = token_usage(journal.records())
-                journal.close()
         now = int(time.time())
         if record.status == "cancelling":
             final = "cancelled"
@@ -470,58 +404,17 @@ class BatchJobs:
             final = "completed"
             record.status, record.finalizing_at = "finalizing", now
             self.store.put_batch(record)
-        ttl = record.output_expires_after_s
-        if record.output_file_id is not None:
-            self.files.register(
-                record.output_file_id, f"{record.batch_id}_output.jsonl", "batch_output", ttl
-            )
-            if counts["failed"] and record.error_file_id is not None:
-                self.files.register(
-                    record.error_file_id, f"{record.batch_id}_error.jsonl", "batch_output", ttl
-                )
+        register_outputs(record, self.files)
         record.status = final
         setattr(record, f"{final}_at", now)
         self.store.put_batch(record)
         print(f"batch {record.batch_id}: {final} {counts}", flush=True)
-
-    def _keep_written(self, record: BatchRecord) -> None:
-        """Before a job fails on an internal error: register the output and error files that
-        hold lines (so what was answered can still be read) and remove the empty ones, so
-        no unregistered file is left behind."""
-        for name in ("output_file_id", "error_file_id"):
-            file_id = getattr(record, name)
-            if file_id is None:
-                continue
-            path = self.files.path(file_id)
-            try:
-                if path.exists() and path.stat().st_size > 0:
-                    kind = "output" if name == "output_file_id" else "error"
-                    self.files.register(
-                        file_id,
-                        f"{record.batch_id}_{kind}.jsonl",
-                        "batch_output",
-                        record.output_expires_after_s,
-                    )
-                    continue
-                path.unlink(missing_ok=True)
-            except OSError as exc:  # a broken disk: say so, the job still fails cleanly
-                print(f"batch {record.batch_id}: cannot keep {path}: {exc}", flush=True)
-            setattr(record, name, None)
 
     def _fail(self, record: BatchRecord, errors: list[dict[str, Any]]) -> None:
         record.errors = errors
         record.status, record.failed_at = "failed", int(time.time())
         self.store.put_batch(record)
         print(f"batch {record.batch_id}: failed: {errors[0]['message']}", flush=True)
-
-
-async def _wait(job: _Job, seconds: float) -> bool:
-    """Sleep ``seconds``, or less if the job is cancelled meanwhile; True when cancelled."""
-    try:
-        await asyncio.wait_for(job.stop.wait(), seconds)
-    except TimeoutError:
-        return False
-    return True
 
 
 def _param(field: str, message: str) -> RequestError:

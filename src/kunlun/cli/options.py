@@ -18,11 +18,12 @@ TpSize = Annotated[
     typer.Option("--tp-size", help="Tensor-parallel size (default: what memory needs)."),
 ]
 """Tensor-parallel size, overriding the plan's."""
-BatchSize = Annotated[
+MaxNumSeqs = Annotated[
     int | None,
     typer.Option(
-        "--batch-size", "--max-num-seqs",
-        help="Sequences decoded together (max_num_seqs; default: sized by the plan).",
+        "--max-num-seqs", "--batch-size",
+        help="Sequences decoded together (default: sized by the plan; --batch-size is its "
+        "old name).",
     ),
 ]  # fmt: skip
 """``max_num_seqs``, overriding the plan's sizing."""

@@ -15,8 +15,8 @@ import typer
 from rich.table import Table
 
 from kunlun.cli.options import (
-    BatchSize,
     Engine,
+    MaxNumSeqs,
     MemoryUtilization,
     Quantization,
     StepTokens,
@@ -47,7 +47,7 @@ def plan(
     tp_size: TpSize = None,
     engine: Engine = None,
     max_model_len: Annotated[int | None, typer.Option(help="Context limit.")] = None,
-    batch_size: BatchSize = None,
+    max_num_seqs: MaxNumSeqs = None,
     max_num_batched_tokens: StepTokens = None,
     gpu_memory_utilization: MemoryUtilization = None,
     priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
@@ -59,7 +59,7 @@ def plan(
 ) -> None:
     # summary: kunlun.cli.commands
     fields = {"model": model, "device": device, "dtype": dtype, "quantization": quantization,
-              "max_model_len": max_model_len, "batch_size": batch_size, "priority": priority,
+              "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "priority": priority,
               "max_num_batched_tokens": max_num_batched_tokens,
               "scorer": scorer, "tensor_parallel_size": tp_size, "engine": engine,
               "memory_utilization": gpu_memory_utilization}  # fmt: skip

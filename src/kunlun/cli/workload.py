@@ -14,8 +14,8 @@ from rich.table import Table
 from kunlun.cli.client import DaemonClient
 from kunlun.cli.commands import summary
 from kunlun.cli.options import (
-    BatchSize,
     Engine,
+    MaxNumSeqs,
     MemoryUtilization,
     Quantization,
     StepTokens,
@@ -49,7 +49,7 @@ def submit(
     scorer: Annotated[
         str | None, typer.Option(help="performance, roofline, binpack or spread.")
     ] = None,
-    batch_size: BatchSize = None,
+    max_num_seqs: MaxNumSeqs = None,
     max_num_batched_tokens: StepTokens = None,
     gpu_memory_utilization: MemoryUtilization = None,
     priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
@@ -83,7 +83,7 @@ def submit(
         "tensor_parallel_size": tp_size,
         "engine": engine,
         "scorer": scorer,
-        "batch_size": batch_size,
+        "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,
         "memory_utilization": gpu_memory_utilization,
         "priority": priority,

@@ -21,7 +21,7 @@ import time
 from kunlun.batch.jobs import BatchJobs
 from kunlun.batch.objects import TERMINAL
 from kunlun.cluster.member import NODES, ClusterView, Membership
-from kunlun.state.etcd_client import Op
+from kunlun.state.etcd_wire import Op
 
 OWNER, CANCEL, BATCHES = "cluster/batch-owner/", "cluster/batch-cancel/", "batches/"
 

@@ -34,7 +34,7 @@ from kunlun.device.profile import DeviceProfile
 from kunlun.engines import measured
 from kunlun.errors import KunlunError
 from kunlun.planner.model_info import ModelInfo, inspect_model, locate_model
-from kunlun.state.etcd_client import Op
+from kunlun.state.etcd_wire import Op
 from kunlun.state.store import EventRecord, StateStore, WorkloadRecord
 from kunlun.workload.manager import ACTIVE
 from kunlun.workload.placement import place

@@ -30,7 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from kunlun.errors import ClusterUnavailable, ConfigError, Location
 from kunlun.state.certs import MemberTLS
-from kunlun.state.etcd_client import KV, Compare, Etcd, Op, WatchEvent
+from kunlun.state.etcd_client import Etcd
+from kunlun.state.etcd_wire import KV, Compare, Op, WatchEvent
 
 NODES, DRAIN, LEADER = "cluster/nodes/", "cluster/drain/", "cluster/leader"
 ASSIGN, REPLICAS, WORKLOADS = "cluster/assign/", "cluster/replicas/", "workloads/"

@@ -35,7 +35,7 @@ from kunlun.errors import ClusterUnavailable, ConfigError, Location
 from kunlun.serving.replica import ReplicaSet
 from kunlun.serving.routing import DeviceSamples
 from kunlun.state.etcd import EtcdStore
-from kunlun.state.etcd_client import Op
+from kunlun.state.etcd_wire import Op
 from kunlun.state.store import EventRecord
 from kunlun.workload.manager import WorkloadManager
 

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from kunlun.rollout.controller import ClusterHooks
 from kunlun.serving.canary_window import RolloutStats, VersionWindow
-from kunlun.state.etcd_client import LeaseNotFound, Op
+from kunlun.state.etcd_client import LeaseNotFound
+from kunlun.state.etcd_wire import Op
 from kunlun.state.store import RolloutRecord
 
 if TYPE_CHECKING:

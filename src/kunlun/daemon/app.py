@@ -22,10 +22,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -49,12 +50,12 @@ from kunlun.daemon.request_log import RequestLog, RequestLogConfig, RequestLogMi
 from kunlun.daemon.rollout_api import rollout_router
 from kunlun.daemon.scale_api import scale_router
 from kunlun.device.inventory import Inventory, build_inventory
-from kunlun.errors import ConfigError, KunlunError, Location, RequestError
+from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.node.agent import NodeAgent
 from kunlun.node.health import HealthChecker, HealthConfig
 from kunlun.node.liveness import LivenessConfig
 from kunlun.offline.integrity import DEFAULT_INTERVAL_S, ModelGuard
-from kunlun.protocol.openai_api import http_error
+from kunlun.protocol.openai_errors import http_error
 from kunlun.rollout.controller import RolloutController
 from kunlun.sandbox import SandboxPolicy
 from kunlun.serving.gateway import (
@@ -77,6 +78,7 @@ if TYPE_CHECKING:  # a cluster's modules (etcd client, certificates) load only f
     from kunlun.cluster.member import ClusterConfig
     from kunlun.cluster.node import ClusterNode
     from kunlun.cluster.peer import PeerServer
+    from kunlun.state.etcd import EtcdStore
 
 
 @dataclass
@@ -142,14 +144,7 @@ def make_platform(
     :class:`~kunlun.node.health.HealthConfig`'s defaults)."""
     scheduler = SchedulerConfigSource(scheduler_config or home / SCHEDULER_CONFIG)
     scheduler.load()
-    store: StateStore
-    if cluster is None:
-        store = SQLiteStore(home / "state.db")
-    else:
-        from kunlun.state.etcd import EtcdStore
-        from kunlun.state.etcd_client import Etcd  # a cluster's modules: only for a cluster
-
-        store = etcd_store = EtcdStore(Etcd(cluster.endpoints, cluster.tls), cluster.prefix)
+    store = state_store(home, cluster)
     replicas = ReplicaSet()
     holder: dict[str, WorkloadManager] = {}
     agent = NodeAgent(
@@ -192,19 +187,37 @@ def make_platform(
     platform.health = HealthChecker(replicas, health or HealthConfig(), manager.event)
     platform.rollouts = RolloutController(store, manager, gateway, replicas)
     if cluster is not None:
-        from kunlun.cluster.batches import BatchOwners
-        from kunlun.cluster.node import ClusterNode
-        from kunlun.cluster.rollouts import rollout_hooks
-
-        platform.cluster = ClusterNode(cluster, etcd_store, manager, replicas,
-                                       lambda: platform.inventory().to_list(),
-                                       gateway.samples)  # fmt: skip
-        manager.cluster = platform.cluster
-        platform.batches.owners = platform.cluster.batches = BatchOwners(
-            platform.cluster.member, platform.cluster.view, platform.batches
-        )
-        platform.rollouts.cluster = rollout_hooks(platform.cluster, gateway.rollout_stats)
+        join_cluster(platform, cluster)
     return platform
+
+
+def state_store(home: Path, cluster: ClusterConfig | None) -> StateStore:
+    """The state: SQLite under ``home`` on a single node, the cluster's etcd in a cluster
+    (its modules, the etcd client and certificates, load only then)."""
+    if cluster is None:
+        return SQLiteStore(home / "state.db")
+    from kunlun.state.etcd import EtcdStore
+    from kunlun.state.etcd_client import Etcd
+
+    return EtcdStore(Etcd(cluster.endpoints, cluster.tls), cluster.prefix)
+
+
+def join_cluster(platform: Platform, cluster: ClusterConfig) -> None:
+    """``platform``'s part in ``cluster`` (:class:`~kunlun.cluster.node.ClusterNode`): the
+    workload manager places through it, Batch API jobs and rollouts see every node."""
+    from kunlun.cluster.batches import BatchOwners
+    from kunlun.cluster.node import ClusterNode
+    from kunlun.cluster.rollouts import rollout_hooks
+
+    gateway = platform.gateway
+    platform.cluster = node = ClusterNode(cluster, cast("EtcdStore", platform.store),
+                                          platform.manager, platform.replicas,
+                                          lambda: platform.inventory().to_list(),
+                                          gateway.samples)  # fmt: skip
+    platform.manager.cluster = node
+    platform.batches.owners = node.batches = BatchOwners(node.member, node.view, platform.batches)
+    if platform.rollouts is not None:
+        platform.rollouts.cluster = rollout_hooks(node, gateway.rollout_stats)
 
 
 def validation_error(exc: RequestValidationError) -> RequestError:
@@ -259,8 +272,35 @@ def create_app(platform: Platform) -> FastAPI:
     if platform.health is not None:
         telemetry.sources.append(platform.health.families)
 
+    app = FastAPI(
+        title="Kunlun Platform", version=__version__, lifespan=lifespan(platform, telemetry)
+    )
+    app.state.platform = platform
+    app.state.telemetry = telemetry  # telemetry
+    add_error_handlers(app)
+    add_health_routes(app, platform)
+    app.include_router(admin_router(platform), prefix="/api/v1")
+    app.include_router(endpoints_admin_router(platform), prefix="/api/v1")
+    app.include_router(measurements_router(platform), prefix="/api/v1")  # bench --record
+    app.include_router(scale_router(platform), prefix="/api/v1")
+    if platform.rollouts is not None:
+        app.include_router(rollout_router(platform.rollouts), prefix="/api/v1")
+    app.include_router(gateway_router(platform.replicas, platform.gateway))
+    app.include_router(batch_router(platform.files, platform.batches))
+    app.include_router(endpoints_router(platform))  # Request-as-a-Service endpoints
+    app.include_router(telemetry.router())  # telemetry: GET /metrics (API key when keys exist)
+    return app
+
+
+def lifespan(
+    platform: Platform, telemetry: PlatformTelemetry
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: start the gateway, telemetry, the node agent's supervisor, health
+    checks, the peer port and cluster, resume the workloads, rollouts and batches; stop them
+    all, in the reverse order, when the app stops."""
+
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def run(app: FastAPI) -> AsyncIterator[None]:
         await platform.gateway.start()
         await telemetry.start()  # telemetry
         for line in platform.agent.sandbox.describe():
@@ -304,9 +344,12 @@ def create_app(platform: Platform) -> FastAPI:
             platform.request_log.close()
             platform.store.close()
 
-    app = FastAPI(title="Kunlun Platform", version=__version__, lifespan=lifespan)
-    app.state.platform = platform
-    app.state.telemetry = telemetry  # telemetry
+    return run
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in the OpenAI shape: a :class:`KunlunError`, an HTTP error of the
+    framework's own (404, 405) and a route's parameters or body that do not check (400)."""
 
     @app.exception_handler(KunlunError)
     async def kunlun_error(request: Request, exc: KunlunError) -> Response:
@@ -324,6 +367,10 @@ def create_app(platform: Platform) -> FastAPI:
     async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
         return error_response(validation_error(exc))
 
+
+def add_health_routes(app: FastAPI, platform: Platform) -> None:
+    """``/healthz`` (the daemon runs) and ``/readyz`` (a replica has loaded and warmed up)."""
+
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         return {
@@ -339,18 +386,6 @@ def create_app(platform: Platform) -> FastAPI:
         if platform.replicas.any_ready():
             return JSONResponse({"status": "ready"})
         return JSONResponse({"status": "no replica has loaded and warmed up yet"}, status_code=503)
-
-    app.include_router(admin_router(platform), prefix="/api/v1")
-    app.include_router(endpoints_admin_router(platform), prefix="/api/v1")
-    app.include_router(measurements_router(platform), prefix="/api/v1")  # bench --record
-    app.include_router(scale_router(platform), prefix="/api/v1")
-    if platform.rollouts is not None:
-        app.include_router(rollout_router(platform.rollouts), prefix="/api/v1")
-    app.include_router(gateway_router(platform.replicas, platform.gateway))
-    app.include_router(batch_router(platform.files, platform.batches))
-    app.include_router(endpoints_router(platform))  # Request-as-a-Service endpoints
-    app.include_router(telemetry.router())  # telemetry: GET /metrics (API key when keys exist)
-    return app
 
 
 def create_asgi(platform: Platform) -> ASGIApp:
@@ -404,37 +439,3 @@ def daemon_entry(
                             "Retry-After"],
         )  # fmt: skip
     return RequestLogMiddleware(inner, request_log)
-
-
-def check_proxies(value: str | None) -> tuple[str, ...]:
-    """``--forwarded-allow-ips``: comma-separated addresses or networks of the proxies whose
-    ``X-Forwarded-For`` and ``X-Forwarded-Proto`` are believed; a :class:`ConfigError` naming
-    the bad one. Empty (the default): no proxy header is believed, a client is its TCP peer."""
-    import ipaddress
-
-    proxies = tuple(p.strip() for p in (value or "").split(",") if p.strip())
-    for proxy in proxies:
-        try:
-            ipaddress.ip_network(proxy, strict=False)
-        except ValueError:
-            raise ConfigError(
-                f"{proxy!r} is not an IP address or network (such as 10.0.0.5 or 10.1.0.0/16)",
-                location=Location("--forwarded-allow-ips"),
-            ) from None
-    return proxies
-
-
-def check_origins(value: str | None) -> tuple[str, ...]:
-    """``--allowed-origins``: comma-separated ``scheme://host[:port]`` origins, or ``*``; a
-    :class:`ConfigError` naming the bad one."""
-    origins = tuple(o.strip() for o in (value or "").split(",") if o.strip())
-    for origin in origins:
-        if origin == "*":
-            continue
-        scheme, sep, rest = origin.partition("://")
-        if scheme not in ("http", "https") or not sep or not rest or "/" in rest:
-            raise ConfigError(
-                f"{origin!r} is not an origin (scheme://host[:port], no path) or *",
-                location=Location("--allowed-origins"),
-            )
-    return origins

@@ -24,12 +24,12 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kunlun.errors import KunlunError, Location, PermissionDenied, RequestError
-from kunlun.protocol.openai_api import AuthenticationError, RateLimited, error_status_and_body
+from kunlun.protocol.openai_errors import AuthenticationError, RateLimited, error_status_and_body
 from kunlun.serving.endpoints import PREFIX as ENDPOINT_CALLS
 from kunlun.serving.gateway import ENDPOINTS
-from kunlun.serving.key_limits import KEY_TOKENS_SCOPE, KeyLimiter, TokenCharge
+from kunlun.serving.key_limits import KEY_TOKENS_SCOPE, KeyLimiter, KeyPolicy, TokenCharge
 from kunlun.serving.routing import KEY_PRIORITY_SCOPE
-from kunlun.state.api_keys import KeyRing, masked
+from kunlun.state.api_keys import ActiveKey, KeyRing, masked
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})
 """Routes that need no key."""
@@ -99,25 +99,7 @@ class ApiKeyMiddleware:
         policy = self.limiter.policy(key)
         charge = None
         try:
-            if not policy.allows(address):
-                self.limiter.deny(key, "ip")
-                raise PermissionDenied(
-                    f"API key {key.name!r} ({key.key_id}) may not be used from "
-                    f"{address or 'an unknown address'}: not in its allow-list",
-                    hint="apikey create --allow-ip, or api_keys.allow_ips in "
-                    "scheduler_config.yaml, says which networks may use a key",
-                )
-            needed = required_scope(scope["path"])
-            if needed == "admin" and key.scope != "admin":
-                self.limiter.deny(key, "scope")
-                raise PermissionDenied(
-                    f"{masked(scope['path'])} needs an API key with scope 'admin'; "
-                    f"key {key.name!r} "
-                    f"({key.key_id}) has scope {key.scope!r}",
-                    hint="kunlun-cli apikey create NAME --scope admin",
-                )
-            if policy.rpm is not None:
-                self.limiter.take_request(key, policy.rpm)
+            self._admit(key, policy, scope["path"], address)
         except KunlunError as exc:
             await _refuse(send, exc)
             return
@@ -135,6 +117,29 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, watch)
         finally:
             charge.settle(watch.status, watch.tail)
+
+    def _admit(self, key: ActiveKey, policy: KeyPolicy, path: str, address: str | None) -> None:
+        """Steps 2 to 4 of the module docstring for a valid key: raises the refusal (its
+        denial counted against the key) or takes one of the key's requests per minute."""
+        if not policy.allows(address):
+            self.limiter.deny(key, "ip")
+            raise PermissionDenied(
+                f"API key {key.name!r} ({key.key_id}) may not be used from "
+                f"{address or 'an unknown address'}: not in its allow-list",
+                hint="apikey create --allow-ip, or api_keys.allow_ips in "
+                "scheduler_config.yaml, says which networks may use a key",
+            )
+        needed = required_scope(path)
+        if needed == "admin" and key.scope != "admin":
+            self.limiter.deny(key, "scope")
+            raise PermissionDenied(
+                f"{masked(path)} needs an API key with scope 'admin'; "
+                f"key {key.name!r} "
+                f"({key.key_id}) has scope {key.scope!r}",
+                hint="kunlun-cli apikey create NAME --scope admin",
+            )
+        if policy.rpm is not None:
+            self.limiter.take_request(key, policy.rpm)
 
 
 class _AnswerTail:

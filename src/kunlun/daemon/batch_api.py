@@ -30,9 +30,11 @@ from starlette.types import ASGIApp
 
 from kunlun import headers as http_headers
 from kunlun.batch.files import FileStore, expiry_seconds, file_object
-from kunlun.batch.jobs import BatchJobs, Reply, Send
+from kunlun.batch.jobs import BatchJobs
 from kunlun.batch.objects import batch_object
-from kunlun.protocol.openai_api import param_error, parse_request
+from kunlun.batch.sending import Reply, Send
+from kunlun.protocol.openai_errors import param_error
+from kunlun.protocol.request_body import parse_request
 from kunlun.serving.gateway import GatewayState, mount_gateway
 from kunlun.serving.replica import ReplicaSet
 
@@ -168,7 +170,7 @@ _SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
 
 
 def in_process_sender(app: ASGIApp) -> Send:
-    """A :data:`~kunlun.batch.jobs.Send` that calls ``app`` directly (no socket)."""
+    """A :data:`~kunlun.batch.sending.Send` that calls ``app`` directly (no socket)."""
     client = httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://kunlun-batch", timeout=None
     )

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, Request
 from pydantic import Field
 
-from kunlun.protocol.openai_api import StrictModel, parse_request
+from kunlun.protocol.fields import StrictModel
+from kunlun.protocol.request_body import parse_request
 from kunlun.workload.scale import scale
 
 if TYPE_CHECKING:

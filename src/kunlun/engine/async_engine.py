@@ -37,9 +37,10 @@ from dataclasses import dataclass
 import torch
 
 from kunlun.engine.launch import Pooling
-from kunlun.engine.llm_engine import LLMEngine, Prompt, Request
+from kunlun.engine.llm_engine import LLMEngine
 from kunlun.engine.outputs import EngineStats, RequestOutputDelta
 from kunlun.engine.pooling import Pooler, PoolingJob
+from kunlun.engine.request import Prompt, Request
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import EngineError, RequestError
 

@@ -11,8 +11,9 @@ from collections.abc import Sequence as SequenceOf
 from pathlib import Path
 from typing import Any, cast
 
-from kunlun.engine.llm_engine import LLMEngine, Prompt
+from kunlun.engine.llm_engine import LLMEngine
 from kunlun.engine.outputs import RequestOutput
+from kunlun.engine.request import Prompt
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import ConfigError, RequestError
 

@@ -9,7 +9,7 @@ synchronous, offline front.
 
 Bad input (a prompt longer than the context or the KV cache, invalid sampling parameters,
 out-of-vocabulary token ids) raises a :class:`RequestError` for that request only, before it
-touches any engine state.
+touches any engine state (the checks are :mod:`kunlun.engine.request`'s).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import copy
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +28,17 @@ from kunlun.engine.detokenizer import Detokenizer
 from kunlun.engine.engine_config import EngineConfig
 from kunlun.engine.guided import GuidedDecoding, guide_gave_up
 from kunlun.engine.model_runner import ModelRunner, StepOutput, StepSeq
-from kunlun.engine.outputs import CompletionOutput, EngineStats, RequestOutput, RequestOutputDelta
+from kunlun.engine.outputs import EngineStats, RequestOutputDelta
 from kunlun.engine.preflight import preflight
-from kunlun.engine.sampler import Sampler, top_logprobs
+from kunlun.engine.request import (
+    Prompt,
+    Request,
+    collect_prompt_logprobs,
+    final_output,
+    output_limit,
+    prompt_token_ids,
+)
+from kunlun.engine.sampler import Sampler
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kunlun.engine.sequence import Sequence, TopLogprobs
@@ -42,34 +49,13 @@ from kunlun.errors import (
     EngineError,
     KunlunError,
     Location,
-    PromptTooLong,
     RequestError,
 )
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | list[int]
-"""Text (encoded with the model's special tokens) or token ids (used as given)."""
-
 _Sampled = tuple[int, TopLogprobs | None]
 """A sampled token and, when asked for, its logprob entry."""
-
-
-@dataclass
-class Request:
-    """A validated request: its sequences (one per completion) and their detokenizers."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    detokenizers: list[Detokenizer]
-    arrival_time: float
-    finish_time: float | None = field(default=None)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -186,8 +172,9 @@ class LLMEngine:
                     f"stop_token_ids.{i} is {token}, not an id of this model (< {self.vocab_size})",
                     location=Location("request", field=f"stop_token_ids.{i}"),
                 )
-        token_ids = self._prompt_ids(prompt)
-        max_tokens = self._max_tokens(len(token_ids), params)
+        token_ids = prompt_token_ids(self.tokenizer, self.vocab_size, prompt)
+        kv_capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        max_tokens = output_limit(len(token_ids), params, self.max_model_len, kv_capacity)
         request_id = request_id or uuid.uuid4().hex
         arrival = time.monotonic()
         seqs = [Sequence(request_id, token_ids, params, index=i, arrival_time=arrival)
@@ -283,49 +270,6 @@ class LLMEngine:
             num_failed_steps=self._num_failed_steps,
         )
 
-    # ---- internals: validation ----
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, list | tuple):
-            token_ids = list(prompt)
-            vocab_size = self.vocab_size
-            for i, t in enumerate(token_ids):
-                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
-                    raise RequestError(
-                        f"prompt token {i} is {t!r}: expected an id in [0, {vocab_size})"
-                    )
-        else:
-            raise RequestError(
-                f"prompt must be text or a list of token ids, not {type(prompt).__name__}"
-            )
-        if not token_ids:
-            raise RequestError("prompt is empty: it must have at least one token")
-        return token_ids
-
-    def _max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
-        """The output limit of a request, after checking that it fits the context window
-        and the KV cache (a sequence longer than the whole cache could never run)."""
-        kv_capacity = self.block_manager.num_blocks * self.block_manager.block_size
-        limit, what = min((self.max_model_len, "max_model_len"), (kv_capacity, "KV cache size"))
-        if num_prompt >= limit:
-            raise PromptTooLong(
-                f"prompt has {num_prompt} tokens but the {what} is {limit} tokens; the prompt "
-                "must leave room for at least one output token",
-                hint="shorten the prompt"
-                if what == "max_model_len"
-                else "give the engine more KV memory",
-            )
-        if params.max_tokens is None:
-            return limit - num_prompt
-        if num_prompt + params.max_tokens > limit:
-            raise RequestError(
-                f"max_tokens={params.max_tokens} with a {num_prompt}-token prompt exceeds the "
-                f"{what} of {limit} tokens",
-                hint=f"ask for at most {limit - num_prompt} tokens",
-            )
-        return params.max_tokens
-
     # ---- internals: one step ----
     def _run(self, batch: SchedulerOutput) -> tuple[list[_Sampled | None], dict[str, Exception]]:
         """Execute the model and sample; never raises.
@@ -374,7 +318,7 @@ class LLMEngine:
         num_new = [batch.num_new_tokens[i] for i in indices]
         for seq, count, logits in zip(seqs, num_new, out.prompt_logits, strict=True):
             if logits is not None and seq.wants_prompt_logprobs:
-                _collect_prompt_logprobs(seq, count, logits)
+                collect_prompt_logprobs(seq, count, logits)
         rows = [k for k, s in enumerate(seqs) if s.num_computed + num_new[k] == s.num_tokens]
         if not rows:
             return
@@ -437,7 +381,7 @@ class LLMEngine:
         )
         if request.finished and request.request_id in self._requests:
             request.finish_time = time.monotonic()
-            delta.final = _final_output(request, error)
+            delta.final = final_output(request, error)
             del self._requests[request.request_id]
         return delta
 
@@ -463,55 +407,3 @@ class LLMEngine:
             request.detokenizers[seq.index].finish("abort")
         # the last delta closes the request (and carries its final output)
         return [self._delta(request, seq, [], None, error) for seq in reversed(aborted)][::-1]
-
-
-def _collect_prompt_logprobs(seq: Sequence, num_new: int, logits: torch.Tensor) -> None:
-    """Append the logprobs of prompt tokens predicted by this chunk's rows (row j predicts
-    position ``num_computed + j + 1``)."""
-    start = seq.num_computed
-    first = max(start + 1, len(seq.prompt_logprobs))
-    last = min(start + num_new, seq.num_prompt_tokens - 1)
-    if last < first:
-        return
-    rows = logits[first - start - 1 : last - start].float()
-    targets = seq.token_ids[first : last + 1]
-    k = seq.params.prompt_logprobs or 0
-    seq.prompt_logprobs.extend(
-        top_logprobs(torch.log_softmax(rows, -1), targets, [k] * len(targets))
-    )
-
-
-def _final_output(request: Request, error: KunlunError | None) -> RequestOutput:
-    outputs = []
-    for seq, detok in zip(request.seqs, request.detokenizers, strict=True):
-        wants = seq.params.logprobs is not None
-        outputs.append(
-            CompletionOutput(
-                index=seq.index,
-                text=detok.text,
-                token_ids=seq.output_token_ids,
-                finish_reason=seq.finish_reason,
-                stop_reason=detok.stop_reason,
-                logprobs=seq.logprobs if wants else None,
-                cumulative_logprob=seq.cumulative_logprob if wants else None,
-            )
-        )
-    first = request.seqs[0]
-    return RequestOutput(
-        request_id=request.request_id,
-        prompt_token_ids=request.prompt_token_ids,
-        outputs=outputs,
-        prompt_logprobs=first.prompt_logprobs
-        if request.params.prompt_logprobs is not None
-        else None,
-        num_cached_tokens=first.num_cached_tokens,
-        error=error,
-        arrival_time=request.arrival_time,
-        first_scheduled_time=min(
-            (s.first_scheduled_time for s in request.seqs if s.first_scheduled_time), default=None
-        ),
-        first_token_time=min(
-            (s.first_token_time for s in request.seqs if s.first_token_time), default=None
-        ),
-        finish_time=request.finish_time,
-    )

@@ -75,7 +75,7 @@ class Tokenizer:
         entry, special tokens included (computed once). A text of ``B`` bytes encodes to at
         least ``B / max_token_bytes`` tokens when the tokenizer covers every byte of its
         input (byte-level BPE, byte fallback) and its normalizer does not shrink text; the
-        worker allows a margin on top (:data:`kunlun.serving.worker_app.PROMPT_BYTES_MARGIN`)."""
+        worker allows a margin on top (:data:`kunlun.serving.worker_core.PROMPT_BYTES_MARGIN`)."""
         ids = [[i] for i in range(self.vocab_size)]
         texts = self.backend.decode_batch(ids, skip_special_tokens=False)
         return max((len(text.encode("utf-8", "replace")) for text in texts), default=1) or 1

@@ -36,7 +36,6 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -47,9 +46,16 @@ from kunlun.engines.adapter import EngineCommand
 from kunlun.errors import ConfigError, KunlunError
 from kunlun.node import external
 from kunlun.node.liveness import Liveness, LivenessConfig, probe
+from kunlun.node.worker_state import (
+    HEALTHY_RESET_S,
+    MAX_BACKOFF_S,
+    MAX_LOAD_FAILURES,
+    Worker,
+    last_error,
+    thread_count,
+)
 from kunlun.sandbox import (
     SandboxPolicy,
-    WorkerSandbox,
     over_memory_cap,
     seccomp_reason,
     worker_environment,
@@ -57,48 +63,6 @@ from kunlun.sandbox import (
 from kunlun.serving.replica import Replica, ReplicaSet
 
 EventSink = Callable[[str, str, str], None]  # (workload_id, kind, message)
-MAX_BACKOFF_S = 60.0
-HEALTHY_RESET_S = 60.0
-MAX_LOAD_FAILURES = 5
-
-
-@dataclass
-class Worker:
-    """One supervised worker process and its restart state."""
-
-    replica: Replica
-    launch: EngineLaunch | EngineCommand
-    """What the worker runs: the embedded engine's launch (the node agent adds its ready
-    file and sandbox at each start), or an external engine's server from its adapter
-    (:mod:`kunlun.engines`: llama.cpp, vLLM, SGLang)."""
-    env: dict[str, str]
-    log_path: Path
-    ready_file: Path
-    sandbox: WorkerSandbox
-    proc: subprocess.Popen[bytes] | None = None
-    started_at: float = 0.0
-    ready_at: float | None = None
-    restarts: int = 0
-    backoff_s: float = 1.0
-    next_start: float | None = field(default_factory=time.monotonic)
-    stopping: bool = False
-    load_failures: int = 0
-    """Consecutive exits before becoming ready (reset once ready)."""
-    info: ReadyInfo | None = None
-    """What it reported once ready (its ready file; an external server's check)."""
-    liveness: Liveness | None = None
-    """Probe history while ready (None otherwise)."""
-    next_probe: float = 0.0
-    probing: asyncio.Task[None] | None = None
-    killed_for: str | None = None
-    """Why the supervisor killed this process (it was unresponsive or stalled)."""
-    checking: asyncio.Task[None] | None = None
-    """An external engine's readiness check in flight."""
-
-    @property
-    def command(self) -> EngineCommand | None:
-        """The external engine's command, or None for the embedded engine's worker."""
-        return self.launch if isinstance(self.launch, EngineCommand) else None
 
 
 class NodeAgent:
@@ -356,7 +320,7 @@ class NodeAgent:
         w.killed_for, w.liveness = None, None
         w.replica.pid = w.proc.pid
         problem = self.sandbox.join_cgroup(
-            w.replica.workload_id, w.proc.pid, w.sandbox.memory_cap_mb, _num_threads(w.env)
+            w.replica.workload_id, w.proc.pid, w.sandbox.memory_cap_mb, thread_count(w.env)
         )
         if problem is not None:  # said once: later workers skip cgroups
             print(problem, flush=True)
@@ -407,7 +371,7 @@ class NodeAgent:
             how = f"killed by the supervisor: {w.killed_for}"
         if not was_ready:
             w.load_failures += 1
-            reported = _last_error(w.log_path)
+            reported = last_error(w.log_path)
             if reported is not None or w.load_failures >= MAX_LOAD_FAILURES:
                 # the worker said why it cannot load (or keeps dying): restarting will not help
                 self._give_up(w, reported or f"died {w.load_failures} times while loading ({how})")
@@ -478,26 +442,3 @@ class NodeAgent:
             runtime_env=runtime_env,
             num_threads=num_threads,
         )
-
-
-def _num_threads(env: dict[str, str]) -> int:
-    try:
-        return max(1, int(env.get("OMP_NUM_THREADS", "1")))
-    except ValueError:
-        return 1
-
-
-def _last_error(log_path: Path) -> str | None:
-    """The error a worker reported before exiting (its last ``error: ...`` line), if any."""
-    try:
-        with log_path.open("rb") as handle:
-            handle.seek(max(0, log_path.stat().st_size - 8192))
-            lines = handle.read().decode("utf-8", errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        if line.startswith("=== "):
-            return None  # the start marker of this attempt: nothing reported since
-        if line.startswith("error: "):
-            return line.removeprefix("error: ").strip()
-    return None

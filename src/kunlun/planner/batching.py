@@ -17,7 +17,7 @@ The rule, per plan, from what the plan reserves and what the device declares:
   ``b = SATURATION * L * weight_bytes / (bandwidth * tp - SATURATION * L * context *
   kv_bytes_per_token)``. Without a bandwidth figure (a CPU declares none by default) the
   estimate does not depend on the batch, so there is no such point.
-- **bounds**: at most :data:`MAX_AUTO_BATCH`; a spec's ``batch_size`` (``--batch-size``,
+- **bounds**: at most :data:`MAX_AUTO_BATCH`; a spec's ``max_num_seqs`` (``--max-num-seqs``,
   up to 256) overrides the whole rule.
 
 How many tokens one engine step computes (``max_num_batched_tokens``, the chunked-prefill
@@ -127,7 +127,7 @@ def size_batch(
         parts.append(f"decode reaches {SATURATION:.0%} of its limit at {knee} sequences")
     if seqs == MAX_AUTO_BATCH and MAX_AUTO_BATCH < min(by_memory, knee or by_memory + 1):
         parts.append(f"capped at {MAX_AUTO_BATCH}")
-    return BatchSizing(seqs, "; ".join(parts) + " (--batch-size overrides)")
+    return BatchSizing(seqs, "; ".join(parts) + " (--max-num-seqs overrides)")
 
 
 def size_step_tokens(

@@ -31,7 +31,7 @@ from kunlun.planner.model_info import ModelInfo
 #: Average context (tokens) of a decoding sequence assumed by the throughput estimate.
 PLANNING_CONTEXT_TOKENS = 1024
 #: The most sequences the planner puts in one replica's batch on its own
-#: (:mod:`kunlun.planner.batching`); a spec's ``batch_size`` may ask for more.
+#: (:mod:`kunlun.planner.batching`); a spec's ``max_num_seqs`` may ask for more.
 MAX_AUTO_BATCH = 64
 #: Token slots per KV block (the embedded engine's default).
 BLOCK_SIZE = 16

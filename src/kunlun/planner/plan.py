@@ -56,8 +56,8 @@ class Demand:
     quantization: str
     """Effective weight quantization: the spec's, or the checkpoint's scheme."""
     max_model_len: int
-    batch: int | None
-    """The spec's ``batch_size`` (max_num_seqs), or None: sized per plan
+    max_num_seqs: int | None
+    """The spec's ``max_num_seqs``, or None: sized per plan
     (:mod:`kunlun.planner.batching`)."""
     step_tokens: int | None = None
     """The spec's ``max_num_batched_tokens``, or None: sized per plan
@@ -169,7 +169,7 @@ def options(
             why = _tp_problem(demand, cap, tp, num_devices, shared)
             if why is None:
                 need = memory_need(demand.model, dtype, demand.quantization, split,
-                                   demand.max_model_len, demand.batch,
+                                   demand.max_model_len, demand.max_num_seqs,
                                    demand.kv_cache_memory_mb)  # fmt: skip
                 if need.weights_mb + need.min_kv_mb <= cap.usable_mb:
                     empty_kv = kv_budget_mb(demand, cap, need, cap.usable_mb - need.weights_mb)
@@ -298,10 +298,10 @@ def plan_batch(
     demand: Demand, cap: DeviceCapacity, dtype: str, num_devices: int, kv_mb: float
 ) -> BatchSizing:
     """``max_num_seqs`` of a replica of ``demand`` on ``num_devices`` devices like ``cap``
-    with ``kv_mb`` MiB of KV in all: the spec's ``batch_size``, else sized
+    with ``kv_mb`` MiB of KV in all: the spec's, else sized
     (:func:`~kunlun.planner.batching.size_batch`)."""
-    if demand.batch is not None:
-        return BatchSizing(demand.batch, f"max_num_seqs {demand.batch}: the spec's batch_size")
+    if demand.max_num_seqs is not None:
+        return BatchSizing(demand.max_num_seqs, f"max_num_seqs {demand.max_num_seqs}: the spec's")
     return size_batch(demand.model, cap, dtype, demand.quantization, num_devices,
                       demand.max_model_len, kv_mb)  # fmt: skip
 

@@ -9,7 +9,9 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from kunlun.errors import RequestError
-from kunlun.protocol.openai_api import StrictModel, TokenIds, param_error
+from kunlun.protocol.fields import StrictModel
+from kunlun.protocol.openai_api import TokenIds
+from kunlun.protocol.openai_errors import param_error
 
 
 class EmbeddingRequest(StrictModel):

@@ -86,7 +86,7 @@ def _without_neutral(data: Any) -> Any:
 
 class StrictModel(BaseModel):
     """A request object: unknown and unsupported fields are errors (``extra_forbidden``,
-    which :func:`~kunlun.protocol.openai_api.parse_request` words with
+    which :func:`~kunlun.protocol.request_body.parse_request` words with
     :func:`extra_field_message`), unsupported ones that ask for nothing are dropped."""
 
     model_config = ConfigDict(extra="forbid")

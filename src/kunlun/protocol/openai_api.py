@@ -1,24 +1,12 @@
-"""The OpenAI API as Kunlun serves it: request models, sampling mapping, errors.
+"""The OpenAI API as Kunlun serves it: the request models and their sampling mapping.
 
-Requests are pydantic models that turn into one :class:`SamplingParams` with
-:meth:`to_sampling_params`. Nothing a client sends is dropped silently: a field this server
-does not implement (``tools``, ``response_format``...) or does not know (a typo) is a 400
-naming it; the fields accepted and deliberately ignored are declared
-(:mod:`kunlun.protocol.fields` keeps both lists). Every error an endpoint
-answers goes through :func:`error_status_and_body`, the one place that maps a
-:class:`KunlunError` (by its ``http_status``) to the OpenAI error shape::
-
-    {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
-
-The serving errors below extend the project hierarchy (:mod:`kunlun.errors`)::
-
-    RequestError (400)
-    ├── ModelNotFound            serving.model_not_found        http 404
-    AuthenticationError          serving.invalid_api_key        http 401
-    QueueFull                    serving.queue_full             http 429  (Retry-After)
-    RateLimited                  serving.rate_limited           http 429  (Retry-After)
-    ServiceUnavailable           serving.unavailable            http 503  (Retry-After)
-    WorkerDied                   serving.worker_died            http 502
+Requests are pydantic models (read with :func:`~kunlun.protocol.request_body.parse_request`)
+that turn into one :class:`SamplingParams` with :meth:`to_sampling_params`. Nothing a client
+sends is dropped silently: a field this server does not implement (``tools``,
+``response_format``...) or does not know (a typo) is a 400 naming it; the fields accepted and
+deliberately ignored are declared (:mod:`kunlun.protocol.fields` keeps both lists). The
+errors, and the one mapping of an error to the OpenAI error shape, are in
+:mod:`kunlun.protocol.openai_errors`.
 
 Response bodies are built in :mod:`kunlun.protocol.responses`.
 """
@@ -26,172 +14,16 @@ Response bodies are built in :mod:`kunlun.protocol.responses`.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import Field
 
 from kunlun import budgets, json_text
 from kunlun.engine.guided import Guide
 from kunlun.engine.sampling_params import SamplingParams
-from kunlun.errors import KunlunError, Location, RequestError
-from kunlun.protocol.fields import StrictModel, extra_field_message
+from kunlun.protocol.fields import StrictModel
+from kunlun.protocol.openai_errors import param_error
 from kunlun.protocol.tools import MessageToolCall, ToolChoice, ToolDef, ToolUse
-
-# ---- serving errors ----
-
-
-class ModelNotFound(RequestError):
-    """The request names a model that nothing here serves."""
-
-    code = "serving.model_not_found"
-    openai_code = "model_not_found"
-    http_status = 404
-    openai_type = "invalid_request_error"
-
-
-class RouteNotFound(RequestError):
-    """No route answers this path."""
-
-    code = "serving.not_found"
-    openai_code = "not_found"
-    http_status = 404
-    openai_type = "invalid_request_error"
-
-
-class MethodNotAllowed(RequestError):
-    """The path exists, but not for this HTTP method."""
-
-    code = "serving.method_not_allowed"
-    openai_code = "method_not_allowed"
-    http_status = 405
-    openai_type = "invalid_request_error"
-
-
-def http_error(status: int, method: str, path: str, detail: str) -> KunlunError:
-    """The error that answers a routing failure (``status`` 404, 405 or another) of
-    ``method path`` in OpenAI's shape."""
-    if status == 404:
-        return RouteNotFound(f"{method} {path}: no such route (see GET /docs for the API)")
-    if status == 405:
-        return MethodNotAllowed(f"{method} {path}: method not allowed on this route")
-    error = RequestError(f"{method} {path}: {detail}")
-    error.http_status = status
-    error.openai_type = "invalid_request_error" if status < 500 else "server_error"
-    return error
-
-
-class BodyTooLarge(RequestError):
-    """The request body is larger than the gateway accepts."""
-
-    code = "serving.body_too_large"
-    http_status = 413
-    openai_type = "invalid_request_error"
-
-
-class AuthenticationError(KunlunError):
-    """The API key is missing or wrong."""
-
-    code = "serving.invalid_api_key"
-    openai_code = "invalid_api_key"
-    exit_code = 2
-    http_status = 401
-    openai_type = "authentication_error"
-
-
-class _RetryLater(KunlunError):
-    def __init__(self, message: str, *, retry_after_s: int = 1, hint: str | None = None) -> None:
-        super().__init__(message, hint=hint)
-        self.retry_after_s = retry_after_s
-        """Seconds a client should wait before retrying (the ``Retry-After`` header)."""
-
-
-class QueueFull(_RetryLater):
-    """Every replica of the model has its queue full."""
-
-    code = "serving.queue_full"
-    openai_code = "rate_limit_exceeded"
-    http_status = 429
-    openai_type = "rate_limit_error"
-
-
-class RateLimited(_RetryLater):
-    """The API key has used its requests or tokens per minute (:mod:`kunlun.serving.key_limits`)."""
-
-    code = "serving.rate_limited"
-    openai_code = "rate_limit_exceeded"
-    http_status = 429
-    openai_type = "rate_limit_error"
-
-
-class ServiceUnavailable(_RetryLater):
-    """No replica can take the request now (none ready, or the platform is draining)."""
-
-    code = "serving.unavailable"
-    openai_code = "service_unavailable"
-    http_status = 503
-    openai_type = "service_unavailable_error"
-
-
-class WorkerDied(KunlunError):
-    """The engine worker serving a request stopped before answering it."""
-
-    code = "serving.worker_died"
-    openai_code = "worker_died"
-    http_status = 502
-    openai_type = "server_error"
-
-
-class WorkerUnresponsive(KunlunError):
-    """The engine worker serving a request stopped answering (it missed its liveness or
-    progress deadline, or an upstream read timed out)."""
-
-    code = "serving.worker_unresponsive"
-    openai_code = "worker_unresponsive"
-    http_status = 504
-    openai_type = "timeout_error"
-
-
-# ---- errors -> OpenAI shape, in one place ----
-
-
-def error_status_and_body(exc: BaseException) -> tuple[int, dict[str, Any], dict[str, str]]:
-    """The HTTP status, OpenAI-shaped body and extra headers that answer ``exc``.
-
-    A :class:`KunlunError` answers its ``http_status``; anything else is a 500 naming the
-    exception type (it is a bug).
-    """
-    if not isinstance(exc, KunlunError):
-        exc = KunlunError(f"internal error: {type(exc).__name__}: {exc}")
-    status = exc.http_status
-    code = exc.openai_code or exc.code
-    where = exc.location
-    message = exc.message if where is None or where.path == "request" else f"{where}: {exc.message}"
-    if exc.hint:
-        message = f"{message} (hint: {exc.hint})"
-    body = {
-        "error": {
-            "message": message,
-            "type": exc.openai_type,
-            "param": where.field if where is not None else None,
-            "code": code,
-        }
-    }
-    retry_after = getattr(exc, "retry_after_s", None)
-    headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
-    return status, body, headers
-
-
-def error_json(exc: BaseException) -> bytes:
-    """The OpenAI-shaped error body of ``exc`` as JSON bytes (for SSE error events)."""
-    return json.dumps(error_status_and_body(exc)[1], ensure_ascii=False).encode()
-
-
-def param_error(param: str, message: str) -> RequestError:
-    """A :class:`RequestError` about one request field (it becomes the error's ``param``)."""
-    return RequestError(message, location=Location("request", field=param))
-
-
-# ---- requests ----
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -424,7 +256,6 @@ class DetokenizeRequest(StrictModel):
 
 
 Prompt = str | TokenIds
-_R = TypeVar("_R", bound=BaseModel)
 
 
 class CompletionRequest(_CommonRequest):
@@ -451,40 +282,6 @@ class CompletionRequest(_CommonRequest):
         return self._sampling(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
-_FORMS = {
-    "prompt": "a string, a list of strings, a list of token ids or a list of such lists",
-    "input": "a string, a list of strings, a list of token ids or a list of such lists",
-    "stop": "a string or a list of strings",
-    "content": "a string or a list of content parts",
-}
-"""What a union-typed field accepts, for errors that would otherwise name one member."""
-
-
-def parse_request(model: type[_R], body: bytes) -> _R:
-    """Validate a JSON body into ``model``; raise :class:`RequestError` naming the field."""
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        errors = exc.errors(include_url=False)
-        first = errors[0]
-        if first["type"] == "json_invalid":
-            raise RequestError(f"request body is not valid JSON: {first['msg']}") from None
-        extra = next((e for e in errors if e["type"] == "extra_forbidden"), None)
-        if extra is not None:  # before a union's other members' complaints
-            name = ".".join(str(p) for p in extra["loc"] if not _is_tag(p))
-            raise param_error(name, extra_field_message(name)) from None
-        field, in_union = _field_path(first["loc"])
-        if field is None:
-            raise RequestError(f"request body is invalid: {first['msg']}") from None
-        value = first.get("input")
-        shown = "" if isinstance(value, dict | list) else f"={value!r}"
-        reason = first["msg"]
-        last = field.rsplit(".", 1)[-1]
-        if in_union and last in _FORMS:
-            reason = f"expected {_FORMS[last]}"
-        raise param_error(field, f"{field}{shown} is invalid: {reason}") from None
-
-
 def request_sequences(payload: dict[str, Any]) -> tuple[int, int]:
     """``(prompts, n)`` of a chat or text completion body, as parsed JSON (not validated:
     a malformed field counts as its default): one request runs ``prompts * n`` sequences.
@@ -496,41 +293,3 @@ def request_sequences(payload: dict[str, Any]) -> tuple[int, int]:
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         return len(prompt), n
     return 1, n
-
-
-def _field_path(loc: tuple[int | str, ...]) -> tuple[str | None, bool]:
-    """``messages.0.content`` from a pydantic location, cut at the first union member tag
-    (``str``, ``list[int]``...); and whether there was one."""
-    parts: list[str] = []
-    for part in loc:
-        if _is_tag(part):
-            return ".".join(parts) or None, True
-        parts.append(str(part))
-    return ".".join(parts) or None, False
-
-
-_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-
-
-def _is_tag(part: int | str) -> bool:
-    """Whether a pydantic location part names a union member (``str``, ``list[int]``...)."""
-    return isinstance(part, str) and (not part.isidentifier() or part in _TAGS)
-
-
-def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
-    """An OpenAPI ``requestBody`` for ``model`` with every ``$ref`` inlined (for routes that
-    read their body themselves, so the schema still documents it)."""
-    schema = model.model_json_schema()
-    definitions = schema.pop("$defs", {})
-
-    def inline(node: Any) -> Any:
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and ref.startswith("#/$defs/"):
-                return inline(definitions[ref.removeprefix("#/$defs/")])
-            return {key: inline(value) for key, value in node.items()}
-        if isinstance(node, list):
-            return [inline(item) for item in node]
-        return node
-
-    return {"required": True, "content": {"application/json": {"schema": inline(schema)}}}

@@ -31,7 +31,8 @@ from kunlun.engine.outputs import CompletionOutput, RequestOutput
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.engine.sequence import TopLogprobs
 from kunlun.protocol.fields import StrictModel
-from kunlun.protocol.openai_api import TokenIds, param_error
+from kunlun.protocol.openai_api import TokenIds
+from kunlun.protocol.openai_errors import param_error
 from kunlun.protocol.responses import TokenText
 
 DEFAULT_MAX_NEW_TOKENS = 128

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kunlun.protocol.openai_api import error_json
+from kunlun.protocol.openai_errors import error_json
 
 MEDIA_TYPE = "text/event-stream"
 DONE = b"data: [DONE]\n\n"

@@ -12,7 +12,7 @@ the canary could not start: its share goes to 0, it drains and stops) or ``ABORT
 The records live in the state store, so a restarted daemon goes on from the step it was in
 (its gate window starts again: the counts were in memory). Every node applies the splits of
 the records to its gateway (:meth:`apply_splits`); only the leader of a cluster (any node
-alone) advances rollouts, with its writes fenced (:mod:`kunlun.rollout.cluster`), and the
+alone) advances rollouts, with its writes fenced (:mod:`kunlun.cluster.rollouts`), and the
 gates then see every node's counts. Promote and abort are requests the advancing node
 carries out at its next tick (:meth:`request`).
 """
@@ -25,14 +25,26 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from kunlun.errors import ConfigError, KunlunError, Location
 from kunlun.planner.model_info import locate_model
-from kunlun.rollout.gates import FAIL, PASS, GateResult, evaluate
+from kunlun.rollout.gates import FAIL, PASS, evaluate
+from kunlun.rollout.metrics import Totals, rollout_families
+from kunlun.rollout.records import (
+    RUNNING_STATES,
+    canary_weight,
+    failed,
+    finished_step,
+    newer,
+    reason_kind,
+    refuse_start,
+    split_weight,
+    steps_text,
+)
 from kunlun.rollout.spec import RolloutSpec
 from kunlun.serving.canary_split import Split
 from kunlun.serving.canary_window import BASELINE, CANARY, VersionWindow
@@ -40,11 +52,8 @@ from kunlun.serving.gateway import GatewayState
 from kunlun.serving.replica import ReplicaSet
 from kunlun.state.store import RolloutRecord, StateStore
 from kunlun.workload.manager import ACTIVE, WorkloadManager
-from kunlun.workload.spec import parse_spec
+from kunlun.workload.spec import current_names, parse_spec
 
-RUNNING_STATES = ("STARTING", "PROGRESSING")
-ENDED_STATES = ("PROMOTED", "ROLLED_BACK", "ABORTED")
-ACTIONS = ("promote", "abort")
 TICK_S = 0.5
 START_TIMEOUT_S = 900.0
 """A canary not serving this long after its rollout began is rolled back."""
@@ -56,7 +65,7 @@ WRITE_EVERY_S = 2.0
 
 @dataclass
 class ClusterHooks:
-    """How a cluster node changes the controller (:mod:`kunlun.rollout.cluster`)."""
+    """How a cluster node changes the controller (:mod:`kunlun.cluster.rollouts`)."""
 
     leader: Callable[[], bool]
     write: Callable[[RolloutRecord], bool]
@@ -73,12 +82,6 @@ class ClusterHooks:
     """Publish this node's counts for the others."""
 
 
-@dataclass
-class _Totals:
-    promotions: dict[str, int] = field(default_factory=dict)
-    rollbacks: dict[tuple[str, str], int] = field(default_factory=dict)
-
-
 class RolloutController:
     def __init__(
         self,
@@ -89,7 +92,7 @@ class RolloutController:
     ) -> None:
         self.store, self.manager, self.gateway, self.replicas = store, manager, gateway, replicas
         self.cluster: ClusterHooks | None = None
-        self.totals = _Totals()
+        self.totals = Totals()
         self._requests: dict[str, str] = {}
         self._mine: dict[str, RolloutRecord] = {}
         """The latest record of each rollout this node wrote."""
@@ -106,38 +109,10 @@ class RolloutController:
         scheduler) and the rollout recorded STARTING. Refused with the reason when the
         workload is not running, already has a rollout, or the model or overrides are bad."""
         baseline = self.manager.get(spec.workload)
-        if baseline.state not in ACTIVE:
-            raise ConfigError(
-                f"workload {baseline.workload_id} ({baseline.name}) is {baseline.state}: only a "
-                "serving workload can be rolled out",
-                location=Location("request", field="workload"),
-            )
-        for other in self.records():
-            if other.state in RUNNING_STATES and baseline.workload_id in (
-                other.workload_id,
-                other.canary_workload_id,
-            ):
-                doing = (
-                    "in progress"
-                    if other.state in RUNNING_STATES
-                    else "still stopping "
-                    + (other.canary_workload_id if other.state != "PROMOTED" else other.workload_id)
-                )
-                raise ConfigError(
-                    f"model {baseline.name!r} already has a rollout {doing} "
-                    f"({other.rollout_id}, {other.state})",
-                    location=Location("request", field="workload"),
-                    hint=f"kunlun-cli rollout abort {other.rollout_id} or promote it first",
-                )
-        if "name" in spec.overrides or "model" in spec.overrides:
-            field_name = "name" if "name" in spec.overrides else "model"
-            raise ConfigError(
-                f"overrides.{field_name}: the canary serves the baseline's model name and "
-                "takes its model from --model",
-                location=Location("request", field=f"overrides.{field_name}"),
-            )
+        refuse_start(baseline, spec, self.records)
         canary_model, _ = locate_model(self.store, spec.model)
-        data = {**baseline.spec, **spec.overrides, "model": spec.model, "name": baseline.name}
+        data = {**current_names(baseline.spec), **current_names(spec.overrides),
+                "model": spec.model, "name": baseline.name}  # fmt: skip
         canary_spec = parse_spec(data, "overrides")
         rollout_id = f"ro-{secrets.token_hex(3)}"
         canary = self.manager.submit(canary_spec, canary_of=baseline.workload_id)
@@ -161,7 +136,7 @@ class RolloutController:
         self.store.put_rollout(record)
         self._events(record, f"rollout {rollout_id} started: canary {canary.workload_id} "
                      f"({canary_model}) next to {baseline.workload_id}, steps "
-                     f"{_steps(record.steps)}, every {record.interval_s:g} s")  # fmt: skip
+                     f"{steps_text(record.steps)}, every {record.interval_s:g} s")  # fmt: skip
         self._wake.set()
         return record
 
@@ -183,11 +158,11 @@ class RolloutController:
         watch) shows yet is taken from what it wrote."""
         found = self.cluster.records() if self.cluster is not None else self.store.list_rollouts()
         with self._lock:
-            return [_newer(r, self._mine.get(r.rollout_id)) for r in found]
+            return [newer(r, self._mine.get(r.rollout_id)) for r in found]
 
     def status(self, record: RolloutRecord) -> dict[str, Any]:
         """The record as the API shows it, with the weights and the time to the next step."""
-        weight = self._weight(record)
+        weight = canary_weight(record)
         out = asdict(record)
         out["weights"] = {BASELINE: round(100 - weight, 3), CANARY: round(weight, 3)}
         out["next_step_in_s"] = None
@@ -274,15 +249,7 @@ class RolloutController:
         splits: dict[str, Split] = {}
         present = {r.workload_id for r in self.replicas.all()}
         for r in records:
-            weight: float | None = None
-            if r.state == "PROGRESSING":
-                weight = r.steps[r.step]
-            elif r.state == "STARTING":
-                weight = 0.0  # its replicas must not take requests before the first step
-            elif r.state in ("ROLLED_BACK", "ABORTED") and r.canary_workload_id in present:
-                weight = 0.0
-            elif r.state == "PROMOTED" and r.workload_id in present:
-                weight = 100.0
+            weight = split_weight(r, present)
             if weight is not None:
                 splits[r.model] = Split(r.rollout_id, r.window, weight, r.workload_id,
                                         r.canary_workload_id)  # fmt: skip
@@ -325,23 +292,23 @@ class RolloutController:
         errors = [g for g in results if g.verdict == FAIL and g.gate == "error_rate"]
         slower = [g for g in results if g.verdict == FAIL and g.gate != "error_rate"]
         if errors:  # errors are unambiguous: at once
-            self._roll_back(record, "ROLLED_BACK", _failed(errors + slower))
+            self._roll_back(record, "ROLLED_BACK", failed(errors + slower))
         elif now - record.step_started < record.interval_s:
             self._write_gates(record, now)
         elif slower and record.suspect is not None:  # a second window, slower again
-            self._roll_back(record, "ROLLED_BACK", f"{_failed(slower)} (and in the window "
+            self._roll_back(record, "ROLLED_BACK", f"{failed(slower)} (and in the window "
                             f"before: {record.suspect})")  # fmt: skip
         elif slower:
             # latency moves with whatever else the machine does for seconds at a time:
             # a regression counts once a fresh window shows it again
-            record.suspect = _failed(slower)
+            record.suspect = failed(slower)
             self._new_window(record, now)
             if self._write(record):
                 self._events(record, f"rollout {record.rollout_id}: step {record.step + 1} "
                              f"measured again over a fresh window: {record.suspect}")  # fmt: skip
         elif all(g.verdict == PASS for g in results):
             if record.step + 1 >= len(record.steps) or record.steps[record.step + 1] >= 100:
-                self._promote(record, f"every gate passed at {_steps(record.steps[:-1])} %")
+                self._promote(record, f"every gate passed at {steps_text(record.steps[:-1])} %")
             else:
                 self._step(record, record.step + 1, now)
         else:
@@ -366,7 +333,7 @@ class RolloutController:
 
     def _new_window(self, record: RolloutRecord, now: float) -> None:
         if record.gates:
-            record.history.append(self._finished_step(record, now))
+            record.history.append(finished_step(record, now))
         record.window += 1
         record.step_started, record.gates = now, []
 
@@ -381,7 +348,7 @@ class RolloutController:
     def _roll_back(self, record: RolloutRecord, state: str, why: str) -> None:
         self._end(record, state, why)
         if self._write(record):
-            kind = "aborted" if state == "ABORTED" else _reason_kind(why)
+            kind = "aborted" if state == "ABORTED" else reason_kind(why)
             key = (record.model, kind)
             self.totals.rollbacks[key] = self.totals.rollbacks.get(key, 0) + 1
             self._events(record, f"rollout {record.rollout_id} {state}: {why}; the canary's "
@@ -392,7 +359,7 @@ class RolloutController:
     def _end(self, record: RolloutRecord, state: str, why: str) -> None:
         now = time.time()
         if record.step >= 0:
-            record.history.append(self._finished_step(record, now))
+            record.history.append(finished_step(record, now))
         record.state, record.reason, record.finished = state, why, now
 
     def _retire(self, record: RolloutRecord) -> None:
@@ -418,10 +385,6 @@ class RolloutController:
             self.manager.event(workload_id, "rollout", f"stopped: {why}")
         record.retired = time.time()
         self._write(record)
-
-    def _finished_step(self, record: RolloutRecord, now: float) -> dict[str, Any]:
-        return {"step": record.step, "window": record.window, "weight": record.steps[record.step],
-                "started": record.step_started, "ended": now, "gates": record.gates}  # fmt: skip
 
     def _write(self, record: RolloutRecord) -> bool:
         record.updated = time.time()
@@ -472,58 +435,6 @@ class RolloutController:
             except KunlunError as exc:
                 print(f"rollout event not written ({exc}): {message}", flush=True)
 
-    @staticmethod
-    def _weight(record: RolloutRecord) -> float:
-        if record.state == "PROGRESSING":
-            return record.steps[record.step]
-        return 100.0 if record.state == "PROMOTED" else 0.0
-
     # ---- /metrics ----
     def families(self) -> Iterator[Metric]:
-        weight = GaugeMetricFamily("kunlun_rollout_canary_weight_percent",
-                                   "The canary's share of its model's requests.",
-                                   labels=["rollout", "model"])  # fmt: skip
-        state = GaugeMetricFamily("kunlun_rollout_state", "1 for each rollout's state.",
-                                  labels=["rollout", "model", "state"])  # fmt: skip
-        gate = GaugeMetricFamily("kunlun_rollout_gate_passing",
-                                 "1 pass, 0 inconclusive, -1 fail: each running gate's verdict.",
-                                 labels=["rollout", "model", "gate"])  # fmt: skip
-        for record in self.records():
-            if record.state in RUNNING_STATES:
-                weight.add_metric([record.rollout_id, record.model], self._weight(record))
-                for g in record.gates:
-                    value = {"pass": 1.0, "fail": -1.0}.get(str(g["verdict"]), 0.0)
-                    gate.add_metric([record.rollout_id, record.model, str(g["gate"])], value)
-            state.add_metric([record.rollout_id, record.model, record.state], 1.0)
-        promotions = CounterMetricFamily("kunlun_rollout_promotions",
-                                         "Rollouts promoted by this node.", labels=["model"])  # fmt: skip
-        for model, count in self.totals.promotions.items():
-            promotions.add_metric([model], float(count))
-        rollbacks = CounterMetricFamily("kunlun_rollout_rollbacks",
-                                        "Rollouts rolled back by this node, by cause "
-                                        "(error_rate, p95_ttft, p95_e2e, start, aborted).",
-                                        labels=["model", "reason"])  # fmt: skip
-        for (model, reason), count in self.totals.rollbacks.items():
-            rollbacks.add_metric([model, reason], float(count))
-        yield from (weight, state, gate, promotions, rollbacks)
-
-
-def _failed(gates: list[GateResult]) -> str:
-    return "; ".join(f"gate {g.gate} failed: {g.detail}" for g in gates)
-
-
-def _newer(found: RolloutRecord, mine: RolloutRecord | None) -> RolloutRecord:
-    if mine is not None and mine.updated > found.updated:
-        return copy.deepcopy(mine)
-    return found
-
-
-def _reason_kind(why: str) -> str:
-    for gate in ("error_rate", "p95_ttft", "p95_e2e"):
-        if f"gate {gate} failed" in why:
-            return gate
-    return "start"
-
-
-def _steps(steps: list[float]) -> str:
-    return ",".join(f"{s:g}" for s in steps)
+        yield from rollout_families(self.records(), self.totals)

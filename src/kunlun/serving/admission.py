@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kunlun.limits import PRIORITIES
-from kunlun.protocol.openai_api import QueueFull, ServiceUnavailable
+from kunlun.protocol.openai_errors import QueueFull, ServiceUnavailable
 from kunlun.serving.canary_split import Version
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.serving.routing import Router

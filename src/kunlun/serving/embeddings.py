@@ -23,7 +23,6 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -34,16 +33,10 @@ from kunlun.engine.launch import Pooling, Task
 from kunlun.engine.pooling import check_input, input_limit
 from kunlun.errors import Location, PromptTooLong, RequestError
 from kunlun.protocol.embedding_request import EmbeddingRequest, served_for_generation
-from kunlun.protocol.openai_api import param_error, parse_request
-from kunlun.serving.worker_app import (
-    PROMPT_BYTES_MARGIN,
-    _json,
-    _new_call,
-    _off_loop_if_large,
-)
-
-if TYPE_CHECKING:
-    from kunlun.serving.worker_app import WorkerApp
+from kunlun.protocol.openai_errors import param_error
+from kunlun.protocol.request_body import parse_request
+from kunlun.serving.worker_calls import json_response, new_call, off_loop_if_large
+from kunlun.serving.worker_core import PROMPT_BYTES_MARGIN, WorkerCore
 
 MAX_INPUTS = 2048
 """Inputs one request may hold (OpenAI's limit)."""
@@ -66,7 +59,7 @@ def matryoshka_dimensions(model_dir: str | Path, size: int) -> set[int] | None:
 class Embeddings:
     """The embeddings route of one worker, and the task check of its other routes."""
 
-    def __init__(self, worker: WorkerApp, task: Task, pooling: Pooling) -> None:
+    def __init__(self, worker: WorkerCore, task: Task, pooling: Pooling) -> None:
         self.worker = worker
         self.task = task
         self.pooling: Pooling = pooling
@@ -87,14 +80,14 @@ class Embeddings:
 
     async def __call__(self, request: Request) -> Response:
         raw = await request.body()
-        call = _new_call(request)  # logged and counted like the other routes
-        req = await _off_loop_if_large(raw, parse_request, EmbeddingRequest, raw)
-        self.worker._check_model(req.model)
+        call = new_call(request)  # logged and counted like the other routes
+        req = await off_loop_if_large(raw, parse_request, EmbeddingRequest, raw)
+        self.worker.check_model(req.model)
         if self.task != "embed":
             raise served_for_generation(req.model)
         await self.worker.faults.apply(request.headers)
         cut = self._dimensions(req.dimensions)
-        inputs = await _off_loop_if_large(raw, self._token_ids, req)
+        inputs = await off_loop_if_large(raw, self._token_ids, req)
         vectors = await self.worker.engine.embed(inputs, self.pooling)
         call.num_prompt = {i: len(ids) for i, ids in enumerate(inputs)}
         data = [
@@ -104,7 +97,7 @@ class Embeddings:
         num_tokens = sum(call.num_prompt.values())
         body = {"object": "list", "data": data, "model": req.model,
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}  # fmt: skip
-        return self.worker._finish(call, _json(call, body))
+        return self.worker.finish(call, json_response(call, body))
 
     def _dimensions(self, dimensions: int | None) -> int | None:
         """The size to cut vectors to (None: the model's), or a 400 naming ``dimensions``."""

@@ -17,7 +17,8 @@ from kunlun import json_text
 from kunlun.engines.registry import engine_named
 from kunlun.errors import EngineLacks, Location
 from kunlun.protocol.embedding_request import served_for_generation
-from kunlun.protocol.openai_api import ChatCompletionRequest, CompletionRequest, parse_request
+from kunlun.protocol.openai_api import ChatCompletionRequest, CompletionRequest
+from kunlun.protocol.request_body import parse_request
 
 EMBEDDINGS_PATH = "/v1/embeddings"
 _REQUESTS: dict[str, type[BaseModel]] = {

@@ -4,8 +4,8 @@
 ``POST /v1/completions`` and ``POST /v1/embeddings`` over a :class:`ReplicaSet` (the inference routes answered by
 the :class:`GatewayEndpoints` middleware, ahead of the app's routing). For each request it
 reads the ``model`` (and, for the load estimate, ``max_tokens`` and ``n``), the
-``X-Kunlun-Priority`` and ``X-Kunlun-Pool`` headers, and either refuses it in the OpenAI
-error shape (400: a body nested too deep or holding text UTF-8 cannot hold
+``X-Kunlun-Priority`` and ``X-Kunlun-Pool`` headers (:mod:`~kunlun.serving.intake`), and
+either refuses it in the OpenAI error shape (400: a body nested too deep or holding text UTF-8 cannot hold
 (:func:`kunlun.json_text.loads`), more sequences than
 :attr:`GatewayState.max_sequences_per_request`, a bad priority or pool header; unknown model or pool
 404 listing the served ones, nothing ready or draining 503, a body over
@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
-import os
 import signal
 import ssl
 import time
@@ -36,62 +34,39 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kunlun import headers as http_headers
-from kunlun import json_text
 from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.limits import DEFAULT_MAX_SEQUENCES
 from kunlun.protocol.embedding_request import EmbeddingRequest
-from kunlun.protocol.openai_api import (
+from kunlun.protocol.openai_api import ChatCompletionRequest, CompletionRequest
+from kunlun.protocol.openai_errors import (
     BodyTooLarge,
-    ChatCompletionRequest,
-    CompletionRequest,
     ModelNotFound,
     ServiceUnavailable,
     WorkerDied,
     error_status_and_body,
-    openapi_body,
-    param_error,
-    request_sequences,
 )
-from kunlun.serving.admission import Admission, Ticket
-from kunlun.serving.canary_split import SESSION_HEADER, Split
-from kunlun.serving.canary_window import BASELINE, RolloutStats
+from kunlun.protocol.request_body import openapi_body
+from kunlun.serving.admission import Admission
+from kunlun.serving.canary_split import Split
+from kunlun.serving.canary_window import RolloutStats
+from kunlun.serving.intake import RequestHeaders, new_request_id, ticket
 from kunlun.serving.key_limits import KEY_TOKENS_SCOPE
 from kunlun.serving.queue_metrics import QueueDepth  # telemetry
 from kunlun.serving.relay import Relay
 from kunlun.serving.replica import ReplicaSet
-from kunlun.serving.routing import (
-    KEY_PRIORITY_SCOPE,
-    POOL_HEADER,
-    PRIORITY_HEADER,
-    DeviceSamples,
-    PoolNotFound,
-    Router,
-    pool_header,
-    resolve_priority,
-)
+from kunlun.serving.routing import DeviceSamples, Router
 from kunlun.serving.scheduler_config import SchedulerConfigSource
-from kunlun.serving.sglang_gateway import GENERATE_PATH, add_sglang_routes, admission_view
+from kunlun.serving.sglang_gateway import GENERATE_PATH, add_sglang_routes
 from kunlun.serving.upstream import UpstreamError, UpstreamPool
 from kunlun.telemetry.gateway_metrics import GatewayMetrics  # telemetry
 
 _CHAT_BODY = openapi_body(ChatCompletionRequest)
 _COMPLETION_BODY = openapi_body(CompletionRequest)
 _EMBEDDING_BODY = openapi_body(EmbeddingRequest)
-_PRIORITY_KEY = PRIORITY_HEADER.lower().encode()
-_REQUEST_ID_KEY = http_headers.raw(http_headers.REQUEST_ID)
-_POOL_KEY = POOL_HEADER.lower().encode()
-_SESSION_KEY = SESSION_HEADER.lower().encode()
-_PRINTABLE = frozenset(range(0x20, 0x7F))
-"""Bytes a client's ``X-Request-Id`` may hold to be passed on (printable ASCII)."""
-_ID_PREFIX = os.urandom(4).hex()
-_ID_COUNTER = itertools.count(1)
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", GENERATE_PATH})
 """The inference routes: relayed to a replica."""
 MAX_BODY_BYTES = 32 << 20
 """The largest request body the inference routes accept (larger: 413)."""
-DEFAULT_MAX_TOKENS_ESTIMATE = 256
-"""Tokens counted for a request that sets no ``max_tokens`` (load-aware routing)."""
 TICK_S = 0.2
 """How often the background task looks at the scheduler config and the backlogs."""
 
@@ -201,53 +176,16 @@ def gateway_router(replicas: ReplicaSet, state: GatewayState) -> APIRouter:
         raise ModelNotFound(f"model {model_id!r} is not served here",
                             location=Location("request", field="model"))  # fmt: skip
 
-    async def to_a_worker(request: Request, path: str) -> Response:
-        """Forward ``POST path`` to a routable replica of the body's ``model`` (the least
-        busy) and answer what it answers: for work only the model's worker can do."""
-        body = await request.body()
-        try:
-            payload = json.loads(body)
-        except ValueError:
-            raise RequestError("the request body is not JSON") from None
-        model = payload.get("model") if isinstance(payload, dict) else None
-        if not isinstance(model, str):
-            raise RequestError(
-                "the request names no model", location=Location("request", field="model")
-            )
-        chosen = min(replicas.ready(model), key=lambda r: r.in_flight, default=None)
-        if chosen is None:
-            if model in replicas.models():
-                raise ServiceUnavailable(f"model {model!r} has no ready replica yet",
-                                         retry_after_s=state.retry_after_s)  # fmt: skip
-            raise ModelNotFound(f"model {model!r} is not served here; served: "
-                                f"{', '.join(replicas.models()) or 'none'}",
-                                location=Location("request", field="model"))  # fmt: skip
-        if state.upstream is None:
-            raise ServiceUnavailable(
-                "the gateway is not started", retry_after_s=state.retry_after_s
-            )
-        try:
-            answer = await state.upstream.post(chosen.base_url, path,
-                                               [(b"content-type", b"application/json")], body)  # fmt: skip
-            try:
-                content = b"".join([piece async for piece in answer.iter_raw()])
-            finally:
-                await answer.close()
-        except UpstreamError as exc:
-            raise WorkerDied(f"replica {chosen.replica_id} on {chosen.device} did not answer "
-                             f"{path}: {exc}", hint="retry the request") from None  # fmt: skip
-        return Response(content, status_code=answer.status_code, media_type="application/json")
-
     @router.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         """vLLM's ``/tokenize``: ``{model, prompt | messages}`` -> ``{count, max_model_len,
         tokens}``, encoded by the model's own worker."""
-        return await to_a_worker(request, "/tokenize")
+        return await _to_a_worker(request, "/tokenize", replicas, state)
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         """vLLM's ``/detokenize``: ``{model, tokens}`` -> ``{prompt}``."""
-        return await to_a_worker(request, "/detokenize")
+        return await _to_a_worker(request, "/detokenize", replicas, state)
 
     add_sglang_routes(router, replicas, state, respond)  # SGLang's native API
 
@@ -273,6 +211,44 @@ def gateway_router(replicas: ReplicaSet, state: GatewayState) -> APIRouter:
         return respond(request.scope, await request.body(), replicas, state)
 
     return router
+
+
+async def _to_a_worker(
+    request: Request, path: str, replicas: ReplicaSet, state: GatewayState
+) -> Response:
+    """Forward ``POST path`` to a routable replica of the body's ``model`` (the least
+    busy) and answer what it answers: for work only the model's worker can do."""
+    body = await request.body()
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        raise RequestError("the request body is not JSON") from None
+    model = payload.get("model") if isinstance(payload, dict) else None
+    if not isinstance(model, str):
+        raise RequestError(
+            "the request names no model", location=Location("request", field="model")
+        )
+    chosen = min(replicas.ready(model), key=lambda r: r.in_flight, default=None)
+    if chosen is None:
+        if model in replicas.models():
+            raise ServiceUnavailable(f"model {model!r} has no ready replica yet",
+                                     retry_after_s=state.retry_after_s)  # fmt: skip
+        raise ModelNotFound(f"model {model!r} is not served here; served: "
+                            f"{', '.join(replicas.models()) or 'none'}",
+                            location=Location("request", field="model"))  # fmt: skip
+    if state.upstream is None:
+        raise ServiceUnavailable("the gateway is not started", retry_after_s=state.retry_after_s)
+    try:
+        answer = await state.upstream.post(chosen.base_url, path,
+                                           [(b"content-type", b"application/json")], body)  # fmt: skip
+        try:
+            content = b"".join([piece async for piece in answer.iter_raw()])
+        finally:
+            await answer.close()
+    except UpstreamError as exc:
+        raise WorkerDied(f"replica {chosen.replica_id} on {chosen.device} did not answer "
+                         f"{path}: {exc}", hint="retry the request") from None  # fmt: skip
+    return Response(content, status_code=answer.status_code, media_type="application/json")
 
 
 class GatewayEndpoints:
@@ -328,134 +304,16 @@ def respond(scope: Scope, body: bytes, replicas: ReplicaSet, state: GatewayState
     """The ASGI response to the inference request ``body`` that arrived with ``scope``:
     the relay to a replica (admitted when it runs) or the error that refuses it now."""
     arrived = time.perf_counter()  # telemetry
-    headers = _Headers(scope["headers"])
+    headers = RequestHeaders(scope["headers"])
     try:
-        ticket = _ticket(scope, headers, body, replicas, state)
+        admitted = ticket(scope, headers, body, replicas, state)
         charge = scope.get(KEY_TOKENS_SCOPE)  # the key's tokens per minute, when it has a limit
         if charge is not None:
-            charge.admit(ticket.tokens)
+            charge.admit(admitted.tokens)
     except KunlunError as exc:
         model = (scope.get("state") or {}).get("model")
         state.metrics.refused(model, model in replicas.models(), exc)  # telemetry
         return error_response(exc)
-    relay = Relay(state, ticket, scope["path"], body, headers.request_id or new_request_id())
+    relay = Relay(state, admitted, scope["path"], body, headers.request_id or new_request_id())
     relay.arrived = arrived  # telemetry
     return relay
-
-
-class _Headers:
-    """The request headers the gateway reads, found in one pass over the ASGI list."""
-
-    __slots__ = ("pool", "priority", "request_id", "session")
-
-    def __init__(self, raw: list[tuple[bytes, bytes]]) -> None:
-        self.pool = self.priority = self.request_id = None
-        self.session: bytes | None = None
-        for name, value in raw:
-            if name == _SESSION_KEY:
-                self.session = value
-            elif name == _PRIORITY_KEY:
-                self.priority = value.decode("latin-1")
-            elif name == _POOL_KEY:
-                self.pool = value.decode("latin-1")
-            elif name == _REQUEST_ID_KEY and value and _PRINTABLE.issuperset(value):
-                self.request_id = value.decode("ascii")  # else the gateway makes one up
-
-
-def new_request_id() -> str:
-    """A request id unique to this process (random prefix, counter): cheaper than uuid4."""
-    return f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
-
-
-def _ticket(
-    scope: Scope, headers: _Headers, body: bytes, replicas: ReplicaSet, state: GatewayState
-) -> Ticket:
-    """What admission needs to know of a request, or the error that refuses it at once."""
-    payload = json_text.loads(body)  # bounded nesting, UTF-8 text (else 400)
-    if scope["path"] == GENERATE_PATH:  # SGLang's body, seen as an OpenAI one
-        payload = admission_view(payload, replicas, state.max_sequences_per_request)
-    model = payload.get("model") if isinstance(payload, dict) else None
-    if not isinstance(model, str):
-        raise param_error("model", "the request has no model name (field 'model')")
-    scope.setdefault("state", {})["model"] = model  # for the request log and the metrics
-    _check_sequences(payload, state.max_sequences_per_request)
-    if headers.priority is not None:
-        resolve_priority(headers.priority, None, "normal")  # a bad value is a 400 first
-    if state.draining:
-        raise ServiceUnavailable(
-            "the platform is shutting down and takes no new requests",
-            retry_after_s=state.retry_after_s,
-        )
-    serving = replicas.serving(model)
-    first_ready = next((r for r in serving if r.routable), None)
-    if first_ready is None:
-        served = replicas.models()
-        if model not in served:
-            names = ", ".join(served) or "none"
-            raise ModelNotFound(f"model {model!r} is not served here; served models: {names}")
-        ejected = [f"{r.replica_id}: {r.ejected}" for r in serving if r.ready and r.ejected]
-        if ejected:
-            raise ServiceUnavailable(
-                f"every ready replica of model {model!r} is out of routing after failed "
-                f"health checks ({'; '.join(ejected)})",
-                retry_after_s=state.retry_after_s,
-            )
-        raise ServiceUnavailable(
-            f"no replica of model {model!r} is ready yet", retry_after_s=state.retry_after_s
-        )
-    pool = headers.pool
-    if pool is not None:
-        pool = pool_header(pool)
-        if not any(r.routable and pool in r.pools for r in serving):
-            _refuse_pool(model, pool, replicas, state)
-    priority = resolve_priority(
-        headers.priority, scope.get(KEY_PRIORITY_SCOPE), first_ready.priority
-    )
-    estimate = _token_estimate(payload, len(body), scope["path"] != "/v1/embeddings")
-    ticket = Ticket(model, priority, pool, estimate)
-    split = state.splits.get(model)
-    if split is not None:
-        version = split.choose(headers.session)
-        if not any(r.routable and r.workload_id == version.workload for r in serving):
-            version = split.version(version.role == BASELINE)  # the other one, while it serves
-        ticket.version, ticket.workload = version, version.workload
-    return ticket
-
-
-def _check_sequences(payload: dict[str, Any], limit: int) -> None:
-    """Refuse (400) a request that asks for more than ``limit`` sequences (prompts x n)."""
-    num_prompts, n = request_sequences(payload)
-    if num_prompts * n > limit:
-        raise param_error(
-            "n" if n > 1 else "prompt",
-            f"the request asks for {num_prompts * n} sequences ({num_prompts} prompt(s) x "
-            f"n={n}); at most {limit} are run per request (--max-sequences-per-request)",
-        )
-
-
-def _refuse_pool(model: str, pool: str, replicas: ReplicaSet, state: GatewayState) -> None:
-    pools = sorted(frozenset().union(*(r.pools for r in replicas.serving(model))))
-    if pool in pools:
-        raise ServiceUnavailable(
-            f"no replica of model {model!r} in pool {pool!r} is ready yet",
-            retry_after_s=state.retry_after_s,
-        )
-    raise PoolNotFound(
-        f"model {model!r} has no replica in pool {pool!r} (header {POOL_HEADER}); "
-        f"pools serving it: {', '.join(pools)}",
-        location=Location("request", field=POOL_HEADER),
-    )
-
-
-def _token_estimate(payload: dict[str, Any], body_bytes: int, generates: bool = True) -> int:
-    """Prompt tokens (about four body bytes each) plus ``max_tokens`` for each of ``n`` (none
-    for an embeddings request: it generates nothing)."""
-    if not generates:
-        return body_bytes // 4
-    max_tokens = payload.get("max_tokens") or payload.get("max_completion_tokens")
-    n = payload.get("n")
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        max_tokens = DEFAULT_MAX_TOKENS_ESTIMATE
-    if not isinstance(n, int) or n < 1:
-        n = 1
-    return body_bytes // 4 + max_tokens * n

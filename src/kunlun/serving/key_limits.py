@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 
-from kunlun.protocol.openai_api import RateLimited
+from kunlun.protocol.openai_errors import RateLimited
 from kunlun.serving.scheduler_config import KeyDefaults
 from kunlun.state.api_keys import ActiveKey
 

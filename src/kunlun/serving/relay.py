@@ -25,7 +25,7 @@ from kunlun import headers as http_headers
 from kunlun.errors import KunlunError
 from kunlun.limits import CLIENT_GONE
 from kunlun.protocol import sse
-from kunlun.protocol.openai_api import (
+from kunlun.protocol.openai_errors import (
     QueueFull,
     ServiceUnavailable,
     WorkerDied,

@@ -32,7 +32,7 @@ class Replica:
     priority: str = "normal"
     """The workload's priority class: a request's class unless its key or header says."""
     max_num_seqs: int = 8
-    """Sequences the engine decodes together (the workload's ``batch_size``): the gateway
+    """Sequences the engine decodes together (the workload's ``max_num_seqs``): the gateway
     sends at most this many requests at once and holds the rest in its own queue."""
     max_model_len: int | None = None
     """The context window its engine was planned with (None: not known, another engine)."""

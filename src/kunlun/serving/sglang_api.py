@@ -1,7 +1,7 @@
 """SGLang's native API on the engine worker: ``/generate``, ``/get_model_info``,
 ``/get_server_info`` and ``/flush_cache``.
 
-The handlers ride on :class:`~kunlun.serving.worker_app.WorkerApp`: the same prompt checks,
+The handlers ride on :class:`~kunlun.serving.worker_core.WorkerCore`: the same prompt checks,
 submission, disconnect handling, streaming response (an SSE stream that fails ends with one
 error event) and request log as the OpenAI routes, only the request and response shapes
 differ (:mod:`kunlun.protocol.sglang`). A streamed ``/generate`` sends, for each new
@@ -29,12 +29,14 @@ from kunlun.engine.outputs import CompletionOutput, RequestOutput
 from kunlun.errors import RequestError
 from kunlun.limits import CLIENT_GONE
 from kunlun.protocol import sse
-from kunlun.protocol.openai_api import param_error, parse_request
+from kunlun.protocol.openai_errors import param_error
+from kunlun.protocol.request_body import parse_request
 from kunlun.protocol.sglang import GenerateRequest, finish_reason, generate_item
 from kunlun.protocol.sglang import logprob_fields as _logprob_fields
+from kunlun.serving.worker_calls import Call, json_response, new_call, off_loop_if_large
 
-if TYPE_CHECKING:
-    from kunlun.serving.worker_app import WorkerApp, _Call
+if TYPE_CHECKING:  # the worker's engine imports torch, which the daemon's gateway does not load
+    from kunlun.serving.worker_core import WorkerCore
 
 FLUSHED = "Cache flushed.\n"
 """The body of a successful ``/flush_cache`` (plain text, as SGLang answers)."""
@@ -43,25 +45,23 @@ FLUSHED = "Cache flushed.\n"
 class SGLangRoutes:
     """SGLang's native routes over one worker."""
 
-    def __init__(self, worker: WorkerApp) -> None:
+    def __init__(self, worker: WorkerCore) -> None:
         self.worker = worker
 
     async def generate(self, request: Request) -> Response:
-        from kunlun.serving.worker_app import _json, _new_call, _off_loop_if_large
-
         worker = self.worker
         raw = await request.body()
-        call = _new_call(request)
-        req = await _off_loop_if_large(raw, parse_request, GenerateRequest, raw)
+        call = new_call(request)
+        req = await off_loop_if_large(raw, parse_request, GenerateRequest, raw)
         if req.model is not None:
-            worker._check_model(req.model)
+            worker.check_model(req.model)
         await worker.faults.apply(request.headers)
         params = req.to_sampling_params()
         prompts = req.prompts()
         for prompt in prompts:
             worker.check_prompt(prompt)
         if any(isinstance(p, str) for p in prompts):
-            prompts = await _off_loop_if_large(raw, worker._encode_all, prompts)
+            prompts = await off_loop_if_large(raw, worker.encode_all, prompts)
             for prompt in prompts:
                 worker.check_prompt(prompt)
         field = "text" if req.text is not None else "input_ids"
@@ -72,13 +72,13 @@ class SGLangRoutes:
                 raise param_error("logprob_start_len",
                                   f"logprob_start_len={req.logprob_start_len} is not a position "
                                   f"of prompt {i}, which has {len(prompt)} tokens")  # fmt: skip
-        submitted = await worker._submit(prompts, params)
+        submitted = await worker.submit(prompts, params)
         rids = [r or uuid.uuid4().hex for r in req.rids()]
         if req.stream:
-            return worker._sse(call, submitted, self._events(call, req, rids, submitted.streams))
-        outputs = await worker._collect(request, call, submitted)
+            return worker.sse(call, submitted, self._events(call, req, rids, submitted.streams))
+        outputs = await worker.collect(request, call, submitted)
         if outputs is None:
-            return worker._finish(call, Response(status_code=CLIENT_GONE))
+            return worker.finish(call, Response(status_code=CLIENT_GONE))
         latency = time.perf_counter() - call.started
         items = [
             generate_item(req, worker.tokens, _rid(rids[i], req, o), final, o, latency)
@@ -86,7 +86,7 @@ class SGLangRoutes:
             for o in final.outputs
         ]
         body: Any = items if req.lists_answer else items[0]
-        return worker._finish(call, _json(call, body))
+        return worker.finish(call, json_response(call, body))
 
     async def get_model_info(self) -> dict[str, Any]:
         """SGLang's model info; ``model_path`` is the served model's name (the platform does
@@ -144,7 +144,7 @@ class SGLangRoutes:
 
     async def _events(
         self,
-        call: _Call,
+        call: Call,
         req: GenerateRequest,
         rids: list[str],
         streams: list[AsyncIterator[Any]],
@@ -154,7 +154,7 @@ class SGLangRoutes:
         entries: dict[tuple[int, int], list[Any]] = {}
         n = req.sampling_params.n
         prefill_only = req.sampling_params.max_new_tokens == 0
-        async for prompt_index, delta in self.worker._deltas(call, streams):
+        async for prompt_index, delta in self.worker.deltas(call, streams):
             key = (prompt_index, delta.index)
             if not prefill_only:
                 texts[key] = texts.get(key, "") + delta.text
@@ -197,7 +197,7 @@ def _rid(rid: str, req: GenerateRequest, output: CompletionOutput) -> str:
     return rid if req.sampling_params.n == 1 else f"{rid}-{output.index}"
 
 
-def add_sglang_routes(app: FastAPI, worker: WorkerApp) -> None:
+def add_sglang_routes(app: FastAPI, worker: WorkerCore) -> None:
     """Register SGLang's native routes on the worker's app."""
     routes = SGLangRoutes(worker)
     app.post("/generate")(routes.generate)

@@ -25,7 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from kunlun.errors import KunlunError, RequestError
-from kunlun.protocol.openai_api import (
+from kunlun.protocol.openai_errors import (
     ModelNotFound,
     ServiceUnavailable,
     WorkerDied,

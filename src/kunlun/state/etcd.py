@@ -32,7 +32,8 @@ import time
 from dataclasses import asdict
 from typing import Any, TypeVar
 
-from kunlun.state.etcd_client import KV, Compare, Etcd, Op, WatchEvent
+from kunlun.state.etcd_client import Etcd
+from kunlun.state.etcd_wire import KV, Compare, Op, WatchEvent
 from kunlun.state.store import (
     ApiKeyRecord,
     BatchRecord,

@@ -4,7 +4,8 @@ Unary calls are ``POST`` of JSON to ``/v3/kv/range``, ``/v3/kv/put``, ``/v3/kv/d
 ``/v3/kv/txn``, ``/v3/lease/grant``, ``/v3/lease/keepalive`` and ``/v3/lease/revoke``; a watch
 is a ``POST`` to ``/v3/watch`` whose answer is a stream of JSON objects, one a line. Keys and
 values travel base64-encoded, int64 fields as strings, and fields at their default value
-(``0``, ``false``, an empty list, a ``PUT`` event's type) are left out of answers.
+(``0``, ``false``, an empty list, a ``PUT`` event's type) are left out of answers; those
+forms are :mod:`kunlun.state.etcd_wire`'s.
 
 **Failover.** A call goes to the endpoint that last answered and moves on to the next one
 when an endpoint cannot be reached, does not answer within ``timeout_s`` (each endpoint
@@ -31,8 +32,6 @@ delivered, and reports a compaction as ``on_events([], -compact_revision)``.
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 import ssl
 import threading
@@ -45,6 +44,18 @@ import httpx
 
 from kunlun.errors import ClusterUnavailable, ConfigError, KunlunError
 from kunlun.state.certs import MemberTLS
+from kunlun.state.etcd_wire import (
+    KV,
+    Compare,
+    Op,
+    TxnResult,
+    WatchEvent,
+    b64,
+    error_of,
+    key_span,
+    op_result,
+    revision_of,
+)
 
 if TYPE_CHECKING:
     from kunlun.state.etcd_watch import Watch
@@ -59,132 +70,6 @@ _ELECTION = ("leader changed", "no leader")
 _ELECTION_POLL_S = 0.2
 _NOT_FOUND = 5
 _PAGE = 1000
-_COMPARE_RESULTS = {"==": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
-_COMPARE_FIELDS = {
-    "CREATE": "create_revision",
-    "MOD": "mod_revision",
-    "VERSION": "version",
-    "VALUE": "value",
-}
-
-
-@dataclass(frozen=True)
-class KV:
-    """One key as etcd stores it (a deleted key in a watch event: key and mod_revision)."""
-
-    key: str
-    value: bytes
-    create_revision: int
-    mod_revision: int
-    version: int
-    lease: int
-
-    def json(self) -> Any:
-        """The value, decoded as JSON."""
-        return json.loads(self.value)
-
-    @classmethod
-    def of(cls, data: dict[str, Any]) -> KV:
-        """From the gateway's JSON form."""
-        return cls(
-            _unb64(data["key"]).decode(),
-            _unb64(data.get("value", "")),
-            int(data.get("create_revision", 0)),
-            int(data.get("mod_revision", 0)),
-            int(data.get("version", 0)),
-            int(data.get("lease", 0)),
-        )
-
-
-@dataclass(frozen=True)
-class Compare:
-    """A transaction's condition on one key: its create or mod revision, version or value
-    compared (``op``: ``==``, ``!=``, ``<``, ``>``) with an operand. A key that does not
-    exist has revisions and version 0."""
-
-    key: str
-    target: str
-    result: str
-    operand: int | bytes
-
-    @staticmethod
-    def create_revision(key: str, op: str, rev: int) -> Compare:
-        return Compare._make(key, "CREATE", op, rev)
-
-    @staticmethod
-    def mod_revision(key: str, op: str, rev: int) -> Compare:
-        return Compare._make(key, "MOD", op, rev)
-
-    @staticmethod
-    def version(key: str, op: str, n: int) -> Compare:
-        return Compare._make(key, "VERSION", op, n)
-
-    @staticmethod
-    def value(key: str, op: str, value: bytes | str) -> Compare:
-        return Compare._make(key, "VALUE", op, _bytes(value))
-
-    @staticmethod
-    def _make(key: str, target: str, op: str, operand: int | bytes) -> Compare:
-        if op not in _COMPARE_RESULTS:
-            raise ValueError(f"compare operator {op!r} is not one of {list(_COMPARE_RESULTS)}")
-        return Compare(key, target, _COMPARE_RESULTS[op], operand)
-
-    def to_json(self) -> dict[str, Any]:
-        operand = self.operand
-        text = _b64(operand) if isinstance(operand, bytes) else str(operand)
-        return {
-            "key": _b64(self.key),
-            "target": self.target,
-            "result": self.result,
-            _COMPARE_FIELDS[self.target]: text,
-        }
-
-
-@dataclass(frozen=True)
-class Op:
-    """One operation of a transaction: put, delete or get (one key or a whole prefix)."""
-
-    kind: str
-    key: str
-    data: bytes = b""
-    lease: int = 0
-    prefix: bool = False
-
-    @staticmethod
-    def put(key: str, value: bytes | str, lease: int = 0) -> Op:
-        return Op("put", key, _bytes(value), lease)
-
-    @staticmethod
-    def delete(key: str, prefix: bool = False) -> Op:
-        return Op("delete", key, prefix=prefix)
-
-    @staticmethod
-    def get(key: str, prefix: bool = False) -> Op:
-        return Op("get", key, prefix=prefix)
-
-    def to_json(self) -> dict[str, Any]:
-        if self.kind == "put":
-            put = {"key": _b64(self.key), "value": _b64(self.data), "lease": str(self.lease)}
-            return {"request_put": put}
-        span = key_span(self.key, self.prefix)
-        return {"request_delete_range" if self.kind == "delete" else "request_range": span}
-
-
-@dataclass
-class TxnResult:
-    succeeded: bool
-    revision: int
-    responses: list[Any]
-    """One per operation of the branch taken: a get's ``list[KV]``, a put's revision, a
-    delete's number of deleted keys."""
-
-
-@dataclass
-class WatchEvent:
-    type: str
-    """``PUT`` or ``DELETE``."""
-    kv: KV
-    """For a ``DELETE``: the key and its mod_revision (the deletion's); the value is empty."""
 
 
 @dataclass(frozen=True)
@@ -242,7 +127,7 @@ class Etcd:
 
     # keys
     def get(self, key: str) -> KV | None:
-        kvs = self._call("/v3/kv/range", {"key": _b64(key)}).get("kvs", [])
+        kvs = self._call("/v3/kv/range", {"key": b64(key)}).get("kvs", [])
         return KV.of(kvs[0]) if kvs else None
 
     def range(self, prefix: str) -> list[KV]:
@@ -260,7 +145,7 @@ class Etcd:
             kvs += page
             if not data.get("more") or not page:
                 return kvs
-            span = {**span, "key": _b64(page[-1].key + "\0")}
+            span = {**span, "key": b64(page[-1].key + "\0")}
 
     def put(self, key: str, value: bytes | str, lease: int = 0) -> int:
         """Store ``value`` at ``key``; returns the store's revision after the write."""
@@ -284,12 +169,12 @@ class Etcd:
                 "failure": [op.to_json() for op in failure],
             },
         )
-        responses = [_op_result(r) for r in data.get("responses", [])]
+        responses = [op_result(r) for r in data.get("responses", [])]
         return TxnResult(bool(data.get("succeeded", False)), revision_of(data), responses)
 
     def revision(self) -> int:
         """The store's current revision (a count-only read of one absent key)."""
-        return revision_of(self._call("/v3/kv/range", {"key": _b64("\0"), "count_only": True}))
+        return revision_of(self._call("/v3/kv/range", {"key": b64("\0"), "count_only": True}))
 
     # leases
     def lease_grant(self, ttl_s: int) -> int:
@@ -467,58 +352,3 @@ def _unavailable(failures: list[_Failure]) -> KunlunError:
         f"the cluster state store (etcd) is unavailable: {summary}",
         hint="check that a majority of the etcd members are running and reachable",
     )
-
-
-def error_of(data: Any) -> tuple[int, str] | None:
-    """(gRPC code, message) of an error answer: ``{"error": "...", "code": 14, ...}``, or
-    inside a stream ``{"error": {"grpc_code": 14, "message": "...", ...}}``."""
-    if not isinstance(data, dict) or not data.get("error"):
-        return None
-    error = data["error"]
-    if isinstance(error, dict):
-        return int(error.get("grpc_code", 0)), str(error.get("message", ""))
-    return int(data.get("code", 0)), str(data.get("message") or error)
-
-
-def _op_result(response: dict[str, Any]) -> Any:
-    if "response_range" in response:
-        return [KV.of(kv) for kv in response["response_range"].get("kvs", [])]
-    if "response_put" in response:
-        return revision_of(response["response_put"])
-    if "response_delete_range" in response:
-        return int(response["response_delete_range"].get("deleted", 0))
-    return response
-
-
-def event_of(data: dict[str, Any]) -> WatchEvent:
-    return WatchEvent(data.get("type", "PUT"), KV.of(data["kv"]))
-
-
-def revision_of(data: dict[str, Any]) -> int:
-    return int(data.get("header", {}).get("revision", 0))
-
-
-def key_span(key: str, prefix: bool) -> dict[str, str]:
-    """A key, or (``prefix``) the range of every key starting with it."""
-    if not prefix:
-        return {"key": _b64(key)}
-    end = bytearray(key.encode())
-    while end and end[-1] == 0xFF:
-        end.pop()
-    if end:
-        end[-1] += 1
-    else:
-        end = bytearray(b"\0")  # every key
-    return {"key": _b64(key or "\0"), "range_end": _b64(bytes(end))}
-
-
-def _bytes(value: bytes | str) -> bytes:
-    return value.encode() if isinstance(value, str) else value
-
-
-def _b64(value: bytes | str) -> str:
-    return base64.b64encode(_bytes(value)).decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text)

@@ -14,7 +14,8 @@ from typing import Any
 
 import httpx
 
-from kunlun.state.etcd_client import Etcd, WatchEvent, error_of, event_of, key_span, revision_of
+from kunlun.state.etcd_client import Etcd
+from kunlun.state.etcd_wire import WatchEvent, error_of, event_of, key_span, revision_of
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kunlun.errors import KunlunError, PermissionDenied
-from kunlun.protocol.openai_api import AuthenticationError, error_status_and_body
+from kunlun.protocol.openai_errors import AuthenticationError, error_status_and_body
 from kunlun.state.api_keys import KeyRing
 from kunlun.ui.session import COOKIE, Session, Sessions
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kunlun.protocol.openai_api import error_status_and_body, param_error
+from kunlun.protocol.openai_errors import error_status_and_body, param_error
 from kunlun.telemetry.view import parse
 from kunlun.ui.app import ApiError
 from kunlun.ui.session import COOKIE, Session

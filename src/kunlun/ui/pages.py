@@ -26,9 +26,9 @@ if TYPE_CHECKING:
     from kunlun.ui.app import Dashboard
 
 Page = Callable[["Dashboard", Request, Session], Awaitable[Response]]
-SUBMIT_FIELDS = ("model", "name", "engine", "batch_size", "max_model_len", "kv_cache_memory_mb")
+SUBMIT_FIELDS = ("model", "name", "engine", "max_num_seqs", "max_model_len", "kv_cache_memory_mb")
 """What the submit form takes; the whole numbers among them are :data:`WHOLE_FIELDS`."""
-WHOLE_FIELDS = frozenset({"batch_size", "max_model_len", "kv_cache_memory_mb"})
+WHOLE_FIELDS = frozenset({"max_num_seqs", "max_model_len", "kv_cache_memory_mb"})
 LOG_LINES = 40
 """The log lines a workload's page shows (its last ones)."""
 

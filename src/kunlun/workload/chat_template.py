@@ -18,10 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jinja2
-
 from kunlun.errors import ConfigError, Location
-from kunlun.jinja_sandbox import sandbox_environment
 
 #: The longest template a spec may hold (characters); real ones are a few KiB.
 MAX_CHAT_TEMPLATE_CHARS = 256 * 1024
@@ -32,6 +29,10 @@ _DELIMITERS = ("{{", "{%", "{#")
 def template_problem(text: str) -> str | None:
     """Why ``text`` is not a usable chat template (its jinja2 syntax error, with the line),
     or None."""
+    import jinja2  # only where a template is checked: the spec's importers need not
+
+    from kunlun.jinja_sandbox import sandbox_environment
+
     if not text.strip():
         return "the template is empty"
     try:

@@ -33,7 +33,7 @@ from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.state.store import EventRecord, StateStore, WorkloadRecord
 from kunlun.telemetry.spec import worker_profiling
 from kunlun.workload.placement import Placement, place
-from kunlun.workload.spec import WorkloadSpec, parse_spec
+from kunlun.workload.spec import WorkloadSpec, current_names, parse_spec
 
 ACTIVE = ("PENDING", "PLANNING", "LOADING", "RUNNING")
 
@@ -348,7 +348,7 @@ class WorkloadManager:
             "reason": record.reason,
             "target_device": record.target_device,
             "placement": record.placement,
-            "spec": record.spec,
+            "spec": current_names(record.spec),  # a spec stored before a rename too
             "created": record.created,
             "updated": record.updated,
             "replicas": replicas,

@@ -6,7 +6,6 @@ import difflib
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     AliasChoices,
     BaseModel,
@@ -15,6 +14,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from kunlun.engine.launch import FaultSpec, Pooling, Task
@@ -26,6 +26,9 @@ from kunlun.workload.chat_template import MAX_CHAT_TEMPLATE_CHARS, template_prob
 Priority = Literal["high", "normal", "low"]
 _MAX_SHOWN = 120
 """Characters of a bad value an error repeats (a chat template can be long)."""
+OLD_NAMES = {"batch_size": "max_num_seqs"}
+"""Earlier names of fields, still read: spec files, API requests and stored workloads written
+before the rename keep working; a spec is written back under the new name."""
 
 
 class WorkloadSpec(BaseModel):
@@ -43,7 +46,9 @@ class WorkloadSpec(BaseModel):
     )
     device: str | None = Field(None, description="Explicit device, e.g. cpu:0 or ascend:1.")
     dtype: Literal["fp32", "bf16", "fp16"] | None = Field(
-        None, description="Compute dtype; default: the best the device supports (fp32 on CPU)."
+        None,
+        description="Compute dtype: fp32, bf16 or fp16; default: the best the device supports "
+        "(fp32 on CPU).",
     )
     quantization: str = Field(
         "none",
@@ -57,7 +62,7 @@ class WorkloadSpec(BaseModel):
         None,
         ge=1,
         le=16,
-        description="Ranks each replica's model is split over (--tp-size); default: the "
+        description="Ranks each replica's model is split over; default: the "
         "smallest the memory and topology need. Refused with the reason when the devices or "
         "the model's heads cannot take it. On a host CPU device the ranks share it and its "
         "cores (only when asked for).",
@@ -68,13 +73,14 @@ class WorkloadSpec(BaseModel):
         "the compute dtype (performance; int8 TOPS for w8a8), decode estimate from compute and "
         "memory bandwidth (roofline), fewest free MiB left (binpack) or most free MiB (spread).",
     )
-    batch_size: int | None = Field(
+    max_num_seqs: int | None = Field(
         None,
         ge=1,
         le=256,
-        description="Sequences decoded together (max_num_seqs); default: sized per plan from "
-        "the KV memory it reserves, the average context and where the device's decode estimate "
-        "saturates "
+        validation_alias=AliasChoices("max_num_seqs", "batch_size"),
+        description="Sequences one replica decodes together (vLLM's max_num_seqs; batch_size, "
+        "its old name, is still read); default: sized per plan from the KV memory it "
+        "reserves, the average context and where the device's decode estimate saturates "
         "(kunlun.planner.batching).",
     )
     max_num_batched_tokens: int | None = Field(
@@ -157,6 +163,23 @@ class WorkloadSpec(BaseModel):
         "real broken version.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_name_each(cls, data: Any) -> Any:
+        """A field given under its name and its old name (:data:`OLD_NAMES`) is refused,
+        naming both; one of them None (a stored spec merged with a request) is dropped."""
+        if not isinstance(data, dict):
+            return data
+        for old, new in OLD_NAMES.items():
+            if old in data and new in data:
+                if data[old] is not None and data[new] is not None:
+                    raise ValueError(
+                        f"{new} and {old} (its old name) are both given ({data[new]!r} and "
+                        f"{data[old]!r}); give {new} only"
+                    )
+                data = {k: v for k, v in data.items() if k != (old if data[old] is None else new)}
+        return data
+
     @field_validator("pooling")
     @classmethod
     def _pooling_embeds(cls, value: Pooling | None, info: ValidationInfo) -> Pooling | None:
@@ -222,15 +245,18 @@ def parse_spec(data: object, source: str = "request") -> WorkloadSpec:
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            field = ".".join(str(p) for p in err["loc"]) or "(spec)"
-            if err["type"] == "extra_forbidden":
-                close = difflib.get_close_matches(field, list(WorkloadSpec.model_fields), n=1)
+            field = ".".join(str(p) for p in err["loc"])
+            message = err["msg"].removeprefix("Value error, ")
+            if not field:  # the spec as a whole: its input is the whole mapping
+                problems.append(message)
+            elif err["type"] == "extra_forbidden":
+                names = [*WorkloadSpec.model_fields, *OLD_NAMES]
+                close = [OLD_NAMES.get(c, c) for c in difflib.get_close_matches(field, names, n=1)]
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 problems.append(f"{field}: unknown field{hint}")
             else:
                 got = repr(err.get("input"))
                 got = got if len(got) <= _MAX_SHOWN else got[: _MAX_SHOWN - 3] + "..."
-                message = err["msg"].removeprefix("Value error, ")
                 problems.append(f"{field}: {message} (got {got})")
         first = ".".join(str(p) for p in exc.errors()[0]["loc"]) or None
         raise ConfigError(
@@ -239,9 +265,19 @@ def parse_spec(data: object, source: str = "request") -> WorkloadSpec:
         ) from None
 
 
+def current_names(fields: dict[str, Any]) -> dict[str, Any]:
+    """A spec's ``fields`` with each old name (:data:`OLD_NAMES`) replaced by its current
+    one, so that a workload stored before a rename reads as one stored after; where both
+    names are given, both are kept (the spec refuses them, naming both)."""
+    return {k if OLD_NAMES.get(k, k) in fields and k in OLD_NAMES else OLD_NAMES.get(k, k): v
+            for k, v in fields.items()}  # fmt: skip
+
+
 def read_spec_fields(path: str | Path) -> dict[str, Any]:
     """The mapping of workload spec fields in the YAML file ``path``, not yet checked (a
     whole spec, or overrides of one); a :class:`ConfigError` naming the file (and line)."""
+    import yaml  # only where a file is read: the daemon's --help shows this spec's fields
+
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))

@@ -126,7 +126,7 @@ class Placer:
         """Every class judged for ``demand``, ordered by the best rank each could reach, and
         the classes' rejections. Cached: the judgement does not depend on memory in use."""
         key = (demand.model.name, demand.dtype, demand.quantization, demand.max_model_len,
-               demand.batch, demand.kv_cache_memory_mb, demand.device,
+               demand.max_num_seqs, demand.kv_cache_memory_mb, demand.device,
                demand.preferred_device_types, demand.scorer, demand.tp)  # fmt: skip
         cached = self._judged.get(key)
         if cached is not None:
@@ -148,7 +148,7 @@ class Placer:
     ) -> tuple[list[Option], list[Rejection]]:
         """The class's options and rejections for the demand's model and sizes (cached)."""
         key = (id(pool), num_devices, demand.model.name, demand.dtype, demand.quantization,
-               demand.max_model_len, demand.batch, demand.kv_cache_memory_mb, demand.tp)  # fmt: skip
+               demand.max_model_len, demand.max_num_seqs, demand.kv_cache_memory_mb, demand.tp)  # fmt: skip
         cached = self._options.get(key)
         if cached is None:
             cached = self._options[key] = judge_class(
@@ -275,7 +275,7 @@ def demand_of(spec: WorkloadSpec, model: ModelInfo) -> Demand:
         dtype=spec.dtype,
         quantization=quantization,
         max_model_len=max_len,
-        batch=spec.batch_size,
+        max_num_seqs=spec.max_num_seqs,
         step_tokens=spec.max_num_batched_tokens,
         priority=spec.priority,
         kv_cache_memory_mb=spec.kv_cache_memory_mb,

@@ -1,0 +1,91 @@
+"""What the node agent keeps of each worker process, and what it reads off one.
+
+:class:`Worker` is one supervised replica: what it runs (the embedded engine's launch or an
+external engine's command), its process, readiness, probes and restart state. The restart
+rules' figures are here beside it: the backoff doubles from 1 s to :data:`MAX_BACKOFF_S`
+and is reset after :data:`HEALTHY_RESET_S` of health, and a worker that dies
+:data:`MAX_LOAD_FAILURES` times before it is ready is given up on. :func:`last_error` reads
+the error a worker reported from the end of its log, :func:`thread_count` its threads from its
+environment. Kept apart from :class:`~kunlun.node.agent.NodeAgent`, which acts on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kunlun.engine.launch import EngineLaunch, ReadyInfo
+from kunlun.engines.adapter import EngineCommand
+from kunlun.node.liveness import Liveness
+from kunlun.sandbox import WorkerSandbox
+from kunlun.serving.replica import Replica
+
+MAX_BACKOFF_S = 60.0
+HEALTHY_RESET_S = 60.0
+MAX_LOAD_FAILURES = 5
+
+
+@dataclass
+class Worker:
+    """One supervised worker process and its restart state."""
+
+    replica: Replica
+    launch: EngineLaunch | EngineCommand
+    """What the worker runs: the embedded engine's launch (the node agent adds its ready
+    file and sandbox at each start), or an external engine's server from its adapter
+    (:mod:`kunlun.engines`: llama.cpp, vLLM, SGLang)."""
+    env: dict[str, str]
+    log_path: Path
+    ready_file: Path
+    sandbox: WorkerSandbox
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    ready_at: float | None = None
+    restarts: int = 0
+    backoff_s: float = 1.0
+    next_start: float | None = field(default_factory=time.monotonic)
+    stopping: bool = False
+    load_failures: int = 0
+    """Consecutive exits before becoming ready (reset once ready)."""
+    info: ReadyInfo | None = None
+    """What it reported once ready (its ready file; an external server's check)."""
+    liveness: Liveness | None = None
+    """Probe history while ready (None otherwise)."""
+    next_probe: float = 0.0
+    probing: asyncio.Task[None] | None = None
+    killed_for: str | None = None
+    """Why the supervisor killed this process (it was unresponsive or stalled)."""
+    checking: asyncio.Task[None] | None = None
+    """An external engine's readiness check in flight."""
+
+    @property
+    def command(self) -> EngineCommand | None:
+        """The external engine's command, or None for the embedded engine's worker."""
+        return self.launch if isinstance(self.launch, EngineCommand) else None
+
+
+def thread_count(env: dict[str, str]) -> int:
+    """The worker's ``OMP_NUM_THREADS`` (1 when absent or not a number)."""
+    try:
+        return max(1, int(env.get("OMP_NUM_THREADS", "1")))
+    except ValueError:
+        return 1
+
+
+def last_error(log_path: Path) -> str | None:
+    """The error a worker reported before exiting (its last ``error: ...`` line), if any."""
+    try:
+        with log_path.open("rb") as handle:
+            handle.seek(max(0, log_path.stat().st_size - 8192))
+            lines = handle.read().decode("utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        if line.startswith("=== "):
+            return None  # the start marker of this attempt: nothing reported since
+        if line.startswith("error: "):
+            return line.removeprefix("error: ").strip()
+    return None
