@@ -25,13 +25,19 @@ import torch
 from kunlun.engine.gguf_blocks import W4A16_GROUP, W4A16_TYPES
 from kunlun.engine.gguf_model import Architecture, hf_name, is_linear_weight, qk_heads, unpermute
 from kunlun.engine.gguf_reader import GGUFFile
+from kunlun.engine.quant import QUANT_METHOD
 
 W4A16_SCHEME = "w4a16"
 
 
 def quantization_config(group_size: int = W4A16_GROUP) -> dict[str, Any]:
     """The ``quantization_config`` of a directory holding w4a16 tensors."""
-    return {"quant_method": "kunlun", "scheme": W4A16_SCHEME, "group_size": group_size, "bits": 4}
+    return {
+        "quant_method": QUANT_METHOD,
+        "scheme": W4A16_SCHEME,
+        "group_size": group_size,
+        "bits": 4,
+    }
 
 
 def keeps_quantized(gguf: GGUFFile, name: str) -> bool:

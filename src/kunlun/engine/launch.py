@@ -43,6 +43,11 @@ Pooling = Literal["mean", "last"]
 """How an embedding model's per-token hidden states become one vector (kunlun.engine.pooling)."""
 
 
+EMBEDDED_ENGINE = "kunlun"
+"""The embedded engine's name: its adapter's, and the engine of a plan, a replica or a probe
+when none other is named."""
+
+
 class FaultSpec(BaseModel):
     """Faults a workload's workers inject into client requests (testing only; :mod:`kunlun.serving.faults` injects them)."""
 

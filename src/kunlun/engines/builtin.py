@@ -18,6 +18,7 @@ from typing import Any
 
 from kunlun.device.registry import known_device_types, load_plugins
 from kunlun.engine.gguf_source import kept_quantization
+from kunlun.engine.launch import EMBEDDED_ENGINE
 from kunlun.engines.adapter import (
     Availability,
     EngineAdapter,
@@ -359,7 +360,7 @@ def _llama_cpp_body(payload: dict[str, Any]) -> dict[str, Any]:
 class KunlunEngine(EngineAdapter):
     """The embedded PyTorch engine: the node agent's worker, on every device plugin's type."""
 
-    name = "kunlun"
+    name = EMBEDDED_ENGINE
     formats: tuple[ModelFormat, ...] = ("hf", "gguf")
 
     @property

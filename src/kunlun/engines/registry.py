@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kunlun.engine.gguf_source import gguf_source
+from kunlun.engine.launch import EMBEDDED_ENGINE
 from kunlun.engines.adapter import EngineAdapter, EngineCommand, LaunchContext, find_binary
 from kunlun.engines.measured import Measurement, faster_engine
 from kunlun.errors import ConfigError, Location
@@ -45,7 +46,7 @@ BUILTINS: dict[str, str] = {
     "sglang": "kunlun.engines.builtin:SglangEngine",
 }
 #: The embedded engine's name; ``embedded`` is its old spelling in specs.
-DEFAULT_ENGINE = "kunlun"
+DEFAULT_ENGINE = EMBEDDED_ENGINE
 ALIASES: dict[str, str] = {"embedded": DEFAULT_ENGINE}
 
 

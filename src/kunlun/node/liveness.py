@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from kunlun.engine.launch import EMBEDDED_ENGINE
+
 
 @dataclass(frozen=True)
 class LivenessConfig:
@@ -91,7 +93,7 @@ class Liveness:
 
 async def probe(
     client: httpx.AsyncClient, base_url: str, timeout_s: float, path: str = "/stats",
-    engine: str = "kunlun",
+    engine: str = EMBEDDED_ENGINE,
 ) -> dict[str, Any]:  # fmt: skip
     """The worker's ``GET /stats`` answer; for an external ``engine``, its ``path``: its
     Prometheus ``/metrics`` read into the same counters

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kunlun.engine.launch import EngineLaunch, device_fields
+from kunlun.engine.launch import EMBEDDED_ENGINE, EngineLaunch, device_fields
 from kunlun.engine.schemes import COMPUTE_DTYPES
 from kunlun.engine.tp_layout import head_split_problem, quantized_split_problem
 from kunlun.planner.batching import BatchSizing, StepSizing, size_batch, size_step_tokens
@@ -68,7 +68,7 @@ class Demand:
     preferred_device_types: tuple[str, ...] = ()
     scorer: str = "performance"
     replicas: int = 1
-    engine: str = "kunlun"
+    engine: str = EMBEDDED_ENGINE
     """The spec's engine (``auto`` or a name); plans carry the engine chosen
     (:func:`kunlun.engines.registry.choose_plan_engines`)."""
     tp: int | None = None

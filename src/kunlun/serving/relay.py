@@ -22,6 +22,7 @@ from fastapi.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kunlun import headers as http_headers
+from kunlun.engine.launch import EMBEDDED_ENGINE
 from kunlun.errors import KunlunError
 from kunlun.limits import CLIENT_GONE
 from kunlun.protocol import sse
@@ -165,7 +166,7 @@ class Relay(Response):
         headers = [(b"content-type", b"application/json"),
                    (_REQUEST_ID, self.request_id.encode())]  # fmt: skip
         payload = self.payload
-        if replica.engine != "kunlun":  # an external engine: no Kunlun worker checks it
+        if replica.engine != EMBEDDED_ENGINE:  # an external engine: no Kunlun worker checks it
             try:
                 payload = external_body(replica.engine, self.path, payload)
             except KunlunError as exc:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from kunlun.engine.launch import EMBEDDED_ENGINE
 from kunlun.serving.pools import names_of
 
 
@@ -37,7 +38,7 @@ class Replica:
     max_model_len: int | None = None
     """The context window its engine was planned with (None: not known, another engine)."""
     created: int = 0
-    engine: str = "kunlun"
+    engine: str = EMBEDDED_ENGINE
     """The engine serving it: Kunlun's own worker, or an external server (``llama.cpp``,
     ``vllm``, ``sglang``) whose requests the gateway checks against what it supports."""
     stats_path: str = "/stats"

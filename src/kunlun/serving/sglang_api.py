@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 
 import kunlun
+from kunlun.engine.launch import EMBEDDED_ENGINE
 from kunlun.engine.outputs import CompletionOutput, RequestOutput
 from kunlun.errors import RequestError
 from kunlun.limits import CLIENT_GONE
@@ -114,7 +115,7 @@ class SGLangRoutes:
         stats = worker.engine.stats()
         return {
             "version": kunlun.__version__,
-            "engine": "kunlun",
+            "engine": EMBEDDED_ENGINE,
             "model_path": worker.served_name,
             "served_model_name": worker.served_name,
             "context_length": worker.max_model_len,
