@@ -70,7 +70,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as home:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUNLUN_")}
         env["KUNLUN_HOME"] = home
-        env.pop("PYTHONDONTWRITEBYTECODE", None)  # the untimed run writes them, as pip's install does
+        env.pop("PYTHONDONTWRITEBYTECODE", None)  # the untimed run writes them, as pip does
         port = free_port()
         daemon = subprocess.Popen([str(BIN / "kunlun-platform"), "--port", str(port)], env=env,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
