@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from kunlun.engine.launch import DEFAULT_MAX_NUM_SEQS
 from kunlun.engine.quant import make_spec
 from kunlun.errors import ConfigError
 
@@ -29,7 +30,7 @@ class EngineConfig:
     """Memory for the KV cache when ``num_blocks`` is None (> 0)."""
     max_model_len: int | None = None
     """Longest sequence (prompt + output); None: the model's max_position_embeddings."""
-    max_num_seqs: int = 64
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     """Most sequences running in one step (>= 1)."""
     max_num_batched_tokens: int = 1024
     """Token budget of one step, prefill chunks and decodes together (>= 1)."""

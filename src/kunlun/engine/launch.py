@@ -48,6 +48,11 @@ EMBEDDED_ENGINE = "kunlun"
 when none other is named."""
 
 
+DEFAULT_MAX_NUM_SEQS = 64
+"""Sequences decoded together when nothing sized them: the engine used as a library, a launch
+without the field, a replica recorded without a plan. A plan always sizes its own
+(:mod:`kunlun.planner.batching`)."""
+
 class FaultSpec(BaseModel):
     """Faults a workload's workers inject into client requests (testing only; :mod:`kunlun.serving.faults` injects them)."""
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from kunlun.engine.launch import EMBEDDED_ENGINE
+from kunlun.engine.launch import DEFAULT_MAX_NUM_SEQS, EMBEDDED_ENGINE
 from kunlun.serving.pools import names_of
 
 
@@ -32,7 +32,7 @@ class Replica:
     """Requests in flight or waiting at this replica before the gateway answers 429."""
     priority: str = "normal"
     """The workload's priority class: a request's class unless its key or header says."""
-    max_num_seqs: int = 8
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     """Sequences the engine decodes together (the workload's ``max_num_seqs``): the gateway
     sends at most this many requests at once and holds the rest in its own queue."""
     max_model_len: int | None = None
