@@ -53,6 +53,7 @@ DEFAULT_MAX_NUM_SEQS = 64
 without the field, a replica recorded without a plan. A plan always sizes its own
 (:mod:`kunlun.planner.batching`)."""
 
+
 class FaultSpec(BaseModel):
     """Faults a workload's workers inject into client requests (testing only; :mod:`kunlun.serving.faults` injects them)."""
 
