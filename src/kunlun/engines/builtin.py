@@ -18,7 +18,7 @@ from typing import Any
 
 from kunlun.device.registry import known_device_types, load_plugins
 from kunlun.engine.gguf_source import kept_quantization
-from kunlun.engine.launch import EMBEDDED_ENGINE
+from kunlun.engine.launch import EMBEDDED_ENGINE, worker_command
 from kunlun.engines.adapter import (
     Availability,
     EngineAdapter,
@@ -371,8 +371,6 @@ class KunlunEngine(EngineAdapter):
         return Availability(True, "built in")
 
     def command(self, plan: ExecutionPlan, context: LaunchContext) -> EngineCommand:
-        from kunlun.engine.launch import worker_command
-
         if context.launch_file is None:
             raise self.refuse("launch_file", None, "the worker starts from its launch file "
                                                    "(kunlun.planner.plan.engine_launch)")  # fmt: skip

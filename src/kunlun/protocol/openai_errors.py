@@ -1,19 +1,13 @@
 """The serving errors and the one mapping of an error to its HTTP answer in OpenAI's shape.
 
 Every error an endpoint answers goes through :func:`error_status_and_body`, the one place that
-maps a :class:`KunlunError` (by its ``http_status``) to the OpenAI error shape::
+turns a :class:`KunlunError` into the OpenAI error shape::
 
     {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 
-The serving errors below extend the project hierarchy (:mod:`kunlun.errors`)::
-
-    RequestError (400)
-    ├── ModelNotFound            serving.model_not_found        http 404
-    AuthenticationError          serving.invalid_api_key        http 401
-    QueueFull                    serving.queue_full             http 429  (Retry-After)
-    RateLimited                  serving.rate_limited           http 429  (Retry-After)
-    ServiceUnavailable           serving.unavailable            http 503  (Retry-After)
-    WorkerDied                   serving.worker_died            http 502
+from the entry each error class declares (:class:`kunlun.errors.KunlunError`: ``http_status``,
+``openai_type``, ``openai_code``; ``tests/test_error_catalog.py`` walks them all). The serving
+errors below extend the project hierarchy (:mod:`kunlun.errors`).
 
 Apart from the request models (:mod:`kunlun.protocol.openai_api`): the daemon's edges (API
 keys, routing failures, the admin API's JSON check) answer with these too.

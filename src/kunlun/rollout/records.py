@@ -1,6 +1,6 @@
 """What the rollout controller reads off rollout records, without side effects.
 
-The states a rollout is in (:data:`RUNNING_STATES`, :data:`ENDED_STATES`); the refusals of a
+The states in which a rollout still runs (:data:`RUNNING_STATES`); the refusals of a
 new rollout (:func:`refuse_start`: a baseline that is not serving, a model with a rollout
 already running, overrides of the model or its name); the canary's share now
 (:func:`canary_weight`) and in the gateway's split (:func:`split_weight`, which also holds
@@ -23,8 +23,6 @@ from kunlun.state.store import RolloutRecord, WorkloadRecord
 from kunlun.workload.manager import ACTIVE
 
 RUNNING_STATES = ("STARTING", "PROGRESSING")
-ENDED_STATES = ("PROMOTED", "ROLLED_BACK", "ABORTED")
-ACTIONS = ("promote", "abort")
 
 
 def refuse_start(

@@ -269,8 +269,8 @@ def current_names(fields: dict[str, Any]) -> dict[str, Any]:
     """A spec's ``fields`` with each old name (:data:`OLD_NAMES`) replaced by its current
     one, so that a workload stored before a rename reads as one stored after; where both
     names are given, both are kept (the spec refuses them, naming both)."""
-    return {k if OLD_NAMES.get(k, k) in fields and k in OLD_NAMES else OLD_NAMES.get(k, k): v
-            for k, v in fields.items()}  # fmt: skip
+    renamed = {old: new for old, new in OLD_NAMES.items() if new not in fields}
+    return {renamed.get(k, k): v for k, v in fields.items()}
 
 
 def read_spec_fields(path: str | Path) -> dict[str, Any]:
