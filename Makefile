@@ -60,9 +60,10 @@ $(LLAMA_SERVER): scripts/build-llama-server.sh | $(STAMP)
 	PY=$(BIN)/python bash scripts/build-llama-server.sh $@
 
 # The 25 slowest tests and the total are printed at the end of every run (docs/testing.md).
+# Work units go out in the order tests/conftest.py sorts them (longest first), not xdist's.
 # Plugins that other packages register and no test uses (faker's, langsmith's) are not
 # loaded: each xdist worker collects the whole suite, and they cost ~1.7 s of CPU per worker.
-PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25 \
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=25 \
 	-p no:faker -p no:langsmith_plugin
 test: $(STAMP) $(SGLANG_FRONTEND)/.installed $(LLAMA_SERVER)
 	$(PYTEST) $(PYTEST_ARGS)

@@ -72,10 +72,19 @@ def _share() -> int:
     return int(os.environ.get("OMP_NUM_THREADS") or len(os.sched_getaffinity(0)))
 
 
-FIRST = (
-    "tests/validate/test_validate.py",
-    "tests/engine/test_llm_engine.py",
-)
+LONGEST_FIRST = (
+    "serving-worker", "test_validate", "test_quantized_workload", "test_llama_cpp_engine",
+    "keyed-daemon-home", "daemon-home", "test_airgap", "test_rollouts", "test_zero_trust",
+    "test_kquant_serving", "test_validate_engines", "test_quant_quality",
+    "test_cluster_failover", "test_llm_engine", "test_fuzz", "test_gguf",
+    "test_tensor_parallel", "test_hostile_packages", "test_cluster_rollout", "test_key_limits",
+    "test_models", "test_engine_auto", "test_guidellm_client", "test_package",
+)  # fmt: skip
+"""The work units (:func:`worker_groups`) that took 30 s or more of a quiet run, longest
+first; the rest follow in collection order. ``make test`` hands units out in this order
+(``--no-loadscope-reorder``: xdist's own order is by the number of tests, which put the
+2-minute air-gap file, four tests, last of all and left two workers idle to the end).
+``scripts/test-budget.py`` prints each unit's seconds after a run, to refresh this from."""
 
 
 SLOW_FIXTURES = frozenset({"demo_model_dir", "demo_gguf", "etcd1", "etcd3", "etcd3_own"})
@@ -86,19 +95,19 @@ SLOW_FILES = ("tests/daemon/test_dashboard_", "tests/daemon/test_llama_cpp_engin
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        path = item.nodeid.split("::", 1)[0]
-        return FIRST.index(path) if path in FIRST else len(FIRST)
-
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & SLOW_FIXTURES or item.nodeid.startswith(SLOW_FILES):
             item.add_marker(pytest.mark.slow)
+    groups = worker_groups(items)
+    last = len(LONGEST_FIRST)
+    rank = {id(item): LONGEST_FIRST.index(group) if group in LONGEST_FIRST else last
+            for group, members in groups.items() for item in members}  # fmt: skip
     if config.getoption("loadgroup", False):  # an xdist worker under --dist loadgroup
-        for group, members in worker_groups(items).items():
+        for group, members in groups.items():
             for item in members:
                 in_group(item, group)
-    items.sort(key=rank)  # stable: the collection order within each rank
+    items.sort(key=lambda item: rank[id(item)])  # stable: collection order within a rank
 
 
 def in_group(item: pytest.Item, group: str) -> None:
@@ -112,11 +121,18 @@ def in_group(item: pytest.Item, group: str) -> None:
     assert item.nodeid.endswith(f"@{group}"), f"pytest ignored the group of {item.nodeid}"
 
 
+SHARED_PROCESSES = {"worker": "serving-worker"}
+"""Session-wide fixtures, other than the daemons, that start a process, and the unit their
+files share: ``worker`` is tests/serving's demo-model worker (the gateway's replica); it
+started on every xdist worker that ran one of its five files, 40-50 s each under load."""
+
+
 def worker_groups(items: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
     """The units ``make test`` hands to its workers (``--dist loadgroup``): a test file, or
     every file using the same session-wide daemon (``daemon``, ``tiny_daemon``,
-    ``keyed_daemon``, ``bare_daemon``), whose daemon then starts once per run, not once per worker. Files
-    are grouped whole, so a module's own fixtures are set up once too."""
+    ``keyed_daemon``, ``bare_daemon``) or process (:data:`SHARED_PROCESSES`), which then
+    starts once per run, not once per worker. Files are grouped whole, so a module's own
+    fixtures are set up once too."""
     parent: dict[str, str] = {}  # union-find over files and shared daemons' homes
 
     def root(node: str) -> str:
@@ -128,11 +144,33 @@ def worker_groups(items: list[pytest.Item]) -> dict[str, list[pytest.Item]]:
         path = item.nodeid.split("::", 1)[0]
         for profile in shared_profiles(item):  # the file joins the daemon's group
             parent[root(path)] = root(profile.name)
+        for fixture in SHARED_PROCESSES.keys() & set(getattr(item, "fixturenames", ())):
+            parent[root(path)] = root(SHARED_PROCESSES[fixture])
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:  # named by the shared daemon's home, or the file's name
         group = root(item.nodeid.split("::", 1)[0]).rsplit("/", 1)[-1].removesuffix(".py")
         groups.setdefault(group, []).append(item)
     return groups
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Iterator[pytest.TestReport]:
+    """Each test's report in the JUnit file names the xdist worker that ran it and when (wall
+    clock, setup to teardown), from which ``scripts/test-budget.py`` shows how busy each
+    worker was and how long the last one ran alone."""
+    if call.when == "setup":
+        item.stash[STARTED] = call.start
+    elif call.when == "teardown":
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        started = item.stash.get(STARTED, call.start)
+        item.user_properties.append(("worker", worker))
+        item.user_properties.append(("span", f"{started:.3f}-{call.stop:.3f}"))
+    return (yield)
+
+
+STARTED = pytest.StashKey[float]()
 
 
 def machine_cache() -> Path:
