@@ -15,7 +15,7 @@ import pytest
 from tests import loopback
 from tests.daemons import Daemon, Daemons, Profile, daemon_fixture, refused
 
-OPEN = {"/healthz", "/readyz", "/health"}
+OPEN = {"/healthz", "/readyz", "/health", "/ping"}  # (/ping: vLLM's health answer)
 
 
 auth_daemon = daemon_fixture(Profile("auth-home", keys=(("ops", "admin"),)))

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from tests import loopback
+from tests.clients import run_sglang_program
 from tests.daemons import Daemon
 
 PROMPT = "The capital of France is"
@@ -313,20 +311,10 @@ def test_flush_is_refused_while_a_request_runs(daemon: Daemon) -> None:
     flush_when_idle(daemon)  # the client left: its request is aborted soon
 
 
-FRONTEND = Path(sys.executable).parent.parent / "sglang-frontend"
-"""SGLang's own front-end (``make test`` installs it there)."""
-
-
 def test_sglang_front_end_programs_run_unchanged(daemon: Daemon) -> None:
     """SGLang's ``RuntimeEndpoint`` and ``@sgl.function`` programs (gen, streamed gen,
     run_batch, select, two gens in one state) against the daemon, in their own process."""
-    assert (FRONTEND / "sglang").is_dir(), f"SGLang's front-end is not in {FRONTEND}: make test"
-    env = {**os.environ, "PYTHONPATH": str(FRONTEND)}
-    program = Path(__file__).with_name("sglang_program.py")
-    proc = subprocess.run([sys.executable, str(program), daemon.url], env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_sglang_program(daemon.url)
     assert out["model_path"] == MODEL
     want = generate(daemon, {"text": PROMPT, "sampling_params": greedy(6)})
     assert out["gen"] == want["text"] == out["streamed"] == out["batch"][0]

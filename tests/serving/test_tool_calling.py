@@ -12,6 +12,8 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+from pydantic import BaseModel, Field
+from tests.clients import pinned
 from tests.serving.conftest import MODEL, GatewayServer
 
 from kunlun.validate import tool_calling
@@ -97,12 +99,13 @@ def test_a_streamed_call_arrives_as_tool_call_deltas(client: openai.OpenAI) -> N
     whole = chat(client, tools=TOOLS, tool_choice=choice).choices[0].message.tool_calls[0]
     stream = chat(client, tools=TOOLS, tool_choice=choice, stream=True)
     calls: dict[int, dict[str, Any]] = {}
-    finish, content = None, ""
+    finish, content, pieces = None, "", []
     for chunk in stream:
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
         content += delta.content or ""
+        pieces += delta.tool_calls or []
         for part in delta.tool_calls or []:
             entry = calls.setdefault(part.index, {"id": None, "name": "", "arguments": ""})
             entry["id"] = part.id or entry["id"]
@@ -114,6 +117,10 @@ def test_a_streamed_call_arrives_as_tool_call_deltas(client: openai.OpenAI) -> N
     assert list(calls) == [0]
     assert calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
     assert json.loads(calls[0]["arguments"]) == json.loads(whole.function.arguments)  # greedy
+    # issue 34: the name first, at once, then the arguments as they are written
+    assert pieces[0].function.name == "get_weather" and pieces[0].id == calls[0]["id"]
+    assert not pieces[0].function.arguments and len(pieces) >= 3, pieces
+    assert all(p.id is None and p.function.name is None for p in pieces[1:])
 
 
 def test_tools_reach_the_prompt_unless_the_choice_is_none(client: openai.OpenAI) -> None:
@@ -165,7 +172,6 @@ def test_bad_tool_requests_are_400s_naming_the_field(
 
 def test_langchain_bind_tools_and_structured_output(gateway: GatewayServer) -> None:
     from langchain_openai import ChatOpenAI
-    from pydantic import BaseModel, Field
 
     class Weather(BaseModel):
         """The weather in a city."""
@@ -207,3 +213,43 @@ def test_required_with_parallel_calls_ends_before_a_repeated_call(client: openai
     assert final.finish_reason == "tool_calls" and not final.message.content
     assert [(c.function.name, json.loads(c.function.arguments)) for c in
             final.message.tool_calls or []] == calls  # fmt: skip
+
+
+class Forecast(BaseModel):
+    """The forecast for a city (pydantic writes its schema with the object left open)."""
+
+    city: str = Field(max_length=30)
+    days: int = Field(ge=1, le=7)
+
+
+def test_a_tool_written_by_pydantic_is_called_and_ends(client: openai.OpenAI) -> None:
+    """Issue 34: a schema without ``additionalProperties`` let the demo model paste keys
+    into the arguments until ``max_tokens``; objects are now closed unless a schema opens
+    them (:mod:`kunlun.protocol.schemas`), so the call ends, streamed or not."""
+    schema = Forecast.model_json_schema()
+    assert "additionalProperties" not in schema
+    tool = {"type": "function", "function": {"name": "forecast", "parameters": schema}}
+    choice = {"type": "function", "function": {"name": "forecast"}}
+    ask = [{"role": "user", "content": "Give me the forecast for Paris for the next days."}]
+    answer = chat(client, messages=ask, tools=[tool], tool_choice=choice).choices[0]
+    assert answer.finish_reason == "tool_calls" and answer.message.content is None, answer
+    Forecast.model_validate_json(answer.message.tool_calls[0].function.arguments)
+    with client.chat.completions.stream(model=MODEL, messages=ask, tools=[tool],
+                                        tool_choice="required", max_tokens=120,
+                                        temperature=0) as stream:  # fmt: skip
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and not final.message.content
+    for call in final.message.tool_calls or []:
+        Forecast.model_validate_json(call.function.arguments)
+
+
+def test_instructor_tools_and_json_schema_modes(gateway: GatewayServer) -> None:
+    instructor = pinned("instructor")
+    base = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="x", max_retries=0)
+    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+        patched = instructor.from_openai(base, mode=mode)
+        forecast = patched.chat.completions.create(
+            model=MODEL, response_model=Forecast, temperature=0, max_tokens=120,
+            max_retries=1, messages=[{"role": "user", "content": "Forecast for Rome, 3 days."}],
+        )  # fmt: skip
+        assert isinstance(forecast, Forecast), (mode, forecast)

@@ -31,7 +31,7 @@ from kunlun.serving.key_limits import KEY_TOKENS_SCOPE, KeyLimiter, KeyPolicy, T
 from kunlun.serving.routing import KEY_PRIORITY_SCOPE
 from kunlun.state.api_keys import ActiveKey, KeyRing, masked
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health", "/ping"})
 """Routes that need no key."""
 ADMIN_PREFIX = "/api/v1/"
 """Every route under it needs an ``admin`` key: it changes the platform (workloads, models,

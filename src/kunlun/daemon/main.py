@@ -191,7 +191,7 @@ def make_daemon_platform(settings: DaemonSettings, home: Path) -> Platform:
         integrity_interval_s=settings.integrity_interval_s,
         cluster=cluster,
         health=HealthConfig(settings.health_check_interval, settings.health_check_timeout,
-                            settings.health_check_failures),
+                            settings.health_check_failures, answer_s),
     )  # fmt: skip
     if cluster is not None and peer_sock is not None:
         serve_peers(platform, cluster, peer_sock)
@@ -267,6 +267,7 @@ def run(
         uvicorn.Config(
             create_asgi(platform),
             log_level="warning",
+            lifespan="on",  # a start-up that fails stops the daemon (auto: it served on, idle)
             timeout_graceful_shutdown=30,
             proxy_headers=bool(proxies),
             forwarded_allow_ips=list(proxies) or None,

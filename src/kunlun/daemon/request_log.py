@@ -1,4 +1,5 @@
-"""The daemon's request log: one JSON line per finished ``/v1`` request.
+"""The daemon's request log: one JSON line per finished ``/v1`` request, and per request to
+the other inference routes (SGLang's ``/generate``, Ollama's ``/api/chat``...).
 
 ``KUNLUN_HOME/logs/requests.jsonl`` gets ``{ts, request_id, method, path, model, status,
 latency_ms}`` when a request's response has been sent (or the request ended without one,
@@ -44,6 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kunlun import headers as http_headers
 from kunlun.json_text import dumps_line
 from kunlun.limits import CLIENT_GONE
+from kunlun.serving.gateway import ENDPOINTS
 
 PREFIX = "/v1/"
 
@@ -265,7 +267,9 @@ class RequestLogMiddleware:
         self.log = log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(PREFIX):
+        if scope["type"] != "http" or not (
+            scope["path"].startswith(PREFIX) or scope["path"] in ENDPOINTS
+        ):
             await self.app(scope, receive, send)
             return
         started = time.monotonic()

@@ -6,7 +6,8 @@ spaces of SentencePiece tokenizers survive). New text is taken only when the dec
 does not end in U+FFFD, so a UTF-8 character split over several byte tokens is never
 emitted half-way. Stop strings are searched across token boundaries; text that could be the
 start of a stop string is held back until it is known not to be one, and a stop string is
-never emitted. Finish reasons: ``"stop"`` (a stop string, a stop token, an end-of-sequence
+never emitted (unless ``include_stop_str_in_output``). Before ``min_tokens`` output tokens
+nothing ends the answer but ``max_tokens``. Finish reasons: ``"stop"`` (a stop string, a stop token, an end-of-sequence
 token unless ``ignore_eos``, or the request's ``end_text`` rule), ``"length"``
 (``max_tokens`` output tokens).
 """
@@ -66,7 +67,9 @@ class Detokenizer:
         if self.finish_reason is not None:
             raise RuntimeError("update() after the sequence finished")
         self.num_tokens += 1
-        if token_id in self._stop_ids:
+        if self.num_tokens < self.params.min_tokens:  # (its stop tokens were masked)
+            self.text += self._decode_next(token_id)
+        elif token_id in self._stop_ids:
             self._finish("stop", token_id if token_id in self.params.stop_token_ids else None)
         else:
             start = max(0, len(self.text) - self._longest_stop() + 1)
@@ -119,7 +122,8 @@ class Detokenizer:
             if index >= 0 and (found is None or index < found[0]):
                 found = (index, stop)
         if found is not None:
-            self.text = self.text[: found[0]]
+            kept = len(found[1]) if self.params.include_stop_str_in_output else 0
+            self.text = self.text[: found[0] + kept]
             self._finish("stop", found[1])
 
     def _check_end_text(self, rule: Callable[[str], int | None]) -> None:

@@ -173,6 +173,8 @@ class LLMEngine:
                     location=Location("request", field=f"stop_token_ids.{i}"),
                 )
         token_ids = prompt_token_ids(self.tokenizer, self.vocab_size, prompt)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens :]
         kv_capacity = self.block_manager.num_blocks * self.block_manager.block_size
         max_tokens = output_limit(len(token_ids), params, self.max_model_len, kv_capacity)
         request_id = request_id or uuid.uuid4().hex
@@ -183,6 +185,10 @@ class LLMEngine:
             for seq in seqs:
                 seq.matcher = self.guided.matcher(params.guide)
         eos = set(self.tokenizer.eos_token_ids)
+        if params.min_tokens:  # the tokens that would end the answer early are masked
+            banned = set(params.stop_token_ids) | (set() if params.ignore_eos else eos)
+            for seq in seqs:
+                seq.min_tokens_ban = sorted(banned)
         detokenizers = [
             Detokenizer(self.tokenizer, params, token_ids, eos_token_ids=eos, max_tokens=max_tokens)
             for _ in seqs

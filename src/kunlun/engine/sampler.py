@@ -51,6 +51,12 @@ class Sampler:
         scores = logits
         if any(p.needs_penalties for p in params):
             scores = apply_penalties(logits.clone(), seqs)
+        early = [i for i, s in enumerate(seqs)
+                 if s.min_tokens_ban and s.num_output_tokens < s.params.min_tokens]  # fmt: skip
+        if early:
+            scores = scores.clone() if scores is logits else scores
+            for i in early:
+                scores[i, seqs[i].min_tokens_ban] = _NEG_INF
         guided = [(s.matcher, i) for i, s in enumerate(seqs) if s.matcher is not None]
         if guided and self.guided is not None:
             scores = scores.clone() if scores is logits else scores

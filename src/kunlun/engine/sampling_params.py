@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kunlun.engine.guided import Guide
-from kunlun.errors import RequestError
+from kunlun.errors import Location, RequestError
 
 _MAX_TOP_LOGPROBS = 20
 """The most top logprobs one position may ask for (the OpenAI API's limit)."""
@@ -53,6 +53,13 @@ class SamplingParams:
     """Most output tokens (>= 1); None means as many as the context window allows."""
     ignore_eos: bool = False
     """Keep generating past the model's end-of-sequence tokens."""
+    min_tokens: int = 0
+    """Output tokens before the answer may end: until there are this many, end-of-sequence
+    and stop tokens are masked in the sampler and stop strings are not looked for."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string that ended the answer at the end of its text."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the prompt's last this many tokens (>= 1); None keeps all of it."""
     logprobs: int | None = None
     """Return the chosen token's logprob and this many top logprobs per output token
     (0..20); None returns none. Logprobs are log_softmax of the raw model logits, before
@@ -107,12 +114,25 @@ class SamplingParams:
             ("prompt_logprobs", self.prompt_logprobs, _is_count(self.prompt_logprobs),
              f"None or 0..{_MAX_TOP_LOGPROBS}"),
             ("priority", self.priority, _is_int(self.priority), "an integer"),
+            ("min_tokens", self.min_tokens, _is_int(self.min_tokens) and self.min_tokens >= 0
+             and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+             "an integer >= 0 and at most max_tokens"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens,
+             self.truncate_prompt_tokens is None
+             or (_is_int(self.truncate_prompt_tokens) and self.truncate_prompt_tokens >= 1),
+             "None or an integer >= 1"),
         ]  # fmt: skip
         for name, value, ok, expected in checks:
             if not ok:
                 raise RequestError(
                     f"sampling parameter {name}={value!r} is invalid: expected {expected}"
                 )
+        if self.min_tokens and self.guide is not None:
+            raise RequestError(
+                f"min_tokens cannot be combined with {self.guide.field}: a grammar may end "
+                "the answer before min_tokens, which masks its end",
+                location=Location("request", field="min_tokens"),
+            )
         return self
 
     @property

@@ -67,6 +67,9 @@ class Sequence:
         self.first_scheduled_time: float | None = None
         """When the scheduler first admitted it (``time.monotonic``): its queue time ends."""
         self.finish_reason: str | None = None
+        self.min_tokens_ban: list[int] = []
+        """Token ids masked until ``params.min_tokens`` output tokens (end-of-sequence and
+        stop tokens), set by the engine; empty without ``min_tokens``."""
         self.matcher: Any = None
         """The guided-decoding matcher of a request with a guide (:mod:`kunlun.engine.guided`)."""
         self.logprobs: list[TopLogprobs] = []

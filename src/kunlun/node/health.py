@@ -15,14 +15,17 @@ for embeddings ``POST /v1/embeddings`` of ``"ping"``; header
   requests may still be stepping): only a probe that passes does.
 - **pass**: the probe was answered 200 with a choice. It clears the failures and lets an
   ejected replica back into routing.
+- **slow**: no answer within ``timeout_s`` but ``/stats`` answered (alive, on a loaded host):
+  the probe waits on, up to ``slow_s`` (the liveness answer deadline), and then counts as a
+  pass. An idle replica on a busy host answers late: slow, not dead, it stays in routing.
 - **error**: the probe was answered with an error (any other status, or a body that is not a
   completion). ``failures`` failed probes in a row (error or stalled) eject the replica.
-- **busy**: no answer within ``timeout_s`` (or a 429), but ``/stats`` shows the engine's step
+- **busy**: no answer within ``slow_s`` (or a 429), but ``/stats`` shows the engine's step
   counter (``num_steps``) moved since the previous probe, or work arrived since then (its
   first step may be a long prefill): a full batch makes progress. Counts as a pass.
 - **silent**: neither the probe nor ``/stats`` was answered (a stopped process, a wedged event
   loop): ejected at once.
-- **stalled**: no answer to the probe, and ``/stats`` shows requests unfinished and no step
+- **stalled**: no answer to the probe within ``slow_s``, and ``/stats`` shows requests unfinished and no step
   since the previous probe, which also saw requests unfinished. A failure like an error:
   ``failures`` in a row (the engine made no step for that many intervals) eject. Not at
   once, because one engine step can outlast an interval: a long prefill, or decode steps of
@@ -49,12 +52,13 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kunlun.node.liveness import LivenessConfig
 from kunlun.node.liveness import probe as read_stats
 from kunlun.serving.faults import PROBE_HEADER
 from kunlun.serving.replica import Replica, ReplicaSet
@@ -67,7 +71,7 @@ EMBED_PROBE_BODY = {"input": "ping"}
 STALL_MIN_S = 60.0
 """An engine with requests unfinished counts as stalled only after this long without a step:
 on a loaded 2-core CI machine single steps took over 10 s, and ejecting them gave 503s."""
-Result = Literal["serving", "pass", "busy", "error", "silent", "stalled"]
+Result = Literal["serving", "pass", "slow", "busy", "error", "silent", "stalled"]
 RESULTS: tuple[Result, ...] = get_args(Result)
 """Every :attr:`Verdict.result`, in the order of the module docstring."""
 
@@ -85,9 +89,11 @@ class HealthConfig:
     failures: int = 2
     """Failed probes in a row (answered with an error, or stalled) that eject a replica
     (>= 1)."""
+    slow_s: float = field(default_factory=lambda: LivenessConfig().answer_deadline_s)
+    """How long a probe waits once ``/stats`` answered: the liveness answer deadline."""
 
     def __post_init__(self) -> None:
-        for name in ("interval_s", "timeout_s", "failures"):
+        for name in ("interval_s", "timeout_s", "failures", "slow_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ValueError(f"HealthConfig.{name} must be > 0, got {value!r}")
@@ -143,10 +149,11 @@ class ReplicaHealth:
         self._record(counters, now)
         return self._good("serving")
 
-    def passed(self, stats: dict[str, Any] | None, now: float) -> Verdict:
-        """The probe got its token; ``stats``: ``/stats`` read after it (None: no answer)."""
+    def passed(self, stats: dict[str, Any] | None, now: float, slow: bool = False) -> Verdict:
+        """The probe got its token (``slow``: after ``timeout_s``, ``/stats`` answering
+        meanwhile); ``stats``: ``/stats`` read after it (None: no answer)."""
         self._record(_counters(stats), now)
-        return self._good("pass")
+        return self._good("slow" if slow else "pass")
 
     def failed(self, why: str, stats: dict[str, Any] | None, now: float) -> Verdict:
         """The probe was answered with an error, ``why`` (its status and message)."""
@@ -156,6 +163,8 @@ class ReplicaHealth:
     def unanswered(self, why: str, stats: dict[str, Any] | None, now: float) -> Verdict:
         """The probe got no answer in time (``why``); ``stats``: ``/stats`` read after it."""
         waited = f"its health probe got no answer within {self.config.probe_timeout_s:g} s"
+        if stats is not None:
+            waited = f"its health probe got no answer within {self.config.slow_s:g} s"
         if stats is None:
             self._record(None, now)
             self.num_failures += 1
@@ -301,15 +310,12 @@ class HealthChecker:
                 if self._tracked.get(r.replica_id) is tracked:
                     self._apply(r, verdict)
                 return
-            answer = await self._generate(client, tracked.base_url, r.model, r.task)
-            stats = None  # unread when neither /stats just now nor the probe was answered
-            if before is not None or answer.answered:
-                stats = await self._stats(client, r)
+            answer, stats, slow = await self._answer(client, r, tracked, before is not None)
             if self._tracked.get(r.replica_id) is not tracked:
                 return
             now = time.monotonic()
             if answer.generated:
-                verdict = health.passed(stats, now)
+                verdict = health.passed(stats, now, slow)
             elif answer.answered:
                 verdict = health.failed(answer.why, stats, now)
             else:
@@ -320,10 +326,32 @@ class HealthChecker:
         finally:
             tracked.task = None
 
+    async def _answer(
+        self, client: httpx.AsyncClient, r: Replica, tracked: _Tracked, stats_before: bool
+    ) -> tuple[_Answer, dict[str, Any] | None, bool]:
+        """The probe's answer, ``/stats`` after it (None: not read, or no answer) and whether
+        it came late: past ``timeout_s`` the probe goes on only while ``/stats`` answers."""
+        probe = asyncio.ensure_future(self._generate(client, tracked.base_url, r.model, r.task))
+        done, _ = await asyncio.wait({probe}, timeout=self.config.probe_timeout_s)
+        if done:
+            answer = probe.result()
+            answered = stats_before or answer.answered  # (else nothing would answer /stats)
+            return answer, await self._stats(client, r) if answered else None, False
+        stats = await self._stats(client, r)
+        if stats is None:  # neither answers: silent
+            probe.cancel()
+            return (
+                _Answer(False, False, f"timed out after {self.config.probe_timeout_s:g} s"),
+                None,
+                False,
+            )
+        answer = await probe  # alive: the rest of slow_s
+        return answer, await self._stats(client, r), answer.generated
+
     async def _generate(
         self, client: httpx.AsyncClient, base_url: str, model: str, task: str = "generate"
     ) -> _Answer:
-        timeout = self.config.probe_timeout_s
+        timeout = max(self.config.slow_s, self.config.probe_timeout_s)
         path, body = ("/v1/embeddings", EMBED_PROBE_BODY) if task == "embed" else (
             "/v1/completions", PROBE_BODY)  # fmt: skip
         try:

@@ -30,6 +30,10 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "verbosity": "answer length control of reasoning models",
     "web_search_options": "web search",
     "refusal": "refusal messages",
+    "reasoning": "reasoning models' settings",
+    "background": "background responses",
+    "include": "extra output (logprobs, reasoning) in responses",
+    "conversation": "stored conversations",
 }
 """OpenAI fields this server does not implement, and what they are for: a request that
 uses one gets a 400 naming it (a value that asks for nothing is accepted: see
@@ -41,11 +45,8 @@ IGNORED_FIELDS: dict[str, str] = {
     "metadata": "tags for stored completions; nothing is stored",
     "store": "asks the provider to store the completion; nothing is stored",
     "service_tier": "there is one processing tier",
-    "tools.function.strict": "arguments are held to the schema by grammar under tool_choice "
-    "required or a named function, strict or not; under auto they are parsed, not held",
     "prompt_cache_key": "prefix caching is automatic",
     "stream_options.include_obfuscation": "no obfuscation padding is added to chunks",
-    "response_format.json_schema.strict": "the schema is always enforced, strict or not",
     "response_format.json_schema.description": "the schema constrains the answer; its "
     "description is not shown to the model",
 }

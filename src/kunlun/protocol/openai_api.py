@@ -23,6 +23,7 @@ from kunlun.engine.guided import Guide
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.protocol.fields import StrictModel
 from kunlun.protocol.openai_errors import param_error
+from kunlun.protocol.schemas import closed
 from kunlun.protocol.tools import MessageToolCall, ToolChoice, ToolDef, ToolUse
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
@@ -45,7 +46,24 @@ class JsonSchemaFormat(StrictModel):
     description: str | None = None
     """Accepted, ignored (:data:`IGNORED_FIELDS`)."""
     strict: bool | None = None
-    """Accepted, ignored: the schema is always enforced (:data:`IGNORED_FIELDS`)."""
+    """With ``true``, every property of the schema is required (:mod:`kunlun.protocol.schemas`:
+    the schema is enforced either way, its objects closed)."""
+
+
+class StructuredOutputs(StrictModel):
+    """vLLM's ``structured_outputs``: one constraint on the output, as its ``guided_*``
+    fields say it (``json``, ``regex``, ``choice``, ``grammar``), or any JSON object."""
+
+    json_: Annotated[dict[str, Any] | str | None, Field(alias="json")] = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def given(self) -> list[str]:
+        names = ("json", "regex", "choice", "grammar")
+        given = [n for n in names if getattr(self, n + "_" * (n == "json")) is not None]
+        return given + (["json_object"] if self.json_object else [])
 
 
 class ResponseFormat(StrictModel):
@@ -55,7 +73,14 @@ class ResponseFormat(StrictModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-_GUIDES = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice")
+_GUIDES = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_grammar",
+    "guided_choice",
+    "structured_outputs",
+)
 """The request fields that constrain the output; a request may use one."""
 
 
@@ -85,18 +110,34 @@ class _CommonRequest(StrictModel):
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
     ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    """vLLM's: keep the prompt's last k tokens; -1 (or null) keeps it whole."""
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """vLLM's: each prompt token's logprob and this many top ones, as ``prompt_logprobs``."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's: logprobs name tokens as ``token_id:N`` (exact even where text is not)."""
+    priority: int = 0
+    """vLLM's: the order within a replica's engine, lower first (the gateway's classes are
+    ``X-Kunlun-Priority``'s)."""
     # structured output: OpenAI's response_format, and vLLM's guided_* spellings
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def guide_fields(self) -> list[str]:
         """The request's fields that constrain the output."""
         given = [name for name in _GUIDES if getattr(self, name) is not None]
         if self.response_format is not None and self.response_format.type == "text":
             given.remove("response_format")
+        if self.structured_outputs is not None and not self.structured_outputs.given():
+            given.remove("structured_outputs")
         return given
 
     def guide(self) -> Guide | None:
@@ -112,13 +153,11 @@ class _CommonRequest(StrictModel):
         if name == "response_format":
             return _response_format_guide(self.response_format)  # type: ignore[arg-type]
         if name == "guided_json":
-            schema = self.guided_json
-            if isinstance(schema, str):  # JSON text: read within the body's own bounds
-                budgets.require("schema_bytes", name, len(schema.encode("utf-8", "surrogatepass")))
-                schema = json_text.loads(schema, field=name)
-            return Guide.json_schema(schema, name)
+            return schema_guide(self.guided_json, name)
         if name == "guided_choice":
             return Guide.choice(self.guided_choice, name)
+        if name == "structured_outputs":
+            return _structured_outputs_guide(self.structured_outputs)  # type: ignore[arg-type]
         return Guide("regex" if name == "guided_regex" else "grammar", getattr(self, name), name)
 
     @property
@@ -136,6 +175,9 @@ class _CommonRequest(StrictModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not s for s in stop):
             raise param_error("stop", "stop strings must not be empty")
+        if self.stream and self.prompt_logprobs is not None:
+            raise param_error("prompt_logprobs", "is not sent in a stream (as vLLM): ask "
+                              "without stream, or with echo and logprobs (completions)")  # fmt: skip
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -152,7 +194,41 @@ class _CommonRequest(StrictModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             guide=self.guide(),
+            min_tokens=self.min_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            stop_token_ids=list(self.stop_token_ids or []),
+            truncate_prompt_tokens=(
+                self.truncate_prompt_tokens if self.truncate_prompt_tokens != -1 else None
+            ),
+            priority=self.priority,
         )
+
+
+def schema_guide(schema: Any, field: str, strict: bool = False) -> Guide:
+    """The guide of a JSON schema given as an object or as JSON text (read within the body's
+    own bounds), read by :mod:`kunlun.protocol.schemas`."""
+    if isinstance(schema, str):
+        budgets.require("schema_bytes", field, len(schema.encode("utf-8", "surrogatepass")))
+        schema = json_text.loads(schema, field=field)
+    return Guide.json_schema(closed(schema, strict=strict), field)
+
+
+def _structured_outputs_guide(outputs: StructuredOutputs) -> Guide:
+    given = outputs.given()
+    if len(given) > 1:
+        raise param_error(f"structured_outputs.{given[1]}",
+                          f"use one of {', '.join(given)}: each constrains the output")  # fmt: skip
+    name, field = given[0], f"structured_outputs.{given[0]}"
+    if name == "json_object":
+        return Guide("json", json.dumps({"type": "object"}), field)
+    if name == "json":
+        return schema_guide(outputs.json_, field)
+    if name == "choice":
+        return Guide.choice(outputs.choice, field)
+    if name == "regex":
+        return Guide("regex", outputs.regex or "", field)
+    return Guide("grammar", outputs.grammar or "", field)
 
 
 def _response_format_guide(fmt: ResponseFormat) -> Guide:
@@ -165,7 +241,8 @@ def _response_format_guide(fmt: ResponseFormat) -> Guide:
     schema = fmt.json_schema.schema_
     if schema is None:
         raise param_error("response_format.json_schema.schema", "the schema is missing")
-    return Guide.json_schema(schema, "response_format.json_schema.schema")
+    field = "response_format.json_schema.schema"
+    return schema_guide(schema, field, strict=bool(fmt.json_schema.strict))
 
 
 class ContentPart(StrictModel):
@@ -227,14 +304,15 @@ class ChatCompletionRequest(_CommonRequest):
             raise param_error("top_logprobs", "top_logprobs needs logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens or self.max_tokens
-        return self._sampling(max_tokens, logprobs, None)
+        return self._sampling(max_tokens, logprobs, self.prompt_logprobs)
 
 
 class TokenizeRequest(StrictModel):
     """``POST /tokenize`` (vLLM's shape): a ``prompt``, or chat ``messages`` through the
     model's chat template."""
 
-    model: str
+    model: str | None = None
+    """The model whose tokenizer: where it is left out, the only generation model served."""
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
@@ -251,7 +329,7 @@ class TokenizeRequest(StrictModel):
 class DetokenizeRequest(StrictModel):
     """``POST /detokenize``: token ids back to text."""
 
-    model: str
+    model: str | None = None
     tokens: TokenIds
 
 
@@ -279,6 +357,8 @@ class CompletionRequest(_CommonRequest):
 
     def to_sampling_params(self) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        if self.prompt_logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, self.prompt_logprobs)
         return self._sampling(self.max_tokens, self.logprobs, prompt_logprobs)
 
 

@@ -63,6 +63,37 @@ class TokenText:
         return data.decode("utf-8", errors="replace"), list(data)
 
 
+class TokenIds(TokenText):
+    """Tokens named by id (``token_id:N``, vLLM's ``return_tokens_as_token_ids``), with their
+    exact bytes: a client that must know which token it got, where two tokens print alike."""
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        return f"token_id:{token_id}", super()._lookup(token_id)[1]
+
+
+def prompt_logprobs(
+    tokens: TokenText, token_ids: list[int], entries: list[TopLogprobs | None], k: int
+) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, ``None`` for the first, else
+    ``{token id: {logprob, rank, decoded_token}}`` for the token and the ``k`` most likely
+    ones. ``rank`` is a token's place among those (1 = most likely); ``None`` for a prompt
+    token outside them (its logprob is still given)."""
+    result: list[dict[str, Any] | None] = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        if entry is None:
+            result.append(None)
+            continue
+        outside = len(entry) > k  # the prompt's token is not among the top k
+        ranked = _top(entry, len(entry))
+        result.append({
+            str(t): {"logprob": _finite(lp),
+                     "rank": None if outside and t == token_id else place,
+                     "decoded_token": tokens(t)[0]}
+            for place, (t, lp) in enumerate(ranked, start=1)
+        })  # fmt: skip
+    return result
+
+
 def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _LOGPROB_FLOOR
 

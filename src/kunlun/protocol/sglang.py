@@ -25,13 +25,12 @@ from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from kunlun import budgets, json_text
 from kunlun.engine.guided import Guide
 from kunlun.engine.outputs import CompletionOutput, RequestOutput
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.engine.sequence import TopLogprobs
 from kunlun.protocol.fields import StrictModel
-from kunlun.protocol.openai_api import TokenIds
+from kunlun.protocol.openai_api import TokenIds, schema_guide
 from kunlun.protocol.openai_errors import param_error
 from kunlun.protocol.responses import TokenText
 
@@ -124,10 +123,7 @@ class GenerateSamplingParams(StrictModel):
             return None
         field = f"sampling_params.{given[0]}"
         if given[0] == "json_schema":
-            text = self.json_schema or ""  # JSON text: read within the body's own bounds
-            budgets.require("schema_bytes", field, len(text.encode("utf-8", "surrogatepass")))
-            schema = json_text.loads(text, field=field)
-            return Guide.json_schema(schema, field)
+            return schema_guide(self.json_schema or "", field)
         if given[0] == "regex":
             return Guide("regex", self.regex or "", field)
         return Guide("grammar", self.ebnf or "", field)

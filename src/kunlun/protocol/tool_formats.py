@@ -23,6 +23,7 @@ The formats (:data:`TOOL_FORMATS`):
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,6 +100,17 @@ class ToolStream:
         unfinished call is dropped, never sent as content (its markup is no answer)."""
         raise NotImplementedError
 
+    def partial(self) -> tuple[str | None, str]:
+        """The call being written now, as :func:`partial_call` reads it: ``(name,
+        arguments so far)``; ``(None, "")`` when none is, or the format cannot say before
+        the call is complete (then calls are sent whole)."""
+        return None, ""
+
+    def raw_arguments(self, call: ToolCall) -> str:
+        """The arguments of a completed call as written (``call.arguments`` is them
+        re-encoded): what the deltas of a call streamed while written add up to."""
+        return call.arguments
+
 
 class ToolFormat:
     """One way of writing tool calls (see the module's docstring)."""
@@ -166,6 +178,19 @@ class _HermesStream(ToolStream):
         self.buffer = ""
         self.in_call = False
         self.held_space = ""  # content that is only whitespace so far: sent with what follows
+        self.written: dict[str, str] = {}  # call id -> its arguments as written
+
+    def partial(self) -> tuple[str | None, str]:
+        return partial_call(self.buffer) if self.in_call else (None, "")
+
+    def raw_arguments(self, call: ToolCall) -> str:
+        return self.written.get(call.id, call.arguments)
+
+    def _call(self, body: str) -> ToolCall | None:
+        call = _call_from(_single(body), "arguments")
+        if call is not None:
+            self.written[call.id] = partial_call(body)[1] or call.arguments
+        return call
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self.buffer += text
@@ -175,7 +200,7 @@ class _HermesStream(ToolStream):
                 end = self.buffer.find(self.CLOSE)
                 if end < 0:
                     break
-                call = _call_from(_single(self.buffer[:end]), "arguments")
+                call = self._call(self.buffer[:end])
                 if call is None:  # not a call after all: its text is content
                     content += self.OPEN + self.buffer[: end + len(self.CLOSE)]
                 else:
@@ -201,7 +226,7 @@ class _HermesStream(ToolStream):
             rest = ""  # held back as the start of a call's tag ("<tool_"): markup, not content
         if self.in_call:  # an unclosed last call (the answer ended at its end, or was cut)
             self.in_call = False
-            call = _call_from(_single(rest), "arguments")
+            call = self._call(rest)
             if call is not None:
                 return "", [call]
             if cut:
@@ -214,6 +239,54 @@ class _HermesStream(ToolStream):
         stripped = text.rstrip()
         self.held_space = text[len(stripped) :]
         return stripped
+
+
+_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGUMENTS = re.compile(r'"arguments"\s*:\s*')
+
+
+def partial_call(body: str) -> tuple[str | None, str]:
+    """What a call being written already says: its function's name, once written whole
+    before its arguments (as the call's grammar writes them), and the text of its arguments
+    so far (``""`` before they start; the whole value once complete, nothing after it).
+    ``body`` is the call's JSON text so far."""
+    arguments = _ARGUMENTS.search(body)
+    name = _NAME.search(body)
+    if name is None or (arguments is not None and name.start() > arguments.start()):
+        return None, ""
+    try:
+        decoded = json.loads(f'"{name.group(1)}"')
+    except ValueError:
+        return None, ""
+    if arguments is None:
+        return decoded, ""
+    return decoded, _json_value_prefix(body[arguments.end() :])
+
+
+def _json_value_prefix(text: str) -> str:
+    """The longest start of ``text`` that lies within the one JSON value it begins with."""
+    depth, in_string, escaped = 0, False, False
+    for at, char in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+                if depth == 0:
+                    return text[: at + 1]
+        elif char == '"':
+            in_string = True
+        elif char in "{[":
+            depth += 1
+        elif char in "}]":
+            depth -= 1
+            if depth <= 0:
+                return text[: at + 1]
+        elif depth == 0 and char in ",}\n" and at > 0:
+            return text[:at].rstrip()  # a number, true, false or null ends here
+    return text
 
 
 def _single(text: str) -> Any:

@@ -42,6 +42,7 @@ from kunlun.engine.guided import Guide
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import Location, RequestError
 from kunlun.protocol.fields import StrictModel
+from kunlun.protocol.schemas import closed
 from kunlun.protocol.tool_formats import ToolFormat, ToolStream, format_for_template
 
 # ---- request objects ----
@@ -52,7 +53,8 @@ class FunctionDef(StrictModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
-    """Accepted, ignored (:data:`~kunlun.protocol.fields.IGNORED_FIELDS` says why)."""
+    """With ``true``, every property of ``parameters`` is required of a call held to it
+    (:mod:`kunlun.protocol.schemas`)."""
 
 
 class ToolDef(StrictModel):
@@ -200,8 +202,13 @@ class ToolUse:
         return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
-def _parameters(tool: ToolDef) -> dict[str, Any]:
-    return tool.function.parameters or {"type": "object", "properties": {}}
+def _parameters(tool: ToolDef) -> Any:
+    """The schema a call's arguments are held to: the tool's ``parameters`` read by
+    :func:`kunlun.protocol.schemas.closed` (``strict`` as the tool says), or no keys at all
+    for a tool without parameters."""
+    if not tool.function.parameters:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    return closed(tool.function.parameters, strict=bool(tool.function.strict))
 
 
 @lru_cache(maxsize=16)

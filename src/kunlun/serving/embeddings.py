@@ -35,7 +35,7 @@ from kunlun.errors import Location, PromptTooLong, RequestError
 from kunlun.protocol.embedding_request import EmbeddingRequest, served_for_generation
 from kunlun.protocol.openai_errors import param_error
 from kunlun.protocol.request_body import parse_request
-from kunlun.serving.worker_calls import json_response, new_call, off_loop_if_large
+from kunlun.serving.worker_calls import Call, json_response, new_call, off_loop_if_large
 from kunlun.serving.worker_core import PROMPT_BYTES_MARGIN, WorkerCore
 
 MAX_INPUTS = 2048
@@ -82,6 +82,21 @@ class Embeddings:
         raw = await request.body()
         call = new_call(request)  # logged and counted like the other routes
         req = await off_loop_if_large(raw, parse_request, EmbeddingRequest, raw)
+        vectors = await self.vectors(request, raw, req, call)
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encode(v, req.encoding_format)}
+            for i, v in enumerate(vectors)
+        ]
+        num_tokens = sum(call.num_prompt.values())
+        body = {"object": "list", "data": data, "model": req.model,
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}  # fmt: skip
+        return self.worker.finish(call, json_response(call, body))
+
+    async def vectors(
+        self, request: Request, raw: bytes, req: EmbeddingRequest, call: Call
+    ) -> list[torch.Tensor]:
+        """The request's vectors, in order, each cut to ``dimensions`` where asked; its
+        inputs' token counts are recorded in ``call``."""
         self.worker.check_model(req.model)
         if self.task != "embed":
             raise served_for_generation(req.model)
@@ -90,14 +105,7 @@ class Embeddings:
         inputs = await off_loop_if_large(raw, self._token_ids, req)
         vectors = await self.worker.engine.embed(inputs, self.pooling)
         call.num_prompt = {i: len(ids) for i, ids in enumerate(inputs)}
-        data = [
-            {"object": "embedding", "index": i, "embedding": _encode(v, cut, req.encoding_format)}
-            for i, v in enumerate(vectors)
-        ]
-        num_tokens = sum(call.num_prompt.values())
-        body = {"object": "list", "data": data, "model": req.model,
-                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}  # fmt: skip
-        return self.worker.finish(call, json_response(call, body))
+        return [_cut(v, cut) for v in vectors]
 
     def _dimensions(self, dimensions: int | None) -> int | None:
         """The size to cut vectors to (None: the model's), or a 400 naming ``dimensions``."""
@@ -150,11 +158,14 @@ class Embeddings:
         return result
 
 
-def _encode(vector: torch.Tensor, cut: int | None, encoding: str) -> list[float] | str:
-    """One vector in the response: cut (and normalised again) to ``cut`` when given, as a
-    list of floats or base64 of its little-endian float32 bytes."""
-    if cut is not None:
-        vector = F.normalize(vector[:cut], dim=0)
+def _cut(vector: torch.Tensor, cut: int | None) -> torch.Tensor:
+    """``vector`` cut (and normalised again) to ``cut`` dimensions when given."""
+    return vector if cut is None else F.normalize(vector[:cut], dim=0)
+
+
+def _encode(vector: torch.Tensor, encoding: str) -> list[float] | str:
+    """One vector in the response: a list of floats, or base64 of its little-endian float32
+    bytes."""
     if encoding == "base64":
         return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii")
     return vector.tolist()

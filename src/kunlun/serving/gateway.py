@@ -51,19 +51,22 @@ from kunlun.serving.canary_split import Split
 from kunlun.serving.canary_window import RolloutStats
 from kunlun.serving.intake import RequestHeaders, new_request_id, ticket
 from kunlun.serving.key_limits import KEY_TOKENS_SCOPE
+from kunlun.serving.ollama_gateway import OLLAMA_PATHS, add_ollama_routes
 from kunlun.serving.queue_metrics import QueueDepth  # telemetry
 from kunlun.serving.relay import Relay
 from kunlun.serving.replica import ReplicaSet
 from kunlun.serving.routing import DeviceSamples, Router
 from kunlun.serving.scheduler_config import SchedulerConfigSource
-from kunlun.serving.sglang_gateway import GENERATE_PATH, add_sglang_routes
+from kunlun.serving.sglang_gateway import GENERATE_PATH, add_sglang_routes, only_model
 from kunlun.serving.upstream import UpstreamError, UpstreamPool
+from kunlun.serving.vllm_gateway import add_vllm_routes
 from kunlun.telemetry.gateway_metrics import GatewayMetrics  # telemetry
 
 _CHAT_BODY = openapi_body(ChatCompletionRequest)
 _COMPLETION_BODY = openapi_body(CompletionRequest)
 _EMBEDDING_BODY = openapi_body(EmbeddingRequest)
-ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", GENERATE_PATH})
+ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings",
+                       "/v1/responses", GENERATE_PATH, *OLLAMA_PATHS})  # fmt: skip
 """The inference routes: relayed to a replica."""
 MAX_BODY_BYTES = 32 << 20
 """The largest request body the inference routes accept (larger: 413)."""
@@ -198,6 +201,9 @@ def gateway_router(replicas: ReplicaSet, state: GatewayState) -> APIRouter:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "no replica is ready yet"}, status_code=503)
 
+    add_vllm_routes(router, replicas, state, health)  # vLLM's /version, /ping, /load, ...
+    add_ollama_routes(router, replicas, lambda r, p: _to_a_worker(r, p, replicas, state))
+
     @router.post("/v1/chat/completions", openapi_extra={"requestBody": _CHAT_BODY})
     async def chat_completions(request: Request) -> Response:
         return respond(request.scope, await request.body(), replicas, state)
@@ -223,11 +229,9 @@ async def _to_a_worker(
         payload = json.loads(body)
     except ValueError:
         raise RequestError("the request body is not JSON") from None
-    model = payload.get("model") if isinstance(payload, dict) else None
-    if not isinstance(model, str):
-        raise RequestError(
-            "the request names no model", location=Location("request", field="model")
-        )
+    if not isinstance(payload, dict):
+        raise RequestError("the request body is not a JSON object")
+    model = only_model(payload.get("model"), replicas)  # (or the only generation model)
     chosen = min(replicas.ready(model), key=lambda r: r.in_flight, default=None)
     if chosen is None:
         if model in replicas.models():

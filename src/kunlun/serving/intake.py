@@ -33,6 +33,7 @@ from kunlun.protocol.openai_errors import ModelNotFound, ServiceUnavailable, par
 from kunlun.serving.admission import Ticket
 from kunlun.serving.canary_split import SESSION_HEADER
 from kunlun.serving.canary_window import BASELINE
+from kunlun.serving.ollama_gateway import EMBEDDING_PATHS, OLLAMA_PATHS, ollama_admission_view
 from kunlun.serving.replica import ReplicaSet
 from kunlun.serving.routing import (
     KEY_PRIORITY_SCOPE,
@@ -90,6 +91,8 @@ def ticket(
     payload = json_text.loads(body)  # bounded nesting, UTF-8 text (else 400)
     if scope["path"] == GENERATE_PATH:  # SGLang's body, seen as an OpenAI one
         payload = admission_view(payload, replicas, state.max_sequences_per_request)
+    elif scope["path"] in OLLAMA_PATHS:  # and Ollama's
+        payload = ollama_admission_view(payload)
     model = payload.get("model") if isinstance(payload, dict) else None
     if not isinstance(model, str):
         raise param_error("model", "the request has no model name (field 'model')")
@@ -127,7 +130,7 @@ def ticket(
     priority = resolve_priority(
         headers.priority, scope.get(KEY_PRIORITY_SCOPE), first_ready.priority
     )
-    estimate = _token_estimate(payload, len(body), scope["path"] != "/v1/embeddings")
+    estimate = _token_estimate(payload, len(body), scope["path"] not in EMBEDDING_PATHS)
     ticket = Ticket(model, priority, pool, estimate)
     split = state.splits.get(model)
     if split is not None:
@@ -168,7 +171,11 @@ def _token_estimate(payload: dict[str, Any], body_bytes: int, generates: bool = 
     for an embeddings request: it generates nothing)."""
     if not generates:
         return body_bytes // 4
-    max_tokens = payload.get("max_tokens") or payload.get("max_completion_tokens")
+    max_tokens = (
+        payload.get("max_tokens")
+        or payload.get("max_completion_tokens")
+        or payload.get("max_output_tokens")
+    )  # (the Responses API's)
     n = payload.get("n")
     if not isinstance(max_tokens, int) or max_tokens < 1:
         max_tokens = DEFAULT_MAX_TOKENS_ESTIMATE

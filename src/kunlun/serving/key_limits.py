@@ -45,6 +45,8 @@ WINDOW_S = 60.0
 KEY_TOKENS_SCOPE = "kunlun.key_tokens"
 """ASGI scope key of the request's :class:`TokenCharge` when its key has a token limit."""
 _TOTAL_TOKENS = re.compile(rb'"total_tokens":\s*(\d+)')
+_OLLAMA_COUNTS = re.compile(rb'"prompt_eval_count":\s*(\d+).*?"eval_count":\s*(\d+)')
+"""The usage at the end of an Ollama answer (prompt and output tokens)."""
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -114,8 +116,11 @@ class TokenCharge:
             actual = 0
         else:
             found = _TOTAL_TOKENS.findall(tail)
+            counts = _OLLAMA_COUNTS.findall(tail)
             if found:
                 actual = int(found[-1])
+            elif counts:
+                actual = int(counts[-1][0]) + int(counts[-1][1])
         if actual != self.charged:
             self.limiter.adjust_tokens(self.key, self.tpm, actual - self.charged)
         self.charged = 0

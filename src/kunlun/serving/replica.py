@@ -132,10 +132,12 @@ class ReplicaSet:
         with self._lock:
             return [r for r in self._replicas.values() if r.model == model and r.routable]
 
-    def models(self) -> list[str]:
-        """Every model name with at least one replica (ready or starting)."""
+    def models(self, task: str | None = None) -> list[str]:
+        """Every model name with at least one replica (ready or starting); with ``task``,
+        those served for it (``generate``, ``embed``)."""
         with self._lock:
-            return sorted({r.model for r in self._replicas.values()})
+            return sorted({r.model for r in self._replicas.values()
+                           if task is None or r.task == task})  # fmt: skip
 
     def model_cards(self) -> list[dict[str, Any]]:
         """``GET /v1/models``'s entries: per model, OpenAI's fields plus ``max_model_len``

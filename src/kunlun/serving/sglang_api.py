@@ -27,6 +27,7 @@ from fastapi.responses import PlainTextResponse, Response
 import kunlun
 from kunlun.engine.launch import EMBEDDED_ENGINE
 from kunlun.engine.outputs import CompletionOutput, RequestOutput
+from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import RequestError
 from kunlun.limits import CLIENT_GONE
 from kunlun.protocol import sse
@@ -133,6 +134,19 @@ class SGLangRoutes:
             "num_waiting_requests": stats.num_waiting,
         }
 
+    async def health_generate(self) -> Response:
+        """SGLang's ``/health_generate``: 200 once the engine has generated a token (a
+        worker whose engine is stuck or broken does not answer, or answers 5xx)."""
+        tokenizer = self.worker.tokenizer
+        probe = next((t for t in (tokenizer.bos_token_id, tokenizer.eos_token_id)
+                      if t is not None), 0)  # fmt: skip
+        params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+        submitted = await self.worker.submit([[probe]], params)
+        for stream in submitted.streams:
+            async for _ in stream:
+                pass
+        return Response(status_code=200)
+
     async def flush_cache(self) -> Response:
         """Forget the prefix cache; 400 while requests are running or waiting."""
         busy = await self.worker.engine.flush_prefix_cache()
@@ -204,6 +218,7 @@ def add_sglang_routes(app: FastAPI, worker: WorkerCore) -> None:
     app.post("/generate")(routes.generate)
     for path, handler in (("/get_model_info", routes.get_model_info),
                           ("/get_server_info", routes.get_server_info),
-                          ("/flush_cache", routes.flush_cache)):  # fmt: skip
+                          ("/flush_cache", routes.flush_cache),
+                          ("/health_generate", routes.health_generate)):  # fmt: skip
         app.get(path)(handler)
         app.post(path, include_in_schema=False)(handler)

@@ -5,8 +5,8 @@ answered from the replicas.
 the OpenAI routes (:func:`~kunlun.serving.gateway.respond`); :func:`admission_view` gives the
 gateway what it reads of an OpenAI body (``model``, prompts x ``n``, ``max_tokens``) from an
 SGLang body, which is forwarded unchanged. SGLang serves one model, so a body without
-``model`` (Kunlun's extension) goes to the only served model, and is a 400 naming ``model``
-when several are served.
+``model`` (Kunlun's extension) goes to the only generation model served (an embedding model
+beside it does not count), and is a 400 naming ``model`` when several are served.
 
 ``GET /get_model_info`` and ``GET /get_server_info`` are answered by a ready replica of the
 model (chosen with the query parameter ``?model=``, or the only one served);
@@ -41,16 +41,61 @@ GENERATE_PATH = "/generate"
 
 
 def only_model(given: Any, replicas: ReplicaSet) -> str:
-    """The model a request means: ``given``, or the only served one (else a 400)."""
+    """The model a request means: ``given``, or the only generation model served (else a
+    400 naming ``model``)."""
     if isinstance(given, str):
         return given
     if given is not None:
         raise param_error("model", "model must be a string")
-    served = replicas.models()
+    served = replicas.models(task="generate")
     if len(served) == 1:
         return served[0]
-    raise param_error("model", f"the platform serves {len(served)} models "
+    raise param_error("model", f"the platform serves {len(served)} generation models "
                       f"({', '.join(served) or 'none'}): name one in 'model'")  # fmt: skip
+
+
+async def ask_replica(state: Any, replica: Replica, path: str) -> tuple[int, bytes]:
+    """``POST path`` (no body) to ``replica``: its status and body."""
+    if state.upstream is None:
+        raise ServiceUnavailable("the gateway is not started", retry_after_s=state.retry_after_s)
+    try:
+        answer = await state.upstream.post(replica.base_url, path, [], b"")
+        try:
+            return answer.status_code, b"".join([p async for p in answer.iter_raw()])
+        finally:
+            await answer.close()
+    except UpstreamError as exc:
+        raise WorkerDied(f"replica {replica.replica_id} on {replica.device} did not answer "
+                         f"{path}: {exc}", hint="retry the request") from None  # fmt: skip
+
+
+async def replica_answer(
+    request: Request, replicas: ReplicaSet, state: Any, path: str
+) -> tuple[int, bytes, list[Replica]]:
+    """``path`` asked of the least busy ready replica of the model the query means
+    (:func:`ready_replicas`): its status and body, and the model's ready replicas."""
+    _, chosen = ready_replicas(request, replicas, state)
+    status, body = await ask_replica(state, min(chosen, key=lambda r: r.in_flight), path)
+    return status, body, chosen
+
+
+def relayed(answer: tuple[int, bytes, list[Replica]]) -> Response:
+    """A replica's answer passed on as it is."""
+    return Response(answer[1], status_code=answer[0], media_type="application/json")
+
+
+def ready_replicas(request: Request, replicas: ReplicaSet, state: Any) -> tuple[str, list[Replica]]:
+    """The model a query means (``?model=``, or :func:`only_model`) and its ready replicas
+    (a 503 while it has none, a 404 for a model not served)."""
+    model = only_model(request.query_params.get("model"), replicas)
+    chosen = replicas.ready(model)
+    if not chosen:
+        if model in replicas.models():
+            raise ServiceUnavailable(f"model {model!r} has no ready replica yet",
+                                     retry_after_s=state.retry_after_s)  # fmt: skip
+        raise ModelNotFound(f"model {model!r} is not served here; served: "
+                            f"{', '.join(replicas.models()) or 'none'}")  # fmt: skip
+    return model, chosen
 
 
 def admission_view(payload: Any, replicas: ReplicaSet, limit: int) -> dict[str, Any]:
@@ -93,40 +138,13 @@ def add_sglang_routes(
         """SGLang's ``/generate`` (answered by the gateway middleware where it runs)."""
         return respond(request.scope, await request.body(), replicas, state)
 
-    async def ask(replica: Replica, path: str) -> tuple[int, bytes]:
-        if state.upstream is None:
-            raise ServiceUnavailable("the gateway is not started",
-                                     retry_after_s=state.retry_after_s)  # fmt: skip
-        try:
-            answer = await state.upstream.post(replica.base_url, path, [], b"")
-            try:
-                return answer.status_code, b"".join([p async for p in answer.iter_raw()])
-            finally:
-                await answer.close()
-        except UpstreamError as exc:
-            raise WorkerDied(f"replica {replica.replica_id} on {replica.device} did not answer "
-                             f"{path}: {exc}", hint="retry the request") from None  # fmt: skip
-
-    def ready(request: Request) -> tuple[str, list[Replica]]:
-        model = only_model(request.query_params.get("model"), replicas)
-        chosen = replicas.ready(model)
-        if not chosen:
-            if model in replicas.models():
-                raise ServiceUnavailable(f"model {model!r} has no ready replica yet",
-                                         retry_after_s=state.retry_after_s)  # fmt: skip
-            raise ModelNotFound(f"model {model!r} is not served here; served: "
-                                f"{', '.join(replicas.models()) or 'none'}")  # fmt: skip
-        return model, chosen
-
     async def info(request: Request, path: str) -> Response:
         try:
-            model, chosen = ready(request)
+            status, body, chosen = await replica_answer(request, replicas, state, path)
         except KunlunError as exc:
-            return _error(exc)
-        replica = min(chosen, key=lambda r: r.in_flight)
-        status, body = await ask(replica, path)
+            return error_response(exc)
         if status != 200:
-            return Response(body, status_code=status, media_type="application/json")
+            return relayed((status, body, chosen))
         answer = json.loads(body)
         if path == "/get_server_info":
             answer["served_models"] = replicas.models()
@@ -147,24 +165,33 @@ def add_sglang_routes(
     async def flush_cache(request: Request) -> Response:
         """Flush the prefix cache of every ready replica of the model."""
         try:
-            model, chosen = ready(request)
+            model, chosen = ready_replicas(request, replicas, state)
         except KunlunError as exc:
-            return _error(exc)
+            return error_response(exc)
         refused = []
         for replica in chosen:
-            status, body = await ask(replica, "/flush_cache")
+            status, body = await ask_replica(state, replica, "/flush_cache")
             if status != 200:
                 refused.append(f"{replica.replica_id}: {_message(body)}")
         if refused:
-            return _error(RequestError(f"cache of model {model!r} not flushed on "
+            return error_response(RequestError(f"cache of model {model!r} not flushed on "
                                f"{len(refused)} of {len(chosen)} replicas ({'; '.join(refused)})",
                                hint="retry when the replicas are idle"))  # fmt: skip
         return PlainTextResponse(FLUSHED)
 
     router.get("/flush_cache", include_in_schema=False)(flush_cache)  # SGLang answers GET too
 
+    @router.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        """200 once a replica of the model (``?model=``, or the only generation model) has
+        generated a token."""
+        try:
+            return relayed(await replica_answer(request, replicas, state, "/health_generate"))
+        except KunlunError as exc:
+            return error_response(exc)
 
-def _error(exc: KunlunError) -> Response:
+
+def error_response(exc: KunlunError) -> Response:
     """``exc`` in the OpenAI error shape (these routes answer their own refusals)."""
     status, body, headers = error_status_and_body(exc)
     return JSONResponse(body, status_code=status, headers=headers)

@@ -27,6 +27,7 @@ from kunlun import budgets
 from kunlun import headers as http_headers
 from kunlun.engine.async_engine import AsyncLLMEngine
 from kunlun.engine.launch import FaultSpec, Pooling, Task
+from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import KunlunError
 from kunlun.limits import CLIENT_GONE
 from kunlun.protocol import responses
@@ -38,10 +39,13 @@ from kunlun.protocol.openai_api import (
 )
 from kunlun.protocol.openai_errors import error_status_and_body, param_error
 from kunlun.protocol.request_body import parse_request
+from kunlun.protocol.tools import ToolUse
 from kunlun.serving.embeddings import Embeddings
+from kunlun.serving.ollama_api import OllamaRoutes, add_ollama_routes
+from kunlun.serving.responses_api import ResponsesRoute
 from kunlun.serving.sglang_api import add_sglang_routes
 from kunlun.serving.worker_calls import json_response, new_call, off_loop_if_large
-from kunlun.serving.worker_core import WorkerCore
+from kunlun.serving.worker_core import Submitted, WorkerCore
 from kunlun.serving.worker_stream import chat_events, completion_events
 
 
@@ -61,10 +65,10 @@ class WorkerApp(WorkerCore):
         self.embeddings = Embeddings(self, task, pooling)
         """``POST /v1/embeddings``, and the task check of chat and completions."""
 
-    async def chat_completions(self, request: Request) -> Response:
-        raw = await request.body()
-        call = new_call(request)  # timed from the whole request's arrival
-        req = await off_loop_if_large(raw, parse_request, ChatCompletionRequest, raw)
+    async def start_chat(
+        self, request: Request, raw: bytes, req: ChatCompletionRequest
+    ) -> tuple[Submitted, ToolUse, SamplingParams]:
+        """A chat request checked and queued: its engine request, tools and sampling."""
         self.check_model(req.model)
         self.embeddings.refuse_generation()
         await self.faults.apply(request.headers)
@@ -74,28 +78,13 @@ class WorkerApp(WorkerCore):
         prompt = await off_loop_if_large(
             raw, self.chat_prompt, messages, tools.template_variables()
         )
-        submitted = await self.submit([prompt], params)
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        if req.stream:
-            events = chat_events(self.deltas(call, submitted.streams), call, req, response_id,
-                                 self.tokens, params.logprobs, tools)  # fmt: skip
-            return self.sse(call, submitted, events)
-        outputs = await self.collect(request, call, submitted)
-        if outputs is None:
-            return self.finish(call, Response(status_code=CLIENT_GONE))
-        body = responses.chat_completion(
-            response_id, req.model, outputs[0], self.tokens, params.logprobs
-        )
-        for choice, output in zip(body["choices"], outputs[0].outputs, strict=True):
-            choice["message"], choice["finish_reason"] = tools.answer(
-                output.text, output.finish_reason
-            )
-        return self.finish(call, json_response(call, body))
+        return await self.submit([prompt], params), tools, params
 
-    async def completions(self, request: Request) -> Response:
-        raw = await request.body()
-        call = new_call(request)  # timed from the whole request's arrival
-        req = await off_loop_if_large(raw, parse_request, CompletionRequest, raw)
+    async def start_completion(
+        self, request: Request, raw: bytes, req: CompletionRequest
+    ) -> tuple[Submitted, SamplingParams, list[str] | None]:
+        """A text completion checked and queued: its engine requests (one per prompt), its
+        sampling, and its prompts' texts where it echoes them."""
         self.check_model(req.model)
         self.embeddings.refuse_generation()
         await self.faults.apply(request.headers)
@@ -110,19 +99,57 @@ class WorkerApp(WorkerCore):
             prompts = await off_loop_if_large(raw, self.encode_all, prompts)
             for prompt in prompts:  # the engine would check each id of a long one first
                 self.check_prompt(prompt)
-        submitted = await self.submit(prompts, params)
+        return await self.submit(prompts, params), params, echo_texts
+
+    async def chat_completions(self, request: Request) -> Response:
+        raw = await request.body()
+        call = new_call(request)  # timed from the whole request's arrival
+        req = await off_loop_if_large(raw, parse_request, ChatCompletionRequest, raw)
+        submitted, tools, params = await self.start_chat(request, raw, req)
+        tokens = self.tokens_for(req)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            events = chat_events(self.deltas(call, submitted.streams), call, req, response_id,
+                                 tokens, params.logprobs, tools)  # fmt: skip
+            return self.sse(call, submitted, events)
+        outputs = await self.collect(request, call, submitted)
+        if outputs is None:
+            return self.finish(call, Response(status_code=CLIENT_GONE))
+        body = responses.chat_completion(
+            response_id, req.model, outputs[0], tokens, params.logprobs
+        )
+        for choice, output in zip(body["choices"], outputs[0].outputs, strict=True):
+            choice["message"], choice["finish_reason"] = tools.answer(
+                output.text, output.finish_reason
+            )
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs(outputs[0], req.prompt_logprobs)
+        return self.finish(call, json_response(call, body))
+
+    async def completions(self, request: Request) -> Response:
+        raw = await request.body()
+        call = new_call(request)  # timed from the whole request's arrival
+        req = await off_loop_if_large(raw, parse_request, CompletionRequest, raw)
+        submitted, params, echo_texts = await self.start_completion(request, raw, req)
+        tokens = self.tokens_for(req)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             events = completion_events(self.deltas(call, submitted.streams), call, req,
-                                       response_id, self.tokens, params.logprobs,
+                                       response_id, tokens, params.logprobs,
                                        echo_texts)  # fmt: skip
             return self.sse(call, submitted, events)
         outputs = await self.collect(request, call, submitted)
         if outputs is None:
             return self.finish(call, Response(status_code=CLIENT_GONE))
         body = responses.text_completion(
-            response_id, req.model, outputs, self.tokens, params.logprobs, echo_texts
+            response_id, req.model, outputs, tokens, params.logprobs, echo_texts
         )
+        if req.prompt_logprobs is not None:
+            n = params.n
+            for index, choice in enumerate(body["choices"]):
+                choice["prompt_logprobs"] = self.prompt_logprobs(
+                    outputs[index // n], req.prompt_logprobs
+                )
         return self.finish(call, json_response(call, body))
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
@@ -130,7 +157,7 @@ class WorkerApp(WorkerCore):
         completions and chat routes encode it."""
         raw = await request.body()
         req = (await off_loop_if_large(raw, parse_request, TokenizeRequest, raw)).checked()
-        self.check_model(req.model)
+        self.check_model(req.model or self.served_name)
         if req.messages is not None:
             messages = [m.template_dict() for m in req.messages]
             text = self.tokenizer.apply_chat_template(
@@ -148,7 +175,7 @@ class WorkerApp(WorkerCore):
         """``POST /detokenize``: the text of token ids (special tokens kept)."""
         raw = await request.body()
         req = await off_loop_if_large(raw, parse_request, DetokenizeRequest, raw)
-        self.check_model(req.model)
+        self.check_model(req.model or self.served_name)
         budgets.require("detokenize_ids", "tokens", len(req.tokens))
         vocab = self.engine.engine.vocab_size
         if max(req.tokens, default=0) >= vocab:
@@ -157,6 +184,16 @@ class WorkerApp(WorkerCore):
                 f"tokens.{bad}", f"token {req.tokens[bad]} is not an id of this model (< {vocab})"
             )
         return {"prompt": await off_loop_if_large(raw, self.tokenizer.decode, req.tokens, False)}
+
+    async def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's ``/tokenizer_info``: what a client needs to tokenize as this model does
+        through ``/tokenize`` and ``/detokenize`` (lm-eval's remote tokenizer reads it), with no
+        tokenizer files of its own: the special tokens' text and the chat template."""
+        tokenizer = self.tokenizer
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "model": self.served_name,
+                **tokenizer.special_tokens, "chat_template": tokenizer.chat_template,
+                "model_max_length": self.max_model_len,
+                "vocab_size": self.engine.engine.vocab_size}  # fmt: skip
 
     async def models(self) -> dict[str, Any]:
         model = {"id": self.served_name, "object": "model", "created": self.created,
@@ -200,6 +237,11 @@ def create_worker_app(
     app.get("/v1/models")(worker.models)
     app.post("/tokenize")(worker.tokenize)
     app.post("/detokenize")(worker.detokenize)
+    app.get("/tokenizer_info")(worker.tokenizer_info)
+    ollama = OllamaRoutes(worker, worker.start_chat, worker.start_completion, worker.embeddings)
+    add_ollama_routes(app, ollama)  # Ollama's API
+    app.post("/v1/responses")(ResponsesRoute(worker, worker.start_chat))  # OpenAI's Responses
+    app.post("/tokenizer_info", include_in_schema=False)(worker.tokenizer_info)
     add_sglang_routes(app, worker)  # SGLang's native API
     app.get("/health")(worker.health)
     app.get("/stats")(worker.stats)

@@ -37,8 +37,9 @@ from kunlun.engine.sampling_params import SamplingParams
 from kunlun.errors import EngineError, PromptTooLong
 from kunlun.limits import CLIENT_GONE
 from kunlun.protocol import responses, sse
-from kunlun.protocol.openai_api import Prompt
+from kunlun.protocol.openai_api import ChatCompletionRequest, CompletionRequest, Prompt
 from kunlun.protocol.openai_errors import ModelNotFound, error_status_and_body
+from kunlun.protocol.tools import ToolUse
 from kunlun.serving.faults import Faults
 from kunlun.serving.worker_calls import Call
 from kunlun.telemetry.worker_metrics import WorkerTelemetry  # telemetry
@@ -72,10 +73,21 @@ class WorkerCore:
         )
         """Text prompts over this many UTF-8 bytes cannot fit ``max_model_len`` tokens."""
         self.tokens = responses.TokenText(self.tokenizer)
+        self.token_ids = responses.TokenIds(self.tokenizer)
         self.log = log
         self.num_active = 0
         self.created = int(time.time())
-        self.telemetry = WorkerTelemetry(engine)  # telemetry: served as GET /metrics
+        self.telemetry = WorkerTelemetry(engine, served_name)  # telemetry: served as GET /metrics
+
+    def tokens_for(self, request: ChatCompletionRequest | CompletionRequest) -> responses.TokenText:
+        """How a request's logprobs name tokens: by text, or by id where it asks
+        (``return_tokens_as_token_ids``)."""
+        return self.token_ids if request.return_tokens_as_token_ids else self.tokens
+
+    def prompt_logprobs(self, output: RequestOutput, k: int) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs`` of one prompt (:func:`responses.prompt_logprobs`)."""
+        entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+        return responses.prompt_logprobs(self.tokens, output.prompt_token_ids, entries, k)
 
     # ---- prompts ----
     def check_model(self, model: str) -> None:
@@ -234,9 +246,17 @@ class WorkerCore:
         self.telemetry.observe(call)  # telemetry
         return response
 
-    def sse(self, call: Call, submitted: Submitted, events: AsyncIterator[bytes]) -> Response:
-        """The streamed answer of ``call``: ``events`` over the ``submitted`` requests."""
-        return EventStream(self, call, submitted, events)
+    def sse(
+        self,
+        call: Call,
+        submitted: Submitted,
+        events: AsyncIterator[bytes],
+        media_type: str = sse.MEDIA_TYPE,
+        error_event: Callable[[BaseException], bytes] = sse.error_event,
+    ) -> Response:
+        """The streamed answer of ``call``: ``events`` over the ``submitted`` requests (SSE,
+        unless ``media_type`` and ``error_event`` say another framing: Ollama's NDJSON)."""
+        return EventStream(self, call, submitted, events, media_type, error_event)
 
 
 @dataclasses.dataclass
@@ -247,16 +267,35 @@ class Submitted:
     streams: list[AsyncIterator[RequestOutputDelta]]
 
 
+StartChat = Callable[
+    [Request, bytes, ChatCompletionRequest], Awaitable[tuple[Submitted, ToolUse, SamplingParams]]
+]
+"""A chat request checked and queued (:meth:`kunlun.serving.worker_app.WorkerApp.start_chat`):
+how the other APIs read as a chat (Ollama's, the Responses API) run theirs."""
+StartCompletion = Callable[
+    [Request, bytes, CompletionRequest],
+    Awaitable[tuple[Submitted, SamplingParams, list[str] | None]],
+]
+"""A text completion checked and queued (``WorkerApp.start_completion``)."""
+
+
 class EventStream(StreamingResponse):
     """An SSE response over engine requests. However it ends (done, failed, client gone
     before or during the stream), its requests are ended and the call is logged once."""
 
     def __init__(
-        self, worker: WorkerCore, call: Call, submitted: Submitted, events: AsyncIterator[bytes]
+        self,
+        worker: WorkerCore,
+        call: Call,
+        submitted: Submitted,
+        events: AsyncIterator[bytes],
+        media_type: str,
+        error_event: Callable[[BaseException], bytes],
     ) -> None:
         headers = {http_headers.REQUEST_ID: call.request_id, "Cache-Control": "no-cache"}
-        super().__init__(self._relay(events), media_type=sse.MEDIA_TYPE, headers=headers)
+        super().__init__(self._relay(events), media_type=media_type, headers=headers)
         self.worker, self.call, self.submitted = worker, call, submitted
+        self.error_event = error_event
         self.completed = False
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -277,7 +316,7 @@ class EventStream(StreamingResponse):
         except Exception as exc:  # the engine failed this request: tell the client, go on
             self.call.status = error_status_and_body(exc)[0]
             self.completed = True
-            yield sse.error_event(exc)
+            yield self.error_event(exc)
         finally:
             await events.aclose()  # type: ignore[attr-defined]
 

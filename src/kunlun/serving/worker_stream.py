@@ -7,13 +7,15 @@ Each chunk carries the new text of one choice (the first of a chat choice also i
 with vLLM's ``continuous_usage_stats``, every chunk the usage so far); ``[DONE]`` ends the
 stream. A delta that adds nothing a client sees (text held back: a partial character, a
 possible stop string) sends no chunk. In a chat with tools, text that may start a tool call
-is held back and each call is sent whole, as one ``tool_calls`` delta, once written
-(:class:`ToolCallDeltas`); a completion with ``echo`` starts each choice with its prompt.
+is held back, and a call is streamed as OpenAI streams one (:class:`ToolCallDeltas`): its
+id and name as soon as the name is written, then its arguments as they are written; a
+completion with ``echo`` starts each choice with its prompt.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -112,13 +114,23 @@ async def completion_events(
 
 
 class ToolCallDeltas:
-    """Reads each streamed choice for tool calls: text that may start a call is held back,
-    each call is sent whole as one ``tool_calls`` delta once written."""
+    """Reads each streamed choice for tool calls: text that may start a call is held back;
+    a call's first delta carries its index, id, type and name as soon as the name is written,
+    the next ones the arguments written since, which add up to the call's arguments. A call
+    the format cannot read before it is complete (``llama3_json``), and every call where
+    several may follow each other under a grammar (``tool_choice: required`` with parallel
+    calls: a repeat of an earlier call is only known once complete, and is not sent), is
+    sent whole in one delta."""
 
-    def __init__(self, tools: ToolUse) -> None:
+    def __init__(self, tools: ToolUse, whole: bool = False) -> None:
+        """``whole``: every call in one delta once written (Ollama's way)."""
         self.tools = tools
+        self.whole = whole
         self.streams: dict[int, ToolStream | None] = {}
         self.sent: dict[int, int] = {}
+        """Per choice: the calls begun (their indexes are 0, 1, ...)."""
+        self.writing: dict[int, tuple[str, str]] = {}
+        """Per choice: the call being streamed, as (id, arguments sent so far)."""
         self.seen: set[tuple[int, str]] = set()
         """(choice, :attr:`ToolCall.key`) of the calls sent: where calls may follow each
         other, a repeat that was streamed before the engine ended the answer at it is not
@@ -139,9 +151,39 @@ class ToolCallDeltas:
         if self.tools.several_calls:
             calls = [c for c in calls if (index, c.key) not in self.seen]
             self.seen.update((index, c.key) for c in calls)
-        first = self.sent.get(index, 0)
-        self.sent[index] = first + len(calls)
+        out = []
+        for call in calls:
+            written = self.writing.pop(index, None)
+            if written is None:  # sent whole
+                out.append(call.openai(self.sent.get(index, 0)))
+                self.sent[index] = self.sent.get(index, 0) + 1
+            else:  # its name and the start of its arguments are out: the rest of them
+                rest = stream.raw_arguments(call)[len(written[1]) :]
+                if rest:
+                    out.append({"index": self.sent[index] - 1, "function": {"arguments": rest}})
+        if not (self.whole or self.tools.several_calls) and delta.finish_reason is None:
+            out += self._writing(index, stream)
         finish = delta.finish_reason
-        if finish == "stop" and self.sent[index]:
+        if finish == "stop" and self.sent.get(index):
             finish = "tool_calls"
-        return text, [c.openai(first + k) for k, c in enumerate(calls)], finish
+        return text, out, finish
+
+    def _writing(self, index: int, stream: ToolStream) -> list[dict[str, Any]]:
+        """The deltas of the call being written in choice ``index``, since the last ones."""
+        name, arguments = stream.partial()
+        if name is None:  # no call is being written (one that was is no call after all)
+            self.writing.pop(index, None)
+            return []
+        out = []
+        if index not in self.writing:
+            call_id = f"call_{uuid.uuid4().hex[:24]}"
+            self.writing[index] = (call_id, "")
+            self.sent[index] = self.sent.get(index, 0) + 1
+            out.append({"index": self.sent[index] - 1, "id": call_id, "type": "function",
+                        "function": {"name": name, "arguments": ""}})  # fmt: skip
+        call_id, sent = self.writing[index]
+        if len(arguments) > len(sent):
+            out.append({"index": self.sent[index] - 1,
+                        "function": {"arguments": arguments[len(sent) :]}})  # fmt: skip
+            self.writing[index] = (call_id, arguments)
+        return out

@@ -20,6 +20,10 @@ A health check's probe (:mod:`kunlun.node.health`) is not traffic: it counts onl
 
 Engine state (KV-cache blocks, running and waiting sequences, preemptions, prefix-cache hits)
 is read from :meth:`AsyncLLMEngine.stats` when scraped, so it costs nothing per request.
+
+The series a vLLM Grafana dashboard reads are also exposed under vLLM's names
+(:data:`VLLM_ALIASES`), from the same collectors at the same scrape, each with vLLM's
+``model_name`` label: a dashboard written for vLLM works unchanged.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kunlun.engine.async_engine import AsyncLLMEngine
@@ -48,6 +52,23 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075
                 0.2, 0.3, 0.5, 1, 2.5)  # fmt: skip
 QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
                  10, 30, 60)  # fmt: skip
+
+
+VLLM_ALIASES = {
+    "kunlun_engine_running_sequences": "vllm:num_requests_running",
+    "kunlun_engine_waiting_sequences": "vllm:num_requests_waiting",
+    "kunlun_kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
+    "kunlun_prompt_tokens": "vllm:prompt_tokens",
+    "kunlun_generation_tokens": "vllm:generation_tokens",
+    "kunlun_engine_preemptions": "vllm:num_preemptions",
+    "kunlun_prefix_cache_hit_tokens": "vllm:prefix_cache_hits",
+    "kunlun_prefix_cache_query_tokens": "vllm:prefix_cache_queries",
+    "kunlun_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "kunlun_time_per_output_token_seconds": "vllm:time_per_output_token_seconds",
+    "kunlun_engine_queue_time_seconds": "vllm:request_queue_time_seconds",
+}
+"""The worker's series that vLLM has, and vLLM's name for each (counters without
+``_total``, as a family is named): the same values, exposed twice."""
 
 
 class CallRecord(Protocol):
@@ -70,7 +91,7 @@ class CallRecord(Protocol):
 class WorkerTelemetry:
     """The metrics of one worker, in their own registry (see the module docstring)."""
 
-    def __init__(self, engine: AsyncLLMEngine) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_name: str) -> None:
         disable_created_metrics()  # no *_created series: the daemon relays every sample
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -114,6 +135,8 @@ class WorkerTelemetry:
             registry=r,
         )
         r.register(_EngineState(engine))
+        self.aliases = CollectorRegistry(auto_describe=True)
+        self.aliases.register(_VllmAliases(r, served_name))
 
     def observe(self, call: CallRecord) -> None:
         """Count one finished call (see the module docstring for the definitions)."""
@@ -134,11 +157,31 @@ class WorkerTelemetry:
 
     def render(self) -> bytes:
         """The exposition text of every metric of this worker."""
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + generate_latest(self.aliases)
 
     async def metrics(self) -> Response:
         """``GET /metrics`` of the worker."""
         return Response(self.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+class _VllmAliases(Collector):
+    """The families of :data:`VLLM_ALIASES` under vLLM's names, labelled ``model_name``."""
+
+    def __init__(self, source: CollectorRegistry, model_name: str) -> None:
+        self.source = source
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            alias = VLLM_ALIASES.get(family.name)
+            if alias is None:
+                continue
+            copy = Metric(alias, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                name = alias + sample.name[len(family.name) :]  # (_total, _bucket, _sum...)
+                labels = {**sample.labels, "model_name": self.model_name}
+                copy.add_sample(name, labels, sample.value, sample.timestamp, sample.exemplar)
+            yield copy
 
 
 class _EngineState(Collector):
