@@ -1,8 +1,8 @@
 """Health probes on a loaded host (``make test-soak``; marked ``soak``, left out of
 ``make test``: it loads the machine on purpose, for minutes).
 
-With ``stress-ng --cpu 2`` holding every core, two idle replicas, one generating and one
-embedding, are probed every second for ``KUNLUN_SOAK_S`` seconds (300 by default): probes
+With ``stress-ng --cpu 2`` holding every core, two idle replicas of the demo model, one
+generating and one embedding, are probed every second for ``KUNLUN_SOAK_S`` seconds (300 by default): probes
 answered late are slow, not failed, and neither replica is ever ejected. Then one is stopped
 (SIGSTOP), still under load: it is ejected within the documented time
 (``interval_s + timeout_s + min(1, timeout_s)``), as on a quiet host.
@@ -20,14 +20,15 @@ import time
 from typing import Any
 
 import pytest
-from tests.daemons import TINY, Daemon, Daemons, Profile
+from tests.daemons import Daemon, Daemons, Profile
 
 pytestmark = pytest.mark.soak
 
 INTERVAL_S, TIMEOUT_S = 1.0, 0.5
-EMBED = "model: {tiny}\nname: tiny-embed\ntask: embed\n"
+SPECS = ("model: smollm2\nname: chat\nmax_num_seqs: 4\nmax_model_len: 1024\n",
+         "model: smollm2\nname: embed\ntask: embed\nmax_model_len: 1024\n")  # fmt: skip
 LOADED = Profile(
-    "soak-home", (TINY, EMBED),
+    "soak-home", SPECS, demo=True,
     args=("--health-check-interval", str(INTERVAL_S), "--health-check-timeout", str(TIMEOUT_S)),
 )  # fmt: skip
 
@@ -74,7 +75,7 @@ def test_idle_replicas_on_a_loaded_host_stay_in_routing(daemons: Daemons) -> Non
                 assert counts.get((name, "pass"), 0) + counts.get((name, "slow"), 0) >= (
                     duration / INTERVAL_S / 4
                 ), counts  # probed all along
-            target = ready["tiny"]
+            target = ready["chat"]
             stopped_at = time.time()
             os.kill(target["pid"], signal.SIGSTOP)
             stopped = target["pid"]

@@ -4,8 +4,10 @@ checker acting on them over a mock transport (no network)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import httpx
 import pytest
@@ -197,12 +199,13 @@ def completion() -> httpx.Response:
 
 
 def checked(
-    handler: Handler, replicas: ReplicaSet, rounds: int
-) -> tuple[HealthChecker, list[tuple[str, str, str]]]:
+    handler: Handler | Callable[[httpx.Request], Any], replicas: ReplicaSet, rounds: int,
+    slow_s: float = 15.0,
+) -> tuple[HealthChecker, list[tuple[str, str, str]]]:  # fmt: skip
     """A checker over ``replicas`` that probes ``rounds`` times (interval 0.2 s)."""
     events: list[tuple[str, str, str]] = []
     checker = HealthChecker(
-        replicas, HealthConfig(interval_s=0.2, timeout_s=0.1, failures=2),
+        replicas, HealthConfig(interval_s=0.2, timeout_s=0.1, failures=2, slow_s=slow_s),
         lambda *event: events.append(event),
     )  # fmt: skip
 
@@ -252,6 +255,30 @@ def test_the_checker_sends_the_probe_and_ejects_and_restores_with_events() -> No
     assert 'kunlun_replica_ejected{device="cpu:0",model="m",replica="w1-r0"} 0.0' in text
     assert 'kunlun_health_ejections_total{model="m",reason="error"} 1.0' in text
     assert 'kunlun_health_probes_total{model="m",result="pass"} 2.0' in text
+
+
+@pytest.mark.parametrize("task", ["generate", "embed"])
+def test_an_idle_replica_that_answers_late_is_slow_not_dead(task: str) -> None:
+    """Issue 34: an idle embeddings replica on a busy host answered its probe after the 2 s
+    timeout and was ejected and restored every few seconds. While ``/stats`` answers, the
+    probe waits on (up to ``slow_s``): a late answer is a pass, marked ``slow``."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/stats":
+            return httpx.Response(200, json=stats(7, 0))  # idle: no step, nothing unfinished
+        await asyncio.sleep(0.3)  # three timeouts late
+        data = {"data": [{"embedding": [0.0]}]} if task == "embed" else None
+        return httpx.Response(200, json=data) if data else completion()
+
+    for slow_s, results, kinds in (
+        (15.0, {"slow": 3}, []),
+        (0.2, {"busy": 1, "error": 2}, ["ejected"]),
+    ):  # the old way
+        replicas = ReplicaSet()
+        replicas.upsert(dataclasses.replace(replica(), task=task))
+        checker, events = checked(handler, replicas, rounds=3, slow_s=slow_s)
+        assert checker.num_probes == {("m", k): n for k, n in results.items()}, slow_s
+        assert [kind for _, kind, _ in events] == kinds, events
 
 
 def test_the_checker_sends_no_probe_to_a_replica_that_is_serving() -> None:
