@@ -73,12 +73,12 @@ def _share() -> int:
 
 
 LONGEST_FIRST = (
-    "serving-worker", "test_validate", "test_quantized_workload", "test_llama_cpp_engine",
-    "keyed-daemon-home", "daemon-home", "test_airgap", "test_rollouts", "test_zero_trust",
-    "test_kquant_serving", "test_validate_engines", "test_quant_quality",
-    "test_cluster_failover", "test_llm_engine", "test_fuzz", "test_gguf",
-    "test_tensor_parallel", "test_hostile_packages", "test_cluster_rollout", "test_key_limits",
-    "test_models", "test_engine_auto", "test_guidellm_client", "test_package",
+    "test_validate", "serving-worker", "keyed-daemon-home", "test_quantized_workload",
+    "test_llama_cpp_engine", "test_airgap", "daemon-home", "test_rollouts", "test_zero_trust",
+    "test_quant_quality", "test_kquant_serving", "test_cluster_failover",
+    "test_validate_engines", "test_tensor_parallel", "test_llm_engine", "test_gguf",
+    "test_hostile_packages", "test_fuzz", "test_models", "test_key_limits",
+    "test_cluster_rollout", "test_endpoints_service", "test_engine_auto", "test_install",
 )  # fmt: skip
 """The work units (:func:`worker_groups`) that took 30 s or more of a quiet run, longest
 first; the rest follow in collection order. ``make test`` hands units out in this order
