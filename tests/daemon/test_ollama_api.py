@@ -84,11 +84,14 @@ def test_tools_and_format(client: ollama.Client) -> None:
               "required": ["n"]}  # fmt: skip
     answer = client.chat(model="tiny", messages=ASK, format=schema,
                          options={**OPTIONS, "num_predict": 40})  # fmt: skip
-    if answer.done_reason == "stop":
-        assert set(json.loads(answer.message.content)) == {"n"}
-    # tool calls come back as Ollama writes them (arguments an object); the tiny model may
-    # call the tool or not: where it does, the call is whole and its arguments parse
+    assert answer.done_reason == "stop", answer  # a closed object of one bounded integer
+    assert set(json.loads(answer.message.content)) == {"n"}
+    # tools reach the prompt (the template's tool list), and calls come back as Ollama
+    # writes them (arguments an object); the tiny model may call the tool or not: where it
+    # does, the call is whole and its arguments parse
     called = client.chat(model="tiny", messages=ASK, tools=[tool], options=OPTIONS)
+    plain = client.chat(model="tiny", messages=ASK, options=OPTIONS)
+    assert called.prompt_eval_count > plain.prompt_eval_count + 20
     for call in called.message.tool_calls or []:
         assert call.function.name == "get_weather" and isinstance(call.function.arguments, dict)
 

@@ -63,7 +63,7 @@ class TokenText:
         return data.decode("utf-8", errors="replace"), list(data)
 
 
-class TokenIds(TokenText):
+class TokenIdNames(TokenText):
     """Tokens named by id (``token_id:N``, vLLM's ``return_tokens_as_token_ids``), with their
     exact bytes: a client that must know which token it got, where two tokens print alike."""
 

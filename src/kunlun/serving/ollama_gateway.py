@@ -16,11 +16,12 @@ from fastapi.responses import Response
 
 import kunlun
 from kunlun.protocol.ollama import created_at, details
+from kunlun.serving.external import EMBEDDINGS_PATH
 from kunlun.serving.replica import ReplicaSet
 
 OLLAMA_PATHS = frozenset({"/api/chat", "/api/generate", "/api/embed", "/api/embeddings"})
 """Ollama's inference routes: admitted and relayed as the OpenAI ones are."""
-EMBEDDING_PATHS = frozenset({"/v1/embeddings", "/api/embed", "/api/embeddings"})
+EMBEDDING_PATHS = frozenset({EMBEDDINGS_PATH, "/api/embed", "/api/embeddings"})
 """The inference routes that generate nothing (their estimate is their input alone)."""
 
 

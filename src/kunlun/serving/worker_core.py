@@ -73,7 +73,7 @@ class WorkerCore:
         )
         """Text prompts over this many UTF-8 bytes cannot fit ``max_model_len`` tokens."""
         self.tokens = responses.TokenText(self.tokenizer)
-        self.token_ids = responses.TokenIds(self.tokenizer)
+        self.token_ids = responses.TokenIdNames(self.tokenizer)
         self.log = log
         self.num_active = 0
         self.created = int(time.time())
