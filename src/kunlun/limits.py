@@ -12,3 +12,24 @@ CLIENT_GONE = 499
 PRIORITIES = ("high", "normal", "low")
 """The priority classes of requests, API keys and workloads, most urgent first (ties in the
 gateway's fair queuing go to the earlier one)."""
+
+
+def seconds_from_env(name: str, default: float, most: float | None = None) -> float:
+    """``$name`` as a number of seconds (more than 0, at most ``most``), or ``default`` when
+    unset; anything else is a :class:`~kunlun.errors.ConfigError` naming the variable."""
+    import math
+    import os
+
+    from kunlun.errors import ConfigError
+
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and (most is None or value <= most)):
+        bound = "" if most is None else f" of at most {most:g}"
+        raise ConfigError(f"{name}={raw!r} is not a positive number of seconds{bound}")
+    return value

@@ -198,10 +198,15 @@ def test_detokenize_counts_its_ids_against_a_budget(budget_daemon: Daemon) -> No
 # ---- the budgets themselves ----
 
 
-def test_a_bad_budget_variable_stops_the_start_naming_it(tmp_path: Any) -> None:
-    proc = refused(tmp_path / "home", env={"KUNLUN_BUDGET_CHOICES": "many"})
+@pytest.mark.parametrize(
+    ("variable", "value"), [("KUNLUN_BUDGET_CHOICES", "many"), ("KUNLUN_UI_SAMPLE_S", "often")]
+)
+def test_a_bad_budget_variable_stops_the_start_naming_it(
+    tmp_path: Any, variable: str, value: str
+) -> None:
+    proc = refused(tmp_path / "home", env={variable: value})
     assert proc.returncode != 0
-    assert "KUNLUN_BUDGET_CHOICES" in proc.stderr and "'many'" in proc.stderr, proc.stderr
+    assert variable in proc.stderr and f"'{value}'" in proc.stderr, proc.stderr
     assert set(BUDGETS) >= {"choices", "schema_bytes", "regex_program_bytes", "detokenize_ids"}
 
 

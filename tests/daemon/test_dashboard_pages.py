@@ -33,7 +33,7 @@ GPUS = 24
 
 REPLAYED = Profile(
     "ui-pages-home", (TINY + "device: cpu:0\n",), keys=(("ops", "admin"), ("reader", "inference")),
-    env=(("KUNLUN_REPLAY_DIR", "{home}/node"),),
+    env=(("KUNLUN_REPLAY_DIR", "{home}/node"), ("KUNLUN_UI_SAMPLE_S", "1")),
 )  # fmt: skip
 
 
@@ -96,11 +96,11 @@ def test_devices_page_draws_the_topology_heat_map(node: Any, browser: Any) -> No
 def test_metrics_per_device_and_priority_class_windowed(node: Any, browser: Any) -> None:
     daemon, admin, _ = node
     context, page, watch = login(browser, daemon, admin)
-    bad = page.request.get(daemon.url + "/ui/metrics.json?tab=x&window=9")
+    bad = page.request.get(daemon.url + "/ui/metrics.json?after=1&window=9")
     assert bad.status == 400 and bad.json()["error"]["param"] == "window"
-    assert (
-        page.request.get(daemon.url + "/ui/metrics.json?tab=a/b").json()["error"]["param"] == "tab"
-    )
+    for after in ("soon", "nan", "inf"):
+        refused = page.request.get(daemon.url + f"/ui/metrics.json?after={after}")
+        assert refused.status == 400 and refused.json()["error"]["param"] == "after"
     page.goto(daemon.url + "/ui/metrics")
     page.wait_for_selector("#chart-prio-queued polyline", state="attached", timeout=30_000)
     queued = {page.locator("#chart-prio-queued polyline").nth(i).get_attribute("data-series")
@@ -132,12 +132,21 @@ def test_metrics_per_device_and_priority_class_windowed(node: Any, browser: Any)
     finally:
         stop.set()
         sender.join(60)
+    stopped = time.time()
     assert "last window" in page.text_content("#window")
-    one = page.request.get(daemon.url + "/ui/metrics.json?tab=check").json()
-    two = page.request.get(daemon.url + "/ui/metrics.json?tab=check").json()
-    assert one["window_s"] is None and 0 < two["window_s"] < 30  # the tab's own window
-    assert two["priorities"]["high"]["wait_p99_s"] is None  # no request ended in between
-    assert two["priorities"]["high"]["requests_per_s"] == 0
+    history = page.request.get(daemon.url + "/ui/metrics.json").json()
+    assert history["interval_s"] == 1 and history["keep_s"] == 900
+    times = [p["ts"] for p in history["points"]]
+    assert times == sorted(times) and times[-1] - times[0] > 5  # kept by the daemon
+    assert all(0 < p["window_s"] < 30 for p in history["points"][1:])  # between two samples
+    deadline = time.monotonic() + 60
+    while len(later := page.request.get(
+            daemon.url + f"/ui/metrics.json?after={stopped + 0.5}").json()["points"]) < 2:  # fmt: skip
+        assert time.monotonic() < deadline, later
+        time.sleep(0.5)
+    assert later[-1]["priorities"]["high"]["wait_p99_s"] is None  # no request ended in between
+    assert later[-1]["priorities"]["high"]["requests_per_s"] == 0
+    assert all(p["ts"] > stopped + 0.5 for p in later)  # only the points after the one asked
     shot(page, "metrics-windows")
     watch.assert_local(daemon)
     context.close()
@@ -172,7 +181,7 @@ def test_scale_from_the_workloads_page(node: Any, browser: Any) -> None:
         refused = loopback.post(daemon.url + "/api/v1/workloads/tiny/scale", json=body,
                              headers=auth, timeout=30)  # fmt: skip
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param
-    watch.assert_local(daemon)
+    watch.assert_local(daemon, refusals=2)  # "many" and "17"
     context.close()
 
 

@@ -6,8 +6,8 @@ metrics as for the embedded engine. The openai SDK tests of the gateway that do 
 the embedded engine's own routes or fields run here unchanged against it (imported from
 test_api, with this module's ``daemon``); the rest of this file checks what differs: fields
 llama.cpp lacks are a 400 naming them, its own metrics appear in the daemon's ``/metrics``,
-and ``validate`` passes. The plan says ``fp32, quantization none``, so llama.cpp serves an
-unquantized copy of the file (:mod:`kunlun.engines.gguf_export`), made in the replica's
+and ``validate`` passes. The plan says ``fp32`` (``bf16`` on a CPU with native bf16) and
+``quantization none``, so llama.cpp serves an unquantized copy of the file (:mod:`kunlun.engines.gguf_export`), made in the replica's
 own process before the server starts.
 """
 
@@ -77,10 +77,11 @@ def test_the_workload_runs_llama_server_on_the_original_gguf(daemon: Daemon) -> 
     )
     server = argv[argv.index("--") + 1 :]
     assert Path(server[0]).name == "llama-server"
-    assert server[server.index("--model") + 1].endswith("llama-cpp-fp32.gguf")
+    plan = described["placement"]["plan"]
+    # unquantized in the plan's dtype: fp32, or bf16 where the CPU computes it natively
+    assert server[server.index("--model") + 1].endswith(f"llama-cpp-{plan['dtype']}.gguf")
     assert "conversion: SmolLM2-135M-Instruct.Q4_1.gguf -> " in logs.stdout
     assert "--cont-batching" in argv
-    plan = described["placement"]["plan"]
     assert_kv_is_the_plans(server, plan)
     reply = loopback.post(daemon.url + "/v1/completions", timeout=120,
                        json={"model": "smollm2", "prompt": "Hi", "max_tokens": 2})  # fmt: skip

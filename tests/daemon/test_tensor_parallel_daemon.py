@@ -37,10 +37,11 @@ empty_daemon = daemon_fixture(Profile("tp-home"))
 
 @pytest.fixture(scope="module")
 def tp_daemon(tiny_model: Path, empty_daemon: Daemon) -> Daemon:
-    """The tiny model on two ranks (``workload submit --tp-size 2``)."""
+    """The tiny model on two ranks (``workload submit --tp-size 2``), in float32: its answers
+    are held to transformers' float32 logprobs (a CPU with native bf16 plans bf16)."""
     d = empty_daemon
     spec = d.home / "spec.yaml"
-    spec.write_text(TINY_SPEC.format(path=tiny_model, name="tiny"))
+    spec.write_text(TINY_SPEC.format(path=tiny_model, name="tiny") + "dtype: fp32\n")
     made = d.cli("workload", "submit", "--file", str(spec), "--tp-size", "2", "--json")
     assert made.returncode == 0, made.stderr
     d.job = json.loads(made.stdout)["workload_id"]

@@ -205,3 +205,15 @@ def test_the_embedded_engine_is_the_worker_launch() -> None:
     assert command.env == plan.env and command.ready_path is None
     with pytest.raises(ConfigError, match="launch_file"):
         KunlunEngine().command(plan, CONTEXT)
+
+
+def test_a_seeded_request_is_prefilled_whole_on_llama_cpp() -> None:
+    """llama-server reuses a cached prompt's KV, computed in another batch shape; in bf16 the
+    sampled answer then changes with the cache, so a seeded request turns the reuse off."""
+    from kunlun.engines.registry import engine_named
+
+    engine = engine_named("llama.cpp")
+    seeded = engine.request_body("/v1/completions", {"model": "m", "prompt": "hi", "seed": 3})
+    assert seeded["cache_prompt"] is False and seeded["seed"] == 3
+    plain = engine.request_body("/v1/completions", {"model": "m", "prompt": "hi", "seed": None})
+    assert "cache_prompt" not in plain

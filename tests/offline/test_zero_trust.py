@@ -172,7 +172,7 @@ def test_tampered_converted_weights_are_not_served_after_a_restart(
     cache: sealed by the daemon when made; bytes overwritten while the daemon is down are
     found at the restart, discarded and converted again from the signed package: the greedy
     answer is the one the intact weights gave, the audit log names the file."""
-    home = installed_home(tmp_path, pack_tiny(), keys)
+    home = installed_home(tmp_path, pack_tiny(dtype="fp32"), keys)
     spec = "model: tiny\ndtype: bf16\nmax_num_seqs: 4\nmax_model_len: 256\nkv_cache_memory_mb: 8\n"
     # stopped and started again on its home on purpose (serve() would prune the package)
     daemon = Daemon(home, free_port())
@@ -223,7 +223,7 @@ def test_the_sweep_stops_a_workload_whose_converted_weights_change(
     of the w8a16 one overwritten while it runs: the next sweep (every second here) stops
     that workload, not the other, and ``/metrics`` says so; submitted again, it is converted
     again from the signed package."""
-    home = installed_home(tmp_path, pack_tiny(), keys)
+    home = installed_home(tmp_path, pack_tiny(dtype="fp32"), keys)
     spec = "model: tiny\nname: {}\n{}\nmax_num_seqs: 4\nmax_model_len: 256\nkv_cache_memory_mb: 8\n"
     profile = Profile("conversions", args=("--require-signed", "--integrity-interval", "1"))
     with daemons.serve(profile, home) as daemon:
@@ -278,7 +278,7 @@ def test_a_conversion_is_sealed_and_each_change_to_it_is_named(
     from kunlun.offline.registry import Registry
     from kunlun.offline.signing import TrustedKeys
 
-    home = installed_home(tmp_path, pack_tiny(), keys)
+    home = installed_home(tmp_path, pack_tiny(dtype="fp32"), keys)
     trusted = TrustedKeys.from_paths([home / "trusted-keys"])
     guard = ModelGuard(home, trusted, require_signed=True)
     model = Registry.load(home).active["tiny"].model_dir

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.daemons import Daemon, battery_parts
+from tests.daemons import Daemon, battery_parts, bf16_is_native
 from tests.serving.conftest import serve_in_thread
 from tests.validate.conftest import validate
 from tests.validate.faults import faulty_app
@@ -48,13 +48,6 @@ EMULATED_BF16_ROWS = (
 than fp32, and the whole battery on it took 15 minutes of a 2-core CI machine. The numerics
 rows are what bf16 changes; the whole battery runs on the fp32 column and, where the CPU
 has native bf16, on bf16 too."""
-
-
-def bf16_is_native() -> bool:
-    from kunlun.device.inventory import build_inventory
-
-    cpu = build_inventory().get("cpu:0") or {}
-    return (cpu.get("attributes") or {}).get("bf16_native") == "yes"
 
 
 PARTS = battery_parts()

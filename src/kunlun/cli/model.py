@@ -147,6 +147,10 @@ def pack(
     quantize: Annotated[
         str | None, typer.Option("--quantize", help=f"{listed(SCHEMES[1:])} (default: the plan's).")
     ] = None,
+    dtype: Annotated[
+        str | None,
+        typer.Option(help="fp32, bf16 or fp16 (default: the plan's, bf16 where it is native)."),
+    ] = None,
     replay: Annotated[
         Path | None, typer.Option(help="Plan for a recorded node (vendor-tool outputs).")
     ] = None,
@@ -169,8 +173,8 @@ def pack(
     from kunlun.offline.package import pack as do_pack
     from kunlun.workload.packing import plan_package
 
-    source = plan_package(model, target_device=target_device, quantize=quantize, replay=replay,
-                          config=config)  # fmt: skip
+    source = plan_package(model, target_device=target_device, quantize=quantize, dtype=dtype,
+                          replay=replay, config=config)  # fmt: skip
     result = do_pack(source, out, key, version=version, created=created)
     m = result.manifest
     console.print(

@@ -391,17 +391,19 @@ def add_health_routes(app: FastAPI, platform: Platform) -> None:
 def create_asgi(platform: Platform) -> ASGIApp:
     """What the daemon serves: :func:`create_app` inside :func:`daemon_entry`, with the
     dashboard (:mod:`kunlun.ui`, its own session check) in front at ``/ui``."""
-    from kunlun.ui import Dashboard
+    from kunlun.ui import Dashboard, MetricsHistory
 
+    app = create_app(platform)
     entry = daemon_entry(
-        create_app(platform),
+        app,
         platform.replicas,
         platform.gateway,
         platform.keyring,
         platform.request_log,
         platform.allowed_origins,
     )
-    return Dashboard(entry, platform.keyring, platform.home)
+    history = MetricsHistory(app.state.telemetry.render)
+    return Dashboard(entry, platform.keyring, platform.home, history)
 
 
 def daemon_entry(

@@ -236,9 +236,13 @@ def serve_peers(platform: Platform, cluster: ClusterConfig, peer_sock: socket.so
 
 def bind(settings: DaemonSettings, platform: Platform) -> tuple[socket.socket, tuple[str, ...]]:
     """The listening socket and the proxies believed; the last refusals first: a bad
-    ``--forwarded-allow-ips`` or ``KUNLUN_BUDGET_*``, a non-loopback bind with no API key."""
+    ``--forwarded-allow-ips``, ``KUNLUN_BUDGET_*`` or ``KUNLUN_UI_SAMPLE_S``, a non-loopback
+    bind with no API key."""
+    from kunlun.ui.history import interval_from_env as ui_history_interval
+
     proxies = settings.proxies()
     budgets.check()  # a bad KUNLUN_BUDGET_* stops the start here, named
+    ui_history_interval()  # so does a bad KUNLUN_UI_SAMPLE_S (the dashboard's sampling)
     host = settings.host
     if not _is_loopback(host) and not platform.keyring.enabled and not settings.allow_insecure:
         raise DaemonError(

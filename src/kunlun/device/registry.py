@@ -8,7 +8,6 @@ plugin that cannot be loaded, raises, or hangs past its time limit becomes a
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from pathlib import Path
 from kunlun.device.plugin import DevicePlugin, Discovery, ProbedDevice
 from kunlun.device.tools import DEFAULT_TIMEOUT_S, CommandRecord, ToolRunner
 from kunlun.errors import ConfigError, KunlunError
+from kunlun.limits import seconds_from_env
 
 ENTRY_POINT_GROUP = "kunlun.device_plugins"
 #: A plugin gets this long in all (several tool calls) before it is reported as hung;
@@ -28,16 +28,7 @@ TIMEOUT_ENV = "KUNLUN_PLUGIN_TIMEOUT_S"
 
 def plugin_timeout_s() -> float:
     """The per-plugin time limit: ``$KUNLUN_PLUGIN_TIMEOUT_S`` or :data:`PLUGIN_TIMEOUT_S`."""
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return PLUGIN_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ConfigError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds")
-    return value
+    return seconds_from_env(TIMEOUT_ENV, PLUGIN_TIMEOUT_S)
 
 
 @dataclass

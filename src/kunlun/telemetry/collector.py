@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from kunlun.device.inventory import Inventory
-from kunlun.errors import ConfigError
+from kunlun.limits import seconds_from_env
 
 DEFAULT_INTERVAL_S = 5.0
 INTERVAL_ENV = "KUNLUN_TELEMETRY_INTERVAL_S"
@@ -27,16 +26,7 @@ INTERVAL_ENV = "KUNLUN_TELEMETRY_INTERVAL_S"
 
 def interval_from_env() -> float:
     """``$KUNLUN_TELEMETRY_INTERVAL_S`` or :data:`DEFAULT_INTERVAL_S`."""
-    raw = os.environ.get(INTERVAL_ENV)
-    if raw is None:
-        return DEFAULT_INTERVAL_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not value > 0:
-        raise ConfigError(f"{INTERVAL_ENV}={raw!r} is not a positive number of seconds")
-    return value
+    return seconds_from_env(INTERVAL_ENV, DEFAULT_INTERVAL_S)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The web dashboard the daemon serves at ``/ui``: login with an API key, then Devices,
-Workloads, Metrics, a Playground, Batches, Validation, Bench, Nodes and Rollouts, rendered
+Workloads, Models, Metrics, a Playground, Batches, Validation, Bench, Nodes, Rollouts and
+Keys, rendered
 server-side from the daemon's own API.
 
 Everything it shows it reads through the daemon's routes, called in-process with the
@@ -9,5 +10,6 @@ logged-in key (:mod:`kunlun.ui.app`), so the API's scopes and limits hold on the
 """
 
 from kunlun.ui.app import Dashboard
+from kunlun.ui.history import MetricsHistory
 
-__all__ = ["Dashboard"]
+__all__ = ["Dashboard", "MetricsHistory"]

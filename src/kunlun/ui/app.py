@@ -7,6 +7,9 @@ call to the same app with the session's key and the browser's address, so the ke
 allow-list and rate limits apply exactly as they do to ``kunlun-cli``. ``/ui/call/v1/...``
 and ``/ui/call/metrics`` forward a browser request (the Playground's streaming chat) the same
 way, streamed through unbuffered.
+
+The dashboard rides the app's lifespan: once the daemon has started it starts the Metrics
+page's history (:class:`~kunlun.ui.history.MetricsHistory`), and stops it first on shutdown.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kunlun.errors import KunlunError, PermissionDenied
 from kunlun.protocol.openai_errors import AuthenticationError, error_status_and_body
 from kunlun.state.api_keys import KeyRing
+from kunlun.ui.format import rows, text
+from kunlun.ui.history import MetricsHistory
 from kunlun.ui.session import COOKIE, Session, Sessions
 
 PREFIX = "/ui"
@@ -48,13 +53,39 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
+def form_fields(
+    form: dict[str, str], fields: tuple[str, ...], whole: frozenset[str], least: int
+) -> dict[str, Any]:
+    """The filled fields of a page's form (empty ones left out; those of ``whole`` as whole
+    numbers of at least ``least``), or :class:`ApiError` naming an unknown or bad field."""
+    unknown = sorted(set(form) - set(fields))
+    if unknown:
+        raise ApiError(400, f"unknown field {unknown[0]!r}", unknown[0])
+    out: dict[str, Any] = {}
+    for field in fields:
+        value = form.get(field, "").strip()
+        if not value:
+            continue
+        if field in whole:
+            if not value.isdigit() or int(value) < least:
+                raise ApiError(400, f"{field}: must be a whole number of at least {least}, "
+                               f"got {value!r}", field)  # fmt: skip
+            out[field] = int(value)
+        else:
+            out[field] = value
+    return out
+
+
 class Dashboard:
     """The daemon's ASGI entry with ``/ui`` in front of ``inner`` (see the module docstring)."""
 
-    def __init__(self, inner: ASGIApp, keyring: KeyRing, home: Path) -> None:
+    def __init__(
+        self, inner: ASGIApp, keyring: KeyRing, home: Path, history: MetricsHistory
+    ) -> None:
         from kunlun.ui import pages
 
         self.inner = inner
+        self.history = history
         self.keyring = keyring
         self.home = home
         self.sessions = Sessions(home, keyring)
@@ -62,6 +93,8 @@ class Dashboard:
             loader=PackageLoader("kunlun.ui", "templates"), autoescape=True
         )
         self.templates.filters["when"] = _when
+        self.templates.filters["text"] = text
+        self.templates.filters["rows"] = rows
         self.app = Starlette(
             routes=[
                 Route("/ui", lambda r: RedirectResponse("/ui/devices", 303)),
@@ -76,12 +109,31 @@ class Dashboard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not (path == PREFIX or path.startswith(PREFIX + "/")):
+        if scope["type"] == "lifespan":
+            await self.inner(scope, self._on_shutdown(receive), self._on_started(send))
+        elif scope["type"] != "http" or not (path == PREFIX or path.startswith(PREFIX + "/")):
             await self.inner(scope, receive, send)
         elif path.startswith(CALL + "/"):
             await self.forward(scope, receive, send)
         else:
             await self.app(scope, receive, send)
+
+    def _on_started(self, send: Send) -> Send:
+        async def wrapped(message: Message) -> None:
+            if message["type"] == "lifespan.startup.complete":
+                self.history.start()
+            await send(message)
+
+        return wrapped
+
+    def _on_shutdown(self, receive: Receive) -> Receive:
+        async def wrapped() -> Message:
+            message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                await self.history.stop()
+            return message
+
+        return wrapped
 
     # -- sessions ---------------------------------------------------------------------------
 

@@ -9,15 +9,19 @@ the daemon's message, in place of the data. Templates autoescape every value.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from kunlun.engine.launch import Task
+from kunlun.engine.schemes import SCHEMES
+from kunlun.engines.registry import registered_names
+from kunlun.planner.plan import ExecutionPlan
 from kunlun.telemetry.view import parse
-from kunlun.ui import more_pages, reports
-from kunlun.ui.app import ApiError, same_origin
+from kunlun.ui import admin_pages, more_pages, reports
+from kunlun.ui.app import ApiError, form_fields, same_origin
 from kunlun.ui.metrics import metrics_json, metrics_page
 from kunlun.ui.session import Session
 from kunlun.ui.topology import CLASSES, matrices
@@ -26,11 +30,24 @@ if TYPE_CHECKING:
     from kunlun.ui.app import Dashboard
 
 Page = Callable[["Dashboard", Request, Session], Awaitable[Response]]
-SUBMIT_FIELDS = ("model", "name", "engine", "max_num_seqs", "max_model_len", "kv_cache_memory_mb")
+SUBMIT_FIELDS = (
+    "model",
+    "name",
+    "task",
+    "device",
+    "engine",
+    "quantization",
+    "max_num_seqs",
+    "max_model_len",
+    "kv_cache_memory_mb",
+)
 """What the submit form takes; the whole numbers among them are :data:`WHOLE_FIELDS`."""
 WHOLE_FIELDS = frozenset({"max_num_seqs", "max_model_len", "kv_cache_memory_mb"})
 LOG_LINES = 40
 """The log lines a workload's page shows (its last ones)."""
+PROBE_MARK = " health_probe"
+"""How a worker's request line of a health probe ends (:meth:`kunlun.serving.worker_calls.Call.log_line`):
+the page leaves those out of the tail unless asked (``?probes=1``); they would crowd it."""
 
 
 def routes(dashboard: Dashboard) -> list[BaseRoute]:
@@ -55,6 +72,7 @@ def routes(dashboard: Dashboard) -> list[BaseRoute]:
         Route("/ui/metrics", guarded(metrics_page)),
         Route("/ui/metrics.json", guarded(metrics_json)),
         *more_pages.routes(guarded),
+        *admin_pages.routes(guarded),
         *reports.routes(guarded),
     ]
 
@@ -108,14 +126,30 @@ async def workloads(
     form_error: ApiError | None = None,
     form: dict[str, str] | None = None,
 ) -> Response:
-    error, rows = None, []
+    error, rows, choices = None, [], {}
     try:
         rows = await ui.api(request, session, "GET", "/api/v1/workloads")
+        if session.admin:
+            choices = await submit_choices(ui, request, session)
     except ApiError as exc:
         error = exc.message
     return ui.render("workloads.html", form_error.status if form_error else 200, session=session,
                      workloads=rows, error=error, form_error=form_error, form=form or {},
-                     page="workloads")  # fmt: skip
+                     choices=choices, page="workloads")  # fmt: skip
+
+
+async def submit_choices(ui: Dashboard, request: Request, session: Session) -> dict[str, Any]:
+    """The submit form's pickers, from their owners: the daemon's models and devices, the
+    engines its registry knows, the quantization schemes and the tasks of a workload."""
+    models = await ui.api(request, session, "GET", "/api/v1/models")
+    devices = await ui.api(request, session, "GET", "/api/v1/devices")
+    return {
+        "models": sorted(m["alias"] for m in models),
+        "devices": [(d["id"], d.get("status", "")) for d in devices],
+        "engines": list(registered_names()),
+        "schemes": list(SCHEMES),
+        "tasks": list(get_args(Task)),
+    }
 
 
 async def submit(ui: Dashboard, request: Request, session: Session) -> Response:
@@ -131,21 +165,7 @@ async def submit(ui: Dashboard, request: Request, session: Session) -> Response:
 def submit_spec(form: dict[str, str]) -> dict[str, Any]:
     """The workload spec the submit form describes; :class:`ApiError` naming a bad field
     (the daemon's spec check names the rest)."""
-    unknown = sorted(set(form) - set(SUBMIT_FIELDS))
-    if unknown:
-        raise ApiError(400, f"unknown field {unknown[0]!r}", unknown[0])
-    spec: dict[str, Any] = {}
-    for field in SUBMIT_FIELDS:
-        value = form.get(field, "").strip()
-        if not value:
-            continue
-        if field in WHOLE_FIELDS:
-            if not value.isdigit() or int(value) < 1:
-                raise ApiError(400, f"{field}: must be a whole number of at least 1, got {value!r}",
-                               field)  # fmt: skip
-            spec[field] = int(value)
-        else:
-            spec[field] = value
+    spec = form_fields(form, SUBMIT_FIELDS, WHOLE_FIELDS, least=1)
     if "model" not in spec:
         raise ApiError(400, "model: required (the alias of a registered model)", "model")
     return spec
@@ -153,16 +173,23 @@ def submit_spec(form: dict[str, str]) -> dict[str, Any]:
 
 async def workload(ui: Dashboard, request: Request, session: Session) -> Response:
     wid = request.path_params["workload_id"]
-    error, info, lines = None, None, []
+    probes = request.query_params.get("probes") == "1"
+    error, info, lines, hidden = None, None, [], 0
     try:
         info = await ui.api(request, session, "GET", f"/api/v1/workloads/{wid}")
         logs = await ui.api(request, session, "GET", f"/api/v1/workloads/{wid}/logs")
-        lines = logs["text"].splitlines()[-LOG_LINES:]
+        lines = logs["text"].splitlines()
+        if not probes:
+            kept = [line for line in lines if not line.endswith(PROBE_MARK)]
+            hidden, lines = len(lines) - len(kept), kept
+        lines = lines[-LOG_LINES:]
     except ApiError as exc:
         error = exc.message
     restarts = sum(r.get("restarts", 0) for r in (info or {}).get("replicas", []))
+    plan = ((info or {}).get("placement") or {}).get("plan")
     return ui.render("workload.html", session=session, w=info, logs=lines, error=error,
-                     restarts=restarts, page="workloads")  # fmt: skip
+                     restarts=restarts, page="workloads", hidden_probes=hidden, probes=probes,
+                     plan_line=ExecutionPlan.from_dict(plan).summary() if plan else None)  # fmt: skip
 
 
 async def stop(ui: Dashboard, request: Request, session: Session) -> Response:

@@ -1,11 +1,11 @@
-"""Windowed figures for the Metrics page: quantiles over the last poll, not a replica's life.
+"""Windowed figures for the Metrics page: quantiles between two samples, not a replica's life.
 
 A Prometheus histogram is cumulative since its process started, so quantiles read from one
 scrape describe the whole life of a replica and barely move once it has served a while. The
-page polls every few seconds; :class:`Windows` keeps each browser tab's previous scrape
-(cumulative buckets and counters, per replica, per device and per priority class) and
-:func:`window` subtracts it from the current one: p50/p99 of the requests that finished
-between the two scrapes (:func:`~kunlun.telemetry.view.histogram_quantile` on the bucket
+daemon samples its ``/metrics`` every few seconds (:mod:`kunlun.ui.history`); :func:`read`
+keeps one sample's cumulative buckets and counters (per replica, per device and per priority
+class) and :func:`window` subtracts the sample before from the current one: p50/p99 of the requests that finished
+between the two samples (:func:`~kunlun.telemetry.view.histogram_quantile` on the bucket
 deltas, None when none finished), and counter deltas for rates.
 
 Per device, the buckets of the replicas on it are summed; per priority class, the gateway's
@@ -16,7 +16,7 @@ or the key's), and ``kunlun_gateway_queue_depth`` the requests waiting in each c
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +32,6 @@ HISTOGRAMS = {
     "kunlun_gateway_queue_time_seconds": "wait",
 }
 """The histograms windowed, and their short names."""
-MAX_TABS = 256
-"""Tabs whose last scrape is kept; the oldest is forgotten first (its next poll starts over)."""
 
 Key = tuple[str, str, str]
 """(group: replica, device or priority; its name; the figure)."""
@@ -87,7 +85,7 @@ def read(text: str, ts: float | None = None) -> Scrape:
 def window(now: Scrape, before: Scrape | None) -> dict[str, dict[str, dict[str, Any]]]:
     """Per group and name, the figures between ``before`` and ``now``: ``<hist>_p50_s`` and
     ``<hist>_p99_s`` of the requests finished in between, ``<counter>_per_s`` and the gauges.
-    Without ``before`` (a tab's first poll) there is no window: quantiles and rates are None.
+    Without ``before`` (the first sample) there is no window: quantiles and rates are None.
     A series that went down (its worker restarted) counts from zero."""
     out: dict[str, dict[str, dict[str, Any]]] = defaultdict(lambda: defaultdict(dict))
     for (group, name, short), by_le in now.buckets.items():
@@ -110,18 +108,3 @@ def window(now: Scrape, before: Scrape | None) -> dict[str, dict[str, dict[str, 
     for (group, name, short), value in now.gauges.items():
         out[group][name][short] = value
     return {group: dict(rows) for group, rows in out.items()}
-
-
-class Windows:
-    """The last scrape of each browser tab (at most :data:`MAX_TABS`)."""
-
-    def __init__(self) -> None:
-        self.last: OrderedDict[str, Scrape] = OrderedDict()
-
-    def advance(self, tab: str, now: Scrape) -> tuple[Scrape | None, float | None]:
-        """Keep ``now`` as ``tab``'s last scrape; the one before it and the window's length."""
-        before = self.last.pop(tab, None)
-        self.last[tab] = now
-        while len(self.last) > MAX_TABS:
-            self.last.popitem(last=False)
-        return before, (now.ts - before.ts if before is not None else None)

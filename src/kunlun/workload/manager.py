@@ -9,6 +9,7 @@ stopped or failed.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shlex
@@ -164,9 +165,7 @@ class WorkloadManager:
                 record.placement = placement.to_dict()
                 return record
         self.store.put_workload(record)
-        self.event(
-            record.workload_id, "submitted", f"spec: {spec.model_dump(exclude_defaults=True)}"
-        )
+        self.event(record.workload_id, "submitted", f"spec: {spec_line(spec)}")
         if self.cluster is None:
             self.start(record)
         return record
@@ -175,9 +174,7 @@ class WorkloadManager:
         """Record a new PENDING workload (started by :meth:`start` or :meth:`resume_all`)."""
         record = self._new_record(spec)
         self.store.put_workload(record)
-        self.event(
-            record.workload_id, "submitted", f"spec: {spec.model_dump(exclude_defaults=True)}"
-        )
+        self.event(record.workload_id, "submitted", f"spec: {spec_line(spec)}")
         return record
 
     def _new_record(self, spec: WorkloadSpec, canary_of: str | None = None) -> WorkloadRecord:
@@ -425,6 +422,14 @@ class WorkloadManager:
         elif record.state in ACTIVE:
             self._set(record, "STOPPED", "stopped by request")
         return record
+
+
+def spec_line(spec: WorkloadSpec) -> str:
+    """The fields a spec sets, as ``key=value`` pairs (nested ones as JSON) for an event."""
+    return ", ".join(
+        f"{k}={v if isinstance(v, str | int | float | bool) else json.dumps(v)}"
+        for k, v in spec.model_dump(exclude_defaults=True, mode="json").items()
+    )
 
 
 def another_engine(requested: str, other: WorkloadRecord) -> bool:

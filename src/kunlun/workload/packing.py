@@ -18,6 +18,7 @@ def plan_package(
     *,
     target_device: str | None = None,
     quantize: str | None = None,
+    dtype: str | None = None,
     replay: Path | None = None,
     config: Path | None = None,
 ) -> PackInput:
@@ -40,7 +41,7 @@ def plan_package(
         raise ModelFileMissing(
             f"model {model!r} has no weights (*.safetensors) to pack", location=Location(str(path))
         )
-    fields = {"model": model, "device": target_device, "quantization": quantize}
+    fields = {"model": model, "device": target_device, "quantization": quantize, "dtype": dtype}
     spec = parse_spec({k: v for k, v in fields.items() if v is not None}, "command line")
     inventory = build_inventory(config=config, replay=replay)
     # the plan is for the device, not for this moment of it: idle, so packing is reproducible

@@ -1,12 +1,21 @@
 // The Playground: a streaming chat through /ui/call (the daemon's /v1 API as the session's
-// key). Every piece of text goes in with textContent, never as HTML.
+// key), with a system prompt and the conversation so far sent on every turn. The user's text
+// goes in with textContent; replies are drawn by renderMarkdown (markdown.js), which builds
+// text nodes only: nothing a model writes becomes HTML.
 "use strict";
 const $ = (id) => document.getElementById(id);
+let conversation = [];  // the turns so far: {role, content}
 
-function body() {
+function messages(next) {
+  const system = $("system").value.trim();
+  return [...(system ? [{ role: "system", content: system }] : []), ...conversation,
+          ...(next === undefined ? [] : [{ role: "user", content: next }])];
+}
+
+function body(next) {
   return {
     model: $("model").value,
-    messages: [{ role: "user", content: $("prompt").value }],
+    messages: messages(next),
     temperature: Number($("temperature").value),
     max_tokens: Number($("max_tokens").value),
     stream: true,
@@ -14,7 +23,7 @@ function body() {
 }
 
 function showCode() {
-  const b = body();
+  const b = body($("prompt").value);
   const json = JSON.stringify(b, null, 2).replace(/'/g, "'\\''");
   $("curl").textContent =
     `curl -N ${location.origin}/v1/chat/completions \\\n` +
@@ -25,7 +34,7 @@ function showCode() {
     `client = OpenAI(base_url="${location.origin}/v1", api_key=os.environ["KUNLUN_API_KEY"])\n` +
     "stream = client.chat.completions.create(\n" +
     `    model=${JSON.stringify(b.model)},\n` +
-    `    messages=${JSON.stringify(b.messages)},\n` +
+    `    messages=${JSON.stringify(b.messages, null, 4).replace(/\n/g, "\n    ")},\n` +
     `    temperature=${b.temperature}, max_tokens=${b.max_tokens}, stream=True,\n)\n` +
     "for chunk in stream:\n" +
     "    if chunk.choices:\n" +
@@ -48,11 +57,13 @@ function fail(message) {
 async function send(event) {
   event.preventDefault();
   $("chat-error").hidden = true;
+  const request = body($("prompt").value);
   showCode();
-  const request = body();
-  bubble("user", request.messages[0].content);
+  const asked = $("prompt").value;
+  bubble("user", asked);
   const reply = bubble("assistant", "");
   reply.dataset.chunks = "0";
+  let text = "";
   $("send").disabled = true;
   try {
     const resp = await fetch("/ui/call/v1/chat/completions", {
@@ -83,17 +94,30 @@ async function send(event) {
         if (chunk.error) fail(chunk.error.message);
         const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
         if (delta && delta.content) {
-          reply.textContent += delta.content;
+          text += delta.content;
+          reply.replaceChildren(renderMarkdown(text));
           reply.dataset.chunks = String(Number(reply.dataset.chunks) + 1);
         }
       }
     }
+    conversation.push({ role: "user", content: asked }, { role: "assistant", content: text });
+    $("turns").textContent = String(conversation.length / 2);
+    $("prompt").value = "";
     reply.dataset.done = "1";
   } catch (e) {
     fail(String(e));
   } finally {
     $("send").disabled = false;
+    showCode();
   }
+}
+
+function newChat() {
+  conversation = [];
+  $("transcript").replaceChildren();
+  $("turns").textContent = "0";
+  $("chat-error").hidden = true;
+  showCode();
 }
 
 async function loadModels() {
@@ -110,7 +134,8 @@ async function loadModels() {
 
 document.addEventListener("DOMContentLoaded", () => {
   $("chat").addEventListener("submit", send);
-  for (const id of ["model", "temperature", "max_tokens", "prompt"]) {
+  $("new-chat").addEventListener("click", newChat);
+  for (const id of ["model", "temperature", "max_tokens", "prompt", "system"]) {
     $(id).addEventListener("input", showCode);
   }
   loadModels();
