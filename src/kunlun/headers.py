@@ -23,6 +23,9 @@ VERSION = "X-Kunlun-Version"
 """During a rollout, the version that answered (``canary:wl-3f2a1b``)."""
 HEALTH_PROBE = "X-Kunlun-Health-Probe"
 """Sent by the platform's own health probes (exempt from injected faults)."""
+PREVIOUS_RESPONSE = "X-Kunlun-Previous-Response"
+"""Sent by the gateway to a worker with a Responses API request whose ``previous_response_id``
+it resolved (the worker echoes the id; :mod:`kunlun.serving.response_state`)."""
 
 
 def raw(name: str) -> bytes:

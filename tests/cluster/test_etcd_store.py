@@ -26,6 +26,7 @@ from kunlun.state.store import (
     EventRecord,
     FileRecord,
     ModelRecord,
+    ResponseRecord,
     StateStore,
     WorkloadRecord,
 )
@@ -284,6 +285,30 @@ def test_etcd_refuses_a_foreign_certificate_clearly(etcd3: EtcdCluster, etcd_cer
     mixed = MemberTLS(ours.ca, foreign.cert, foreign.key)  # trusts the cluster, not trusted
     with pytest.raises(ConfigError, match="refused this client's certificate .*node-x.crt"):
         Etcd(etcd3.endpoints, mixed).put("/a", "1")
+
+
+def test_etcd_store_keeps_responses_as_sqlite_does(store: EtcdStore, tmp_path: Path) -> None:
+    """Kept Responses API answers round-trip through etcd as through SQLite, are replaced in
+    place, forgotten by age, and do not count as a change of state (the watch's version)."""
+    sqlite = SQLiteStore(tmp_path / "state.db")
+    items = [{"type": "message", "role": "user", "content": "hé"},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]  # fmt: skip
+    version = store.data_version()
+    for each in (sqlite, store):
+        each.put_response(ResponseRecord("resp_old", "m", 100.0, items[:1]))
+        each.put_response(ResponseRecord("resp_new", "m", 200.0, items))
+        each.put_response(ResponseRecord("resp_new", "m", 300.0, items[1:]))
+        assert each.get_response("resp_new") == ResponseRecord("resp_new", "m", 300.0, items[1:])
+        assert each.get_response("resp_nope") is None
+        assert each.delete_responses_before(250.0) == 1
+        assert each.get_response("resp_old") is None and each.get_response("resp_new")
+    store.put_endpoint(EndpointRecord("marker", "m", True, True, "x"))  # one change of state
+    deadline = time.monotonic() + 10
+    while store.data_version() == version:  # the watch sees writes in order: the responses'
+        assert time.monotonic() < deadline  # went before the marker's
+        time.sleep(0.05)
+    assert store.data_version() == version + 1  # the marker alone: responses are not state
+    sqlite.close()
 
 
 def test_etcd_endpoint_scheme_must_match_the_certificates(etcd_certs: Path) -> None:

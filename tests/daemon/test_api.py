@@ -35,6 +35,29 @@ def test_chat_answers_paris(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == ["smollm2"]
 
 
+def test_responses_are_kept_in_the_daemons_state_store(
+    daemon: Daemon, client: openai.OpenAI
+) -> None:
+    """``previous_response_id`` through the daemon: the gateway keeps each answer's
+    conversation in ``KUNLUN_HOME/state.db`` (the cluster's etcd on a cluster)."""
+    import sqlite3
+
+    first = client.responses.create(model="smollm2", input="Hello, I am Ada.", temperature=0,
+                                    max_output_tokens=6)  # fmt: skip
+    second = client.responses.create(model="smollm2", input="Who am I?", temperature=0,
+                                     max_output_tokens=6, previous_response_id=first.id)  # fmt: skip
+    assert second.previous_response_id == first.id
+    with sqlite3.connect(daemon.home / "state.db") as db:
+        (row,) = db.execute("SELECT data FROM responses WHERE response_id = ?",
+                            (second.id,)).fetchall()  # fmt: skip
+    items = json.loads(row[0])["items"]
+    assert items[0] == {"type": "message", "role": "user", "content": "Hello, I am Ada."}
+    assert items[1]["type"] == "message" and items[1]["role"] == "assistant"
+    assert items[1]["content"][0]["text"] == first.output_text
+    assert items[2] == {"type": "message", "role": "user", "content": "Who am I?"}
+    assert items[3]["content"][0]["text"] == second.output_text and len(items) == 4
+
+
 def test_model_cards_health_and_routing_errors_in_openai_shape(
     daemon: Daemon, client: openai.OpenAI
 ) -> None:

@@ -138,12 +138,18 @@ def gateway(worker: WorkerProcess) -> Iterator[GatewayServer]:
 
 @contextlib.contextmanager
 def gateway_over(worker_url: str) -> Iterator[GatewayServer]:
-    """A gateway serving ``MODEL`` through one ready replica ``r1`` at ``worker_url``."""
+    """A gateway serving ``MODEL`` through one ready replica ``r1`` at ``worker_url``, keeping
+    Responses API answers in a state store of its own (as the daemon's gateway does)."""
+    import tempfile
+
     from fastapi import FastAPI
 
     from kunlun.serving.gateway import GatewayState, mount_gateway
+    from kunlun.serving.response_state import ResponseState
+    from kunlun.state.sqlite import SQLiteStore
 
     replicas, state = ReplicaSet(), GatewayState()
+    state.responses = ResponseState(SQLiteStore(Path(tempfile.mkdtemp()) / "state.db"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -99,3 +99,40 @@ def test_what_is_not_served_is_a_400_naming_it(
     with pytest.raises(openai.BadRequestError) as caught:
         client.post("/responses", body=body, cast_to=object)
     assert caught.value.body["param"] == param, caught.value.body  # type: ignore[index]
+
+
+def test_previous_response_id_continues_a_kept_conversation(client: openai.OpenAI) -> None:
+    first = client.responses.create(model=MODEL, input="My name is Ada. Say hello to me.",
+                                    temperature=0, max_output_tokens=12)  # fmt: skip
+    assert first.store is True and first.previous_response_id is None
+    second = client.responses.create(model=MODEL, input="What is my name?", temperature=0,
+                                     max_output_tokens=12, previous_response_id=first.id)  # fmt: skip
+    assert second.previous_response_id == first.id
+    alone = client.responses.create(model=MODEL, input="What is my name?", temperature=0,
+                                    max_output_tokens=12)  # fmt: skip
+    # the kept turn went before the new question: its answer and about ten tokens of question
+    grown = second.usage.input_tokens - alone.usage.input_tokens
+    assert grown >= first.usage.output_tokens + 5, (second.usage, first.usage, alone.usage)
+    events = list(client.responses.create(model=MODEL, input="And again?", temperature=0,
+                                          max_output_tokens=8, stream=True,
+                                          previous_response_id=second.id))  # fmt: skip
+    done = events[-1].response
+    assert done.previous_response_id == second.id
+    assert done.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+    third = client.responses.create(model=MODEL, input="Once more.", temperature=0,
+                                    max_output_tokens=4, previous_response_id=done.id)  # fmt: skip
+    assert third.previous_response_id == done.id  # a streamed answer is kept too
+
+
+def test_a_response_made_with_store_false_or_unknown_cannot_be_continued(
+    client: openai.OpenAI,
+) -> None:
+    unkept = client.responses.create(model=MODEL, input="Hi", max_output_tokens=4, store=False)
+    assert unkept.store is False
+    for missing in (unkept.id, "resp_made_up"):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.responses.create(model=MODEL, input="Hi", max_output_tokens=4,
+                                    previous_response_id=missing)  # fmt: skip
+        error = caught.value.body
+        assert error["param"] == "previous_response_id", error  # type: ignore[index]
+        assert f"no response {missing!r} is kept" in error["message"]  # type: ignore[index]

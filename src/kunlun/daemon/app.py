@@ -66,6 +66,7 @@ from kunlun.serving.gateway import (
 )
 from kunlun.serving.key_limits import KeyLimiter
 from kunlun.serving.replica import ReplicaSet
+from kunlun.serving.response_state import ResponseState
 from kunlun.serving.routing import DeviceSample
 from kunlun.serving.scheduler_config import FILE_NAME as SCHEDULER_CONFIG
 from kunlun.serving.scheduler_config import SchedulerConfigSource
@@ -163,6 +164,7 @@ def make_platform(
     gateway = GatewayState(
         scheduler=scheduler, first_byte_timeout_s=first_byte_s, read_timeout_s=read_s
     )
+    gateway.responses = ResponseState(store)  # previous_response_id, in the state store
     request_log = RequestLog(home / "logs" / "requests.jsonl", request_log_config)
     files_dir = cluster.files_dir if cluster is not None and cluster.files_dir else home / "files"
     files = FileStore(files_dir, store)

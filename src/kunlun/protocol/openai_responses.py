@@ -10,9 +10,11 @@ field is checked and honoured as there. The answer is a ``response`` object whos
 holds a ``message`` item (its ``output_text``) and a ``function_call`` item per call; a stream
 sends the Responses API's typed events (:class:`ResponseEvents`).
 
-Responses are not kept: ``previous_response_id`` is refused (send the conversation in
-``input``), and ``store`` is accepted either way (nothing is stored, as with ``store:
-false``). Fields the chat API ignores are ignored here too (``metadata``, ``user``...).
+A worker keeps nothing: the daemon's gateway keeps answers and resolves
+``previous_response_id`` into ``input`` before a request reaches a worker
+(:mod:`kunlun.serving.response_state`), so here the field is refused (a request that did not
+come through the gateway), and ``store`` is echoed. Fields the chat API ignores are ignored
+here too (``metadata``, ``user``...).
 """
 
 from __future__ import annotations
@@ -72,9 +74,9 @@ class ResponsesRequest(StrictModel):
     truncation: Literal["disabled"] | None = None
     """Only ``disabled``: a conversation too long for the model is a 400, never cut."""
     previous_response_id: str | None = None
-    """Refused: responses are not kept (see the module docstring)."""
+    """Resolved by the gateway, refused here (see the module docstring)."""
     store: bool | None = None
-    """Accepted: nothing is stored either way."""
+    """Whether the gateway keeps the answer (default: it does)."""
     # accepted and ignored, as on the chat API (IGNORED_FIELDS)
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -85,8 +87,9 @@ class ResponsesRequest(StrictModel):
     def chat(self) -> dict[str, Any]:
         """The body of the ``/v1/chat/completions`` request this one means."""
         if self.previous_response_id is not None:
-            raise param_error("previous_response_id", "responses are not kept by this "
-                              "server: send the whole conversation in input")  # fmt: skip
+            raise param_error("previous_response_id", "this endpoint keeps no responses: "
+                              "the platform's gateway resolves previous_response_id; send "
+                              "the whole conversation in input")  # fmt: skip
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         messages += input_messages(self.input)
         body: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream}
@@ -185,7 +188,8 @@ def call_item(call: dict[str, Any], done: bool = True) -> dict[str, Any]:
 class Response:
     """One response object, filled as its answer comes."""
 
-    def __init__(self, req: ResponsesRequest) -> None:
+    def __init__(self, req: ResponsesRequest, previous: str | None = None) -> None:
+        """``previous``: the ``previous_response_id`` the gateway resolved into the input."""
         self.req = req
         self.body: dict[str, Any] = {
             "id": _new_id("resp"), "object": "response", "created_at": int(time.time()),
@@ -199,7 +203,8 @@ class Response:
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "text": {"format": (req.text.format.model_dump(by_alias=True, exclude_none=True)
                                 if req.text and req.text.format else {"type": "text"})},
-            "previous_response_id": None, "store": False, "truncation": "disabled",
+            "previous_response_id": previous, "store": req.store is not False,
+            "truncation": "disabled",
             "metadata": req.metadata or {}, "usage": None,
         }  # fmt: skip
 

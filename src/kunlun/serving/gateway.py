@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kunlun.errors import KunlunError, Location, RequestError
+from kunlun.headers import PREVIOUS_RESPONSE, raw
 from kunlun.limits import DEFAULT_MAX_SEQUENCES
 from kunlun.protocol.embedding_request import EmbeddingRequest
 from kunlun.protocol.openai_api import ChatCompletionRequest, CompletionRequest
@@ -55,6 +56,7 @@ from kunlun.serving.ollama_gateway import OLLAMA_PATHS, add_ollama_routes
 from kunlun.serving.queue_metrics import QueueDepth  # telemetry
 from kunlun.serving.relay import Relay
 from kunlun.serving.replica import ReplicaSet
+from kunlun.serving.response_state import RESPONSES_PATH, Recorder, ResponseState
 from kunlun.serving.routing import DeviceSamples, Router
 from kunlun.serving.scheduler_config import SchedulerConfigSource
 from kunlun.serving.sglang_gateway import GENERATE_PATH, add_sglang_routes, only_model
@@ -66,7 +68,7 @@ _CHAT_BODY = openapi_body(ChatCompletionRequest)
 _COMPLETION_BODY = openapi_body(CompletionRequest)
 _EMBEDDING_BODY = openapi_body(EmbeddingRequest)
 ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings",
-                       "/v1/responses", GENERATE_PATH, *OLLAMA_PATHS})  # fmt: skip
+                       RESPONSES_PATH, GENERATE_PATH, *OLLAMA_PATHS})  # fmt: skip
 """The inference routes: relayed to a replica."""
 MAX_BODY_BYTES = 32 << 20
 """The largest request body the inference routes accept (larger: 413)."""
@@ -108,6 +110,8 @@ class GatewayState:
     upstream: UpstreamPool | None = field(default=None, repr=False)
     """Shared keep-alive connections to the workers (made by :meth:`start`)."""
     upstream_ssl: ssl.SSLContext | None = field(default=None, repr=False)
+    responses: ResponseState | None = field(default=None, repr=False)
+    """The Responses API's kept answers (the daemon's state store); None: none are kept."""
     """In a cluster: TLS for other nodes' peer ports (their replicas' ``https://`` URLs)."""
     splits: dict[str, Split] = field(default_factory=dict)
     """Model name -> its rollout's traffic split (set by the rollout controller)."""
@@ -288,7 +292,17 @@ class GatewayEndpoints:
             pieces.append(piece)
             more = message.get("more_body", False)
         body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        await respond(scope, body, self.replicas, self.state)(scope, receive, send)
+        previous, recorder = None, None
+        if scope["path"] == RESPONSES_PATH and self.state.responses is not None:
+            try:
+                body, previous, recorder = await self.state.responses.prepare(body)
+            except KunlunError as exc:
+                await error_response(exc)(scope, receive, send)
+                return
+        headers = () if previous is None else ((raw(PREVIOUS_RESPONSE), previous.encode()),)
+        await respond(scope, body, self.replicas, self.state, headers, recorder)(
+            scope, receive, send
+        )
 
 
 def mount_gateway(app: FastAPI, replicas: ReplicaSet, state: GatewayState) -> None:
@@ -304,7 +318,14 @@ def error_response(exc: BaseException) -> Response:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def respond(scope: Scope, body: bytes, replicas: ReplicaSet, state: GatewayState) -> Response:
+def respond(
+    scope: Scope,
+    body: bytes,
+    replicas: ReplicaSet,
+    state: GatewayState,
+    worker_headers: tuple[tuple[bytes, bytes], ...] = (),
+    recorder: Recorder | None = None,
+) -> Response:
     """The ASGI response to the inference request ``body`` that arrived with ``scope``:
     the relay to a replica (admitted when it runs) or the error that refuses it now."""
     arrived = time.perf_counter()  # telemetry
@@ -318,6 +339,7 @@ def respond(scope: Scope, body: bytes, replicas: ReplicaSet, state: GatewayState
         model = (scope.get("state") or {}).get("model")
         state.metrics.refused(model, model in replicas.models(), exc)  # telemetry
         return error_response(exc)
-    relay = Relay(state, admitted, scope["path"], body, headers.request_id or new_request_id())
+    relay = Relay(state, admitted, scope["path"], body, headers.request_id or new_request_id(),
+                  worker_headers, recorder)  # fmt: skip
     relay.arrived = arrived  # telemetry
     return relay

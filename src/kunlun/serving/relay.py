@@ -46,6 +46,7 @@ from kunlun.serving.upstream import (
 
 if TYPE_CHECKING:
     from kunlun.serving.gateway import GatewayState
+    from kunlun.serving.response_state import Recorder
 
 _REQUEST_ID, _REPLICA, _DEVICE, _PRIORITY, _VERSION = map(http_headers.raw, (
     http_headers.REQUEST_ID, http_headers.REPLICA, http_headers.DEVICE, http_headers.PRIORITY,
@@ -71,9 +72,19 @@ class Relay(Response):
     connection (the worker then aborts)."""
 
     def __init__(
-        self, state: GatewayState, ticket: Ticket, path: str, body: bytes, request_id: str
+        self,
+        state: GatewayState,
+        ticket: Ticket,
+        path: str,
+        body: bytes,
+        request_id: str,
+        headers: tuple[tuple[bytes, bytes], ...] = (),
+        recorder: Recorder | None = None,
     ) -> None:
         self.state, self.ticket = state, ticket
+        self.worker_headers, self.recorder = headers, recorder
+        """Headers for the worker besides the request id; who reads the answer as it passes
+        (the Responses API's kept answers)."""
         self.replica: Replica | None = None
         self.path, self.payload, self.request_id = path, body, request_id
         self.status_code, self.raw_headers, self.background = 200, [], None
@@ -164,7 +175,7 @@ class Relay(Response):
         if pool is None:
             raise RuntimeError("GatewayState.start() was not called")
         headers = [(b"content-type", b"application/json"),
-                   (_REQUEST_ID, self.request_id.encode())]  # fmt: skip
+                   (_REQUEST_ID, self.request_id.encode()), *self.worker_headers]  # fmt: skip
         payload = self.payload
         if replica.engine != EMBEDDED_ENGINE:  # an external engine: no Kunlun worker checks it
             try:
@@ -220,10 +231,15 @@ class Relay(Response):
                 # chunked body may come in a later read: a client that closes on [DONE] (the
                 # openai SDK does) has its answer, and is not one that left first.
                 self._ended = final or (streamed and (last[-14:] + chunk[-14:]).endswith(sse.DONE))
+                if self.recorder is not None:
+                    self.recorder.feed(chunk)
+                    if final:  # kept before the client has all of it, so it may go on at once
+                        await self._keep(upstream.status_code)
                 await send({"type": "http.response.body", "body": chunk, "more_body": not final})
                 if final:
                     break
                 last = chunk
+            await self._keep(upstream.status_code)
         except UpstreamBroken as exc:
             error = self._died(replica, exc)
             self.status_code = error.http_status  # telemetry
@@ -234,6 +250,12 @@ class Relay(Response):
         if not final:
             self._ended = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _keep(self, status: int) -> None:
+        """Hand the whole answer to the recorder, once (the Responses API's kept answers)."""
+        recorder, self.recorder = self.recorder, None
+        if recorder is not None:
+            await recorder.finish(status)
 
     async def _send_error(self, send: Send, exc: KunlunError) -> None:
         status, body, extra = error_status_and_body(exc)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from kunlun.headers import PREVIOUS_RESPONSE
 from kunlun.limits import CLIENT_GONE
 from kunlun.protocol import sse
 from kunlun.protocol.openai_api import ChatCompletionRequest
@@ -42,7 +43,7 @@ class ResponsesRoute:
         req = await off_loop_if_large(raw, parse_request, ResponsesRequest, raw)
         chat = parse_request(ChatCompletionRequest, json.dumps(req.chat()).encode())
         submitted, tools, _ = await self.start_chat(request, raw, chat)
-        response = ResponseObject(req)
+        response = ResponseObject(req, request.headers.get(PREVIOUS_RESPONSE))
         worker = self.worker
         if req.stream:
             events = _events(worker.deltas(call, submitted.streams), call, tools, response)

@@ -5,7 +5,7 @@ Each record is one key under the prefix (default ``/kunlun/``), its value the JS
 
     workloads/<workload_id>   apikeys/<key_id>   models/<alias>
     files/<file_id>           batches/<batch_id>          rollouts/<rollout_id>
-    endpoints/<name>
+    endpoints/<name>            responses/<response_id>
     events/<workload_id>/<time_ns:020d>-<8 hex>
 
 Lists are sorted as :class:`~kunlun.state.sqlite.SQLiteStore` sorts them: workloads and API
@@ -17,7 +17,8 @@ Fields a record does not know (written by a newer version) are ignored when read
 
 :meth:`EtcdStore.data_version` costs no request: a watch on the prefix, started with the
 store, counts the changes to records it sees (this store's writes and every other node's;
-not the cluster's own keys under ``cluster/`` nor events, which change all the time) and keeps
+not the cluster's own keys under ``cluster/`` nor events and kept responses, which change all
+the time) and keeps
 :attr:`EtcdStore.revision`, the store's revision as of the latest one. Every method raises
 :class:`~kunlun.errors.ClusterUnavailable` when no quorum of etcd answers in time.
 """
@@ -41,6 +42,7 @@ from kunlun.state.store import (
     EventRecord,
     FileRecord,
     ModelRecord,
+    ResponseRecord,
     RolloutRecord,
     StateStore,
     WorkloadRecord,
@@ -58,7 +60,7 @@ class EtcdStore(StateStore):
         self.revision = etcd.revision()
         """The store's revision as of the latest change under the prefix seen by the watch."""
         self._changes = 0
-        self._busy = (self.prefix + "cluster/", self.prefix + "events/")
+        self._busy = (self.prefix + "cluster/", self.prefix + "events/", self.prefix + "responses/")
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._watch = etcd.watch(self.prefix, self.revision + 1, self._on_events, self._stop)
@@ -169,6 +171,17 @@ class EtcdStore(StateStore):
 
     def delete_endpoint(self, name: str) -> bool:
         return self.etcd.delete(self._key("endpoints", name)) > 0
+
+    # Responses API answers
+    def put_response(self, record: ResponseRecord) -> None:
+        self._put("responses", record.response_id, record)
+
+    def get_response(self, response_id: str) -> ResponseRecord | None:
+        return self._get(ResponseRecord, "responses", response_id)
+
+    def delete_responses_before(self, created: float) -> int:
+        old = [kv.key for kv, r in self._list(ResponseRecord, "responses") if r.created < created]
+        return sum(self.etcd.delete(key) for key in old)
 
     # change detection
     def data_version(self) -> int:

@@ -19,6 +19,7 @@ from kunlun.state.store import (
     EventRecord,
     FileRecord,
     ModelRecord,
+    ResponseRecord,
     RolloutRecord,
     StateStore,
     WorkloadRecord,
@@ -45,6 +46,9 @@ CREATE TABLE IF NOT EXISTS batches (
 CREATE TABLE IF NOT EXISTS rollouts (
   rollout_id TEXT PRIMARY KEY, created REAL NOT NULL, data TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS endpoints (name TEXT PRIMARY KEY, data TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS responses (
+  response_id TEXT PRIMARY KEY, created REAL NOT NULL, data TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS responses_by_created ON responses(created);
 """
 
 
@@ -213,6 +217,20 @@ class SQLiteStore(StateStore):
     def delete_endpoint(self, name: str) -> bool:
         with self._lock, self._db:
             return self._db.execute("DELETE FROM endpoints WHERE name = ?", (name,)).rowcount > 0
+
+    def put_response(self, record: ResponseRecord) -> None:
+        self._exec(
+            "INSERT OR REPLACE INTO responses VALUES (?,?,?)",
+            (record.response_id, record.created, json.dumps(asdict(record))),
+        )
+
+    def get_response(self, response_id: str) -> ResponseRecord | None:
+        rows = self._exec("SELECT data FROM responses WHERE response_id = ?", (response_id,))
+        return ResponseRecord(**json.loads(rows[0][0])) if rows else None
+
+    def delete_responses_before(self, created: float) -> int:
+        with self._lock, self._db:
+            return self._db.execute("DELETE FROM responses WHERE created < ?", (created,)).rowcount
 
     def data_version(self) -> int:
         """Changes whenever another connection commits (cheap change detection)."""

@@ -2,7 +2,8 @@
 
 Everything the daemon must remember across restarts goes through a :class:`StateStore`:
 workloads, their events, replicas, API keys (hashes only), imported models, and the files
-and jobs of the Batch API, canary rollouts and Request-as-a-Service endpoints. A single node
+and jobs of the Batch API, canary rollouts, Request-as-a-Service endpoints and the Responses
+API's kept answers. A single node
 uses :class:`~kunlun.state.sqlite.SQLiteStore` under ``KUNLUN_HOME``; a cluster puts
 :class:`~kunlun.state.etcd.EtcdStore` behind the same interface (:mod:`kunlun.cluster`).
 """
@@ -157,6 +158,18 @@ class RolloutRecord:
 
 
 @dataclass
+class ResponseRecord:
+    """A Responses API answer kept for ``previous_response_id``
+    (:mod:`kunlun.serving.response_state`): the conversation up to and including it, as the
+    Responses API's input items."""
+
+    response_id: str
+    model: str
+    created: float
+    items: list[dict[str, Any]]
+
+
+@dataclass
 class EndpointRecord:
     """A Request-as-a-Service endpoint (:mod:`kunlun.serving.endpoints`): ``POST
     /v1/endpoints/<name>`` validates its body against ``input_schema``, renders ``prompt``
@@ -271,6 +284,18 @@ class StateStore(ABC):
     @abstractmethod
     def delete_endpoint(self, name: str) -> bool:
         """Remove an endpoint; False when there is none."""
+
+    # Responses API answers (previous_response_id)
+    @abstractmethod
+    def put_response(self, record: ResponseRecord) -> None:
+        """Insert or replace a kept response."""
+
+    @abstractmethod
+    def get_response(self, response_id: str) -> ResponseRecord | None: ...
+
+    @abstractmethod
+    def delete_responses_before(self, created: float) -> int:
+        """Forget the responses kept before ``created`` (Unix seconds); how many went."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources."""
