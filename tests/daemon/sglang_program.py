@@ -30,8 +30,20 @@ def two_steps(s):  # type: ignore[no-untyped-def]
     s += "\nQ: What is 3+3?\nA:" + sgl.gen("b", max_tokens=4, temperature=0, stop="\n")
 
 
+@sgl.function
+def chat(s):  # type: ignore[no-untyped-def]
+    s += sgl.user("What is the capital of France?")
+    s += sgl.assistant(sgl.gen("answer", max_tokens=8, temperature=0))
+
+
 def main(base_url: str) -> None:
     backend = sgl.RuntimeEndpoint(base_url)
+    # the front-end picks its chat template from model_path, which names no family here;
+    # the daemon says which template writes the model's turns
+    templated = sgl.RuntimeEndpoint(
+        base_url, chat_template_name=backend.model_info["chat_template"]
+    )
+    talked = chat.run(backend=templated)
     one = capital.run(country="France", backend=backend)
     streamed = capital.run(country="France", stream=True, backend=backend)
     pieces = list(streamed.text_iter("city"))
@@ -48,6 +60,9 @@ def main(base_url: str) -> None:
         "select_meta": chosen.get_meta_info("city"),
         "steps": [steps["a"], steps["b"]],
         "steps_text": steps.text(),
+        "chat_template": backend.model_info["chat_template"],
+        "chat_text": talked.text(),
+        "chat_answer": talked["answer"],
     }
     print(json.dumps(out, default=str))
 

@@ -8,6 +8,8 @@ call without a model name goes to the only generation model)."""
 from __future__ import annotations
 
 import json
+import signal
+import time
 from typing import Any
 
 import httpx
@@ -140,3 +142,37 @@ def test_sglang_front_end_with_an_embedding_model_beside(daemon: Daemon) -> None
     assert loopback.get(daemon.url + "/health_generate", timeout=60).status_code == 200
     embed = loopback.get(daemon.url + "/get_model_info?model=tiny-embed", timeout=60)
     assert embed.status_code == 200 and embed.json()["model_path"] == "tiny-embed"
+
+
+def test_a_configured_default_model_is_the_one_a_request_without_model_means(
+    daemon: Daemon,
+) -> None:
+    """``default_model`` in ``scheduler_config.yaml`` (reloaded live) names the model of an
+    SGLang request that names none, over the only generation model; a default that is not
+    served is a 404 naming it."""
+    config = daemon.home / "scheduler_config.yaml"
+
+    def info_after(text: str | None) -> httpx.Response:
+        if text is None:
+            config.unlink()
+        else:
+            config.write_text(text)
+        daemon.signal(signal.SIGHUP)  # reload now (the daemon also looks every second)
+        deadline = time.monotonic() + 30
+        while True:
+            reply = loopback.get(daemon.url + "/get_model_info", timeout=60)
+            said = reply.json().get("model_path") or reply.json()["error"]["message"]
+            if (text is None and said == "tiny") or (text is not None and text.split()[-1] in said):
+                return reply
+            assert time.monotonic() < deadline, said
+            time.sleep(0.2)
+
+    try:
+        missing = info_after("default_model: nope\n")
+        assert missing.status_code == 404 and "'nope' is not served" in missing.text
+        generated = loopback.post(daemon.url + "/generate", timeout=60, json={"text": "Hi"})
+        assert generated.status_code == 404 and "'nope'" in generated.text
+        chosen = info_after("default_model: tiny-embed\n")
+        assert chosen.status_code == 200 and chosen.json()["model_path"] == "tiny-embed"
+    finally:
+        info_after(None)

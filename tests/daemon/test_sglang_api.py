@@ -206,6 +206,7 @@ def test_model_and_server_info(daemon: Daemon) -> None:
     info = loopback.get(daemon.url + "/get_model_info").json()
     assert info["model_path"] == info["tokenizer_path"] == MODEL
     assert info["is_generation"] is True and info["architectures"] == ["LlamaForCausalLM"]
+    assert info["chat_template"] == "chatml"  # the tiny model's template writes ChatML turns
     server = loopback.get(daemon.url + "/get_server_info").json()
     assert server["served_models"] == [MODEL] and server["num_replicas"] == 1
     made = loopback.post(daemon.url + "/tokenize", json={"model": MODEL, "prompt": "x"}).json()
@@ -332,3 +333,12 @@ def test_sglang_front_end_programs_run_unchanged(daemon: Daemon) -> None:
     assert out["select"] == [" Paris", " Rome", " Berlin"][scores.index(max(scores))]
     a, b = out["steps"]
     assert out["steps_text"] == f"Q: What is 2+2?\nA:{a}\nQ: What is 3+3?\nA:{b}"
+    # a chat program, with the template /get_model_info names: the model's own turns (ChatML)
+    assert out["chat_template"] == "chatml"
+    question = "What is the capital of France?"
+    assert out["chat_text"].startswith(f"<|im_start|>user\n{question}<|im_end|>\n"
+                                       "<|im_start|>assistant\n")  # fmt: skip
+    same = loopback.post(daemon.url + "/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": 8,
+        "temperature": 0}).json()  # fmt: skip
+    assert out["chat_answer"] == same["choices"][0]["message"]["content"]  # the same prompt

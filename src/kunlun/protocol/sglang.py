@@ -307,3 +307,23 @@ def generate_item(
         meta.update(logprob_fields(req, tokens, final.prompt_token_ids, final.prompt_logprobs,
                                    output_ids, [] if prefill_only else output.logprobs or []))  # fmt: skip
     return {"text": "" if prefill_only else output.text, "meta_info": meta}
+
+
+CHAT_TEMPLATE_FAMILIES = (
+    ("<|im_start|>", "chatml"),
+    ("<|start_header_id|>", "llama-3-instruct"),
+    ("<start_of_turn>", "gemma-it"),
+    ("[INST]", "llama-2-chat"),
+)
+"""Markers of a model's own chat template (its tokenizer's Jinja text) and the name of SGLang
+front-end template that writes the same turns: SGLang's front-end renders a program's
+``sgl.user``/``sgl.assistant`` turns itself, by a template it picks from ``model_path`` (names
+the platform's aliases do not follow) or from ``RuntimeEndpoint(chat_template_name=...)``."""
+
+
+def chat_template_family(template: str | None) -> str | None:
+    """The SGLang front-end template that writes turns as ``template`` does, or None."""
+    for marker, name in CHAT_TEMPLATE_FAMILIES:
+        if template and marker in template:
+            return name
+    return None

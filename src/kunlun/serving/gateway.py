@@ -59,7 +59,12 @@ from kunlun.serving.replica import ReplicaSet
 from kunlun.serving.response_state import RESPONSES_PATH, Recorder, ResponseState
 from kunlun.serving.routing import DeviceSamples, Router
 from kunlun.serving.scheduler_config import SchedulerConfigSource
-from kunlun.serving.sglang_gateway import GENERATE_PATH, add_sglang_routes, only_model
+from kunlun.serving.sglang_gateway import (
+    GENERATE_PATH,
+    add_sglang_routes,
+    default_model,
+    only_model,
+)
 from kunlun.serving.upstream import UpstreamError, UpstreamPool
 from kunlun.serving.vllm_gateway import add_vllm_routes
 from kunlun.telemetry.gateway_metrics import GatewayMetrics  # telemetry
@@ -235,7 +240,7 @@ async def _to_a_worker(
         raise RequestError("the request body is not JSON") from None
     if not isinstance(payload, dict):
         raise RequestError("the request body is not a JSON object")
-    model = only_model(payload.get("model"), replicas)  # (or the only generation model)
+    model = only_model(payload.get("model"), replicas, default_model(state))  # or the default
     chosen = min(replicas.ready(model), key=lambda r: r.in_flight, default=None)
     if chosen is None:
         if model in replicas.models():

@@ -43,7 +43,7 @@ from kunlun.serving.routing import (
     pool_header,
     resolve_priority,
 )
-from kunlun.serving.sglang_gateway import GENERATE_PATH, admission_view
+from kunlun.serving.sglang_gateway import GENERATE_PATH, admission_view, default_model
 
 if TYPE_CHECKING:
     from kunlun.serving.gateway import GatewayState
@@ -90,7 +90,8 @@ def ticket(
     """What admission needs to know of a request, or the error that refuses it at once."""
     payload = json_text.loads(body)  # bounded nesting, UTF-8 text (else 400)
     if scope["path"] == GENERATE_PATH:  # SGLang's body, seen as an OpenAI one
-        payload = admission_view(payload, replicas, state.max_sequences_per_request)
+        payload = admission_view(payload, replicas, state.max_sequences_per_request,
+                                 default_model(state))  # fmt: skip
     elif scope["path"] in OLLAMA_PATHS:  # and Ollama's
         payload = ollama_admission_view(payload)
     model = payload.get("model") if isinstance(payload, dict) else None

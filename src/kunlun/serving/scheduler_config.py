@@ -149,6 +149,13 @@ class SchedulerConfig(_Strict):
     )
     thermal: ThermalConfig = Field(default_factory=ThermalConfig)
     api_keys: KeyDefaults = Field(default_factory=KeyDefaults)
+    default_model: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        description="The model a request that names none means (SGLang's front-end names "
+        "none); default: the only generation model served (else such a request is a 400).",
+    )
     model_roots: list[str] = Field(
         default_factory=list,
         max_length=64,

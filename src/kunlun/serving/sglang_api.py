@@ -33,7 +33,12 @@ from kunlun.limits import CLIENT_GONE
 from kunlun.protocol import sse
 from kunlun.protocol.openai_errors import param_error
 from kunlun.protocol.request_body import parse_request
-from kunlun.protocol.sglang import GenerateRequest, finish_reason, generate_item
+from kunlun.protocol.sglang import (
+    GenerateRequest,
+    chat_template_family,
+    finish_reason,
+    generate_item,
+)
 from kunlun.protocol.sglang import logprob_fields as _logprob_fields
 from kunlun.serving.worker_calls import Call, json_response, new_call, off_loop_if_large
 
@@ -92,7 +97,9 @@ class SGLangRoutes:
 
     async def get_model_info(self) -> dict[str, Any]:
         """SGLang's model info; ``model_path`` is the served model's name (the platform does
-        not expose its file system paths)."""
+        not expose its file system paths), ``chat_template`` the SGLang front-end template
+        that writes turns as the model's own template does (the front-end cannot guess it
+        from an alias: ``RuntimeEndpoint(url, chat_template_name=...)`` takes it)."""
         worker = self.worker
         architecture = getattr(getattr(worker.engine.engine.runner, "config", None),
                                "architecture", None)  # fmt: skip
@@ -106,6 +113,7 @@ class SGLangRoutes:
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "architectures": None if architecture is None else [architecture],
+            "chat_template": chat_template_family(worker.tokenizer.chat_template),
         }
 
     async def get_server_info(self) -> dict[str, Any]:

@@ -40,18 +40,28 @@ from kunlun.serving.upstream import UpstreamError
 GENERATE_PATH = "/generate"
 
 
-def only_model(given: Any, replicas: ReplicaSet) -> str:
-    """The model a request means: ``given``, or the only generation model served (else a
-    400 naming ``model``)."""
+def only_model(given: Any, replicas: ReplicaSet, default: str | None = None) -> str:
+    """The model a request means: ``given``, else ``default`` (``default_model`` of
+    ``scheduler_config.yaml``), else the only generation model served (else a 400 naming
+    ``model``)."""
     if isinstance(given, str):
         return given
     if given is not None:
         raise param_error("model", "model must be a string")
+    if default is not None:
+        return default
     served = replicas.models(task="generate")
     if len(served) == 1:
         return served[0]
     raise param_error("model", f"the platform serves {len(served)} generation models "
-                      f"({', '.join(served) or 'none'}): name one in 'model'")  # fmt: skip
+                      f"({', '.join(served) or 'none'}): name one in 'model', or set "
+                      "default_model in scheduler_config.yaml")  # fmt: skip
+
+
+def default_model(state: Any) -> str | None:
+    """``default_model`` of the gateway's ``scheduler_config.yaml`` in force."""
+    name: str | None = state.scheduler.config.default_model
+    return name
 
 
 async def ask_replica(state: Any, replica: Replica, path: str) -> tuple[int, bytes]:
@@ -87,7 +97,7 @@ def relayed(answer: tuple[int, bytes, list[Replica]]) -> Response:
 def ready_replicas(request: Request, replicas: ReplicaSet, state: Any) -> tuple[str, list[Replica]]:
     """The model a query means (``?model=``, or :func:`only_model`) and its ready replicas
     (a 503 while it has none, a 404 for a model not served)."""
-    model = only_model(request.query_params.get("model"), replicas)
+    model = only_model(request.query_params.get("model"), replicas, default_model(state))
     chosen = replicas.ready(model)
     if not chosen:
         if model in replicas.models():
@@ -98,13 +108,15 @@ def ready_replicas(request: Request, replicas: ReplicaSet, state: Any) -> tuple[
     return model, chosen
 
 
-def admission_view(payload: Any, replicas: ReplicaSet, limit: int) -> dict[str, Any]:
+def admission_view(
+    payload: Any, replicas: ReplicaSet, limit: int, default: str | None = None
+) -> dict[str, Any]:
     """An SGLang ``/generate`` body as the gateway's admission reads an OpenAI one: its
     model, and ``max_tokens`` standing for every sequence's tokens; a body asking for more
     than ``limit`` sequences (prompts x ``sampling_params.n``) is a 400 here."""
     if not isinstance(payload, dict):
         raise RequestError("the request body is not a JSON object")
-    model = only_model(payload.get("model"), replicas)
+    model = only_model(payload.get("model"), replicas, default)
     params = payload.get("sampling_params")
     params = params if isinstance(params, dict) else {}
     n = params.get("n")
