@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kunlun import json_text
 from kunlun.errors import RequestError
-from kunlun.serving.gateway import error_response
+from kunlun.serving.replica_calls import error_response
 
 _METHODS = frozenset({"POST", "PUT", "PATCH"})
 

@@ -44,7 +44,6 @@ from kunlun.protocol.openai_errors import (
     ModelNotFound,
     ServiceUnavailable,
     WorkerDied,
-    error_status_and_body,
 )
 from kunlun.protocol.request_body import openapi_body
 from kunlun.serving.admission import Admission
@@ -56,15 +55,11 @@ from kunlun.serving.ollama_gateway import OLLAMA_PATHS, add_ollama_routes
 from kunlun.serving.queue_metrics import QueueDepth  # telemetry
 from kunlun.serving.relay import Relay
 from kunlun.serving.replica import ReplicaSet
+from kunlun.serving.replica_calls import default_model, error_response, only_model
 from kunlun.serving.response_state import RESPONSES_PATH, Recorder, ResponseState
 from kunlun.serving.routing import DeviceSamples, Router
 from kunlun.serving.scheduler_config import SchedulerConfigSource
-from kunlun.serving.sglang_gateway import (
-    GENERATE_PATH,
-    add_sglang_routes,
-    default_model,
-    only_model,
-)
+from kunlun.serving.sglang_gateway import GENERATE_PATH, add_sglang_routes
 from kunlun.serving.upstream import UpstreamError, UpstreamPool
 from kunlun.serving.vllm_gateway import add_vllm_routes
 from kunlun.telemetry.gateway_metrics import GatewayMetrics  # telemetry
@@ -315,12 +310,6 @@ def mount_gateway(app: FastAPI, replicas: ReplicaSet, state: GatewayState) -> No
     (call before adding the middleware that should run first, such as API-key checks)."""
     app.include_router(gateway_router(replicas, state))
     app.add_middleware(GatewayEndpoints, replicas=replicas, state=state)
-
-
-def error_response(exc: BaseException) -> Response:
-    """The gateway's answer to ``exc``, in the OpenAI error shape."""
-    status, body, headers = error_status_and_body(exc)
-    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def respond(

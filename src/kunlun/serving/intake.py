@@ -35,6 +35,7 @@ from kunlun.serving.canary_split import SESSION_HEADER
 from kunlun.serving.canary_window import BASELINE
 from kunlun.serving.ollama_gateway import EMBEDDING_PATHS, OLLAMA_PATHS, ollama_admission_view
 from kunlun.serving.replica import ReplicaSet
+from kunlun.serving.replica_calls import default_model
 from kunlun.serving.routing import (
     KEY_PRIORITY_SCOPE,
     POOL_HEADER,
@@ -43,7 +44,7 @@ from kunlun.serving.routing import (
     pool_header,
     resolve_priority,
 )
-from kunlun.serving.sglang_gateway import GENERATE_PATH, admission_view, default_model
+from kunlun.serving.sglang_gateway import GENERATE_PATH, admission_view
 
 if TYPE_CHECKING:
     from kunlun.serving.gateway import GatewayState

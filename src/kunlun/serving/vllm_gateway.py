@@ -20,7 +20,7 @@ from fastapi.responses import Response
 import kunlun
 from kunlun.errors import KunlunError
 from kunlun.serving.replica import ReplicaSet
-from kunlun.serving.sglang_gateway import error_response, relayed, replica_answer
+from kunlun.serving.replica_calls import error_response, relayed, replica_answer
 
 
 def add_vllm_routes(
