@@ -302,6 +302,10 @@ def test_etcd_store_keeps_responses_as_sqlite_does(store: EtcdStore, tmp_path: P
         assert each.get_response("resp_nope") is None
         assert each.delete_responses_before(250.0) == 1
         assert each.get_response("resp_old") is None and each.get_response("resp_new")
+        each.put_response(ResponseRecord("resp_gone", "m", 400.0, [], {"id": "resp_gone"}))
+        assert each.get_response("resp_gone").response == {"id": "resp_gone"}  # type: ignore[union-attr]
+        assert each.delete_response("resp_gone") is True
+        assert each.delete_response("resp_gone") is False
     store.put_endpoint(EndpointRecord("marker", "m", True, True, "x"))  # one change of state
     deadline = time.monotonic() + 10
     while store.data_version() == version:  # the watch sees writes in order: the responses'

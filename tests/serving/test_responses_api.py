@@ -136,3 +136,18 @@ def test_a_response_made_with_store_false_or_unknown_cannot_be_continued(
         error = caught.value.body
         assert error["param"] == "previous_response_id", error  # type: ignore[index]
         assert f"no response {missing!r} is kept" in error["message"]  # type: ignore[index]
+
+
+def test_a_kept_response_is_retrieved_and_deleted(client: openai.OpenAI) -> None:
+    made = client.responses.create(model=MODEL, input="Hi", temperature=0, max_output_tokens=4)
+    got = client.responses.retrieve(made.id)
+    assert got.id == made.id and got.output_text == made.output_text
+    assert got.usage.output_tokens == made.usage.output_tokens
+    client.responses.delete(made.id)
+    for call in (client.responses.retrieve, client.responses.delete):
+        with pytest.raises(openai.NotFoundError) as caught:
+            call(made.id)
+        assert f"no response {made.id!r} is kept" in caught.value.body["message"]  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):  # nor can it be continued
+        client.responses.create(model=MODEL, input="Hi", max_output_tokens=4,
+                                previous_response_id=made.id)  # fmt: skip

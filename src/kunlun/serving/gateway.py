@@ -42,6 +42,7 @@ from kunlun.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from kunlun.protocol.openai_errors import (
     BodyTooLarge,
     ModelNotFound,
+    RouteNotFound,
     ServiceUnavailable,
     WorkerDied,
 )
@@ -183,6 +184,16 @@ def gateway_router(replicas: ReplicaSet, state: GatewayState) -> APIRouter:
         raise ModelNotFound(f"model {model_id!r} is not served here",
                             location=Location("request", field="model"))  # fmt: skip
 
+    @router.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        """A kept Responses API answer (:mod:`kunlun.serving.response_state`)."""
+        return await _kept(state, "retrieve", response_id)
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        """Forget a kept Responses API answer."""
+        return await _kept(state, "delete", response_id)
+
     @router.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         """vLLM's ``/tokenize``: ``{model, prompt | messages}`` -> ``{count, max_model_len,
@@ -221,6 +232,18 @@ def gateway_router(replicas: ReplicaSet, state: GatewayState) -> APIRouter:
         return respond(request.scope, await request.body(), replicas, state)
 
     return router
+
+
+async def _kept(state: GatewayState, action: str, response_id: str) -> Response:
+    """``retrieve`` or ``delete`` a kept response; the 404 of an id not kept, or of a gateway
+    that keeps none."""
+    try:
+        if state.responses is None:
+            raise RouteNotFound("this gateway keeps no responses")
+        call = state.responses.retrieve if action == "retrieve" else state.responses.delete
+        return JSONResponse(await call(response_id))
+    except KunlunError as exc:
+        return error_response(exc)
 
 
 async def _to_a_worker(

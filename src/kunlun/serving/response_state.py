@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from kunlun import json_text
+from kunlun.errors import RequestError
 from kunlun.protocol.openai_errors import param_error
 from kunlun.state.store import ResponseRecord, StateStore
 
@@ -40,6 +41,15 @@ PRUNE_EVERY_S = 600.0
 """How often keeping a response also forgets those older than :data:`KEEP_S`."""
 _ENDS = (b"event: response.completed", b"event: response.incomplete")
 """The events a stream ends with, each carrying the whole response."""
+
+
+class ResponseNotFound(RequestError):
+    """No response with the id a request names is kept."""
+
+    code = "serving.response_not_found"
+    openai_code = "not_found"
+    http_status = 404
+    openai_type = "invalid_request_error"
 
 
 class ResponseState:
@@ -92,6 +102,19 @@ class ResponseState:
             self._pruned = now
             self.store.delete_responses_before(now - KEEP_S)
 
+    async def retrieve(self, response_id: str) -> dict[str, Any]:
+        """A kept response object (``GET /v1/responses/{id}``), or a 404 naming the id."""
+        kept = await asyncio.to_thread(self.store.get_response, response_id)
+        if kept is None or not kept.response:
+            raise ResponseNotFound(f"no response {response_id!r} is kept here")
+        return kept.response
+
+    async def delete(self, response_id: str) -> dict[str, Any]:
+        """Forget a kept response (``DELETE /v1/responses/{id}``), or a 404 naming the id."""
+        if not await asyncio.to_thread(self.store.delete_response, response_id):
+            raise ResponseNotFound(f"no response {response_id!r} is kept here")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
     def say(self, line: str) -> None:
         """Print ``line`` to the daemon's log, once."""
         if line not in self._said:
@@ -125,7 +148,7 @@ class Recorder:
             return
         output = [item for item in response.get("output") or [] if isinstance(item, dict)]
         await self.state.keep(ResponseRecord(response["id"], self.model, time.time(),
-                                             self.items + output))  # fmt: skip
+                                             self.items + output, response))  # fmt: skip
 
 
 def _input_items(given: Any) -> list[dict[str, Any]] | None:

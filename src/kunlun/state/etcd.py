@@ -179,6 +179,9 @@ class EtcdStore(StateStore):
     def get_response(self, response_id: str) -> ResponseRecord | None:
         return self._get(ResponseRecord, "responses", response_id)
 
+    def delete_response(self, response_id: str) -> bool:
+        return self.etcd.delete(self._key("responses", response_id)) > 0
+
     def delete_responses_before(self, created: float) -> int:
         old = [kv.key for kv, r in self._list(ResponseRecord, "responses") if r.created < created]
         return sum(self.etcd.delete(key) for key in old)

@@ -228,6 +228,11 @@ class SQLiteStore(StateStore):
         rows = self._exec("SELECT data FROM responses WHERE response_id = ?", (response_id,))
         return ResponseRecord(**json.loads(rows[0][0])) if rows else None
 
+    def delete_response(self, response_id: str) -> bool:
+        with self._lock, self._db:
+            done = self._db.execute("DELETE FROM responses WHERE response_id = ?", (response_id,))
+            return done.rowcount > 0
+
     def delete_responses_before(self, created: float) -> int:
         with self._lock, self._db:
             return self._db.execute("DELETE FROM responses WHERE created < ?", (created,)).rowcount

@@ -167,6 +167,8 @@ class ResponseRecord:
     model: str
     created: float
     items: list[dict[str, Any]]
+    response: dict[str, Any] = field(default_factory=dict)
+    """The response object as answered (``GET /v1/responses/{id}``)."""
 
 
 @dataclass
@@ -292,6 +294,10 @@ class StateStore(ABC):
 
     @abstractmethod
     def get_response(self, response_id: str) -> ResponseRecord | None: ...
+
+    @abstractmethod
+    def delete_response(self, response_id: str) -> bool:
+        """Forget one kept response; False when there is none."""
 
     @abstractmethod
     def delete_responses_before(self, created: float) -> int:
