@@ -36,7 +36,7 @@ RESPONSES_PATH = "/v1/responses"
 KEEP_S = 30 * 24 * 3600.0
 """How long a kept response can be continued (OpenAI keeps them 30 days)."""
 KEPT_BYTES = 16 << 20
-"""The largest answer (as relayed) whose conversation is kept."""
+"""The largest conversation kept: the request relayed and its answer, in bytes."""
 PRUNE_EVERY_S = 600.0
 """How often keeping a response also forgets those older than :data:`KEEP_S`."""
 _ENDS = (b"event: response.completed", b"event: response.incomplete")
@@ -82,10 +82,10 @@ class ResponseState:
             items = kept.items + items
             payload = {k: v for k, v in payload.items() if k != "previous_response_id"}
             payload["input"] = items
-            body = json.dumps(payload, ensure_ascii=False).encode()
+            body = await asyncio.to_thread(_encode, payload)  # a kept conversation: MiBs
         if payload.get("store") is False or items is None:
             return body, previous, None
-        return body, previous, Recorder(self, items, str(payload.get("model", "")))
+        return body, previous, Recorder(self, items, str(payload.get("model", "")), len(body))
 
     async def keep(self, record: ResponseRecord) -> None:
         """Write ``record`` (in a thread); a failure is said once, never raised: the answer
@@ -125,10 +125,13 @@ class ResponseState:
 class Recorder:
     """Reads one relayed answer (:meth:`feed`) and keeps its conversation (:meth:`finish`)."""
 
-    def __init__(self, state: ResponseState, items: list[dict[str, Any]], model: str) -> None:
+    def __init__(
+        self, state: ResponseState, items: list[dict[str, Any]], model: str, asked: int
+    ) -> None:
+        """``asked``: the bytes of the request relayed, the conversation's input part."""
         self.state, self.items, self.model = state, items, model
         self.chunks: list[bytes] = []
-        self.size = 0
+        self.size = asked
 
     def feed(self, chunk: bytes) -> None:
         if self.size <= KEPT_BYTES:
@@ -141,14 +144,18 @@ class Recorder:
         if status != 200:
             return
         if self.size > KEPT_BYTES:
-            self.state.say(f"an answer of more than {KEPT_BYTES >> 20} MiB was not kept")
+            self.state.say(f"a conversation of more than {KEPT_BYTES >> 20} MiB was not kept")
             return
-        response = _answer(b"".join(self.chunks))
+        response = await asyncio.to_thread(_answer, b"".join(self.chunks))  # up to MiBs
         if response is None or not isinstance(response.get("id"), str):
             return
         output = [item for item in response.get("output") or [] if isinstance(item, dict)]
         await self.state.keep(ResponseRecord(response["id"], self.model, time.time(),
                                              self.items + output, response))  # fmt: skip
+
+
+def _encode(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, ensure_ascii=False).encode()
 
 
 def _input_items(given: Any) -> list[dict[str, Any]] | None:
