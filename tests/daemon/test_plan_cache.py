@@ -80,6 +80,9 @@ def test_plan_cache_hit_reuses_conversion_and_a_changed_declaration_misses(
         assert started.model_copy(update={"ready_file": None, "sandbox": None}) == launch
         (pid,) = (json.loads(p.read_text())["pid"] for p in home.glob("run/workers/*.pid"))
         assert psutil.Process(pid).cmdline()[-2:] == ["--launch", str(replica_launch)]
+        # started through its adapter's command, logged like an external engine's
+        (line,) = [x for x in text.splitlines() if x.startswith("engine: ")]
+        assert line.split()[-3:] == ["kunlun.serving.worker", "--launch", str(replica_launch)]
         described = workload(daemon, first)
         assert described["target_device"] == "cpu:0" and described["placement"]["why"]
         assert described["placement"]["plan"]["dtype"] == "bf16"

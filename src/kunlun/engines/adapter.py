@@ -60,7 +60,8 @@ class LaunchContext:
     num_threads: int | None = None
     """Host threads (llama.cpp's ``--threads``); None: the plan's ``num_threads`` option."""
     launch_file: Path | None = None
-    """The embedded engine's :class:`~kunlun.engine.launch.EngineLaunch` file."""
+    """Where the node agent writes the replica's :class:`~kunlun.engine.launch.EngineLaunch`
+    before each start (an engine with :attr:`EngineAdapter.takes_launch_file` only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,11 @@ class EngineAdapter(ABC):
     formats: tuple[ModelFormat, ...]
     device_types: tuple[str, ...]
     """Kunlun device types (device plugins' ``device_type``) the engine runs on."""
+    takes_launch_file: bool = False
+    """The engine starts from an :class:`~kunlun.engine.launch.EngineLaunch` file that the
+    node agent completes (ready file, sandbox) and writes before each start; it binds a free
+    port itself and says which in its ready file. An external server takes its settings on
+    its command line and listens where its command says."""
 
     @abstractmethod
     def installed(self, device_type: str | None = None) -> Availability:

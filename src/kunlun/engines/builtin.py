@@ -1,9 +1,10 @@
 """The four built-in engines: Kunlun's own, llama.cpp's ``llama-server``, vLLM and SGLang.
 
-Each adapter reads its rows of :mod:`kunlun.engines.table`; none starts anything. The
-embedded engine's command is the existing worker launch
-(:func:`kunlun.engine.launch.worker_command`), described here, not re-made. Launching the
-external ones through the node agent is not built yet (docs/engines.md).
+Each adapter reads its rows of :mod:`kunlun.engines.table`; none starts anything: the node
+agent starts every replica from its adapter's command
+(:func:`kunlun.engines.registry.engine_command`). The embedded engine's argv is the worker's
+(:func:`kunlun.engine.launch.worker_command`, its one spelling), reading the launch file the
+agent writes.
 """
 
 from __future__ import annotations
@@ -368,6 +369,7 @@ class KunlunEngine(EngineAdapter):
 
     name = EMBEDDED_ENGINE
     formats: tuple[ModelFormat, ...] = ("hf", "gguf")
+    takes_launch_file = True
 
     @property
     def device_types(self) -> tuple[str, ...]:  # type: ignore[override]

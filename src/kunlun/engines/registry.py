@@ -237,16 +237,23 @@ def choose_plan_engines(
     return choices[0]
 
 
-def external_command(
+def engine_command(
     plan: ExecutionPlan, model_path: str | Path, served_name: str, num_threads: int,
-    log_file: Path, plan_dir: Path,
+    log_file: Path, plan_dir: Path, launch_file: Path,
 ) -> EngineCommand:  # fmt: skip
-    """The command of one replica of ``plan`` on its external engine (``plan.engine``),
-    listening on a free loopback port, its output appended to ``log_file``: the engine's
-    program (found on PATH or beside this interpreter), after whatever the engine needs
-    done to the model first (:meth:`~kunlun.engines.adapter.EngineAdapter.prepare_model`,
-    e.g. an unquantized GGUF written into ``plan_dir``)."""
+    """The command of one replica of ``plan`` on its engine (``plan.engine``), from the
+    engine's adapter, its output appended to ``log_file``. An engine that starts from a
+    launch file (:attr:`~kunlun.engines.adapter.EngineAdapter.takes_launch_file`: the
+    embedded one) reads it at ``launch_file`` and binds its own port. An external server
+    listens on a free loopback port; its program is found on PATH or beside this
+    interpreter, and runs after whatever the engine needs done to the model first
+    (:meth:`~kunlun.engines.adapter.EngineAdapter.prepare_model`, e.g. an unquantized GGUF
+    written into ``plan_dir``)."""
     engine = _registered().engines[plan.engine]
+    if engine.takes_launch_file:
+        return engine.command(plan, LaunchContext(Path(model_path), served_name, 0, log_file,
+                                                  num_threads=num_threads,
+                                                  launch_file=launch_file))  # fmt: skip
     served, first = engine.prepare_model(plan, model_path_for(engine, model_path),
                                          Path(model_path), plan_dir)  # fmt: skip
     context = LaunchContext(served, served_name, free_port(), log_file,

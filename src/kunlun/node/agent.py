@@ -1,9 +1,12 @@
 """The node agent's engine supervisor: one worker process per replica, kept alive.
 
-Each replica is a ``python -m kunlun.serving.worker --launch FILE`` process
-(:func:`~kunlun.engine.launch.worker_command`) started with its device's visibility
-environment; ``FILE`` is the replica's :class:`~kunlun.engine.launch.EngineLaunch` with its ready
-file and sandbox, written to ``KUNLUN_HOME/run/workers/<replica>.launch.json`` before each start, its output appended to ``KUNLUN_HOME/logs/<workload>.log``. The
+Each replica is one process started from its engine adapter's command
+(:class:`~kunlun.engines.adapter.EngineCommand`) with its device's visibility environment,
+its output appended to ``KUNLUN_HOME/logs/<workload>.log``. The embedded engine's is a
+``python -m kunlun.serving.worker --launch FILE`` process, ``FILE`` the replica's
+:class:`~kunlun.engine.launch.EngineLaunch` with its ready file and sandbox, written to
+``KUNLUN_HOME/run/workers/<replica>.launch.json`` before each start; an external engine's
+server is described in :mod:`kunlun.node.external`. The
 supervisor loop notices a worker's ready file (the worker writes it after loading and a
 warm-up generation), marks the replica ready in the :class:`ReplicaSet`, and restarts a worker
 that dies, with exponential backoff (1 s doubling to 60 s; reset after 60 s of health). It
@@ -41,7 +44,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from kunlun.engine.launch import EngineLaunch, ReadyInfo, worker_command
+from kunlun.engine.launch import EngineLaunch, ReadyInfo
 from kunlun.engines.adapter import EngineCommand
 from kunlun.errors import ConfigError, KunlunError
 from kunlun.node import external
@@ -99,28 +102,30 @@ class NodeAgent:
     def launch(
         self,
         replica: Replica,
-        launch: EngineLaunch | EngineCommand,
+        command: EngineCommand,
         env: dict[str, str],
         memory_cap_mb: int | None = None,
+        launch: EngineLaunch | None = None,
     ) -> Worker:
-        """Register a replica; the supervisor loop starts its process at once from ``launch``
-        (its ready file and sandbox are the agent's to set). ``env`` is its whole environment
-        (:meth:`worker_env`); ``memory_cap_mb`` its host memory cap.
+        """Register a replica; the supervisor loop starts its process at once from
+        ``command``, its engine adapter's (:func:`kunlun.engines.registry.engine_command`).
+        ``env`` is its whole environment (:meth:`worker_env`); ``memory_cap_mb`` its host
+        memory cap.
 
-        ``launch`` may be an external engine's :class:`EngineCommand` (from its adapter):
-        that server is started, watched, probed, restarted and stopped like a worker, and is
-        ready once ``ready_path`` answers 200 on its port. It is started confined
-        (:mod:`kunlun.node.confine`: dies with the daemon, rlimits, no_new_privs, the
+        The embedded engine's worker also has its ``launch``: before each start the agent
+        sets its ready file and sandbox and writes it to :meth:`launch_file`, which the
+        command reads; the worker confines itself by it and is ready once it writes its ready
+        file. An external engine's server is started, watched, probed, restarted and stopped
+        like a worker, and is ready once ``ready_path`` answers 200 on its port. It is started
+        confined (:mod:`kunlun.node.confine`: dies with the daemon, rlimits, no_new_privs, the
         workers' niceness) but without the worker's seccomp allow-list; its clean
         environment, own directory and memory cap are the agent's, as for a worker."""
         ready_file = self.run_dir / f"{replica.replica_id}.ready.json"
         sandbox = self.sandbox.for_worker(replica.replica_id, memory_cap_mb)
-        log = None
-        if isinstance(launch, EngineCommand):
-            log, replica.stats_path = launch.log_file, launch.stats_path or replica.stats_path
+        if launch is None:
             sandbox = dataclasses.replace(sandbox, seccomp=False)  # see kunlun.node.confine
-        worker = Worker(replica, launch, env, log or self.log_path(replica.workload_id),
-                        ready_file, sandbox)  # fmt: skip
+        replica.stats_path = command.stats_path or replica.stats_path
+        worker = Worker(replica, command, launch, env, command.log_file, ready_file, sandbox)
         self.workers[replica.replica_id] = worker
         self.replicas.upsert(replica)
         return worker
@@ -143,7 +148,7 @@ class NodeAgent:
             w.stopping = True
             w.replica.ready = False
             if w.proc and w.proc.poll() is None:
-                w.proc.send_signal(w.command.stop_signal if w.command else signal.SIGTERM)
+                w.proc.send_signal(w.command.stop_signal)
         deadline = time.monotonic() + timeout_s
         for w in workers:
             if w.proc is not None:
@@ -157,7 +162,7 @@ class NodeAgent:
     def _forget(self, w: Worker) -> None:
         self.workers.pop(w.replica.replica_id, None)
         self.replicas.remove(w.replica.replica_id)
-        for path in (self._pid_file(w), w.ready_file, self._launch_file(w)):
+        for path in (self._pid_file(w), w.ready_file, self.launch_file(w.replica.replica_id)):
             path.unlink(missing_ok=True)
         if w.sandbox.workdir is not None:
             self._remove_workdir(Path(w.sandbox.workdir), w.replica.workload_id)
@@ -258,7 +263,7 @@ class NodeAgent:
                              f"(private resident {over} MiB); it was stopped")  # fmt: skip
             return
         if (
-            w.command is None
+            not w.asks_ready
             and not w.replica.ready
             and w.killed_for is None
             and (w.ready_file.exists())
@@ -269,7 +274,7 @@ class NodeAgent:
 
     def _maybe_check_ready(self, w: Worker, client: httpx.AsyncClient) -> None:
         """An external engine still loading: ask its ready path (one check in flight)."""
-        if (w.command is None or w.proc is None or w.stopping or w.replica.ready
+        if (not w.asks_ready or w.proc is None or w.stopping or w.replica.ready
                 or w.checking is not None or w.killed_for is not None):  # fmt: skip
             return
         w.checking = asyncio.create_task(self._check_ready(w, w.proc, client))
@@ -277,7 +282,6 @@ class NodeAgent:
     async def _check_ready(
         self, w: Worker, proc: subprocess.Popen[bytes], client: httpx.AsyncClient
     ) -> None:
-        assert w.command is not None
         try:
             info = await external.ready_info(client, w.command, w.started_at)
             if info is not None and w.proc is proc and not w.stopping:
@@ -286,15 +290,17 @@ class NodeAgent:
             w.checking = None
 
     def _command(self, w: Worker) -> list[str]:
-        """The argv to start: the worker's, from its launch file; an external engine's
-        server's (:func:`kunlun.node.external.start_argv`)."""
-        if isinstance(w.launch, EngineLaunch):
-            w.ready_file.unlink(missing_ok=True)
-            launch = w.launch.model_copy(
-                update={"ready_file": w.ready_file, "sandbox": json.loads(w.sandbox.to_json())}
-            )
-            return worker_command(launch.write(self._launch_file(w)))
-        return external.start_argv(w.launch, w.sandbox)
+        """The argv to start: the embedded worker's, once its launch file is written with
+        this start's ready file and sandbox (the worker confines itself by it); an external
+        engine's server's, confined (:func:`kunlun.node.external.start_argv`)."""
+        if w.launch is None:
+            return external.start_argv(w.command, w.sandbox)
+        w.ready_file.unlink(missing_ok=True)
+        launch = w.launch.model_copy(
+            update={"ready_file": w.ready_file, "sandbox": json.loads(w.sandbox.to_json())}
+        )
+        launch.write(self.launch_file(w.replica.replica_id))
+        return list(w.command.argv)
 
     def _spawn(self, w: Worker) -> None:
         try:
@@ -399,8 +405,10 @@ class NodeAgent:
     def _pid_file(self, w: Worker) -> Path:
         return self.run_dir / f"{w.replica.replica_id}.pid"
 
-    def _launch_file(self, w: Worker) -> Path:
-        return self.run_dir / f"{w.replica.replica_id}.launch.json"
+    def launch_file(self, replica_id: str) -> Path:
+        """Where the embedded worker of ``replica_id`` reads its launch (written before each
+        start; its adapter's command names it)."""
+        return self.run_dir / f"{replica_id}.launch.json"
 
     # ---- leftovers of a crashed daemon ----
     def reap_leftovers(self) -> list[int]:

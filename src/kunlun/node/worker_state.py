@@ -1,7 +1,7 @@
 """What the node agent keeps of each worker process, and what it reads off one.
 
-:class:`Worker` is one supervised replica: what it runs (the embedded engine's launch or an
-external engine's command), its process, readiness, probes and restart state. The restart
+:class:`Worker` is one supervised replica: what it runs (its engine adapter's command, and
+the embedded engine's launch), its process, readiness, probes and restart state. The restart
 rules' figures are here beside it: the backoff doubles from 1 s to :data:`MAX_BACKOFF_S`
 and is reset after :data:`HEALTHY_RESET_S` of health, and a worker that dies
 :data:`MAX_LOAD_FAILURES` times before it is ready is given up on. :func:`last_error` reads
@@ -33,10 +33,13 @@ class Worker:
     """One supervised worker process and its restart state."""
 
     replica: Replica
-    launch: EngineLaunch | EngineCommand
-    """What the worker runs: the embedded engine's launch (the node agent adds its ready
-    file and sandbox at each start), or an external engine's server from its adapter
-    (:mod:`kunlun.engines`: llama.cpp, vLLM, SGLang)."""
+    command: EngineCommand
+    """What the process runs, from its engine's adapter (:mod:`kunlun.engines`: the
+    embedded engine, llama.cpp, vLLM, SGLang)."""
+    launch: EngineLaunch | None
+    """The embedded engine's launch, which the node agent completes with the ready file
+    and sandbox and writes where the command reads it before each start; None for an
+    external server (its settings are on its command line)."""
     env: dict[str, str]
     log_path: Path
     ready_file: Path
@@ -62,9 +65,10 @@ class Worker:
     """An external engine's readiness check in flight."""
 
     @property
-    def command(self) -> EngineCommand | None:
-        """The external engine's command, or None for the embedded engine's worker."""
-        return self.launch if isinstance(self.launch, EngineCommand) else None
+    def asks_ready(self) -> bool:
+        """Readiness is asked on the server's ready path; otherwise the process writes its
+        ready file (the embedded engine's worker)."""
+        return self.command.ready_path is not None
 
 
 def thread_count(env: dict[str, str]) -> int:

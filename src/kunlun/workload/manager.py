@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from kunlun.device.inventory import Inventory
 from kunlun.device.registry import load_plugins
 from kunlun.engines import measured
-from kunlun.engines.registry import DEFAULT_ENGINE, external_command
+from kunlun.engines.registry import engine_command, engine_named
 from kunlun.errors import ConfigError, KunlunError, Location, ModelError
 from kunlun.node.agent import NodeAgent
 from kunlun.offline.integrity import Finding, ModelGuard
@@ -269,27 +269,28 @@ class WorkloadManager:
             max_model_len=plan.max_model_len,
             created=int(record.created),
             task=spec.task,
+            engine=plan.engine,
         )
         plugin = load_plugins().plugins.get(plan.device_type)
         runtime_env = plugin.runtime_env if plugin is not None else ()
         env = self.agent.worker_env(replica.replica_id, plan.env, runtime_env, int(threads))
         host_kv_mb = plan.kv_cache_memory_mb if plan.torch_device == "cpu" else 0
         cap_mb = memory_cap_mb(plan.weight_memory_mb, host_kv_mb, spec.memory_cap_mb)
-        if plan.engine != DEFAULT_ENGINE:  # an external engine's own server
-            replica.engine = plan.engine
-            command = external_command(plan, model_dir, record.name, int(threads),
-                                       self.agent.log_path(record.workload_id), plan_dir)  # fmt: skip
-            self.agent.note(record.workload_id, "engine: " + shlex.join(command.argv))
-            self.agent.launch(replica, command, {**env, **command.env}, memory_cap_mb=cap_mb)
-            return
-        launch = engine_launch(plan, plugin, model_dir, record.name, plan_dir, int(threads),
-                               stream_interval=spec.stream_interval, faults=spec.faults,
-                               chat_template=spec.chat_template,
-                               task=spec.task, pooling=spec.embed_pooling,
-                               **worker_profiling(spec.telemetry, self.agent.log_dir,
-                                                  replica.replica_id))  # fmt: skip
-        launch.write(plan_dir / LAUNCH_FILE)
-        self.agent.launch(replica, launch, env, memory_cap_mb=cap_mb)
+        launch = None
+        if engine_named(plan.engine).takes_launch_file:  # the embedded engine's worker
+            launch = engine_launch(plan, plugin, model_dir, record.name, plan_dir, int(threads),
+                                   stream_interval=spec.stream_interval, faults=spec.faults,
+                                   chat_template=spec.chat_template,
+                                   task=spec.task, pooling=spec.embed_pooling,
+                                   **worker_profiling(spec.telemetry, self.agent.log_dir,
+                                                      replica.replica_id))  # fmt: skip
+            launch.write(plan_dir / LAUNCH_FILE)
+        command = engine_command(plan, model_dir, record.name, int(threads),
+                                 self.agent.log_path(record.workload_id), plan_dir,
+                                 self.agent.launch_file(replica.replica_id))  # fmt: skip
+        self.agent.note(record.workload_id, "engine: " + shlex.join(command.argv))
+        self.agent.launch(replica, command, {**env, **command.env}, memory_cap_mb=cap_mb,
+                          launch=launch)  # fmt: skip
 
     def resume_all(self) -> None:
         """After a daemon (re)start: start again every workload that was active (in a cluster,
