@@ -7,7 +7,8 @@ writes the bytecode caches) as an operator types it, through the console script:
 - ``--help``: the command list;
 - ``workload list``: one request to the daemon (its endpoint found from the daemon's pid
   file, as on the daemon's host), a table printed;
-- ``workload list --json`` and ``version``, for comparison; and ``python -c pass``, the
+- ``workload list --json``, ``version`` and ``workload submit --help`` (its options made from
+  the workload spec), for comparison; and ``python -c pass``, the
   interpreter's own start-up on this machine, the floor under every command.
 
 The CPU of a run is the child's ``ru_utime + ru_stime`` (``resource.getrusage`` on the
@@ -41,6 +42,7 @@ COMMANDS = {
     "kunlun-cli version": [str(BIN / "kunlun-cli"), "version"],
     "kunlun-cli workload list": [str(BIN / "kunlun-cli"), "workload", "list"],
     "kunlun-cli workload list --json": [str(BIN / "kunlun-cli"), "workload", "list", "--json"],
+    "kunlun-cli workload submit --help": [str(BIN / "kunlun-cli"), "workload", "submit", "--help"],
 }
 
 

@@ -59,6 +59,15 @@ COMMANDS: dict[str, Command] = {
                          "Telemetry: devices, replicas and requests."),
 }  # fmt: skip
 """In the order ``--help`` lists them."""
+SUBCOMMANDS: dict[str, dict[str, Command]] = {
+    "workload": {
+        "submit": Command("kunlun.cli.workload_submit", "submit", False,
+                          "Submit a workload (options: the workload spec's fields)."),
+    },
+}  # fmt: skip
+"""A group's commands in modules of their own, imported only when the line names them:
+``workload submit``'s options are generated from the workload spec, which the group's other
+commands (``workload list``) need not import."""
 
 
 def summary(name: str) -> str:

@@ -7,12 +7,12 @@ import inspect
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from kunlun import __version__
-from kunlun.cli.commands import COMMANDS
+from kunlun.cli.commands import COMMANDS, SUBCOMMANDS, Command
 from kunlun.console import console, handle_errors, print_json
 from kunlun.paths import private_umask
 
@@ -44,15 +44,33 @@ def register(argv: list[str]) -> None:
                 app.command(name, help=entry.summary)(_placeholder)
         return
     entry = COMMANDS[first]
+    command = _loaded(entry)
+    if entry.group:
+        rest = argv[argv.index(first) + 1 :]
+        second = next((word for word in rest if not word.startswith("-")), None)
+        for name, sub in SUBCOMMANDS.get(first, {}).items():
+            if name == second:
+                _add(command, name, sub)
+            else:  # listed by the group's --help with its summary, its module not imported
+                command.command(name, help=sub.summary)(_placeholder)
+            command.registered_commands.insert(0, command.registered_commands.pop())  # first
+        app.add_typer(command, name=first)
+    else:
+        _add(app, first, entry)
+
+
+def _loaded(entry: Command) -> Any:
     module = (
         sys.modules[__name__] if entry.module == __name__ else importlib.import_module(entry.module)
     )
-    command = getattr(module, entry.attribute)
-    if entry.group:
-        app.add_typer(command, name=first)
-    else:
-        more = inspect.getdoc(command)
-        app.command(first, help=entry.summary + (f"\n\n{more}" if more else ""))(command)
+    return getattr(module, entry.attribute)
+
+
+def _add(group: typer.Typer, name: str, entry: Command) -> None:
+    """Register the single command ``entry`` as ``name``: its summary, then its docstring."""
+    command = _loaded(entry)
+    more = inspect.getdoc(command)
+    group.command(name, help=entry.summary + (f"\n\n{more}" if more else ""))(command)
 
 
 def _placeholder() -> None:

@@ -14,14 +14,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from kunlun.cli.options import (
-    Engine,
-    MaxNumSeqs,
-    MemoryUtilization,
-    Quantization,
-    StepTokens,
-    TpSize,
-)
+from kunlun.cli.spec_flags import spec_command
 from kunlun.console import console, handle_errors, print_json
 from kunlun.device.inventory import build_inventory
 from kunlun.engines import measured
@@ -34,36 +27,27 @@ from kunlun.state.sqlite import SQLiteStore
 from kunlun.workload.placement import Placement, place
 from kunlun.workload.spec import parse_spec
 
+PLANNED = ("device", "dtype", "quantization", "tensor_parallel_size", "engine", "scorer",
+           "max_num_seqs", "max_num_batched_tokens", "priority", "preferred_device_types",
+           "max_model_len", "kv_cache_memory_mb", "memory_utilization", "replicas")  # fmt: skip
+"""The workload spec's fields that planning reads, each an option of ``plan``
+(:mod:`kunlun.cli.spec_flags`)."""
+
 
 @handle_errors
+@spec_command(PLANNED)
 def plan(
     model: Annotated[str, typer.Option(help="Alias, local HF directory, or examples/models name.")],
-    device: Annotated[str | None, typer.Option(help="Explicit device, e.g. ascend:0.")] = None,
     pool: Annotated[str | None, typer.Option(help="Only devices of this type.")] = None,
     replay: Annotated[Path | None, typer.Option(help="Recorded vendor-tool output.")] = None,
     config: Annotated[Path | None, typer.Option(help="device-plugin-config.yaml.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16.")] = None,
-    quantization: Quantization = None,
-    tp_size: TpSize = None,
-    engine: Engine = None,
-    max_model_len: Annotated[int | None, typer.Option(help="Context limit.")] = None,
-    max_num_seqs: MaxNumSeqs = None,
-    max_num_batched_tokens: StepTokens = None,
-    gpu_memory_utilization: MemoryUtilization = None,
-    priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
-    scorer: Annotated[
-        str | None, typer.Option(help="performance, roofline, binpack or spread.")
-    ] = None,
     explain: Annotated[bool, typer.Option("--explain", help="Every rejected alternative.")] = False,
     json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    *,
+    spec: dict[str, Any],
 ) -> None:
     # summary: kunlun.cli.commands
-    fields = {"model": model, "device": device, "dtype": dtype, "quantization": quantization,
-              "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "priority": priority,
-              "max_num_batched_tokens": max_num_batched_tokens,
-              "scorer": scorer, "tensor_parallel_size": tp_size, "engine": engine,
-              "memory_utilization": gpu_memory_utilization}  # fmt: skip
-    spec = parse_spec({k: v for k, v in fields.items() if v is not None}, "command line")
+    placed = parse_spec({"model": model, **spec}, "command line")
     state = kunlun_home() / "state.db"
     store = SQLiteStore(state) if state.exists() else None
     name, path = locate_model(store, model)
@@ -77,7 +61,7 @@ def plan(
                 f"no {pool!r} devices; device types here: {', '.join(types) or 'none'}",
                 location=Location("--pool"),
             )
-    placement = place(spec, inventory, info, measured=measured.for_model(store, name))
+    placement = place(placed, inventory, info, measured=measured.for_model(store, name))
     if json:
         out: dict[str, Any] = {"model": info.to_dict(), **placement.to_dict()}
         out["alternatives"] = [r.to_dict() for r in placement.alternatives]

@@ -1,11 +1,11 @@
-"""``kunlun-cli workload submit | list | describe | logs | stop | scale`` (through the daemon)."""
+"""``kunlun-cli workload list | describe | logs | stop | scale`` (through the daemon); ``submit``
+is :mod:`kunlun.cli.workload_submit`."""
 
 from __future__ import annotations
 
 import re
 import time
 from datetime import datetime
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -13,14 +13,6 @@ from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
 from kunlun.cli.commands import summary
-from kunlun.cli.options import (
-    Engine,
-    MaxNumSeqs,
-    MemoryUtilization,
-    Quantization,
-    StepTokens,
-    TpSize,
-)
 from kunlun.console import console, handle_errors, print_json
 
 
@@ -34,90 +26,6 @@ def plan_summary(plan: dict[str, Any]) -> str:
 app = typer.Typer(help=summary("workload"), no_args_is_help=True)
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 _KEY_LINES = re.compile(r"(Compilation Time|Load Time|First Token Latency)")
-
-
-@app.command()
-@handle_errors
-def submit(
-    model: Annotated[str | None, typer.Option(help="Model alias or local HF directory.")] = None,
-    file: Annotated[Path | None, typer.Option("--file", "-f", help="Workload spec YAML.")] = None,
-    device: Annotated[str | None, typer.Option(help="Explicit device, e.g. cpu:0.")] = None,
-    dtype: Annotated[str | None, typer.Option(help="fp32, bf16 or fp16.")] = None,
-    quantization: Quantization = None,
-    tp_size: TpSize = None,
-    engine: Engine = None,
-    scorer: Annotated[
-        str | None, typer.Option(help="performance, roofline, binpack or spread.")
-    ] = None,
-    max_num_seqs: MaxNumSeqs = None,
-    max_num_batched_tokens: StepTokens = None,
-    gpu_memory_utilization: MemoryUtilization = None,
-    priority: Annotated[str | None, typer.Option(help="high, normal or low.")] = None,
-    preferred_device_types: Annotated[
-        str | None, typer.Option(help="Comma-separated, in order.")
-    ] = None,
-    replicas: Annotated[int | None, typer.Option(help="Engine processes.")] = None,
-    stream_interval: Annotated[
-        int | None,
-        typer.Option(help="Tokens per streamed event after the first (default 1: each token)."),
-    ] = None,
-    name: Annotated[str | None, typer.Option(help="Model name clients use.")] = None,
-    task: Annotated[
-        str | None, typer.Option(help="generate (default) or embed (/v1/embeddings).")
-    ] = None,
-    pooling: Annotated[str | None, typer.Option(help="With --task embed: mean or last.")] = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Only show where it would run.")
-    ] = False,
-    json: JsonOpt = False,
-) -> None:
-    """Submit a workload: `--model M [options]` or `--file spec.yaml` (flags override the file)."""
-    from kunlun.workload.spec import load_spec_file, parse_spec
-
-    data: dict[str, Any] = load_spec_file(file).model_dump(exclude_unset=True) if file else {}
-    flags = {
-        "model": model,
-        "device": device,
-        "dtype": dtype,
-        "quantization": quantization,
-        "tensor_parallel_size": tp_size,
-        "engine": engine,
-        "scorer": scorer,
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "memory_utilization": gpu_memory_utilization,
-        "priority": priority,
-        "replicas": replicas,
-        "stream_interval": stream_interval,
-        "name": name,
-        "task": task,
-        "pooling": pooling,
-    }
-    data.update({k: v for k, v in flags.items() if v is not None})
-    if preferred_device_types:
-        data["preferred_device_types"] = [
-            t.strip() for t in preferred_device_types.split(",") if t.strip()
-        ]
-    if "model" not in data:
-        raise typer.BadParameter("give --model or --file with a 'model' field")
-    parse_spec(data, str(file) if file else "command line")
-    result = DaemonClient().post("/api/v1/workloads", json=data, params={"dry_run": dry_run})
-    if json:
-        print_json(result)
-        return
-    verb = "would run" if dry_run else "submitted"
-    console.print(
-        f"{result['workload_id']} {verb}: model {result['name']} -> "
-        f"target_device {result['target_device'] or '(planning)'} [{result['state']}]"
-    )
-    placement = result.get("placement") or {}
-    if placement.get("why"):
-        console.print(f"  why: {placement['why']}", markup=False)
-    if placement.get("plan"):
-        console.print("  plan: " + plan_summary(placement["plan"]), markup=False)
-    if dry_run:
-        for device, why in (placement.get("rejected") or {}).items():
-            console.print(f"  rejected {device}: {why}", markup=False)
 
 
 @app.command("list")

@@ -100,26 +100,21 @@ class NodeAgent:
 
     # ---- starting and stopping ----
     def launch(
-        self,
-        replica: Replica,
-        command: EngineCommand,
-        env: dict[str, str],
-        memory_cap_mb: int | None = None,
-        launch: EngineLaunch | None = None,
-    ) -> Worker:
+        self, replica: Replica, command: EngineCommand, env: dict[str, str],
+        memory_cap_mb: int | None = None, launch: EngineLaunch | None = None,
+    ) -> Worker:  # fmt: skip
         """Register a replica; the supervisor loop starts its process at once from
         ``command``, its engine adapter's (:func:`kunlun.engines.registry.engine_command`).
         ``env`` is its whole environment (:meth:`worker_env`); ``memory_cap_mb`` its host
         memory cap.
 
-        The embedded engine's worker also has its ``launch``: before each start the agent
-        sets its ready file and sandbox and writes it to :meth:`launch_file`, which the
-        command reads; the worker confines itself by it and is ready once it writes its ready
-        file. An external engine's server is started, watched, probed, restarted and stopped
-        like a worker, and is ready once ``ready_path`` answers 200 on its port. It is started
-        confined (:mod:`kunlun.node.confine`: dies with the daemon, rlimits, no_new_privs, the
-        workers' niceness) but without the worker's seccomp allow-list; its clean
-        environment, own directory and memory cap are the agent's, as for a worker."""
+        The embedded worker's ``launch`` gets its ready file and sandbox and is written to
+        :meth:`launch_file` (which the command reads) before each start; the worker confines
+        itself by it and writes its ready file. An external server is ready once
+        ``ready_path`` answers 200 on its port; it is started confined
+        (:mod:`kunlun.node.confine`: dies with the daemon, rlimits, no_new_privs, niceness)
+        without the worker's seccomp allow-list; its clean environment, own directory and
+        memory cap are the agent's, as for a worker."""
         ready_file = self.run_dir / f"{replica.replica_id}.ready.json"
         sandbox = self.sandbox.for_worker(replica.replica_id, memory_cap_mb)
         if launch is None:
