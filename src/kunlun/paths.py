@@ -23,6 +23,9 @@ FILE_MODE = 0o600
 """Mode of every file under ``KUNLUN_HOME``."""
 READ_ONLY_DIR = "packages"
 """Where signed packages are installed, read-only (:mod:`kunlun.offline.install`)."""
+INSTALLED_FILE = "installed.json"
+"""The installed packages and each model's pinned signer, in :data:`READ_ONLY_DIR`
+(:mod:`kunlun.offline.registry`; ``kunlun-installer trust list`` reads it too)."""
 
 
 def private_umask() -> None:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from kunlun.engine.block_manager import BlockManager
 from kunlun.engine.sampling_params import SamplingParams
-from kunlun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kunlun.engine.scheduler import Scheduler, SchedulerOutput, StepLimits
 from kunlun.engine.sequence import Sequence, SequenceStatus
 
 BLOCK = 4
 
 
 def make(num_blocks: int = 64, max_seqs: int = 8, budget: int = 64) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_seqs, budget), BlockManager(num_blocks, BLOCK))
+    return Scheduler(StepLimits(max_seqs, budget), BlockManager(num_blocks, BLOCK))
 
 
 def seq_of(

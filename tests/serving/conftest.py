@@ -144,7 +144,8 @@ def gateway_over(worker_url: str) -> Iterator[GatewayServer]:
 
     from fastapi import FastAPI
 
-    from kunlun.serving.gateway import GatewayState, mount_gateway
+    from kunlun.serving.gateway import mount_gateway
+    from kunlun.serving.gateway_state import GatewayState
     from kunlun.serving.response_state import ResponseState
     from kunlun.state.sqlite import SQLiteStore
 

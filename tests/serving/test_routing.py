@@ -11,7 +11,7 @@ import pytest
 from kunlun.errors import RequestError
 from kunlun.serving.admission import Admission, Ticket
 from kunlun.serving.replica import Replica, ReplicaSet
-from kunlun.serving.routing import DeviceSample, DeviceSamples, Router, resolve_priority
+from kunlun.serving.routing import DeviceLoad, DeviceSamples, Router, resolve_priority
 from kunlun.serving.scheduler_config import SchedulerConfig, SchedulerConfigSource
 
 MODEL = "m"
@@ -68,14 +68,14 @@ def test_round_robin_takes_turns_and_skips_full_replicas() -> None:
 def test_a_device_above_the_threshold_gets_nothing_while_another_is_below() -> None:
     admission, replicas, samples = node(["cuda:0", "cuda:1", "cuda:2"])
     now = time.time()
-    samples["cuda:0"] = DeviceSample(90.0, 60.0, now)  # busy device, but no outstanding work here
-    samples["cuda:1"] = DeviceSample(50.0, 60.0, now)
-    samples["cuda:2"] = DeviceSample(65.0, 60.0, now)
+    samples["cuda:0"] = DeviceLoad(90.0, 60.0, now)  # busy device, but no outstanding work here
+    samples["cuda:1"] = DeviceLoad(50.0, 60.0, now)
+    samples["cuda:2"] = DeviceLoad(65.0, 60.0, now)
     replicas[1].outstanding_tokens = replicas[2].outstanding_tokens = 5000
     assert set(admit(admission, 4)) == {"r1", "r2"}
     # once no device is below the threshold, least outstanding work wins again
-    samples["cuda:1"] = DeviceSample(95.0, 60.0, now)
-    samples["cuda:2"] = DeviceSample(80.0, 60.0, now)
+    samples["cuda:1"] = DeviceLoad(95.0, 60.0, now)
+    samples["cuda:2"] = DeviceLoad(80.0, 60.0, now)
     assert admit(admission, 1) == ["r0"]
 
 
@@ -84,7 +84,7 @@ def test_threshold_without_samples_uses_occupancy_and_ignores_stale_samples() ->
     replicas[0].in_flight, replicas[0].outstanding_tokens = 5, 100  # 5/8 = 62 % > 50 %
     replicas[1].in_flight, replicas[1].outstanding_tokens = 1, 2000  # 12 % <= 50 %
     assert admit(admission, 1) == ["r1"]
-    samples["cpu:1"] = DeviceSample(99.0, None, time.time() - 60)  # older than 10 s: ignored
+    samples["cpu:1"] = DeviceLoad(99.0, None, time.time() - 60)  # older than 10 s: ignored
     assert admit(admission, 1) == ["r1"]
 
 
@@ -92,15 +92,15 @@ def test_a_device_hot_for_30_s_gets_half_its_weight_until_it_cools() -> None:
     admission, replicas, samples = node(["npu:0", "npu:1"], min_gpu_utilization_threshold=1.0)
     replicas[0].outstanding_tokens, replicas[1].outstanding_tokens = 100, 300
     now = time.time()
-    samples["npu:0"] = DeviceSample(40.0, 90.0, now - 20)
-    samples["npu:0"] = DeviceSample(40.0, 91.0, now)  # hot for 20 s only
+    samples["npu:0"] = DeviceLoad(40.0, 90.0, now - 20)
+    samples["npu:0"] = DeviceLoad(40.0, 91.0, now)  # hot for 20 s only
     chosen = admit(admission, 1, tokens=300)
     assert chosen == ["r0"]  # (100+300) < (300+300): hot for less than 30 s is not derated
     replicas[0].in_flight, replicas[0].outstanding_tokens = 0, 100
-    samples["npu:0"] = DeviceSample(40.0, 92.0, now + 11)  # hot for 31 s in a row now
+    samples["npu:0"] = DeviceLoad(40.0, 92.0, now + 11)  # hot for 31 s in a row now
     assert admit(admission, 1, tokens=300) == ["r1"]  # (100+300)/0.5 = 800 > 600
     replicas[1].in_flight, replicas[1].outstanding_tokens = 0, 300
-    samples["npu:0"] = DeviceSample(40.0, 70.0, now + 12)  # cooled
+    samples["npu:0"] = DeviceLoad(40.0, 70.0, now + 12)  # cooled
     assert admit(admission, 1, tokens=300) == ["r0"]
 
 
@@ -108,7 +108,7 @@ def test_a_brief_cool_spell_restarts_the_thermal_clock() -> None:
     samples = DeviceSamples()  # 85 C for 30 s halves the weight
 
     def factor_after(temperature_c: float | None, ts: float) -> float:
-        samples["npu:0"] = DeviceSample(None, temperature_c, ts)
+        samples["npu:0"] = DeviceLoad(None, temperature_c, ts)
         return samples.views["npu:0"].weight_factor
 
     assert factor_after(90.0, 100.0) == 1.0
@@ -116,7 +116,7 @@ def test_a_brief_cool_spell_restarts_the_thermal_clock() -> None:
     assert factor_after(90.0, 120.0) == 1.0
     assert factor_after(90.0, 145.0) == 1.0  # 25 s
     assert factor_after(90.0, 150.0) == 0.5  # 30 s in a row
-    samples.update({"npu:0": DeviceSample(None, None, 151.0)})  # unknown: not hot
+    samples.update({"npu:0": DeviceLoad(None, None, 151.0)})  # unknown: not hot
     assert samples.views["npu:0"].weight_factor == 1.0
 
 

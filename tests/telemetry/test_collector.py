@@ -73,10 +73,10 @@ def test_interval_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_samples_reach_gateway_routing() -> None:
-    """The daemon's wiring: each collected sample becomes a routing DeviceSample, so a hot or
+    """The daemon's wiring: each collected sample becomes a routing DeviceLoad, so a hot or
     busy device is seen by the load-aware policy."""
     from kunlun.daemon.app import feed_routing
-    from kunlun.serving.gateway import GatewayState
+    from kunlun.serving.gateway_state import GatewayState
 
     gateway = GatewayState()
 

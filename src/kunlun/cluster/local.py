@@ -38,7 +38,7 @@ from kunlun.errors import KunlunError
 from kunlun.planner.cache import PlanCache
 from kunlun.planner.model_info import inspect_model, locate_model
 from kunlun.serving.replica import Replica, ReplicaSet
-from kunlun.serving.routing import DeviceSample, DeviceSamples
+from kunlun.serving.routing import DeviceLoad, DeviceSamples
 from kunlun.state.etcd_client import LeaseNotFound
 from kunlun.state.store import WorkloadRecord
 from kunlun.workload.manager import ACTIVE, WorkloadManager
@@ -258,7 +258,7 @@ class LocalReplicas:
                 replica.ready = status.ready and now >= replica.ejected_until
             replica.ejected = status.ejected  # its node's health checks took it out of routing
             if status.utilization_pct is not None:
-                self.samples[replica.device] = DeviceSample(status.utilization_pct, None,
+                self.samples[replica.device] = DeviceLoad(status.utilization_pct, None,
                                                             time.time())  # fmt: skip
         for replica in self.replicas.all():
             if replica.node is not None and replica.replica_id not in seen:

@@ -58,16 +58,12 @@ from kunlun.offline.integrity import DEFAULT_INTERVAL_S, ModelGuard
 from kunlun.protocol.openai_errors import http_error
 from kunlun.rollout.controller import RolloutController
 from kunlun.sandbox import SandboxPolicy
-from kunlun.serving.gateway import (
-    GatewayEndpoints,
-    GatewayState,
-    error_response,
-    gateway_router,
-)
+from kunlun.serving.gateway import GatewayEndpoints, error_response, gateway_router
+from kunlun.serving.gateway_state import GatewayState
 from kunlun.serving.key_limits import KeyLimiter
 from kunlun.serving.replica import ReplicaSet
 from kunlun.serving.response_state import ResponseState
-from kunlun.serving.routing import DeviceSample
+from kunlun.serving.routing import DeviceLoad
 from kunlun.serving.scheduler_config import FILE_NAME as SCHEDULER_CONFIG
 from kunlun.serving.scheduler_config import SchedulerConfigSource
 from kunlun.state.api_keys import KeyRing
@@ -239,7 +235,7 @@ def validation_error(exc: RequestValidationError) -> RequestError:
 def feed_routing(gateway: GatewayState, samples: dict[str, Any]) -> None:
     """Give gateway routing the collector's utilization and temperature of each device."""
     for device_id, sample in samples.items():
-        gateway.samples[device_id] = DeviceSample(
+        gateway.samples[device_id] = DeviceLoad(
             sample.utilization_pct, sample.temperature_c, sample.ts
         )
 

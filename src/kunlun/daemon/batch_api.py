@@ -35,7 +35,8 @@ from kunlun.batch.objects import batch_object
 from kunlun.batch.sending import Reply, Send
 from kunlun.protocol.openai_errors import param_error
 from kunlun.protocol.request_body import parse_request
-from kunlun.serving.gateway import GatewayState, mount_gateway
+from kunlun.serving.gateway import mount_gateway
+from kunlun.serving.gateway_state import GatewayState
 from kunlun.serving.replica import ReplicaSet
 
 

@@ -40,7 +40,7 @@ from kunlun.engine.request import (
 )
 from kunlun.engine.sampler import Sampler
 from kunlun.engine.sampling_params import SamplingParams
-from kunlun.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from kunlun.engine.scheduler import Scheduler, SchedulerOutput, StepLimits
 from kunlun.engine.sequence import Sequence, TopLogprobs
 from kunlun.engine.step_profiler import NO_TRACE, StepProfiler
 from kunlun.engine.tp_group import RankGroup, rank_threads
@@ -110,7 +110,7 @@ class LLMEngine:
             enable_prefix_caching=config.enable_prefix_caching,
         )
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
+            StepLimits(config.max_num_seqs, config.max_num_batched_tokens), self.block_manager
         )
         generator = torch.Generator(device=self.runner.device)
         generator.manual_seed(config.seed)

@@ -26,7 +26,7 @@ from kunlun.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class StepLimits:
     """Limits of one step, as the engine's :class:`~kunlun.engine.engine_config.EngineConfig`
     sets them (the owner of their defaults)."""
 
@@ -55,7 +55,7 @@ class SchedulerOutput:
 class Scheduler:
     """Decides each step's batch; owns the waiting and running queues."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: StepLimits, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []

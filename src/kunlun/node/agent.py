@@ -38,7 +38,6 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -48,7 +47,7 @@ from kunlun.engine.launch import EngineLaunch, ReadyInfo
 from kunlun.engines.adapter import EngineCommand
 from kunlun.errors import ConfigError, KunlunError
 from kunlun.node import external
-from kunlun.node.liveness import Liveness, LivenessConfig, probe
+from kunlun.node.liveness import EventSink, Liveness, LivenessConfig, probe
 from kunlun.node.worker_state import (
     HEALTHY_RESET_S,
     MAX_BACKOFF_S,
@@ -64,8 +63,6 @@ from kunlun.sandbox import (
     worker_environment,
 )
 from kunlun.serving.replica import Replica, ReplicaSet
-
-EventSink = Callable[[str, str, str], None]  # (workload_id, kind, message)
 
 
 class NodeAgent:

@@ -51,14 +51,14 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kunlun.node.liveness import LivenessConfig
+from kunlun.node.liveness import EventSink, LivenessConfig
 from kunlun.node.liveness import probe as read_stats
 from kunlun.serving.faults import PROBE_HEADER
 from kunlun.serving.replica import Replica, ReplicaSet
@@ -74,8 +74,6 @@ on a loaded 2-core CI machine single steps took over 10 s, and ejecting them gav
 Result = Literal["serving", "pass", "slow", "busy", "error", "silent", "stalled"]
 RESULTS: tuple[Result, ...] = get_args(Result)
 """Every :attr:`Verdict.result`, in the order of the module docstring."""
-
-EventSink = Callable[[str, str, str], None]  # (workload_id, kind, message)
 
 
 @dataclass(frozen=True)

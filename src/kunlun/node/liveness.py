@@ -17,12 +17,17 @@ still answers its probes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from kunlun.engine.launch import EMBEDDED_ENGINE
+
+EventSink = Callable[[str, str, str], None]
+"""How the node's supervisors (the agent, the health checker) report what befalls a
+workload: ``(workload_id, kind, message)``."""
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ ZIPAPP_MODULES = (
     "kunlun/offline/ed25519.py",
     "kunlun/offline/manifest.py",
     "kunlun/offline/trust.py",
+    "kunlun/paths.py",
 )
 _ZIP_TIME = 315532800 + 86400
 """Every zipapp member's time (1980-01-02: zip has no earlier dates), so the zipapp is the same bytes

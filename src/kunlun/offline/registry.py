@@ -18,10 +18,10 @@ from typing import Any
 
 from kunlun.errors import Location, PackageError
 from kunlun.offline.package import MODEL_DIR
-from kunlun.paths import READ_ONLY_DIR
+from kunlun.paths import INSTALLED_FILE, READ_ONLY_DIR
 
 PACKAGES_DIR = READ_ONLY_DIR
-REGISTRY_FILE = "installed.json"
+REGISTRY_FILE = INSTALLED_FILE
 
 
 @dataclass

@@ -24,9 +24,10 @@ from pathlib import Path
 from kunlun.errors import ConfigError, Location
 from kunlun.offline import ed25519
 from kunlun.offline.audit_log import audit
+from kunlun.paths import INSTALLED_FILE, READ_ONLY_DIR
 
 TRUSTED_KEYS_DIR = "trusted-keys"
-REGISTRY_FILE = "packages/installed.json"
+REGISTRY_FILE = f"{READ_ONLY_DIR}/{INSTALLED_FILE}"
 """The installed packages and each model's pinned signer (:mod:`kunlun.offline.registry`)."""
 
 

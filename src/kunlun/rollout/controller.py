@@ -48,7 +48,7 @@ from kunlun.rollout.records import (
 from kunlun.rollout.spec import RolloutSpec
 from kunlun.serving.canary_split import Split
 from kunlun.serving.canary_window import BASELINE, CANARY, VersionWindow
-from kunlun.serving.gateway import GatewayState
+from kunlun.serving.gateway_state import GatewayState
 from kunlun.serving.replica import ReplicaSet
 from kunlun.state.store import RolloutRecord, StateStore
 from kunlun.workload.manager import ACTIVE, WorkloadManager

@@ -20,14 +20,9 @@ exchange with the worker runs, released whatever the ending.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
-import signal
-import ssl
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -36,7 +31,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.headers import PREVIOUS_RESPONSE, raw
-from kunlun.limits import DEFAULT_MAX_SEQUENCES
 from kunlun.protocol.embedding_request import EmbeddingRequest
 from kunlun.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from kunlun.protocol.openai_errors import (
@@ -48,8 +42,7 @@ from kunlun.protocol.openai_errors import (
 )
 from kunlun.protocol.request_body import openapi_body
 from kunlun.serving.admission import Admission
-from kunlun.serving.canary_split import Split
-from kunlun.serving.canary_window import RolloutStats
+from kunlun.serving.gateway_state import GatewayState
 from kunlun.serving.intake import RequestHeaders, new_request_id, ticket
 from kunlun.serving.key_limits import KEY_TOKENS_SCOPE
 from kunlun.serving.ollama_gateway import OLLAMA_PATHS, add_ollama_routes
@@ -57,13 +50,10 @@ from kunlun.serving.queue_metrics import QueueDepth  # telemetry
 from kunlun.serving.relay import Relay
 from kunlun.serving.replica import ReplicaSet
 from kunlun.serving.replica_calls import default_model, error_response, only_model
-from kunlun.serving.response_state import RESPONSES_PATH, Recorder, ResponseState
-from kunlun.serving.routing import DeviceSamples, Router
-from kunlun.serving.scheduler_config import SchedulerConfigSource
+from kunlun.serving.response_state import RESPONSES_PATH, Recorder
 from kunlun.serving.sglang_gateway import GENERATE_PATH, add_sglang_routes
-from kunlun.serving.upstream import UpstreamError, UpstreamPool
+from kunlun.serving.upstream import UpstreamError
 from kunlun.serving.vllm_gateway import add_vllm_routes
-from kunlun.telemetry.gateway_metrics import GatewayMetrics  # telemetry
 
 _CHAT_BODY = openapi_body(ChatCompletionRequest)
 _COMPLETION_BODY = openapi_body(CompletionRequest)
@@ -73,92 +63,8 @@ ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embedding
 """The inference routes: relayed to a replica."""
 MAX_BODY_BYTES = 32 << 20
 """The largest request body the inference routes accept (larger: 413)."""
-TICK_S = 0.2
-"""How often the background task looks at the scheduler config and the backlogs."""
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class GatewayState:
-    """What the gateway keeps between requests; the daemon calls :meth:`start` and
-    :meth:`close` from its lifespan and sets :attr:`draining` on SIGTERM."""
-
-    draining: bool = False
-    """New requests get 503 (in-flight ones finish)."""
-    retry_after_s: int = 1
-    """``Retry-After`` sent with 429 and 503 answers."""
-    connect_timeout_s: float = 5.0
-    """How long to wait for a worker to accept a connection."""
-    first_byte_timeout_s: float | None = 900.0
-    """How long to wait for a worker's response head (a non-streamed response comes
-    whole, once generated; None: no limit): past it, 504."""
-    read_timeout_s: float | None = 300.0
-    """Longest silence between two pieces of a worker's response body (None: no limit):
-    past it, the stream ends with a 504 error event."""
-    num_active: int = 0
-    """Requests admitted or waiting and not yet answered, over all replicas (for draining)."""
-    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES
-    """Most sequences (prompts x ``n``) one request may ask for; more is a 400
-    (``kunlun-platform --max-sequences-per-request``)."""
-    scheduler: SchedulerConfigSource = field(default_factory=SchedulerConfigSource)
-    """``scheduler_config.yaml`` in force (reloaded when the file changes, and on SIGHUP)."""
-    samples: DeviceSamples = field(default_factory=DeviceSamples)
-    """Device id -> latest :class:`~kunlun.serving.routing.DeviceSample`; telemetry writes it."""
-    router: Router = field(init=False, repr=False)
-    admission: Admission | None = field(default=None, repr=False)
-    """Slots and backlogs (made by :func:`gateway_router`)."""
-    upstream: UpstreamPool | None = field(default=None, repr=False)
-    """Shared keep-alive connections to the workers (made by :meth:`start`)."""
-    upstream_ssl: ssl.SSLContext | None = field(default=None, repr=False)
-    responses: ResponseState | None = field(default=None, repr=False)
-    """The Responses API's kept answers (the daemon's state store); None: none are kept."""
-    """In a cluster: TLS for other nodes' peer ports (their replicas' ``https://`` URLs)."""
-    splits: dict[str, Split] = field(default_factory=dict)
-    """Model name -> its rollout's traffic split (set by the rollout controller)."""
-    rollout_stats: RolloutStats = field(default_factory=RolloutStats, repr=False)
-    """Each rollout version's requests, errors and latencies per step (for its gates)."""
-    metrics: GatewayMetrics = field(default_factory=GatewayMetrics, repr=False)  # telemetry
-    """Request counters and latency histograms (part of the daemon's ``/metrics``)."""
-    _ticker: asyncio.Task[None] | None = field(default=None, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self.router = Router(self.scheduler, self.samples)
-
-    async def start(self) -> None:
-        """Open the connection pool and start the background task that reloads the scheduler
-        config and moves the backlogs (call from the app's lifespan, in its event loop).
-        In the main thread, SIGHUP reloads the scheduler config too."""
-        if self.upstream is None:
-            self.upstream = UpstreamPool(
-                connect_timeout_s=self.connect_timeout_s,
-                first_byte_timeout_s=self.first_byte_timeout_s,
-                read_timeout_s=self.read_timeout_s,
-                ssl_context=self.upstream_ssl,
-            )
-        if self._ticker is None:
-            self._ticker = asyncio.create_task(self._tick())
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.scheduler.reload)
-
-    async def close(self) -> None:
-        """Stop the background task and close every pooled connection."""
-        ticker, self._ticker = self._ticker, None
-        if ticker is not None:
-            ticker.cancel()
-        upstream, self.upstream = self.upstream, None
-        if upstream is not None:
-            await upstream.close()
-
-    async def _tick(self) -> None:
-        while True:
-            await asyncio.sleep(TICK_S)
-            try:
-                self.scheduler.poll()
-                if self.admission is not None and self.admission.num_waiting():
-                    self.admission.dispatch_all(self.retry_after_s)
-            except Exception:  # keep serving; the next tick tries again
-                logger.exception("gateway background task")
 
 
 def gateway_router(replicas: ReplicaSet, state: GatewayState) -> APIRouter:

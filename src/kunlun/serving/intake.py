@@ -7,7 +7,7 @@ gateway makes one up (:func:`new_request_id`). The body is read with bounded nes
 UTF-8-only text (:func:`kunlun.json_text.loads`; SGLang's ``/generate`` body seen as an OpenAI
 one, :func:`~kunlun.serving.sglang_gateway.admission_view`), and the request is refused, in
 this order: 400 for a body without a model name, more sequences (prompts x ``n``) than
-:attr:`~kunlun.serving.gateway.GatewayState.max_sequences_per_request` or a bad
+:attr:`~kunlun.serving.gateway_state.GatewayState.max_sequences_per_request` or a bad
 ``X-Kunlun-Priority``; 503 while draining; 404 for a model nothing serves (listing the served
 ones), 503 when none of its replicas is ready or all are out of routing; 404 for a pool
 (``X-Kunlun-Pool``) that serves no replica of the model (a malformed one: 400), 503 when none
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.types import Scope
 
@@ -33,6 +33,7 @@ from kunlun.protocol.openai_errors import ModelNotFound, ServiceUnavailable, par
 from kunlun.serving.admission import Ticket
 from kunlun.serving.canary_split import SESSION_HEADER
 from kunlun.serving.canary_window import BASELINE
+from kunlun.serving.gateway_state import GatewayState
 from kunlun.serving.ollama_gateway import EMBEDDING_PATHS, OLLAMA_PATHS, ollama_admission_view
 from kunlun.serving.replica import ReplicaSet
 from kunlun.serving.replica_calls import default_model
@@ -45,9 +46,6 @@ from kunlun.serving.routing import (
     resolve_priority,
 )
 from kunlun.serving.sglang_gateway import GENERATE_PATH, admission_view
-
-if TYPE_CHECKING:
-    from kunlun.serving.gateway import GatewayState
 
 _PRIORITY_KEY = PRIORITY_HEADER.lower().encode()
 _REQUEST_ID_KEY = http_headers.raw(http_headers.REQUEST_ID)

@@ -45,7 +45,7 @@ from kunlun.serving.upstream import (
 )
 
 if TYPE_CHECKING:
-    from kunlun.serving.gateway import GatewayState
+    from kunlun.serving.gateway_state import GatewayState
     from kunlun.serving.response_state import Recorder
 
 _REQUEST_ID, _REPLICA, _DEVICE, _PRIORITY, _VERSION = map(http_headers.raw, (

@@ -14,7 +14,7 @@ that type:
   default: its outstanding tokens count double) until a sample shows it cooled.
 
 Device utilization and temperature come from :class:`DeviceSamples`, a mapping from device id
-(``cuda:0``, ``ascend:3``) to :class:`DeviceSample` that anything may write (the telemetry
+(``cuda:0``, ``ascend:3``) to :class:`DeviceLoad` that anything may write (the telemetry
 collector does); samples older than ``sample_max_age_s`` are ignored. Without a fresh
 utilization figure a replica's own occupancy (in flight / ``max_num_seqs``) stands in for it.
 
@@ -88,9 +88,11 @@ def pool_header(header: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceSample:
-    """One reading of a device: utilization in percent, temperature in Celsius (either may
-    be unknown) and when it was taken (``time.time()`` seconds)."""
+class DeviceLoad:
+    """What routing reads of a device: utilization in percent, temperature in Celsius (either
+    may be unknown) and when it was read (``time.time()`` seconds), from the telemetry
+    collector's :class:`~kunlun.telemetry.collector.DeviceSample` or a cluster peer's
+    replica status."""
 
     utilization_pct: float | None
     temperature_c: float | None
@@ -107,7 +109,7 @@ class DeviceView(NamedTuple):
     """``ts + sample_max_age_s``: after this the sample is ignored."""
 
 
-class DeviceSamples(MutableMapping[str, DeviceSample]):
+class DeviceSamples(MutableMapping[str, DeviceLoad]):
     """Latest sample per device id, remembering since when each device has been above the
     thermal limit (every sample written is checked, so a cool reading resets it).
 
@@ -119,7 +121,7 @@ class DeviceSamples(MutableMapping[str, DeviceSample]):
         self.max_age_s = max_age_s
         self.views: dict[str, DeviceView] = {}
         """Device id -> what routing reads (kept in step with the samples)."""
-        self._samples: dict[str, DeviceSample] = {}
+        self._samples: dict[str, DeviceLoad] = {}
         self._hot_since: dict[str, float] = {}
 
     def configure(self, thermal: ThermalConfig, max_age_s: float) -> None:
@@ -129,7 +131,7 @@ class DeviceSamples(MutableMapping[str, DeviceSample]):
             self._hot_since.pop(device_id, None)
             self[device_id] = sample
 
-    def __setitem__(self, device_id: str, sample: DeviceSample) -> None:
+    def __setitem__(self, device_id: str, sample: DeviceLoad) -> None:
         self._samples[device_id] = sample
         factor = 1.0
         if sample.temperature_c is not None and sample.temperature_c > self.thermal.limit_c:
@@ -142,7 +144,7 @@ class DeviceSamples(MutableMapping[str, DeviceSample]):
             sample.utilization_pct, factor, sample.ts + self.max_age_s
         )
 
-    def __getitem__(self, device_id: str) -> DeviceSample:
+    def __getitem__(self, device_id: str) -> DeviceLoad:
         return self._samples[device_id]
 
     def __delitem__(self, device_id: str) -> None:
