@@ -52,8 +52,9 @@ $(PINNED_CLIENTS)/.installed: | $(PIP_READY)
 	touch $@
 
 # Set everything up, then serve the demo model (SmolLM2-135M-Instruct) as `smollm2` on
-# http://127.0.0.1:8470 (PORT=... to change). Ctrl-C drains and stops.
-PORT ?= 8470
+# http://127.0.0.1:8470 (PORT=... to change; the default is kunlun.address's). Ctrl-C drains
+# and stops.
+PORT ?= $(shell sed -n 's/^DEFAULT_PORT = //p' src/kunlun/address.py)
 run: $(STAMP)
 	$(BIN)/kunlun-platform --demo --port $(PORT)
 
