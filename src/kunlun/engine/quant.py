@@ -307,7 +307,8 @@ def resolve_spec(
     stored = read_spec(model_dir)
     if stored is not None:
         if asked is not None and (
-            asked.scheme != stored.scheme or asked.group_size not in (None, stored.group_size)
+            not schemes.agrees(asked.scheme, stored.scheme)
+            or asked.group_size not in (None, stored.group_size)
         ):
             raise ConfigError(
                 f"quantization={asked.describe()} was asked but {model_dir} holds "

@@ -26,3 +26,12 @@ support it (``supported_dtypes``), and its compute figure is the one that applie
 def compute_dtype(scheme: str, dtype: str) -> str:
     """The dtype the matrix products of ``scheme`` run in, with activations in ``dtype``."""
     return COMPUTE_DTYPES.get(scheme, dtype)
+
+
+def agrees(asked: str, stored: str) -> bool:
+    """Whether asking ``asked`` of a checkpoint already quantized in ``stored`` agrees with it:
+    ``"none"`` (nothing more to do) or the same scheme. A quantized checkpoint always runs in
+    its own scheme; asking another is refused, by the planner
+    (:mod:`kunlun.workload.placement.placer`) and by the engine loading it
+    (:func:`kunlun.engine.quant.resolve_spec`) alike."""
+    return asked in ("none", stored)

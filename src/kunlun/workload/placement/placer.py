@@ -17,6 +17,7 @@ from typing import Any
 
 import kunlun.workload.placement.reasons as reasons
 from kunlun.device.inventory import Inventory
+from kunlun.engine.schemes import agrees
 from kunlun.engines.measured import Measurement
 from kunlun.engines.registry import EngineChoice, choose_plan_engines
 from kunlun.errors import ConfigError, Location
@@ -258,7 +259,7 @@ def demand_of(spec: WorkloadSpec, model: ModelInfo) -> Demand:
     quantization: str = spec.quantization
     checkpoint = model.quantization
     if checkpoint is not None:
-        if quantization not in ("none", checkpoint.scheme):
+        if not agrees(quantization, checkpoint.scheme):
             raise ConfigError(
                 f"quantization={quantization}: the checkpoint is already quantized "
                 f"({checkpoint.method}, {checkpoint.bits}-bit, {checkpoint.scheme})",
