@@ -64,6 +64,20 @@ def validate(
     only: OnlyOpt = None,
     max_tokens: Annotated[int, typer.Option(min=4, max=4096, help="Answer budget.")] = 24,
     seed: SeedOpt = None,
+    eval_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--eval",
+            help="A multiple-choice set (JSON lines of question, choices, "
+            "answer) for the accuracy row (default: the shipped one).",
+        ),
+    ] = None,
+    accuracy_points: Annotated[
+        float,
+        typer.Option(
+            min=0, max=100, help="Points of accuracy a column may score below the reference's."
+        ),
+    ] = 5.0,
 ) -> None:
     # summary: kunlun.cli.commands
     from kunlun.validate import battery, report
@@ -78,7 +92,13 @@ def validate(
         api_key=key,
         max_tokens=max_tokens,
         seed=secrets.randbelow(1 << 31) if seed is None else seed,
+        eval_file=eval_file,
+        accuracy_points=accuracy_points,
     )
+    if eval_file is not None:  # a bad file is refused before anything is sent
+        from kunlun.validate.accuracy import load_eval
+
+        load_eval(eval_file)
     err_console.print(
         f"validating {len(columns)} target(s): "
         + ", ".join(

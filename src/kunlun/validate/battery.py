@@ -21,8 +21,8 @@ from kunlun import __version__
 from kunlun import headers as http_headers
 from kunlun.errors import ConfigError, Location
 from kunlun.serving.pools import parse_pool
-from kunlun.validate import baseline as baseline_gate
 from kunlun.validate import (
+    accuracy,
     conformance,
     cross_engine,
     functional,
@@ -31,6 +31,7 @@ from kunlun.validate import (
     performance,
     tool_calling,
 )
+from kunlun.validate import baseline as baseline_gate
 from kunlun.validate.check import Check, Context, Settings
 from kunlun.validate.client import LACKED, CheckFailed, TargetClient
 from kunlun.validate.matrix import Cell, Column, Matrix, Row, Status, failed, passed, skipped
@@ -51,6 +52,7 @@ def all_checks(settings: Settings) -> list[Check]:
         *performance.checks(settings.perf_requests),
         *numerics.CHECKS,
         *cross_engine.CHECKS,
+        *accuracy.CHECKS,
     ]
 
 

@@ -40,6 +40,11 @@ class Settings:
     """Output tokens per request in the performance sweep."""
     perf_requests: tuple[tuple[int, int], ...] = ((1, 3), (4, 8))
     """``(concurrency, requests)`` of each performance row."""
+    eval_file: Path | None = None
+    """The multiple-choice evaluation set (None: the shipped one,
+    :data:`kunlun.validate.accuracy.SHIPPED`)."""
+    accuracy_points: float = 5.0
+    """How many points of accuracy a column may score below the reference's."""
     seed: int = 0
     """Seeds the random numbers, questions and ids the checks draw (recorded with the run)."""
 
