@@ -30,6 +30,9 @@ COMMANDS: dict[str, Command] = {
     "bench": Command("kunlun.cli.bench", "bench", False,
                      "Benchmark an OpenAI-compatible endpoint (streaming /v1/completions, fixed "
                      "lengths)."),
+    "adapt": Command("kunlun.cli.adapt", "adapt", False,
+                     "Adapt a model to every pool and engine: plan, start, smoke, battery, "
+                     "accuracy, bench; a pool-by-gate verdict matrix."),
     "validate": Command("kunlun.cli.validate", "validate", False,
                         "Run the validation battery and print the chip-by-test matrix; exit 1 "
                         "on any FAIL."),

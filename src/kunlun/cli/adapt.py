@@ -1,0 +1,283 @@
+"""``kunlun-cli adapt``: one model on every pool and engine of a running platform, checked in
+one command, ending in a pool-by-gate verdict matrix and an exit status a CI job can use.
+
+In the order the product documents give for a new model:
+
+1. **plan**: for each pool (device type with a Ready device; ``--pools all`` or a list) and
+   engine, a dry run of the workload: the plan, or the planner's reason it cannot run there;
+2. **start**: each planned one submitted as a workload of its own name
+   (``adapt-<model>-<pool>-<engine>``) and waited for until RUNNING;
+3. **smoke**: the shortest prompt, one request, alone;
+4. **battery**: ``kunlun-cli validate``'s battery (or the rows of ``--only``) with one column
+   per pool and engine, the first (or ``--reference``) the reference of the numerics and of
+   the accuracy on the evaluation set (``--eval``, default the shipped one);
+5. **bench**: a short streamed sweep (``--concurrency``) of each;
+6. the gates of :mod:`kunlun.validate.gates`, printed as a matrix and written to
+   ``OUT/adapt.json`` beside the battery's reports (``OUT/validation.*``).
+
+The workloads it started are stopped at the end (``--keep`` leaves them), so the daemon is
+left as it was found. Exit 0 when no gate failed, 1 otherwise (2: bad input, 3: daemon
+unreachable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json as json_lib
+import os
+import re
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from kunlun.cli.client import DaemonClient
+from kunlun.console import console, err_console, handle_errors, print_json
+from kunlun.errors import ConfigError, KunlunError, Location
+from kunlun.validate.gates import FAIL, GATES, PASS, Candidate, Verdict, judge
+
+STYLE = {PASS: "green", FAIL: "bold red"}
+
+
+@handle_errors
+def adapt(
+    model: Annotated[str, typer.Option(help="Model alias or local HF directory.")],
+    pools: Annotated[str, typer.Option(help="all, or device types, comma-separated.")] = "all",
+    engines: Annotated[str, typer.Option(help="Engines, comma-separated.")] = "kunlun",
+    reference: Annotated[
+        str | None, typer.Option(help="The reference column, POOL/ENGINE (default: the first).")
+    ] = None,
+    quantization: Annotated[
+        str | None, typer.Option("--quantization", "--quantize", help="Weight scheme to run.")
+    ] = None,
+    eval_file: Annotated[
+        Path | None, typer.Option("--eval", help="Multiple-choice set (default: the shipped one).")
+    ] = None,
+    only: Annotated[
+        list[str] | None, typer.Option(help="Battery rows or groups to run (default: all).")
+    ] = None,
+    accuracy_points: Annotated[float, typer.Option(min=0, max=100)] = 5.0,
+    throughput_share: Annotated[
+        float, typer.Option(min=0, max=1, help="Of the best engine's tokens/s on the pool.")
+    ] = 0.8,
+    concurrency: Annotated[list[int] | None, typer.Option(min=1, help="Bench clients.")] = None,
+    requests: Annotated[int, typer.Option(min=1, help="Bench requests per run.")] = 8,
+    output_len: Annotated[int, typer.Option(min=1, help="Bench output tokens.")] = 32,
+    keep: Annotated[bool, typer.Option("--keep", help="Leave the workloads running.")] = False,
+    out: Annotated[Path, typer.Option(help="Where adapt.json and the reports go.")] = Path(
+        "kunlun-adapt"
+    ),
+    timeout: Annotated[
+        float, typer.Option(min=1, help="Seconds a workload may take to start.")
+    ] = 900,
+    json: Annotated[bool, typer.Option("--json", help="Print adapt.json.")] = False,
+) -> None:
+    # summary: kunlun.cli.commands
+    client = DaemonClient(timeout=120)
+    key = os.environ.get("KUNLUN_API_KEY") or None
+    candidates = plan_all(client, model, pool_list(client, pools), names(engines), quantization)
+    started = time.monotonic()
+    try:
+        for c in candidates:
+            start(client, c, timeout)
+        for c in candidates:
+            c.smoke = smoke(client, c) if c.started else None
+        ready = [c for c in candidates if c.smoke is not None and c.smoke.status == PASS]
+        battery(client.endpoint, key, ready, reference, eval_file, only or [],
+                accuracy_points, out)  # fmt: skip
+        for c in ready:
+            bench(client.endpoint, key, c, tuple(concurrency or (1, 4)), requests, output_len)
+    finally:
+        if not keep:
+            for c in candidates:
+                stop(client, c)
+    verdicts = judge(candidates, accuracy_points, throughput_share)
+    doc = report(model, candidates, verdicts, time.monotonic() - started)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapt.json").write_text(json_lib.dumps(doc, indent=2) + "\n")
+    if json:
+        print_json(doc)
+    else:
+        render(verdicts)
+        console.print(f"written: {out / 'adapt.json'}", markup=False)
+    failed = any(v.status == FAIL for gates in verdicts.values() for v in gates.values())
+    raise SystemExit(1 if failed else 0)
+
+
+def names(text: str) -> list[str]:
+    found = [n.strip() for n in text.split(",") if n.strip()]
+    if not found:
+        raise ConfigError(f"no name in {text!r}", location=Location("--engines"))
+    return list(dict.fromkeys(found))
+
+
+def pool_list(client: DaemonClient, pools: str) -> list[str]:
+    """The device types asked for, each with a Ready device on the platform."""
+    ready = sorted({d["type"] for d in client.get("/api/v1/devices") if d["status"] == "Ready"})
+    if pools.strip() == "all":
+        if not ready:
+            raise ConfigError("no Ready device on the platform", location=Location("--pools"))
+        return ready
+    asked = names(pools)
+    unknown = [p for p in asked if p not in ready]
+    if unknown:
+        raise ConfigError(f"no Ready {', '.join(unknown)} device; pools here: "
+                          f"{', '.join(ready) or 'none'}", location=Location("--pools"))  # fmt: skip
+    return asked
+
+
+def plan_all(
+    client: DaemonClient, model: str, pools: list[str], engines: list[str], scheme: str | None
+) -> list[Candidate]:
+    """A candidate per pool and engine, with the planner's plan or its reason."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", Path(model).name).strip("-").lower() or "model"
+    candidates = []
+    for pool in pools:
+        for engine in engines:
+            c = Candidate(pool, engine, f"adapt-{slug}-{pool}-{engine}")
+            spec = {"model": model, "name": c.name, "engine": engine,
+                    "preferred_device_types": [pool]}  # fmt: skip
+            if scheme is not None:
+                spec["quantization"] = scheme
+            say(f"plan {c.column}")
+            try:
+                made = client.post("/api/v1/workloads", json=spec, params={"dry_run": True})
+            except KunlunError as exc:
+                if exc.exit_code == 3:  # the daemon is gone: nothing else can be said
+                    raise
+                c.refused = str(exc).split(": ", 1)[-1]
+            else:
+                plan = (made.get("placement") or {}).get("plan") or {}
+                device_types = {d.split(":")[0] for d in plan.get("devices") or []}
+                if device_types != {pool}:
+                    c.refused = (f"the planner places it on {', '.join(plan.get('devices') or [])}"
+                                 f", not on {pool}: {made['placement'].get('why')}")  # fmt: skip
+                else:
+                    c.plan, c.spec = plan, spec
+            candidates.append(c)
+    return candidates
+
+
+def start(client: DaemonClient, c: Candidate, timeout: float) -> None:
+    """Submit ``c``'s workload and wait until it is RUNNING with a ready replica."""
+    if c.plan is None or c.spec is None:
+        return
+    say(f"start {c.column} as {c.name}")
+    try:
+        c.workload_id = client.post("/api/v1/workloads", json=c.spec)["workload_id"]
+    except KunlunError as exc:
+        c.start_error = str(exc)
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        row = client.get(f"/api/v1/workloads/{c.workload_id}")
+        if row["state"] in ("FAILED", "STOPPED"):
+            c.start_error = f"{row['state']}: {row.get('reason')}"
+            return
+        if row["state"] == "RUNNING" and any(r["ready"] for r in row["replicas"]):
+            return
+        if time.monotonic() > deadline:
+            c.start_error = f"not RUNNING within {timeout:g} s (state {row['state']})"
+            return
+        time.sleep(0.5)
+
+
+def smoke(client: DaemonClient, c: Candidate) -> Verdict:
+    """The shortest request, alone: one token of a one-word prompt."""
+    say(f"smoke {c.column}")
+    began = time.perf_counter()
+    try:
+        answer = client.post("/v1/completions", json={"model": c.name, "prompt": "Hi",
+                                                      "max_tokens": 1, "temperature": 0})  # fmt: skip
+    except KunlunError as exc:
+        return Verdict(FAIL, "no answer", str(exc))
+    took = time.perf_counter() - began
+    if not answer.get("choices"):
+        return Verdict(FAIL, "no choice", json_lib.dumps(answer)[:200])
+    return Verdict(PASS, f"{took * 1000:.0f} ms", "one token of a one-word prompt")
+
+
+def battery(
+    endpoint: str, key: str | None, ready: list[Candidate], reference: str | None,
+    eval_file: Path | None, only: list[str], points: float, out: Path,
+) -> None:  # fmt: skip
+    """The validation battery, one column per ready candidate; its cells kept on each."""
+    if not ready:
+        return
+    from kunlun.validate import battery as run
+    from kunlun.validate import report
+    from kunlun.validate.check import Settings
+    from kunlun.validate.matrix import Column
+    from kunlun.validate.target import with_reference
+
+    columns = with_reference([Column(c.column, endpoint, c.name) for c in ready], reference, None)
+    say(f"battery on {len(columns)} column(s), reference {columns[0].name}")
+    settings = Settings(work_dir=out / "work", api_key=key, seed=7, eval_file=eval_file,
+                        accuracy_points=points)  # fmt: skip
+    matrix = run.run_battery(columns, settings, only)
+    report.write_all(matrix, out)
+    for c in ready:
+        c.cells = matrix.cells.get(c.column, {})
+
+
+def bench(
+    endpoint: str, key: str | None, c: Candidate, concurrency: tuple[int, ...], requests: int,
+    output_len: int,
+) -> None:  # fmt: skip
+    from kunlun.bench.load import Target
+    from kunlun.bench.suite import BenchOptions, run
+
+    say(f"bench {c.column}: concurrency {', '.join(map(str, concurrency))}")
+    options = BenchOptions(Target(endpoint, c.name, key), concurrencies=concurrency,
+                           num_prompts=requests, input_len=32, output_len=output_len)  # fmt: skip
+    try:
+        c.bench = asyncio.run(run(options))
+    except KunlunError as exc:
+        c.bench_error = str(exc)
+
+
+def stop(client: DaemonClient, c: Candidate) -> None:
+    if c.workload_id is None:
+        return
+    try:
+        client.post(f"/api/v1/workloads/{c.workload_id}/stop")
+    except KunlunError as exc:  # said, and the others are still stopped
+        err_console.print(f"could not stop {c.workload_id} ({c.name}): {exc}", markup=False)
+
+
+def report(
+    model: str, candidates: list[Candidate], verdicts: dict[str, dict[str, Verdict]], took: float
+) -> dict[str, Any]:
+    return {
+        "model": model,
+        "seconds": round(took, 1),
+        "gates": list(GATES),
+        "columns": [{
+            "column": c.column, "pool": c.pool, "engine": c.engine, "name": c.name,
+            "workload_id": c.workload_id, "plan": c.plan,
+            "tokens_per_s": c.tokens_per_s(),
+            "verdicts": {g: v.to_dict() for g, v in verdicts[c.column].items()},
+        } for c in candidates],
+    }  # fmt: skip
+
+
+def render(verdicts: dict[str, dict[str, Verdict]]) -> None:
+    table = Table(title="Adaptation", title_justify="left")
+    table.add_column("POOL / ENGINE")
+    for gate in GATES:
+        table.add_column(gate.upper())
+    for column, gates in verdicts.items():
+        cells = [f"[{STYLE.get(v.status, 'dim')}]{v.status}[/]\n{v.figure}".rstrip()
+                 for v in gates.values()]  # fmt: skip
+        table.add_row(column, *cells)
+    console.print(table)
+    for column, gates in verdicts.items():
+        for gate, v in gates.items():
+            if v.status != PASS and v.why:
+                console.print(f"{v.status} {gate} on {column}: {v.why}", markup=False)
+
+
+def say(line: str) -> None:
+    err_console.print(line, markup=False)

@@ -1,0 +1,55 @@
+"""``kunlun-cli adapt`` against a real daemon, on the tiny model (the mechanics: plan, start,
+smoke, battery rows, bench, gates, teardown). Its quality gates on the demo model with two
+engines are a documented command (docs/day-one.md): a minute and more of scoring that the
+suite's validate tests already check row by row.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.daemons import Daemon, Daemons, Profile
+
+
+def adapt(daemon: Daemon, out: Path, *args: str) -> tuple[int, dict | None, str]:
+    proc = daemon.cli("adapt", *args, "--out", str(out), "--requests", "2",
+                      "--output-len", "4", timeout=600)  # fmt: skip
+    doc = json.loads((out / "adapt.json").read_text()) if (out / "adapt.json").exists() else None
+    return proc.returncode, doc, proc.stdout + proc.stderr
+
+
+def test_adapt_checks_every_engine_and_leaves_the_daemon_as_it_was(
+    daemons: Daemons, tiny_model: Path, tmp_path: Path
+) -> None:
+    with daemons.serve(Profile("adapt-home")) as daemon:
+        code, doc, said = adapt(daemon, tmp_path / "a", "--model", str(tiny_model),
+                                "--engines", "kunlun,vllm", "--only", "api.models")  # fmt: skip
+        assert code == 1, said  # vllm cannot run here: its plan gate fails
+        assert doc is not None
+        by_column = {c["column"]: c for c in doc["columns"]}
+        assert list(by_column) == ["cpu/kunlun", "cpu/vllm"]
+        ours = by_column["cpu/kunlun"]["verdicts"]
+        for gate in ("plan", "start", "smoke", "battery", "throughput", "failures"):
+            assert ours[gate]["status"] == "PASS", (gate, ours[gate])
+        # (rows whose answers hold no text: the tiny random model's text is garbage, which
+        # the battery's garbage detector rightly fails)
+        assert ours["battery"]["figure"] == "1 PASS, 0 FAIL, 2 SKIP", ours["battery"]
+        assert "quality.garbage: no answers to judge" in ours["battery"]["why"]
+        assert ours["numerics"]["status"] == ours["accuracy"]["status"] == "NOT RUN"
+        assert "--only" in ours["accuracy"]["why"]
+        assert by_column["cpu/kunlun"]["tokens_per_s"] > 0
+        vllm = by_column["cpu/vllm"]["verdicts"]
+        assert vllm["plan"]["status"] == "FAIL" and "vllm" in vllm["plan"]["why"], vllm["plan"]
+        assert vllm["start"]["status"] == "NOT RUN"
+        assert "FAIL plan on cpu/vllm: " in said and "Adaptation" in said
+        report = json.loads((tmp_path / "a" / "validation.json").read_text())
+        assert [c["name"] for c in report["columns"]] == ["cpu/kunlun"]
+        # what it started is stopped again
+        rows = daemon.get("/api/v1/workloads").json()
+        assert [(w["name"], w["state"]) for w in rows] == [
+            (by_column["cpu/kunlun"]["name"], "STOPPED")]  # fmt: skip
+        refused = daemon.cli("adapt", "--model", str(tiny_model), "--pools", "ascend",
+                             "--out", str(tmp_path / "b"))  # fmt: skip
+        assert refused.returncode == 2 and "no Ready ascend device; pools here: cpu" in (
+            refused.stderr), refused.stderr  # fmt: skip
