@@ -14,7 +14,8 @@ from tests.daemons import Daemon, Daemons, Profile
 
 def adapt(daemon: Daemon, out: Path, *args: str) -> tuple[int, dict | None, str]:
     proc = daemon.cli("adapt", *args, "--out", str(out), "--requests", "2",
-                      "--output-len", "4", timeout=600)  # fmt: skip
+                      "--output-len", "4", "--snapshots", str(out.parent / "snapshots"),
+                      timeout=600)  # fmt: skip
     doc = json.loads((out / "adapt.json").read_text()) if (out / "adapt.json").exists() else None
     return proc.returncode, doc, proc.stdout + proc.stderr
 
@@ -49,7 +50,35 @@ def test_adapt_checks_every_engine_and_leaves_the_daemon_as_it_was(
         rows = daemon.get("/api/v1/workloads").json()
         assert [(w["name"], w["state"]) for w in rows] == [
             (by_column["cpu/kunlun"]["name"], "STOPPED")]  # fmt: skip
+        assert ours["regression"]["status"] == "NOT RUN"  # no known-good snapshot yet
+        (first,) = doc["snapshots"]  # the kunlun column passed every gate it ran: known-good
         refused = daemon.cli("adapt", "--model", str(tiny_model), "--pools", "ascend",
                              "--out", str(tmp_path / "b"))  # fmt: skip
         assert refused.returncode == 2 and "no Ready ascend device; pools here: cpu" in (
             refused.stderr), refused.stderr  # fmt: skip
+        # again: held to the snapshot the first run saved, and a second one saved
+        code, again, said = adapt(daemon, tmp_path / "c", "--model", str(tiny_model),
+                                  "--only", "api.models")  # fmt: skip
+        assert code == 0, said
+        assert again is not None
+        regression = again["columns"][0]["verdicts"]["regression"]
+        assert regression["status"] == "PASS" and Path(first).stem in regression["figure"]
+        (second,) = again["snapshots"]
+    snapshots = tmp_path / "snapshots"
+    listed = daemon.cli("snapshot", "list", "--dir", str(snapshots), "--json", remote=False)
+    assert [s["id"] for s in json.loads(listed.stdout)] == [Path(first).stem, Path(second).stem]
+    diff = daemon.cli("snapshot", "diff", Path(first).stem, Path(second).stem, "--dir",
+                      str(snapshots), remote=False)  # fmt: skip
+    assert diff.returncode == 0 and "figures.tokens_per_s: " in diff.stdout, diff.stdout
+    saved = json.loads(Path(first).read_text())
+    assert saved["spec"]["model"] == str(tiny_model) and saved["plan"]["devices"] == ["cpu:0"]
+    assert saved["devices"][0]["id"] == "cpu:0" and saved["kunlun_version"]
+    assert len(saved["greedy"]) == 3 and saved["model_fingerprint"]
+    # restored on a fresh daemon, it serves the same greedy answers
+    with daemons.serve(Profile("adapt-restore-home")) as fresh:
+        restored = fresh.cli("snapshot", "restore", Path(first).stem, "--check", "--dir",
+                             str(snapshots))  # fmt: skip
+        assert restored.returncode == 0, restored.stdout + restored.stderr
+        assert "greedy answers: 3 of 3 the same" in restored.stdout
+        (row,) = fresh.get("/api/v1/workloads").json()
+        assert row["state"] == "RUNNING" and row["name"] == saved["spec"]["name"]

@@ -33,7 +33,7 @@ THREE_WAYS = Profile("validate-home", tuple(
     for name, (model, dtype) in zip(WORKLOADS, SOURCES, strict=True)
 ), files=(PATIENT,), demo=True)  # fmt: skip
 """The demo model at two dtypes, and its perturbed copy (:func:`perturbed_copy`) in the home."""
-PERTURBATION = 0.15
+PERTURBATION = 0.25
 """Noise added to each linear weight, as a fraction of that weight's standard deviation."""
 
 

@@ -258,21 +258,41 @@ def test_wrong_key_gets_401_once_keys_exist(platform: Daemon, tmp_path: Path) ->
         assert platform.cli("apikey", "revoke", key_id, key=key).returncode == 0
 
 
-def test_the_accuracy_row_passes_the_demo_and_fails_its_noisy_copy(
+def test_adapting_noisy_weights_against_the_served_model_fails_accuracy_and_numerics(
     platform: Daemon, tmp_path: Path
 ) -> None:
-    """Every third item of the shipped set (77; the whole set's figures, 229 items, are in
-    docs/validation.md): the demo scores far above chance, the perturbed copy more than the
-    gate's 5 points below it."""
+    """Day one with bad weights: ``kunlun-cli adapt`` of the perturbed copy (a model
+    directory) held to the demo model the platform serves (``--reference-model``). On every
+    third item of the shipped set (77; the whole set's figures are in docs/validation.md) the
+    demo scores far above chance and the copy more than the gate's 5 points below it; its
+    logprobs are off too; the run exits 1 and stops the workload it started."""
     subset = tmp_path / "every-third.jsonl"
-    lines = SHIPPED.read_text().splitlines()
-    subset.write_text("\n".join(lines[::3]) + "\n")
-    proc = validate(platform, "--endpoint", platform.url, "--model", FP32, "--model", PERTURBED,
-                    "--only", "accuracy", "--eval", str(subset), "--out", str(tmp_path / "out"))  # fmt: skip
+    subset.write_text("\n".join(SHIPPED.read_text().splitlines()[::6]) + "\n")
+    out = tmp_path / "adapt"
+    proc = platform.cli("adapt", "--model", str(platform.home / "perturbed"), "--reference-model",
+                        FP32, "--only", "numerics.prompt_logprobs", "--only", "accuracy",
+                        "--eval", str(subset), "--requests", "2", "--output-len", "4", "--concurrency", "2",
+                        "--out", str(out), timeout=900)  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    run = load(tmp_path / "out")
-    ours, noisy = (run["cells"][c]["accuracy.multiple_choice"] for c in (FP32, PERTURBED))
+    (column,) = json.loads((out / "adapt.json").read_text())["columns"]
+    gates = column["verdicts"]
+    print(
+        {gate: f"{v['status']} {v['figure']}" for gate, v in gates.items()},
+        json.loads((out / "adapt.json").read_text())["seconds"],
+    )
+    assert {g: gates[g]["status"] for g in ("plan", "start", "smoke", "numerics", "accuracy")} == {
+        "plan": "PASS",
+        "start": "PASS",
+        "smoke": "PASS",
+        "numerics": "FAIL",
+        "accuracy": "FAIL",
+    }
+    assert "more than 5 points" in gates["accuracy"]["why"], gates["accuracy"]
+    cells = load(out)["cells"]
+    ours = cells[f"reference:{FP32}"]["accuracy.multiple_choice"]
     assert ours["status"] == "PASS" and ours["metrics"]["chance"] == 0.25, ours
-    assert ours["metrics"]["items"] == 77 and ours["metrics"]["accuracy"] >= 0.5, ours
-    assert noisy["status"] == "FAIL" and "more than 5 points" in noisy["detail"], noisy
+    assert ours["metrics"]["items"] == 39 and ours["metrics"]["accuracy"] >= 0.5, ours
+    noisy = cells[column["column"]]["accuracy.multiple_choice"]
     assert noisy["metrics"]["reference_accuracy"] == ours["metrics"]["accuracy"]
+    states = {w["name"]: w["state"] for w in platform.get("/api/v1/workloads").json()}
+    assert states[column["name"]] == "STOPPED" and states[FP32] == "RUNNING"

@@ -36,9 +36,12 @@ from rich.table import Table
 from kunlun.cli.client import DaemonClient
 from kunlun.console import console, err_console, handle_errors, print_json
 from kunlun.errors import ConfigError, KunlunError, Location
+from kunlun.validate import snapshots
 from kunlun.validate.gates import FAIL, GATES, PASS, Candidate, Verdict, judge
 
 STYLE = {PASS: "green", FAIL: "bold red"}
+REFERENCE_PREFIX = "reference:"
+"""The column of ``--reference-model`` (a served model, not one adapt starts)."""
 
 
 @handle_errors
@@ -48,6 +51,13 @@ def adapt(
     engines: Annotated[str, typer.Option(help="Engines, comma-separated.")] = "kunlun",
     reference: Annotated[
         str | None, typer.Option(help="The reference column, POOL/ENGINE (default: the first).")
+    ] = None,
+    reference_model: Annotated[
+        str | None,
+        typer.Option(
+            help="A model the platform serves (its name) as the reference instead: "
+            "the known-good version new weights are held to."
+        ),
     ] = None,
     quantization: Annotated[
         str | None, typer.Option("--quantization", "--quantize", help="Weight scheme to run.")
@@ -66,6 +76,10 @@ def adapt(
     requests: Annotated[int, typer.Option(min=1, help="Bench requests per run.")] = 8,
     output_len: Annotated[int, typer.Option(min=1, help="Bench output tokens.")] = 32,
     keep: Annotated[bool, typer.Option("--keep", help="Leave the workloads running.")] = False,
+    snapshot_dir: Annotated[
+        Path | None,
+        typer.Option("--snapshots", help="Known-good snapshots (default: KUNLUN_HOME/snapshots)."),
+    ] = None,
     out: Annotated[Path, typer.Option(help="Where adapt.json and the reports go.")] = Path(
         "kunlun-adapt"
     ),
@@ -77,33 +91,62 @@ def adapt(
     # summary: kunlun.cli.commands
     client = DaemonClient(timeout=120)
     key = os.environ.get("KUNLUN_API_KEY") or None
+    if reference_model is not None:
+        reference = served_reference(client, reference_model, reference)
+    clock = Stages()
     candidates = plan_all(client, model, pool_list(client, pools), names(engines), quantization)
-    started = time.monotonic()
     try:
+        clock.mark("plan")
         for c in candidates:
             start(client, c, timeout)
+        clock.mark("start")
         for c in candidates:
             c.smoke = smoke(client, c) if c.started else None
         ready = [c for c in candidates if c.smoke is not None and c.smoke.status == PASS]
-        battery(client.endpoint, key, ready, reference, eval_file, only or [],
+        clock.mark("smoke")
+        battery(client.endpoint, key, ready, reference, reference_model, eval_file, only or [],
                 accuracy_points, out)  # fmt: skip
+        clock.mark("battery")
         for c in ready:
             bench(client.endpoint, key, c, tuple(concurrency or (1, 4)), requests, output_len)
+        clock.mark("bench")
+        take_snapshots(client, model, ready, snapshot_dir or snapshots.default_dir())
     finally:
         if not keep:
             for c in candidates:
                 stop(client, c)
     verdicts = judge(candidates, accuracy_points, throughput_share)
-    doc = report(model, candidates, verdicts, time.monotonic() - started)
+    saved = keep_good(candidates, verdicts, snapshot_dir or snapshots.default_dir())
+    doc = {**report(model, candidates, verdicts, clock.seconds), "snapshots": saved}
+    raise SystemExit(finish(doc, verdicts, out, json))
+
+
+def finish(doc: dict[str, Any], verdicts: dict[str, dict[str, Verdict]], out: Path,
+           as_json: bool) -> int:  # fmt: skip
+    """Write ``adapt.json``, print the matrix (or the JSON); the exit status."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "adapt.json").write_text(json_lib.dumps(doc, indent=2) + "\n")
-    if json:
+    if as_json:
         print_json(doc)
     else:
         render(verdicts)
         console.print(f"written: {out / 'adapt.json'}", markup=False)
     failed = any(v.status == FAIL for gates in verdicts.values() for v in gates.values())
-    raise SystemExit(1 if failed else 0)
+    return 1 if failed else 0
+
+
+class Stages:
+    """Seconds each stage of the run took (``adapt.json``'s ``seconds``)."""
+
+    def __init__(self) -> None:
+        self.began = self.last = time.monotonic()
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, stage: str) -> None:
+        now = time.monotonic()
+        self.seconds[stage] = round(now - self.last, 1)
+        self.seconds["total"] = round(now - self.began, 1)
+        self.last = now
 
 
 def names(text: str) -> list[str]:
@@ -199,9 +242,22 @@ def smoke(client: DaemonClient, c: Candidate) -> Verdict:
     return Verdict(PASS, f"{took * 1000:.0f} ms", "one token of a one-word prompt")
 
 
+def served_reference(client: DaemonClient, name: str, reference: str | None) -> str:
+    """The column name of ``--reference-model NAME``, once the platform is seen to serve it."""
+    if reference is not None:
+        raise ConfigError("give --reference or --reference-model, not both",
+                          location=Location("--reference-model"))  # fmt: skip
+    served = [card["id"] for card in client.get("/v1/models")["data"]]
+    if name not in served:
+        raise ConfigError(f"{name!r} is not served here; served: {', '.join(served) or 'none'}",
+                          location=Location("--reference-model"))  # fmt: skip
+    return REFERENCE_PREFIX + name
+
+
 def battery(
     endpoint: str, key: str | None, ready: list[Candidate], reference: str | None,
-    eval_file: Path | None, only: list[str], points: float, out: Path,
+    reference_model: str | None, eval_file: Path | None, only: list[str], points: float,
+    out: Path,
 ) -> None:  # fmt: skip
     """The validation battery, one column per ready candidate; its cells kept on each."""
     if not ready:
@@ -212,7 +268,10 @@ def battery(
     from kunlun.validate.matrix import Column
     from kunlun.validate.target import with_reference
 
-    columns = with_reference([Column(c.column, endpoint, c.name) for c in ready], reference, None)
+    columns = [Column(c.column, endpoint, c.name) for c in ready]
+    if reference_model is not None:
+        columns.insert(0, Column(REFERENCE_PREFIX + reference_model, endpoint, reference_model))
+    columns = with_reference(columns, reference, None)
     say(f"battery on {len(columns)} column(s), reference {columns[0].name}")
     settings = Settings(work_dir=out / "work", api_key=key, seed=7, eval_file=eval_file,
                         accuracy_points=points)  # fmt: skip
@@ -238,6 +297,34 @@ def bench(
         c.bench_error = str(exc)
 
 
+def take_snapshots(client: DaemonClient, model: str, ready: list[Candidate], folder: Path) -> None:
+    """Each ready candidate's snapshot while it runs, and its last known-good one."""
+    from kunlun.cli.snapshot import capture
+
+    for c in ready:
+        c.known_good = snapshots.last_known_good(folder, model, c.pool, c.engine)
+        if c.workload_id is None:
+            continue
+        say(f"snapshot {c.column}")
+        figures = {"accuracy": c.accuracy(), "tokens_per_s": c.tokens_per_s(),
+                   "battery": {row: cell.status.value for row, cell in c.cells.items()}}  # fmt: skip
+        try:
+            c.snapshot = capture(client, c.workload_id, model, figures)
+        except KunlunError as exc:  # said; the run's verdicts stand without it
+            err_console.print(f"no snapshot of {c.column}: {exc}", markup=False)
+
+
+def keep_good(
+    candidates: list[Candidate], verdicts: dict[str, dict[str, Verdict]], folder: Path
+) -> list[str]:
+    """Save the snapshot of every candidate no gate failed: the new known-good."""
+    saved = []
+    for c in candidates:
+        if c.snapshot is not None and all(v.status != FAIL for v in verdicts[c.column].values()):
+            saved.append(str(snapshots.save(folder, c.snapshot)))
+    return saved
+
+
 def stop(client: DaemonClient, c: Candidate) -> None:
     if c.workload_id is None:
         return
@@ -248,11 +335,14 @@ def stop(client: DaemonClient, c: Candidate) -> None:
 
 
 def report(
-    model: str, candidates: list[Candidate], verdicts: dict[str, dict[str, Verdict]], took: float
+    model: str,
+    candidates: list[Candidate],
+    verdicts: dict[str, dict[str, Verdict]],
+    seconds: dict[str, float],
 ) -> dict[str, Any]:
     return {
         "model": model,
-        "seconds": round(took, 1),
+        "seconds": seconds,
         "gates": list(GATES),
         "columns": [{
             "column": c.column, "pool": c.pool, "engine": c.engine, "name": c.name,

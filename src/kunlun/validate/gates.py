@@ -15,7 +15,10 @@ gives each the verdict of every gate in :data:`GATES`:
   (:mod:`kunlun.validate.accuracy`);
 - ``throughput``: output tokens/s of its busiest benchmark run at least ``throughput_share``
   of the best engine measured on the same pool type;
-- ``failures``: no request of the smoke run or the benchmark failed.
+- ``failures``: no request of the smoke run or the benchmark failed;
+- ``regression``: against the last known-good snapshot of the same model, pool and engine
+  (:mod:`kunlun.validate.snapshots`), accuracy at most ``accuracy_points`` lower and tokens/s
+  at least ``throughput_share`` of its figure (NOT RUN when there is none yet).
 
 A gate whose evidence was not gathered (a step after a failed one, a row the run left out)
 is NOT RUN with the reason; only FAIL makes the run fail.
@@ -28,7 +31,17 @@ from typing import Any
 
 from kunlun.validate.matrix import Cell, Status
 
-GATES = ("plan", "start", "smoke", "battery", "numerics", "accuracy", "throughput", "failures")
+GATES = (
+    "plan",
+    "start",
+    "smoke",
+    "battery",
+    "numerics",
+    "accuracy",
+    "throughput",
+    "failures",
+    "regression",
+)
 PASS, FAIL, NOT_RUN = "PASS", "FAIL", "NOT RUN"
 
 
@@ -62,6 +75,10 @@ class Candidate:
     """Its column of the validation matrix."""
     bench: dict[str, Any] | None = None
     bench_error: str | None = None
+    known_good: dict[str, Any] | None = None
+    """The last known-good snapshot of the same model, pool and engine, if any."""
+    snapshot: dict[str, Any] | None = None
+    """What this run would save as known-good (taken while its workload ran)."""
 
     @property
     def column(self) -> str:
@@ -79,6 +96,11 @@ class Candidate:
         busiest = max(runs, key=lambda r: r.get("concurrency") or 0)
         rate = busiest.get("output_tokens_per_s")
         return float(rate) if rate is not None else None
+
+    def accuracy(self) -> float | None:
+        cell = self.cells.get("accuracy.multiple_choice")
+        value = (cell.metrics or {}).get("accuracy") if cell is not None else None
+        return float(value) if value is not None else None
 
     def failed_requests(self) -> int:
         return sum(int(r.get("num_errors") or 0) for r in (self.bench or {}).get("runs") or [])
@@ -116,7 +138,24 @@ def _gates(c: Candidate, best: float | None, points: float, share: float) -> dic
     out["numerics"] = _rows(c.cells, "numerics.")
     out["accuracy"] = _rows(c.cells, "accuracy.")
     out["throughput"], out["failures"] = _bench(c, best, share)
+    out["regression"] = _regression(c, points, share)
     return out
+
+
+def _regression(c: Candidate, points: float, share: float) -> Verdict:
+    good = c.known_good
+    if good is None:
+        return Verdict(NOT_RUN, why=f"no known-good snapshot of {c.column} yet")
+    figures, found = good.get("figures") or {}, []
+    accuracy, was = c.accuracy(), figures.get("accuracy")
+    if accuracy is not None and was is not None and (was - accuracy) * 100 > points:
+        found.append(f"accuracy {accuracy:.1%} against {was:.1%}")
+    rate, had = c.tokens_per_s(), figures.get("tokens_per_s")
+    if rate is not None and had and rate < share * had:
+        found.append(f"{rate:.1f} tok/s against {had:.1f}")
+    if found:
+        return Verdict(FAIL, "regressed", f"against {good['id']}: " + "; ".join(found))
+    return Verdict(PASS, f"vs {good['id']}", "accuracy and tokens/s within the gates")
 
 
 def _battery(cells: dict[str, Cell]) -> Verdict:
