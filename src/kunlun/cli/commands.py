@@ -33,6 +33,8 @@ COMMANDS: dict[str, Command] = {
     "adapt": Command("kunlun.cli.adapt", "adapt", False,
                      "Adapt a model to every pool and engine: plan, start, smoke, battery, "
                      "accuracy, bench; a pool-by-gate verdict matrix."),
+    "acceptance": Command("kunlun.cli.acceptance", "app", True,
+                          "Acceptance reports of the rollout layers, signed; verify one."),
     "snapshot": Command("kunlun.cli.snapshot", "app", True,
                         "Known-good snapshots: save, list, show, diff, restore."),
     "validate": Command("kunlun.cli.validate", "validate", False,
