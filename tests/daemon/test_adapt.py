@@ -56,10 +56,18 @@ def test_adapt_checks_every_engine_and_leaves_the_daemon_as_it_was(
                              "--out", str(tmp_path / "b"))  # fmt: skip
         assert refused.returncode == 2 and "no Ready ascend device; pools here: cpu" in (
             refused.stderr), refused.stderr  # fmt: skip
-        # again: held to the snapshot the first run saved, and a second one saved
+        # again: held to the snapshot the first run saved, and a second one saved; signed
+        keys = tmp_path / "keys"
+        assert daemon.cli("keys", "generate", "--out", str(keys), remote=False).returncode == 0
+        # (--throughput-share 0: the test checks what the gate compares, not this machine's
+        # speed from one run to the next, which a loaded machine halves)
         code, again, said = adapt(daemon, tmp_path / "c", "--model", str(tiny_model),
-                                  "--only", "api.models")  # fmt: skip
+                                  "--only", "api.models", "--throughput-share", "0", "--sign",
+                                  str(keys / "kunlun-signing.key"))  # fmt: skip
         assert code == 0, said
+        verified = daemon.cli("keys", "verify", str(tmp_path / "c" / "adapt.json"),
+                              "--public-key", str(keys / "kunlun-signing.pub"), remote=False)  # fmt: skip
+        assert verified.returncode == 0, verified.stderr
         assert again is not None
         regression = again["columns"][0]["verdicts"]["regression"]
         assert regression["status"] == "PASS" and Path(first).stem in regression["figure"]

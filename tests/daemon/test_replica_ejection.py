@@ -146,8 +146,10 @@ keep it full across several checks one second apart."""
 def test_a_replica_busy_with_a_full_batch_stays_in_routing(daemons: Daemons) -> None:
     """Two streams fill the replica's two sequence slots: the checks see the engine's step
     counter move (serving, no probe sent), or a probe waits behind the batch past its timeout
-    (busy); either keeps the replica in. (A stall needs a minute without a step with requests
-    unfinished, far longer than the batch.)"""
+    and is answered late (slow) or not within the liveness deadline (busy); each keeps the
+    replica in. (A stall needs a minute without a step with requests unfinished, far longer
+    than the batch.) On a loaded machine one check may fall in the batch's few seconds: run
+    AO's was slow."""
     with daemons.serve(BUSY) as daemon:
         job = daemon.job
         assert job is not None
@@ -166,8 +168,9 @@ def test_a_replica_busy_with_a_full_batch_stays_in_routing(daemons: Daemons) -> 
         counts = {result: float(n) for result, n in re.findall(
             r'kunlun_health_probes_total\{model="tiny",result="(\w+)"\} (\S+)', metrics)}  # fmt: skip
         # checks during the batch saw the engine stepping (serving: no probe sent), or a
-        # probe waited behind the full batch (busy); none failed
-        assert counts.get("serving", 0) + counts.get("busy", 0) >= 1, metrics
+        # probe waited behind the full batch (slow, busy); none failed
+        during = counts.get("serving", 0) + counts.get("slow", 0) + counts.get("busy", 0)
+        assert during >= 1, metrics
         assert set(counts) <= {"serving", "busy", "pass", "slow"}, counts
         print(f"checks while the batch was full: {counts}")
         kinds = [e["kind"] for e in workload(daemon, job)["events"]]

@@ -54,3 +54,20 @@ def test_nothing_is_judged_after_a_failed_step() -> None:
         assert {v.status for g, v in verdicts[column].items() if g not in ("plan", "start")} == {
             NOT_RUN
         }
+
+
+def test_a_run_is_held_to_its_last_known_good_snapshot() -> None:
+    good = {"id": "m-cpu-a-1", "figures": {"accuracy": 0.70, "tokens_per_s": 100.0}}
+    cells = {"accuracy.multiple_choice": passed("70.0%", accuracy=0.70)}
+    same = ran("cpu", "a", 90.0, cells)
+    same.known_good = good
+    assert judge([same], 5, 0.8)["cpu/a"]["regression"].status == PASS
+    slower = ran("cpu", "a", 50.0, cells)
+    slower.known_good = good
+    verdict = judge([slower], 5, 0.8)["cpu/a"]["regression"]
+    assert verdict.status == FAIL and "50.0 tok/s against 100.0" in verdict.why
+    worse = ran("cpu", "a", 100.0, {"accuracy.multiple_choice": passed("60.0%", accuracy=0.6)})
+    worse.known_good = good
+    verdict = judge([worse], 5, 0.8)["cpu/a"]["regression"]
+    assert verdict.status == FAIL and "accuracy 60.0% against 70.0%" in verdict.why
+    assert judge([ran("cpu", "a", 10.0)], 5, 0.8)["cpu/a"]["regression"].status == NOT_RUN

@@ -87,6 +87,9 @@ def adapt(
         float, typer.Option(min=1, help="Seconds a workload may take to start.")
     ] = 900,
     json: Annotated[bool, typer.Option("--json", help="Print adapt.json.")] = False,
+    sign: Annotated[
+        Path | None, typer.Option(help="Sign adapt.json with this Ed25519 private key (PEM).")
+    ] = None,
 ) -> None:
     # summary: kunlun.cli.commands
     client = DaemonClient(timeout=120)
@@ -118,14 +121,20 @@ def adapt(
     verdicts = judge(candidates, accuracy_points, throughput_share)
     saved = keep_good(candidates, verdicts, snapshot_dir or snapshots.default_dir())
     doc = {**report(model, candidates, verdicts, clock.seconds), "snapshots": saved}
-    raise SystemExit(finish(doc, verdicts, out, json))
+    raise SystemExit(finish(doc, verdicts, out, json, sign))
 
 
 def finish(doc: dict[str, Any], verdicts: dict[str, dict[str, Verdict]], out: Path,
-           as_json: bool) -> int:  # fmt: skip
-    """Write ``adapt.json``, print the matrix (or the JSON); the exit status."""
+           as_json: bool, sign: Path | None) -> int:  # fmt: skip
+    """Write ``adapt.json`` (and, with ``sign``, its detached signature ``adapt.json.sig``,
+    which ``kunlun-cli keys verify`` checks), print the matrix (or the JSON); the exit
+    status."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "adapt.json").write_text(json_lib.dumps(doc, indent=2) + "\n")
+    if sign is not None:
+        from kunlun.offline.signing import load_private_key, sign_file
+
+        sign_file(load_private_key(sign), out / "adapt.json")
     if as_json:
         print_json(doc)
     else:
