@@ -39,6 +39,13 @@ class BatchRequest:
         return str(self.id)
 
 
+class InvalidInputLine(RequestError):
+    """A line of a batch input file that cannot be sent: recorded in ``failures.jsonl``
+    under this code (the job goes on with the other lines)."""
+
+    code = "input.invalid"
+
+
 @dataclass(frozen=True)
 class BadLine:
     """An input line that cannot run, and why."""
@@ -52,7 +59,7 @@ class BadLine:
         return {
             "id": self.id,
             "line": self.line,
-            "error": {"code": "input.invalid", "message": self.message},
+            "error": {"code": InvalidInputLine.code, "message": self.message},
         }
 
 

@@ -8,6 +8,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
+from kunlun.errors import KunlunError
 from kunlun.state.store import BatchRecord
 
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
@@ -110,13 +111,21 @@ def answer_line(
     }
 
 
+class BatchRequestFailed(KunlunError):
+    """A batch request that got no answer at all: its line of the error file carries this
+    code (OpenAI's spelling)."""
+
+    code = "request_failed"
+    http_status = 502
+
+
 def failure_line(custom_id: str, message: str) -> dict[str, Any]:
     """The error file line of a request that got no answer at all."""
     return {
         "id": _request_line_id(),
         "custom_id": custom_id,
         "response": None,
-        "error": {"code": "request_failed", "message": message},
+        "error": {"code": BatchRequestFailed.code, "message": message},
     }
 
 
