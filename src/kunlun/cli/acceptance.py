@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import threading
 import time
 from pathlib import Path
@@ -103,28 +102,24 @@ def layer_one(replay: Path | None, config: Path | None) -> dict[str, Any]:
 
 def layer_two(model: str, device: str | None, ttft_limit: float) -> dict[str, Any]:
     """Start ``model`` alone on one device, measure it, stop it."""
-    from kunlun.cli.adapt import start, stop
+    from kunlun.cli.adapt import workload_name
     from kunlun.cli.client import DaemonClient
-    from kunlun.validate.gates import Candidate
 
     client = DaemonClient(timeout=120)
     devices = client.get("/api/v1/devices")
     device = device or next((d["id"] for d in devices if d["status"] == "Ready"), None)
     if device is None:
         raise ConfigError("no Ready device", location=Location("--device"))
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", Path(model).name).strip("-").lower()
-    c = Candidate(device.split(":")[0], "auto", f"acceptance-{slug}", plan={},
-                  spec={"model": model, "name": f"acceptance-{slug}", "device": device})  # fmt: skip
-    start(client, c, 900)
+    name = workload_name("acceptance", model)
+    job, row, why = client.run_workload({"model": model, "name": name, "device": device}, 900)
     try:
-        if not c.started:
-            raise ConfigError(f"{model} did not start on {device}: {c.start_error}",
+        if why is not None:
+            raise ConfigError(f"{model} did not start on {device}: {why}",
                               location=Location("--model"))  # fmt: skip
-        assert c.workload_id is not None
-        startup = client.get(f"/api/v1/workloads/{c.workload_id}")["replicas"][0]["startup"]
-        ttft, samples = measure(client, c.name, device)
+        startup = row["replicas"][0]["startup"]
+        ttft, samples = measure(client, name, device)
     finally:
-        stop(client, c)
+        client.post(f"/api/v1/workloads/{job}/stop")
     subject = {"model": model, "device": device, "node": client.endpoint}
     return layers.report(2, subject, layers.layer2(startup, ttft, ttft_limit, samples, device))
 
@@ -141,14 +136,18 @@ def measure(client: Any, name: str, device: str) -> tuple[float | None, list[flo
                                        output_len=8)))  # fmt: skip
     ttft = one["runs"][0]["ttft_ms"]["p50"]
     samples: list[float] = []
+    failed: list[Exception] = []
     done = threading.Event()
 
     def sample() -> None:
-        while not done.is_set():
-            for d in client.get("/api/v1/devices"):
-                if d["id"] == device and d.get("utilization_pct") is not None:
-                    samples.append(float(d["utilization_pct"]))
-            time.sleep(0.25)
+        try:
+            while not done.is_set():
+                for d in client.get("/api/v1/devices"):
+                    if d["id"] == device and d.get("utilization_pct") is not None:
+                        samples.append(float(d["utilization_pct"]))
+                time.sleep(0.25)
+        except Exception as exc:  # raised in the command's thread once the load is done
+            failed.append(exc)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -158,4 +157,6 @@ def measure(client: Any, name: str, device: str) -> tuple[float | None, list[flo
     finally:
         done.set()
         sampler.join(10)
+    if failed:
+        raise failed[0]
     return ttft, samples

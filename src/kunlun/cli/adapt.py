@@ -165,6 +165,12 @@ def names(text: str) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def workload_name(purpose: str, model: str, *parts: str) -> str:
+    """The name of a workload this command starts for ``model``: ``adapt-smollm2-cpu-kunlun``."""
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", Path(model).name).strip("-").lower() or "model"
+    return "-".join((purpose, slug, *parts))
+
+
 def pool_list(client: DaemonClient, pools: str) -> list[str]:
     """The device types asked for, each with a Ready device on the platform."""
     ready = sorted({d["type"] for d in client.get("/api/v1/devices") if d["status"] == "Ready"})
@@ -184,11 +190,10 @@ def plan_all(
     client: DaemonClient, model: str, pools: list[str], engines: list[str], scheme: str | None
 ) -> list[Candidate]:
     """A candidate per pool and engine, with the planner's plan or its reason."""
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", Path(model).name).strip("-").lower() or "model"
     candidates = []
     for pool in pools:
         for engine in engines:
-            c = Candidate(pool, engine, f"adapt-{slug}-{pool}-{engine}")
+            c = Candidate(pool, engine, workload_name("adapt", model, pool, engine))
             spec = {"model": model, "name": c.name, "engine": engine,
                     "preferred_device_types": [pool]}  # fmt: skip
             if scheme is not None:
@@ -218,22 +223,9 @@ def start(client: DaemonClient, c: Candidate, timeout: float) -> None:
         return
     say(f"start {c.column} as {c.name}")
     try:
-        c.workload_id = client.post("/api/v1/workloads", json=c.spec)["workload_id"]
+        c.workload_id, _, c.start_error = client.run_workload(c.spec, timeout)
     except KunlunError as exc:
         c.start_error = str(exc)
-        return
-    deadline = time.monotonic() + timeout
-    while True:
-        row = client.get(f"/api/v1/workloads/{c.workload_id}")
-        if row["state"] in ("FAILED", "STOPPED"):
-            c.start_error = f"{row['state']}: {row.get('reason')}"
-            return
-        if row["state"] == "RUNNING" and any(r["ready"] for r in row["replicas"]):
-            return
-        if time.monotonic() > deadline:
-            c.start_error = f"not RUNNING within {timeout:g} s (state {row['state']})"
-            return
-        time.sleep(0.5)
 
 
 def smoke(client: DaemonClient, c: Candidate) -> Verdict:
@@ -310,8 +302,12 @@ def take_snapshots(client: DaemonClient, model: str, ready: list[Candidate], fol
     """Each ready candidate's snapshot while it runs, and its last known-good one."""
     from kunlun.cli.snapshot import capture
 
+    unread: list[str] = []
     for c in ready:
-        c.known_good = snapshots.last_known_good(folder, model, c.pool, c.engine)
+        c.known_good = snapshots.last_known_good(folder, model, c.pool, c.engine, unread)
+    for problem in dict.fromkeys(unread):  # a damaged snapshot is said, not silently passed over
+        err_console.print(f"not a snapshot, skipped: {problem}", markup=False)
+    for c in ready:
         if c.workload_id is None:
             continue
         say(f"snapshot {c.column}")

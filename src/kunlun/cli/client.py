@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -143,6 +144,24 @@ class DaemonClient:
 
     def delete(self, path: str, **kwargs: Any) -> Any:
         return self.request("DELETE", path, **kwargs)
+
+    def run_workload(
+        self, spec: dict[str, Any], timeout_s: float
+    ) -> tuple[str, dict[str, Any], str | None]:
+        """Submit the workload ``spec`` and wait until it is RUNNING with a ready replica:
+        its id, its last row, and why it did not come up (None: it did). A refused spec
+        raises, as any failed request does."""
+        job = self.post("/api/v1/workloads", json=spec)["workload_id"]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            row = self.get(f"/api/v1/workloads/{job}")
+            if row["state"] in ("FAILED", "STOPPED"):
+                return job, row, f"{row['state']}: {row.get('reason')}"
+            if row["state"] == "RUNNING" and any(r["ready"] for r in row["replicas"]):
+                return job, row, None
+            if time.monotonic() > deadline:
+                return job, row, f"not RUNNING within {timeout_s:g} s (state {row['state']})"
+            time.sleep(0.5)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from kunlun.cli.client import DaemonClient
 from kunlun.cli.commands import summary
-from kunlun.console import console, handle_errors, print_json
+from kunlun.console import console, err_console, handle_errors, print_json
 from kunlun.engine.launch import EMBEDDED_ENGINE
 from kunlun.errors import KunlunError
 from kunlun.validate import snapshots
@@ -102,7 +102,11 @@ def list_snapshots(
     json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """The snapshots, oldest first."""
-    found = [s for s in snapshots.listed(folder(dir)) if model is None or s.get("model") == model]
+    unread: list[str] = []
+    found = [s for s in snapshots.listed(folder(dir), unread)
+             if model is None or s.get("model") == model]  # fmt: skip
+    for problem in unread:
+        err_console.print(f"not a snapshot, skipped: {problem}", markup=False)
     if json:
         print_json(found)
         return
@@ -150,15 +154,9 @@ def restore(
     unless its greedy answers are the snapshot's."""
     saved = snapshots.load(folder(dir), snapshot_id)
     client = DaemonClient(timeout=120)
-    made = client.post("/api/v1/workloads", json=saved["spec"])
-    job, deadline = made["workload_id"], time.monotonic() + timeout
-    while True:
-        row = client.get(f"/api/v1/workloads/{job}")
-        if row["state"] == "RUNNING" and any(r["ready"] for r in row["replicas"]):
-            break
-        if row["state"] in ("FAILED", "STOPPED") or time.monotonic() > deadline:
-            raise KunlunError(f"{job} did not come up: {row['state']} {row.get('reason') or ''}")
-        time.sleep(0.5)
+    job, row, why = client.run_workload(saved["spec"], timeout)
+    if why is not None:
+        raise KunlunError(f"{job} did not come up: {why}")
     console.print(f"restored {saved['id']} as {job} ({row['name']})", markup=False)
     if not check:
         return

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import typer
+from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from kunlun.workload.chat_template import read_chat_template
@@ -39,8 +40,16 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
 """Spellings besides ``--field-name``, the first shown in messages: vLLM's (``--tp-size``,
 ``--gpu-memory-utilization``), the seed's ``--quantize``, and ``--batch-size``, the old name
 of ``max_num_seqs``."""
-FILE_ONLY = frozenset({"telemetry", "faults"})
-"""Fields that are objects of their own: set in a ``--file`` spec."""
+
+
+def _nested(annotation: Any) -> bool:
+    """Whether a field's type is an object of its own (a pydantic model, optional or not)."""
+    kinds = typing.get_args(annotation) or (annotation,)
+    return any(isinstance(k, type) and issubclass(k, BaseModel) for k in kinds)
+
+
+FILE_ONLY = frozenset(n for n, f in WorkloadSpec.model_fields.items() if _nested(f.annotation))
+"""The fields that are objects of their own (telemetry, faults): set in a ``--file`` spec."""
 LISTS_SEPARATOR = ","
 """A list field's flag takes its items comma-separated (``--preferred-device-types a,b``)."""
 MORE_HELP = {

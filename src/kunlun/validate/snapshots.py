@@ -67,19 +67,23 @@ def load(folder: Path, snapshot_id: str) -> dict[str, Any]:
     return data
 
 
-def listed(folder: Path) -> list[dict[str, Any]]:
-    """Every readable snapshot in ``folder``, oldest first."""
+def listed(folder: Path, unread: list[str] | None = None) -> list[dict[str, Any]]:
+    """Every readable snapshot in ``folder``, oldest first; why each other ``.json`` file
+    there is not one goes to ``unread`` (the callers say it)."""
     found = []
     for path in folder.glob("*.json") if folder.is_dir() else ():
         try:
             found.append(load(folder, path.stem))
-        except ConfigError:
-            continue  # another file in the folder: not a snapshot, not listed
+        except ConfigError as exc:
+            if unread is not None:
+                unread.append(str(exc))
     return sorted(found, key=lambda s: (s.get("created", 0), s["id"]))
 
 
-def last_known_good(folder: Path, model: str, pool: str, engine: str) -> dict[str, Any] | None:
-    same = [s for s in listed(folder)
+def last_known_good(
+    folder: Path, model: str, pool: str, engine: str, unread: list[str] | None = None
+) -> dict[str, Any] | None:
+    same = [s for s in listed(folder, unread)
             if (s.get("model"), s.get("pool"), s.get("engine")) == (model, pool, engine)]  # fmt: skip
     return same[-1] if same else None
 
