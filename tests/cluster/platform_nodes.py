@@ -161,3 +161,17 @@ def chat(node: ClusterNodeProc, text: str = "Say hi.", max_tokens: int = 8) -> h
 
 def dump(nodes: list[ClusterNodeProc]) -> str:
     return "\n".join(f"--- {n.name} ---\n{n.log()[-3000:]}" for n in nodes)
+
+
+def rollout_ended(node: ClusterNodeProc, rollout_id: str, timeout: float = 600) -> Any:
+    """The rollout, as ``node`` shows it, once it has ended and its losing version stopped."""
+
+    def ended() -> Any:
+        row = node.api(f"/api/v1/rollouts/{rollout_id}")
+        return (
+            row
+            if row["state"] in ("PROMOTED", "ROLLED_BACK", "ABORTED") and row["retired"]
+            else None
+        )
+
+    return wait_for("the rollout ended", ended, timeout=timeout)

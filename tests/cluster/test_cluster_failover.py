@@ -5,7 +5,8 @@ without a replica is answered by another node's; keys, workloads and nodes are t
 every node; losing one etcd member changes nothing and losing two (no quorum) keeps serving
 but refuses writes with a 503 naming the cause, until quorum returns; a leader paused past
 its lease is fenced and comes back a follower; a killed leader node is replaced within the
-lease and its replica placed elsewhere while streams on the other nodes go on.
+lease and its replica placed elsewhere while streams on the other nodes go on; then the
+layer 5 acceptance report of the two nodes left (the loss, and a canary promoted on them).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tests.cluster.platform_nodes import (
     chat,
     dump,
     make_node,
+    rollout_ended,
     serving_replicas,
     tiny_record,
     wait_for,
@@ -336,3 +338,71 @@ def test_a_killed_leader_node_is_replaced_and_its_replica_moves(cluster: Cluster
     assert [n["name"] for n in survivors[0].api("/api/v1/nodes")] == sorted(
         n.name for n in survivors
     )
+
+
+def _load(node: ClusterNodeProc, stop: threading.Event, failures: list[str]) -> None:
+    while not stop.is_set():
+        try:
+            resp = chat(node, max_tokens=4)
+        except httpx.HTTPError as exc:
+            failures.append(repr(exc))
+        else:
+            if resp.status_code != 200:
+                failures.append(f"{resp.status_code} {resp.text[:200]}")
+
+
+def test_layer_five_acceptance_report_after_the_node_loss(cluster: Cluster, tmp_path: Path) -> None:
+    """``kunlun-cli acceptance --layer 5`` on the cluster the last test left two nodes of: the
+    node killed there named as lost, and a canary rollout of the workload promoted under
+    load first; a signed report with every checkpoint's figure, refused once changed."""
+    lost = next(n for n in cluster.nodes if n not in cluster.up())
+    node = cluster.up()[0]
+    before = node.cli("acceptance", "--layer", "5", "--out", str(tmp_path / "early"),
+                      key=node.key, timeout=300)  # fmt: skip
+    assert before.returncode == 1, before.stdout + before.stderr  # proves nothing yet
+    assert "NOT RUN  a lost node" in before.stdout and "no rollout" in before.stdout, before.stdout
+    assert "INCOMPLETE (2 of 3 checkpoints not run)" in before.stdout
+    name = node.api(f"/api/v1/workloads/{cluster.workload_id}")["name"]
+    made = node.post("/api/v1/rollouts", {
+        "workload": name, "model": "tiny", "steps": "50", "interval_s": "3s",
+        "min_requests": 4, "max_error_rate": "10%", "max_p95_regression": "1000%"})  # fmt: skip
+    assert made.status_code == 200, made.text
+    rollout_id = made.json()["rollout_id"]
+    stop, failures = threading.Event(), []
+    load = [threading.Thread(target=_load, args=(n, stop, failures), daemon=True)
+            for n in cluster.up()]  # fmt: skip
+    for thread in load:
+        thread.start()
+    try:
+        ended = rollout_ended(node, rollout_id)
+    finally:
+        stop.set()
+        for thread in load:
+            thread.join(120)
+    assert ended["state"] == "PROMOTED", (ended, dump(cluster.up()))
+    assert not failures, failures[:3]  # the loss was over before the rollout began
+    keys = tmp_path / "keys"
+    assert node.cli("keys", "generate", "--out", str(keys), remote=False).returncode == 0
+    done = node.cli("acceptance", "--layer", "5", "--lost-node", lost.name, "--out",
+                    str(tmp_path / "layer5"), "--sign", str(keys / "kunlun-signing.key"),
+                    key=node.key, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    print(done.stdout)
+    report = tmp_path / "layer5" / "acceptance-layer5.json"
+    doc = json.loads(report.read_text())
+    assert doc["verdict"] == "PASS" and doc["not_run"] == [], doc
+    leader, loss, canary = doc["checkpoints"]
+    survivors = sorted(n.name for n in cluster.up())
+    assert leader["data"]["leaders"].keys() == set(survivors) and leader["status"] == "PASS"
+    assert loss["status"] == "PASS" and loss["data"]["nodes"] == survivors, loss
+    assert loss["figure"].startswith(f"{lost.name} gone; 2 nodes list the same "), loss
+    assert loss["data"]["ready"][ended["canary_workload_id"]] == 2, loss
+    assert canary["status"] == "PASS" and canary["data"]["rollout"] == rollout_id, canary
+    assert "error_rate 0.0% (limit" in canary["figure"] and "p95_ttft" in canary["figure"]
+    assert list(doc["screenshots"]["files"]) == ["/ui/nodes", "/ui/rollouts"], doc["screenshots"]
+    public = ["--public-key", str(keys / "kunlun-signing.pub")]
+    verified = node.cli("acceptance", "verify", str(report), *public, remote=False)
+    assert verified.returncode == 0 and "layer 5 (HA and canaries) PASS" in verified.stdout
+    report.write_text(report.read_text().replace(lost.name, "node-z"))
+    forged = node.cli("acceptance", "verify", str(report), *public, remote=False)
+    assert forged.returncode != 0 and "signature" in forged.stderr.lower(), forged.stderr

@@ -14,7 +14,14 @@ import httpx
 import pytest
 from tests import loopback
 from tests.cluster.etcd_cluster import EtcdCluster
-from tests.cluster.platform_nodes import ClusterNodeProc, dump, make_node, tiny_record, wait_for
+from tests.cluster.platform_nodes import (
+    ClusterNodeProc,
+    dump,
+    make_node,
+    rollout_ended,
+    tiny_record,
+    wait_for,
+)
 
 from kunlun.state.etcd import EtcdStore
 from kunlun.state.etcd_client import Etcd
@@ -99,9 +106,7 @@ def test_a_rollout_goes_on_when_the_leader_node_is_lost(two_nodes: list[ClusterN
         wait_for("the survivor leads", lambda: survivor.api("/api/v1/cluster")["leader"]
                  == survivor.name, timeout=60)  # fmt: skip
         noticed_at = time.monotonic()  # the lost node's lease has expired by now
-        ended = wait_for("the rollout ended", lambda: (lambda r: r if r["state"] in (
-            "PROMOTED", "ROLLED_BACK", "ABORTED") and r["retired"] else None)(
-            survivor.api(f"/api/v1/rollouts/{rollout_id}")), timeout=600)  # fmt: skip
+        ended = rollout_ended(survivor, rollout_id)
     finally:
         stop.set()
         for thread in threads:

@@ -1,5 +1,5 @@
 """``kunlun-cli adapt`` against a real daemon, on the tiny model (the mechanics: plan, start,
-smoke, battery rows, bench, gates, teardown). Its quality gates on the demo model with two
+smoke, battery rows, bench, gates, the pool's verdict, teardown; a GGUF file imported first). Its quality gates on the demo model with two
 engines are a documented command (docs/day-one.md): a minute and more of scoring that the
 suite's validate tests already check row by row.
 """
@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 from tests.daemons import Daemon, Daemons, Profile
+from tests.engine.gguf_bytes import MERGES, TOKENS
+from tests.engine.gguf_files import hf_tensors, write_gguf
 
 
 def adapt(daemon: Daemon, out: Path, *args: str) -> tuple[int, dict | None, str]:
@@ -20,14 +23,29 @@ def adapt(daemon: Daemon, out: Path, *args: str) -> tuple[int, dict | None, str]
     return proc.returncode, doc, proc.stdout + proc.stderr
 
 
+def byte_vocabulary_gguf(path: Path, model_dir: Path) -> Path:
+    """The tiny model as a GGUF file whose vocabulary is the byte-level one of the GGUF tests
+    and plain words up to the model's 2,048 rows (every token it samples is text)."""
+    config, tensors = hf_tensors(model_dir, "llama")
+    words = [f"w{i}" for i in range(config["vocab_size"] - len(TOKENS))]
+    vocabulary = SimpleNamespace(metadata={
+        "tokenizer.ggml.tokens": [*TOKENS, *words], "tokenizer.ggml.merges": MERGES,
+        "tokenizer.ggml.token_type": [1] * config["vocab_size"], "tokenizer.ggml.pre": "smollm"})  # fmt: skip
+    return write_gguf(path, "llama", config, tensors, vocab_source=vocabulary)
+
+
 def test_adapt_checks_every_engine_and_leaves_the_daemon_as_it_was(
     daemons: Daemons, tiny_model: Path, tmp_path: Path
 ) -> None:
     with daemons.serve(Profile("adapt-home")) as daemon:
         code, doc, said = adapt(daemon, tmp_path / "a", "--model", str(tiny_model),
                                 "--engines", "kunlun,vllm", "--only", "api.models")  # fmt: skip
-        assert code == 1, said  # vllm cannot run here: its plan gate fails
+        # vllm cannot run here: its plan gate fails, and the pool is adapted with kunlun
+        assert code == 0, said
         assert doc is not None
+        assert doc["pools"]["cpu"]["status"] == "PASS" and doc["pools"]["cpu"]["engine"] == "kunlun"
+        assert "not chosen: vllm: plan refused" in doc["pools"]["cpu"]["why"], doc["pools"]
+        assert "pool cpu: adapted with kunlun: " in said
         by_column = {c["column"]: c for c in doc["columns"]}
         assert list(by_column) == ["cpu/kunlun", "cpu/vllm"]
         ours = by_column["cpu/kunlun"]["verdicts"]
@@ -90,3 +108,11 @@ def test_adapt_checks_every_engine_and_leaves_the_daemon_as_it_was(
         assert "greedy answers: 3 of 3 the same" in restored.stdout
         (row,) = fresh.get("/api/v1/workloads").json()
         assert row["state"] == "RUNNING" and row["name"] == saved["spec"]["name"]
+        # a model given as a GGUF file (on the daemon's machine) is imported first
+        (fresh.home / "models").mkdir(exist_ok=True)
+        gguf = byte_vocabulary_gguf(fresh.home / "models" / "tiny-file.gguf", tiny_model)
+        code, doc, said = adapt(fresh, tmp_path / "d", "--model", str(gguf), "--only",
+                                "api.models", "--concurrency", "1")  # fmt: skip
+        assert code == 0, said
+        assert f"imported {gguf} as tiny-file" in said and doc is not None
+        assert doc["model"] == "tiny-file" and doc["pools"]["cpu"]["engine"] == "kunlun"

@@ -5,10 +5,12 @@ serving the tiny model, with an admin and an inference key.
 The Devices heat map, the Metrics page's per-device and per-priority-class series (after
 requests with ``X-Kunlun-Priority``) and windowed quantiles, scaling a workload from the
 page until the new replica count is ready, a batch job submitted with the openai SDK and its
-progress, the Nodes and Rollouts pages, and the Validation and Bench pages drawn from a real
+progress, the Nodes and Rollouts pages, the Validation and Bench pages drawn from a real
 ``kunlun-cli validate`` run (of the demo model on the shared daemon: it passes only on answers
-that read as language) and ``kunlun-cli bench`` run written under ``KUNLUN_HOME/reports``.
-Screenshots are taken as in ``test_dashboard_ui.py`` (``SHOTS``)."""
+that read as language) and ``kunlun-cli bench`` run written under ``KUNLUN_HOME/reports``, and
+the Adaptation page drawn from real ``kunlun-cli adapt`` and ``kunlun-cli acceptance`` runs
+(and the report files it serves, from there only). Screenshots are taken as in
+``test_dashboard_ui.py`` (``SHOTS``)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -276,4 +279,111 @@ def test_validation_and_bench_pages_read_the_reports(
     assert page.locator(".scale").count() == 0
     posted = page.request.post(daemon.url + "/ui/workloads/tiny/scale", form={"replicas": "2"})
     assert posted.status == 403
+    context.close()
+
+
+def test_adaptation_page_shows_verdicts_snapshots_and_acceptance_reports(
+    node: Any, browser: Any, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A real ``kunlun-cli adapt`` of the tiny model on the node's cpu pool and a signed
+    ``kunlun-cli acceptance --layer 1`` of the replayed node, both written under the node's
+    ``KUNLUN_HOME/reports``; the page shows what their files say, and ``/ui/reports/...``
+    serves report files from there and nowhere else."""
+    daemon, admin, reader = node
+    home, reports = daemon.home, daemon.home / "reports"
+    context, page, watch = login(browser, daemon, admin)
+    page.goto(daemon.url + "/ui/adaptation")
+    for empty in ("#no-adaptation", "#no-snapshots", "#no-acceptance"):
+        assert page.locator(empty).count() == 1, empty
+    runs = {}
+    # api.sse: the garbage detector judges the tiny model's answers (noise) and fails the
+    # battery gate, exit 1, nothing saved; api.models: nothing to judge, every gate that runs
+    # passes, exit 0, and the run's snapshot is saved as known-good
+    for out, row, code in (("adapt-1", "api.sse", 1), ("adapt-2", "api.models", 0)):
+        done = daemon.cli("adapt", "--model", str(tiny_model), "--pools", "cpu", "--only", row,
+                          "--concurrency", "1", "--requests", "2", "--output-len", "8",
+                          "--snapshots", str(home / "snapshots"), "--out", str(reports / out),
+                          key=admin, timeout=600)  # fmt: skip
+        runs[out] = json.loads((reports / out / "adapt.json").read_text())
+        (column,) = runs[out]["columns"]
+        failed = any(v["status"] == "FAIL" for v in column["verdicts"].values())
+        assert done.returncode == (1 if failed else 0) == code, done.stdout + done.stderr
+        assert column["column"] == "cpu/kunlun" and len(runs[out]["snapshots"]) == 1 - code
+        time.sleep(0.05)  # the second's file is the newer one
+    assert runs["adapt-1"]["columns"][0]["verdicts"]["battery"]["status"] == "FAIL"
+    doc = runs["adapt-2"]
+    (column,) = doc["columns"]
+    keys = tmp_path / "keys"
+    assert daemon.cli("keys", "generate", "--out", str(keys), remote=False).returncode == 0
+    accepted = daemon.cli("acceptance", "--layer", "1", "--out", str(reports / "acceptance-1"),
+                          "--sign", str(keys / "kunlun-signing.key"), key=admin, timeout=600)  # fmt: skip
+    layer1 = json.loads((reports / "acceptance-1" / "acceptance-layer1.json").read_text())
+    # (exit 0 only for PASS: a checkpoint not run on the replayed node leaves it unproven)
+    assert accepted.returncode == (0 if layer1["verdict"] == "PASS" else 1), accepted.stdout
+    broken = reports / "adapt-broken" / "adapt.json"
+    broken.parent.mkdir()
+    broken.write_text("{not json")
+    (home / "snapshots" / "broken.json").write_text("[]")  # not a snapshot
+
+    page.goto(daemon.url + "/ui/adaptation")
+    (section,) = page.locator("#adaptation section.adapt").all()
+    assert section.get_attribute("data-model") == str(tiny_model)
+    assert section.locator(".adapt-file").text_content() == "reports/adapt-2/adapt.json"
+    assert "reports/adapt-1/adapt.json" in section.text_content()  # the older run, listed
+    assert "total" in section.locator(".adapt-seconds").text_content()
+    row = section.locator("tr[data-column='cpu/kunlun']")
+    shown = [row.locator(f"td[data-gate='{g}'] span").text_content() for g in doc["gates"]]
+    assert shown == [column["verdicts"][g]["status"] for g in doc["gates"]]
+    verdict = section.locator(".pool-verdict[data-pool='cpu']").text_content()
+    assert verdict.startswith("adapted") and "pool cpu with kunlun" in verdict, verdict
+    assert "reports/adapt-broken/adapt.json" in page.text_content("#report-errors")
+    assert "broken.json" in page.text_content("#snapshot-errors")  # said, not skipped
+    saved = {Path(p).stem for p in doc["snapshots"]}
+    rows = page.locator("#snapshots tr[data-snapshot]")
+    assert {rows.nth(i).get_attribute("data-snapshot") for i in range(rows.count())} == saved
+    for stem in saved:
+        cells = page.locator(f"#snapshots tr[data-snapshot='{stem}'] td").all_text_contents()
+        assert cells[1:4] == [str(tiny_model), "cpu", "kunlun"], cells
+        assert float(cells[6]) > 0, cells  # output tokens/s of the bench
+    report = page.locator(
+        "#acceptance tr[data-report='reports/acceptance-1/acceptance-layer1.json']"
+    )
+    assert report.locator(".verdict").text_content() == layer1["verdict"]
+    for name in layer1.get("not_run") or []:
+        assert name in report.locator("td").nth(2).text_content()
+    assert report.locator(".signed").text_content() == "signed (.sig)"
+    shot(page, "adaptation")
+    with page.expect_navigation() as opened:
+        report.locator(".report-link").click()
+    answer = opened.value
+    assert answer.status == 200 and "script-src" not in answer.headers["content-security-policy"]
+    assert "default-src 'none'" in answer.headers["content-security-policy"]
+    assert page.text_content("h1").startswith("Layer 1: device visibility")
+    # its screenshot of the Devices page, taken by the acceptance run, shown from beside it
+    assert list(layer1["screenshots"]["files"]) == ["/ui/devices"], layer1["screenshots"]
+    image = page.locator("img[alt='/ui/devices']")
+    assert image.evaluate("i => i.complete && i.naturalWidth") == 1280
+    served = daemon.url + "/ui/reports/acceptance-1/acceptance-layer1"
+    for suffix in (".md", ".json", ".json.sig"):
+        assert page.request.get(served + suffix).status == 200, suffix
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.json").write_text("{}")
+    (reports / "acceptance-1" / "leak.json").symlink_to(outside / "secret.json")
+    (reports / "out").symlink_to(outside, target_is_directory=True)
+    (reports / "acceptance-1" / "notes.txt").write_text("not a report file")
+    (home / "outside.json").write_text("{}")
+    for refused in ("../state.db", "..%2Fstate.db", "..%2Foutside.json",
+                    "acceptance-1/..%2F..%2Foutside.json", "acceptance-1/leak.json",
+                    "out/secret.json", "acceptance-1/notes.txt", "acceptance-1/none.html"):  # fmt: skip
+        got = page.request.get(daemon.url + "/ui/reports/" + refused)
+        assert got.status == 404, (refused, got.status, got.text()[:200])
+    watch.assert_local(daemon)
+    context.close()
+    context, page, watch = login(browser, daemon, reader)
+    page.goto(daemon.url + "/ui/adaptation")
+    assert "admin key" in page.text_content(".error")
+    assert page.locator("#adaptation, #snapshots, #acceptance").count() == 0
+    assert page.request.get(served + ".html").status == 403
+    watch.assert_local(daemon)
     context.close()

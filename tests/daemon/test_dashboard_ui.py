@@ -321,7 +321,7 @@ def test_metrics_charts_have_data_after_requests(keyed: Any, browser: Any) -> No
 
 
 PAGES = ("devices", "workloads", "models", "metrics", "playground", "batches", "validation",
-         "bench", "nodes", "rollouts", "keys")  # fmt: skip
+         "bench", "adaptation", "nodes", "rollouts", "keys")  # fmt: skip
 """Every page of the navigation bar (an admin's)."""
 
 

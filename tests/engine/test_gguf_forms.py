@@ -68,6 +68,20 @@ def test_qwen2_without_biases_is_refused(make_tiny_model, demo_gguf: Path, tmp_p
     assert str(path) in str(info.value)
 
 
+def test_a_vocabulary_larger_than_the_embedding_is_refused(
+    tiny_model: Path, demo_gguf: Path, tmp_path: Path
+) -> None:
+    """The tiny model's 2048-row embedding under the demo's 49152-token vocabulary: every
+    token id past 2047 would fail a request; the import says so instead."""
+    path = write_hf_gguf(tmp_path / "m.gguf", tiny_model, GGUFFile(demo_gguf))
+    wanted = (
+        r"llama\.vocab_size must be at least the 49152 tokens of tokenizer\.ggml\.tokens, got 2048"
+    )
+    with pytest.raises(ModelError, match=wanted) as info:
+        import_gguf(path, tmp_path / "out")
+    assert str(path) in str(info.value)
+
+
 def test_rope_scaling_is_refused_naming_the_key(
     make_tiny_model, demo_gguf: Path, tmp_path: Path
 ) -> None:

@@ -4,7 +4,16 @@ accuracy and numerics from the battery's rows, and nothing judged after a failed
 
 from __future__ import annotations
 
-from kunlun.validate.gates import FAIL, NOT_RUN, PASS, Candidate, Verdict, judge
+from kunlun.validate.gates import (
+    FAIL,
+    NOT_RUN,
+    PASS,
+    Candidate,
+    Verdict,
+    judge,
+    pool_verdicts,
+    run_failed,
+)
 from kunlun.validate.matrix import failed, passed, skipped
 
 PLAN = {"dtype": "fp32", "quantization": "none", "tensor_parallel_size": 1, "devices": ["cpu:0"]}
@@ -71,3 +80,24 @@ def test_a_run_is_held_to_its_last_known_good_snapshot() -> None:
     verdict = judge([worse], 5, 0.8)["cpu/a"]["regression"]
     assert verdict.status == FAIL and "accuracy 60.0% against 70.0%" in verdict.why
     assert judge([ran("cpu", "a", 10.0)], 5, 0.8)["cpu/a"]["regression"].status == NOT_RUN
+
+
+def test_a_pool_is_adapted_by_its_fastest_engine_that_failed_no_gate() -> None:
+    fast, slow = ran("cpu", "a", 100.0), ran("cpu", "b", 60.0)
+    refused = Candidate("npu", "a", "m-npu", refused="no plan fits 32 GiB")
+    candidates = [fast, slow, refused]
+    verdicts = judge(candidates, 5, 0.8)
+    pools = pool_verdicts(candidates, verdicts)
+    assert pools["cpu"].status == PASS and pools["cpu"].engine == "a"
+    assert "not chosen: b: throughput 60.0 tok/s" in pools["cpu"].why, pools["cpu"].why
+    assert pools["npu"].status == FAIL and "no plan fits 32 GiB" in pools["npu"].why
+    assert run_failed(verdicts, pools, every_engine=False)  # npu is not adapted
+    only_cpu = judge([fast, slow], 5, 0.8)
+    assert not run_failed(only_cpu, pool_verdicts([fast, slow], only_cpu), every_engine=False)
+    # --every-engine: b's throughput FAIL fails the run although the pool is adapted
+    assert run_failed(only_cpu, pool_verdicts([fast, slow], only_cpu), every_engine=True)
+    # the fastest engine that failed a gate is not chosen: the slower one that passed is
+    broken = ran("cpu", "a", 100.0, {"api.models": failed("500", "no answer")})
+    both = judge([broken, ran("cpu", "b", 90.0)], 5, 0.8)
+    chosen = pool_verdicts([broken, ran("cpu", "b", 90.0)], both)["cpu"]
+    assert chosen.status == PASS and chosen.engine == "b" and "a: battery" in chosen.why

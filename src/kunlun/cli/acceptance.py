@@ -1,14 +1,13 @@
 """``kunlun-cli acceptance --layer N`` and ``kunlun-cli acceptance verify REPORT``: the
 acceptance report of a rollout layer (:mod:`kunlun.validate.acceptance`), run against the
 live platform (layer 1 also against a recorded node: ``--replay``), signed with ``--sign``.
+Layers 3 to 5 gather their figures in :mod:`kunlun.cli.acceptance_layers`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,7 +20,6 @@ from kunlun.validate import acceptance as layers
 
 app = typer.Typer(help=summary("acceptance"), invoke_without_command=True,
                   no_args_is_help=True)  # fmt: skip
-NOT_BUILT = "layers 3 (multi-device balance), 4 (mixed-chip scheduling) and 5 (HA and canaries)"
 
 
 @app.callback()
@@ -35,29 +33,51 @@ def acceptance(
     ] = None,  # fmt: skip
     replay: Annotated[Path | None, typer.Option(help="Layer 1 of a recorded node.")] = None,
     config: Annotated[Path | None, typer.Option(help="Its device-plugin-config.yaml.")] = None,
-    model: Annotated[str | None, typer.Option(help="Layer 2: the model to start.")] = None,
+    model: Annotated[str | None, typer.Option(help="Layers 2 to 4: the model.")] = None,
     device: Annotated[
         str | None, typer.Option(help="Layer 2: the device (default: the first Ready one).")
     ] = None,  # fmt: skip
     ttft_ms: Annotated[float, typer.Option(min=1, help="Layer 2's first-token limit.")] = (
         layers.TTFT_LIMIT_MS
     ),
+    device_type: Annotated[
+        str | None, typer.Option(help="Layer 3: the device type (default: the most devices).")
+    ] = None,  # fmt: skip
+    lost_node: Annotated[
+        str | None, typer.Option(help="Layer 5: the cluster node you took down.")
+    ] = None,  # fmt: skip
+    rollout: Annotated[
+        str | None, typer.Option(help="Layer 5: the canary rollout (default: the newest ended).")
+    ] = None,  # fmt: skip
+    recovery_s: Annotated[
+        float, typer.Option(min=1, help="Layer 5: how long the cluster may take to recover.")
+    ] = 600,
+    screenshots: Annotated[
+        bool, typer.Option(help="Screenshots of the layer's dashboard pages (a local Chromium).")
+    ] = True,
 ) -> None:
     """Run a layer's key checkpoints and write its report (JSON, Markdown, HTML)."""
     if ctx.invoked_subcommand is not None:
         return
     if layer not in layers.LAYERS:
-        raise ConfigError(f"layer {layer} is not built yet ({NOT_BUILT} are to come)"
-                          if layer in (3, 4, 5) else f"no layer {layer}: 1 to 5",
-                          location=Location("--layer"))  # fmt: skip
+        raise ConfigError(f"no layer {layer}: 1 to 5", location=Location("--layer"))
+    if model is None and layer in (2, 3, 4):
+        raise ConfigError(f"layer {layer} needs a model: give --model M",
+                          location=Location("--model"))  # fmt: skip
     if layer == 1:
         doc = layer_one(replay, config)
+    elif layer == 2:
+        doc = layer_two(str(model), device, ttft_ms)
     else:
-        if model is None:
-            raise ConfigError(
-                "layer 2 starts a model: give --model M", location=Location("--model")
-            )
-        doc = layer_two(model, device, ttft_ms)
+        from kunlun.cli import acceptance_layers as more
+        from kunlun.cli.client import DaemonClient
+
+        client = DaemonClient(timeout=120)
+        doc = (more.layer_three(client, str(model), device_type) if layer == 3 else
+               more.layer_four(client, str(model)) if layer == 4 else
+               more.layer_five(client, lost_node, rollout, recovery_s))  # fmt: skip
+    doc["screenshots"] = shoot(doc["layer"], replay, out) if screenshots else {
+        "files": {}, "missing": "not asked for (--no-screenshots)"}  # fmt: skip
     paths = layers.write(doc, out)
     if sign is not None:
         from kunlun.offline.signing import load_private_key, sign_file
@@ -66,9 +86,9 @@ def acceptance(
     for check in doc["checkpoints"]:
         console.print(f"{check['status']:<8} {check['name']}: {check['figure']}"
                       + (f" ({check['detail']})" if check["detail"] else ""), markup=False)  # fmt: skip
-    console.print(f"layer {doc['layer']} ({doc['title']}): {doc['verdict']}; written: "
+    console.print(f"layer {doc['layer']} ({doc['title']}): {layers.verdict_text(doc)}; written: "
                   + ", ".join(str(p) for p in paths.values()), markup=False)  # fmt: skip
-    raise SystemExit(0 if doc["verdict"] == layers.PASS else 1)
+    raise SystemExit(0 if doc["verdict"] == layers.PASS else 1)  # INCOMPLETE proves nothing
 
 
 @app.command()
@@ -82,8 +102,27 @@ def verify(
 
     signer = verify_file(TrustedKeys.from_paths(public_key), report)
     doc = json.loads(report.read_text())
-    console.print(f"OK {report}: layer {doc['layer']} ({doc['title']}) {doc['verdict']}, "
+    layers.check_screenshots(doc, report.parent)
+    console.print(f"OK {report}: layer {doc['layer']} ({doc['title']}) {layers.verdict_text(doc)}, "
                   f"signed by {signer}", markup=False)  # fmt: skip
+
+
+def shoot(layer: int, replay: Path | None, out: Path) -> dict[str, Any]:
+    """The layer's dashboard pages (:data:`layers.PAGES`) as PNGs beside the report, each
+    with its SHA-256 in the (signed) JSON; or why there are none."""
+    if replay is not None:
+        return {"files": {}, "missing": "a recorded node has no dashboard to take"}
+    from kunlun.cli.client import DaemonClient
+    from kunlun.validate.screenshots import take
+
+    client = DaemonClient()
+    folder = out / f"screenshots-layer{layer}"
+    err_console.print(f"screenshots of {', '.join(layers.PAGES[layer])}", markup=False)
+    shots = take(client.endpoint, client.api_key, list(layers.PAGES[layer]), folder)
+    if shots.missing:
+        err_console.print(shots.missing, markup=False)
+    return {"files": {page: layers.file_entry(path, out) for page, path in shots.files.items()},
+            "missing": shots.missing}  # fmt: skip
 
 
 def layer_one(replay: Path | None, config: Path | None) -> dict[str, Any]:
@@ -129,34 +168,11 @@ def measure(client: Any, name: str, device: str) -> tuple[float | None, list[flo
     utilisation sampled while four clients send eight more."""
     from kunlun.bench.load import Target
     from kunlun.bench.suite import BenchOptions, run
+    from kunlun.cli.acceptance_layers import under_load
 
-    target = Target(client.endpoint, name, None)
+    target = Target(client.endpoint, name, client.api_key)
     err_console.print(f"measuring {name} on {device}", markup=False)
     one = asyncio.run(run(BenchOptions(target, concurrencies=(1,), num_prompts=3, input_len=16,
                                        output_len=8)))  # fmt: skip
-    ttft = one["runs"][0]["ttft_ms"]["p50"]
-    samples: list[float] = []
-    failed: list[Exception] = []
-    done = threading.Event()
-
-    def sample() -> None:
-        try:
-            while not done.is_set():
-                for d in client.get("/api/v1/devices"):
-                    if d["id"] == device and d.get("utilization_pct") is not None:
-                        samples.append(float(d["utilization_pct"]))
-                time.sleep(0.25)
-        except Exception as exc:  # raised in the command's thread once the load is done
-            failed.append(exc)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        asyncio.run(run(BenchOptions(target, concurrencies=(4,), num_prompts=8, input_len=16,
-                                     output_len=16)))  # fmt: skip
-    finally:
-        done.set()
-        sampler.join(10)
-    if failed:
-        raise failed[0]
-    return ttft, samples
+    _, samples = under_load(client, name, [device], 4, 8)
+    return one["runs"][0]["ttft_ms"]["p50"], samples[device]

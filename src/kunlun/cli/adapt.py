@@ -13,18 +13,18 @@ In the order the product documents give for a new model:
    the accuracy on the evaluation set (``--eval``, default the shipped one);
 5. **bench**: a short streamed sweep (``--concurrency``) of each;
 6. the gates of :mod:`kunlun.validate.gates`, printed as a matrix and written to
-   ``OUT/adapt.json`` beside the battery's reports (``OUT/validation.*``).
+   ``OUT/adapt.json`` beside the battery's reports (``OUT/validation.*``), with each pool's
+   verdict: adapted with the fastest engine that failed no gate, or not.
 
 The workloads it started are stopped at the end (``--keep`` leaves them), so the daemon is
-left as it was found. Exit 0 when no gate failed, 1 otherwise (2: bad input, 3: daemon
-unreachable).
+left as it was found. Exit 0 when every pool is adapted (with ``--every-engine``: when no
+gate of any engine failed), 1 otherwise (2: bad input, 3: daemon unreachable).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json as json_lib
-import os
 import re
 import time
 from pathlib import Path
@@ -37,7 +37,17 @@ from kunlun.cli.client import DaemonClient
 from kunlun.console import console, err_console, handle_errors, print_json
 from kunlun.errors import ConfigError, KunlunError, Location
 from kunlun.validate import snapshots
-from kunlun.validate.gates import FAIL, GATES, PASS, Candidate, Verdict, judge
+from kunlun.validate.gates import (
+    FAIL,
+    GATES,
+    PASS,
+    Candidate,
+    PoolVerdict,
+    Verdict,
+    judge,
+    pool_verdicts,
+    run_failed,
+)
 
 STYLE = {PASS: "green", FAIL: "bold red"}
 REFERENCE_PREFIX = "reference:"
@@ -46,7 +56,9 @@ REFERENCE_PREFIX = "reference:"
 
 @handle_errors
 def adapt(
-    model: Annotated[str, typer.Option(help="Model alias or local HF directory.")],
+    model: Annotated[
+        str, typer.Option(help="Model alias, local HF directory, or GGUF file (imported).")
+    ],
     pools: Annotated[str, typer.Option(help="all, or device types, comma-separated.")] = "all",
     engines: Annotated[str, typer.Option(help="Engines, comma-separated.")] = "kunlun",
     reference: Annotated[
@@ -90,45 +102,49 @@ def adapt(
     sign: Annotated[
         Path | None, typer.Option(help="Sign adapt.json with this Ed25519 private key (PEM).")
     ] = None,
+    every_engine: Annotated[
+        bool,
+        typer.Option("--every-engine", help="Fail unless every engine passes (not one per pool)."),
+    ] = False,
 ) -> None:
     # summary: kunlun.cli.commands
     client = DaemonClient(timeout=120)
-    key = os.environ.get("KUNLUN_API_KEY") or None
+    key, folder = client.api_key, snapshot_dir or snapshots.default_dir()
     if reference_model is not None:
         reference = served_reference(client, reference_model, reference)
-    clock = Stages()
-    candidates = plan_all(client, model, pool_list(client, pools), names(engines), quantization)
-    try:
-        clock.mark("plan")
-        for c in candidates:
-            start(client, c, timeout)
-        clock.mark("start")
-        for c in candidates:
-            c.smoke = smoke(client, c) if c.started else None
-        ready = [c for c in candidates if c.smoke is not None and c.smoke.status == PASS]
-        clock.mark("smoke")
-        battery(client.endpoint, key, ready, reference, reference_model, eval_file, only or [],
-                accuracy_points, out)  # fmt: skip
-        clock.mark("battery")
-        for c in ready:
-            bench(client.endpoint, key, c, tuple(concurrency or (1, 4)), requests, output_len)
-        clock.mark("bench")
-        take_snapshots(client, model, ready, snapshot_dir or snapshots.default_dir())
-    finally:
-        if not keep:
-            for c in candidates:
+    asked = pool_list(client, pools)
+    model = imported(client, model)
+    with Stages(len(asked) * len(names(engines))) as clock:
+        candidates = plan_all(client, model, asked, names(engines), quantization)
+        try:
+            clock.mark("plan")
+            ready = start_and_smoke(client, candidates, timeout, clock)
+            battery(client.endpoint, key, ready, reference, reference_model, eval_file,
+                    only or [], accuracy_points, out)  # fmt: skip
+            clock.mark("battery")
+            for c in ready:
+                bench(client.endpoint, key, c, tuple(concurrency or (1, 4)), requests, output_len)
+                clock.step("bench")
+            clock.mark("bench")
+            take_snapshots(client, model, ready, folder)
+            clock.mark("snapshot")
+        finally:
+            for c in candidates if not keep else []:
                 stop(client, c)
     verdicts = judge(candidates, accuracy_points, throughput_share)
-    saved = keep_good(candidates, verdicts, snapshot_dir or snapshots.default_dir())
-    doc = {**report(model, candidates, verdicts, clock.seconds), "snapshots": saved}
-    raise SystemExit(finish(doc, verdicts, out, json, sign))
+    pools_found = pool_verdicts(candidates, verdicts)
+    saved = keep_good(candidates, verdicts, folder)
+    doc = {**report(model, candidates, verdicts, clock.seconds), "snapshots": saved,
+           "pools": {p: v.to_dict() for p, v in pools_found.items()}}  # fmt: skip
+    finish(doc, verdicts, pools_found, out, json, sign)
+    raise SystemExit(1 if run_failed(verdicts, pools_found, every_engine) else 0)
 
 
-def finish(doc: dict[str, Any], verdicts: dict[str, dict[str, Verdict]], out: Path,
-           as_json: bool, sign: Path | None) -> int:  # fmt: skip
+def finish(doc: dict[str, Any], verdicts: dict[str, dict[str, Verdict]],
+           pools_found: dict[str, PoolVerdict], out: Path, as_json: bool,
+           sign: Path | None) -> None:  # fmt: skip
     """Write ``adapt.json`` (and, with ``sign``, its detached signature ``adapt.json.sig``,
-    which ``kunlun-cli keys verify`` checks), print the matrix (or the JSON); the exit
-    status."""
+    which ``kunlun-cli keys verify`` checks), print the matrix (or the JSON)."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "adapt.json").write_text(json_lib.dumps(doc, indent=2) + "\n")
     if sign is not None:
@@ -139,23 +155,81 @@ def finish(doc: dict[str, Any], verdicts: dict[str, dict[str, Verdict]], out: Pa
         print_json(doc)
     else:
         render(verdicts)
+        for pool, v in pools_found.items():
+            said = f"adapted with {v.engine}" if v.status == PASS else "not adapted"
+            console.print(f"pool {pool}: {said}: {v.why}", markup=False)
         console.print(f"written: {out / 'adapt.json'}", markup=False)
-    failed = any(v.status == FAIL for gates in verdicts.values() for v in gates.values())
-    return 1 if failed else 0
 
 
 class Stages:
-    """Seconds each stage of the run took (``adapt.json``'s ``seconds``)."""
+    """Seconds each stage of the run took (``adapt.json``'s ``seconds``) and, on a terminal,
+    a progress bar per stage (the lines of :func:`say` print above them)."""
 
-    def __init__(self) -> None:
+    NAMES = ("plan", "start", "smoke", "battery", "bench", "snapshot")
+
+    def __init__(self, items: int) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
         self.began = self.last = time.monotonic()
         self.seconds: dict[str, float] = {}
+        self.bars = Progress(TextColumn("{task.description:<9}"), BarColumn(),
+                             MofNCompleteColumn(), TimeElapsedColumn(), console=err_console,
+                             disable=not err_console.is_terminal)  # fmt: skip
+        self.tasks = {stage: self.bars.add_task(stage, total=1 if stage == "battery" else items)
+                      for stage in self.NAMES}  # fmt: skip
+
+    def __enter__(self) -> Stages:
+        self.bars.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bars.stop()
+
+    def step(self, stage: str) -> None:
+        self.bars.advance(self.tasks[stage])
 
     def mark(self, stage: str) -> None:
+        """``stage`` is over (what it skipped counts as done)."""
         now = time.monotonic()
+        task = self.tasks[stage]
+        self.bars.update(task, completed=self.bars.tasks[task].total)
         self.seconds[stage] = round(now - self.last, 1)
         self.seconds["total"] = round(now - self.began, 1)
         self.last = now
+
+
+def imported(client: DaemonClient, model: str) -> str:
+    """The name the platform knows ``model`` by: a GGUF file is imported first (a path on the
+    daemon's machine, under its model roots), under its file name's stem; an alias or a
+    Hugging Face directory is taken as it is."""
+    if not model.endswith(".gguf"):
+        return model
+    say(f"import {model}")
+    record = client.post("/api/v1/models/import-gguf",
+                         json={"path": str(Path(model).expanduser().resolve())}, timeout=600)  # fmt: skip
+    say(f"imported {model} as {record['alias']}")
+    return str(record["alias"])
+
+
+def start_and_smoke(
+    client: DaemonClient, candidates: list[Candidate], timeout: float, clock: Stages
+) -> list[Candidate]:
+    """Start every planned candidate, then send each the smoke request; those answered."""
+    for c in candidates:
+        start(client, c, timeout)
+        clock.step("start")
+    clock.mark("start")
+    for c in candidates:
+        c.smoke = smoke(client, c) if c.started else None
+        clock.step("smoke")
+    clock.mark("smoke")
+    return [c for c in candidates if c.smoke is not None and c.smoke.status == PASS]
 
 
 def names(text: str) -> list[str]:

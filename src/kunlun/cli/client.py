@@ -63,8 +63,9 @@ class DaemonClient:
     ) -> None:
         self.endpoint = (endpoint or running_endpoint() or DEFAULT_ENDPOINT).rstrip("/")
         headers = {}
-        if key := api_key or os.environ.get("KUNLUN_API_KEY"):
-            headers["Authorization"] = f"Bearer {key}"
+        self.api_key = api_key or os.environ.get("KUNLUN_API_KEY") or None
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
         self._headers = headers
         self._timeout = timeout
 

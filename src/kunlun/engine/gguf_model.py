@@ -166,6 +166,9 @@ def hf_config(gguf: GGUFFile, arch: Architecture) -> dict[str, Any]:
         )
     tokens = token_list(gguf)
     vocab_size = _int(gguf, f"{prefix}.vocab_size", len(tokens) or None)
+    if len(tokens) > vocab_size:  # token ids past the embedding's rows: every request fails
+        raise _bad(gguf, f"{prefix}.vocab_size",
+                   f"at least the {len(tokens)} tokens of tokenizer.ggml.tokens", vocab_size)  # fmt: skip
     config: dict[str, Any] = {
         "architectures": [arch.hf_architecture],
         "model_type": arch.model_type,

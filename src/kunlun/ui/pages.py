@@ -20,7 +20,7 @@ from kunlun.engine.schemes import SCHEMES
 from kunlun.engines.registry import registered_names
 from kunlun.planner.plan import ExecutionPlan
 from kunlun.telemetry.view import parse
-from kunlun.ui import admin_pages, more_pages, reports
+from kunlun.ui import adaptation, admin_pages, more_pages, reports
 from kunlun.ui.app import ApiError, form_fields, same_origin
 from kunlun.ui.metrics import metrics_json, metrics_page
 from kunlun.ui.session import Session
@@ -74,6 +74,7 @@ def routes(dashboard: Dashboard) -> list[BaseRoute]:
         *more_pages.routes(guarded),
         *admin_pages.routes(guarded),
         *reports.routes(guarded),
+        *adaptation.routes(guarded),
     ]
 
 

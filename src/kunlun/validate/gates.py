@@ -21,7 +21,10 @@ gives each the verdict of every gate in :data:`GATES`:
   at least ``throughput_share`` of its figure (NOT RUN when there is none yet).
 
 A gate whose evidence was not gathered (a step after a failed one, a row the run left out)
-is NOT RUN with the reason; only FAIL makes the run fail.
+is NOT RUN with the reason, never a pass. A pool is adapted (:func:`pool_verdicts`) when at
+least one of its engines failed no gate; the fastest of those is the one chosen, and the
+others are said with the gate each failed (an engine slower than the best fails
+``throughput``: that makes it the wrong choice for the pool, not the pool unfit).
 """
 
 from __future__ import annotations
@@ -199,3 +202,50 @@ def _bench(c: Candidate, best: float | None, share: float) -> tuple[Verdict, Ver
     if rate < share * best:
         return Verdict(FAIL, figure, f"under {share:.0%} of {best:.1f} tok/s"), failures
     return Verdict(PASS, figure, f"at least {share:.0%} of {best:.1f} tok/s"), failures
+
+
+@dataclass
+class PoolVerdict:
+    """A pool's verdict: adapted (PASS) when at least one engine passed every gate; the
+    engine chosen is the fastest of those."""
+
+    status: str
+    engine: str | None
+    why: str
+
+    def to_dict(self) -> dict[str, str | None]:
+        return {"status": self.status, "engine": self.engine, "why": self.why}
+
+
+def pool_verdicts(
+    candidates: list[Candidate], verdicts: dict[str, dict[str, Verdict]]
+) -> dict[str, PoolVerdict]:
+    """``out[pool]``: adapted with the fastest engine that failed no gate, or FAIL naming
+    each engine's first failed gate."""
+    out: dict[str, PoolVerdict] = {}
+    for pool in dict.fromkeys(c.pool for c in candidates):
+        mine = [c for c in candidates if c.pool == pool]
+        failed = {c.engine: next(((g, v) for g, v in verdicts[c.column].items()
+                                  if v.status == FAIL), None) for c in mine}  # fmt: skip
+        passing = [c for c in mine if failed[c.engine] is None]
+        others = "; ".join(f"{e}: {g} {v.figure or 'FAIL'}" + (f" ({v.why})" if v.why else "")
+                           for e, found in failed.items() if found for g, v in [found])  # fmt: skip
+        if not passing:
+            out[pool] = PoolVerdict(FAIL, None, others)
+            continue
+        best = max(passing, key=lambda c: c.tokens_per_s() or 0.0)
+        rate = best.tokens_per_s()
+        why = f"{best.engine} passed every gate" + (f" at {rate:.1f} tok/s" if rate else "")
+        out[pool] = PoolVerdict(
+            PASS, best.engine, why + (f"; not chosen: {others}" if others else "")
+        )
+    return out
+
+
+def run_failed(
+    verdicts: dict[str, dict[str, Verdict]], pools: dict[str, PoolVerdict], every_engine: bool
+) -> bool:
+    """Whether the run fails: a pool not adapted, or (``every_engine``) any gate failed."""
+    if every_engine:
+        return any(v.status == FAIL for gates in verdicts.values() for v in gates.values())
+    return any(v.status != PASS for v in pools.values())
