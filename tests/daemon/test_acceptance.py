@@ -64,10 +64,15 @@ def test_layer_reports_are_signed_and_a_changed_byte_is_refused(
         print(said)
         second = tmp_path / "here" / "acceptance-layer2.json"
         doc = json.loads(second.read_text())
-        compiled, ttft, peak = doc["checkpoints"]
+        compiled, ttft, peak, tool = doc["checkpoints"]
         assert doc["subject"]["device"] == "cpu:0" and compiled["status"] == "PASS", compiled
         assert ttft["status"] == "PASS" and ttft["data"]["ttft_ms"] > 0, ttft
         assert peak["status"] == "PASS" and peak["detail"], peak  # the CPU plugin reports it
+        # the daemon's figures for cpu:0 against the CPU plugin's reading taken again now
+        assert tool["status"] == "PASS", tool
+        assert (
+            tool["data"]["platform"]["memory_total_mb"] == tool["data"]["tool"]["memory_total_mb"]
+        )
         assert daemon.cli("acceptance", "verify", str(second), "--public-key",
                           str(public)).returncode == 0  # fmt: skip
         # the dashboard pages, taken in a real browser, their hashes in the signed JSON

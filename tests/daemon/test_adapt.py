@@ -116,3 +116,26 @@ def test_adapt_checks_every_engine_and_leaves_the_daemon_as_it_was(
         assert code == 0, said
         assert f"imported {gguf} as tiny-file" in said and doc is not None
         assert doc["model"] == "tiny-file" and doc["pools"]["cpu"]["engine"] == "kunlun"
+
+
+def test_transformers_as_the_reference(daemons: Daemons, tiny_model: Path, tmp_path: Path) -> None:
+    """``--reference transformers``: the tiny model run by Hugging Face transformers (float32,
+    outside the platform) is the column the engine's numerics are held to."""
+    with daemons.serve(Profile("adapt-hf-home")) as daemon:
+        code, doc, said = adapt(daemon, tmp_path / "a", "--model", str(tiny_model), "--reference",
+                                "transformers", "--only", "numerics", "--only", "api.models", "--only",
+                                "functional.short_text", "--concurrency", "1")  # fmt: skip
+        # (the tiny random model's greedy answers are noise, which quality.garbage rightly
+        # fails: the pool is not adapted; what is checked here is the numerics)
+        assert code == 1 and "quality.garbage" in said, said
+        assert f"loading {tiny_model} with transformers (float32) as the reference" in said
+        report = json.loads((tmp_path / "a" / "validation.json").read_text())
+        assert [c["name"] for c in report["columns"]] == ["reference:transformers", "cpu/kunlun"]
+        numerics = doc["columns"][0]["verdicts"]["numerics"] if doc else {}
+        assert numerics["status"] == "PASS", numerics
+        cells = report["cells"]["reference:transformers"]
+        assert cells["numerics.prompt_logprobs"]["status"] == "PASS"  # against a second run
+        assert cells["api.models"]["status"] == "PASS"
+        # what transformers does not serve is said as such, never passed
+        chat = cells["functional.short_text"]
+        assert chat["status"] == "SKIP" and "/v1/chat/completions" in chat["detail"], chat

@@ -10,6 +10,9 @@ from typing import Any
 import pytest
 from tests.daemons import Daemon
 
+from kunlun.bench.report import run_label
+from kunlun.bench.suite import CLIENT_CPU_WARN
+
 INPUT_LEN, OUTPUT_LEN, NUM_PROMPTS = 8, 4, 3
 
 
@@ -95,6 +98,15 @@ def test_bench_sweep_poisson_json_and_chart(tiny_daemon: Daemon, tmp_path: Path)
             assert request["tpot_ms"] == pytest.approx(tpot, abs=0.01)
         assert run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"] <= run["e2e_ms"]["p99"]
         assert run["peak_memory_bytes"] > 0
+    # the benchmark's own CPU, per run and in all; a run over 5 % of its wall time is named
+    for part in [*(r["client"] for r in doc["runs"]), doc["client"]]:
+        assert part["cpu_s"] >= 0 and part["wall_s"] > 0
+        # (from the unrounded times: the rounded ones are 0.5 ms off each)
+        slack = 1e-3 + 1e-3 / part["wall_s"]
+        assert part["cpu_share"] == pytest.approx(part["cpu_s"] / part["wall_s"], abs=slack)
+    over = [run_label(r) for r in doc["runs"] if r["client"]["cpu_share"] > CLIENT_CPU_WARN]
+    assert [w.split(":")[0] for w in doc["warnings"]] == over
+    assert "this benchmark's own CPU: " in proc.stdout
     memory = doc["memory"]
     assert memory["idle_bytes"] > 0 and memory["one_request_bytes"] > 0
     assert memory["full_concurrency_bytes"] == doc["runs"][1]["peak_memory_bytes"]

@@ -1,8 +1,9 @@
 """Screenshots of dashboard pages for the acceptance reports (:mod:`kunlun.validate.screenshots`)
-in Debian's chromium, found on PATH, against a real daemon with an admin key (no model served:
-the pages are what is drawn): two pages taken whole, a page that answers 404 said as missing
-while the others are taken, a wrong key (or none) refused naming the login, and a browser that
-is not there a reason rather than an error."""
+in Debian's chromium, found on PATH, against a real daemon of its own with an admin key (its
+own: the wrong keys tried here count against the keyring's limit on wrong keys): two pages
+taken whole, a page that answers 404 said as missing while the others are taken, a wrong
+key (or none) refused naming the login, and a browser that is not there a reason rather
+than an error."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ pytest.importorskip("playwright.sync_api")
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium")
 PNG = b"\x89PNG\r\n\x1a\n"
 
-shots_daemon = daemon_fixture(Profile("shots-home", keys=(("ops", "admin"),)))
+shots_daemon = daemon_fixture(Profile("shots-home", keys=(("admin", "admin"),)))
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -36,7 +37,7 @@ def test_pages_are_taken_whole_after_logging_in(
     shots_daemon: Daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(BROWSER_ENV, raising=False)  # the chromium on PATH
-    admin = shots_daemon.keys["ops"]
+    admin = shots_daemon.keys["admin"]
     shots = take(shots_daemon.url, admin, ["/ui/devices", "/ui/workloads"], tmp_path / "a")
     assert shots.missing is None
     assert shots.files == {"/ui/devices": tmp_path / "a" / "devices.png",
@@ -65,6 +66,6 @@ def test_no_browser_is_a_reason_not_an_error(
     shots_daemon: Daemon, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(BROWSER_ENV, "/nonexistent")
-    shots = take(shots_daemon.url, shots_daemon.keys["ops"], ["/ui/devices"], tmp_path)
+    shots = take(shots_daemon.url, shots_daemon.keys["admin"], ["/ui/devices"], tmp_path)
     assert shots.files == {} and not list(tmp_path.iterdir())
     assert shots.missing is not None and "KUNLUN_CHROMIUM=/nonexistent" in shots.missing

@@ -12,8 +12,9 @@ asks for the token counts. Two ways to send them:
   ``1 / rate`` (an open loop: arrivals do not wait for answers).
 
 :class:`PlatformProbe` reads the daemon's ``/metrics`` (when the endpoint is a Kunlun
-daemon): the resident memory of its process tree, sampled while a run goes on, and the
-start-up times of the model's replicas.
+daemon) over one connection for the whole benchmark: the resident memory of its process
+tree, sampled once a second while a run goes on (one gauge picked out of the page, not the
+whole page parsed), and the start-up times of the model's replicas.
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ from kunlun.telemetry.view import parse
 TOKEN_ID_RANGE = (1000, 2000)
 """Prompt token ids are drawn from here: inside the vocabulary of any current LLM and of the
 tiny test models (2,048 ids), above the low ids where byte and special tokens often sit."""
-MEMORY_SAMPLE_S = 0.2
+MEMORY_SAMPLE_S = 1.0
+"""How often the daemon's memory is read during a run: each read has the daemon render its
+``/metrics`` page, so a low rate keeps the benchmark from loading what it measures."""
+MEMORY_GAUGE = "kunlun_platform_resident_memory_bytes"
 
 
 @dataclass(frozen=True)
@@ -159,28 +163,46 @@ async def poisson(
 
 
 class PlatformProbe:
-    """Reads the daemon's ``/metrics``; every figure is None when the endpoint has none."""
+    """Reads the daemon's ``/metrics`` over one client (:meth:`close` it); every figure is
+    None when the endpoint has none."""
 
     def __init__(self, target: Target) -> None:
         self.target = target
         self.available = False
+        self._client: httpx.AsyncClient | None = None
 
-    async def read(self) -> dict[str, Any] | None:
-        """The parsed snapshot as a dict, or None (no Kunlun ``/metrics`` there)."""
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def page(self) -> str | None:
+        """The ``/metrics`` text, or None (no Kunlun ``/metrics`` there)."""
+        if self._client is None:
+            self._client = self.target.client(max_connections=1)
         try:
-            async with self.target.client() as client:
-                response = await client.get("/metrics", timeout=10)
+            response = await self._client.get("/metrics", timeout=10)
         except httpx.HTTPError:
             return None
         if response.status_code != 200 or "kunlun_" not in response.text:
             return None
         self.available = True
-        return parse(response.text).to_dict()
+        return response.text
+
+    async def read(self) -> dict[str, Any] | None:
+        """The parsed snapshot as a dict, or None (no Kunlun ``/metrics`` there)."""
+        text = await self.page()
+        return None if text is None else parse(text).to_dict()
 
     async def memory(self) -> float | None:
-        """Resident memory of the daemon's process tree, in bytes."""
-        snapshot = await self.read()
-        return None if snapshot is None else snapshot["platform"].get("resident_memory_bytes")
+        """Resident memory of the daemon's process tree, in bytes (its one gauge's line)."""
+        text = await self.page()
+        if text is None:
+            return None
+        at = text.find("\n" + MEMORY_GAUGE + " ")
+        if at < 0:
+            return None
+        end = text.find("\n", at + 1)
+        return float(text[at + len(MEMORY_GAUGE) + 2 : end if end >= 0 else None])
 
     async def startup(self) -> list[dict[str, Any]]:
         """Start-up phases (seconds) of every replica serving the target's model."""

@@ -70,6 +70,11 @@ def notes(doc: dict[str, Any]) -> list[str]:
     for run in doc["runs"]:
         for error in run["errors"]:
             lines.append(f"{run_label(run)}: error: {error}")
+    client = doc.get("client") or {}
+    if client:
+        lines.append(f"this benchmark's own CPU: {client['cpu_s']:.1f} s in {client['wall_s']:.1f} s "
+                     f"({client['cpu_share']:.1%})")  # fmt: skip
+    lines += [f"warning: {w}" for w in doc.get("warnings") or []]
     return lines
 
 

@@ -6,7 +6,13 @@
      "startup": [{"replica", "device", "compile_s", "load_s", "warmup_ttft_s", "total_s"}],
      "memory": {"idle_bytes", "one_request_bytes", "full_concurrency_bytes"},
      "runs": [{"mode": "concurrency" | "poisson", "concurrency", "rate", "peak_memory_bytes",
-               ...the summary of kunlun.bench.stats.summarize..., "requests": [...]}]}
+               "client": {"cpu_s", "wall_s", "cpu_share"},
+               ...the summary of kunlun.bench.stats.summarize..., "requests": [...]}],
+     "client": {"cpu_s", "wall_s", "cpu_share"}, "warnings": [...]}
+
+``client`` is this benchmark's own CPU time (user and system, every thread of its process)
+against wall time, per run and for the whole benchmark; a run over :data:`CLIENT_CPU_WARN`
+is named in ``warnings`` (printed under the table).
 
 Memory figures are the resident memory of the daemon's process tree read from its
 ``/metrics``: before any request (idle), the peak during the single warm-up request (one
@@ -16,14 +22,19 @@ are None when the endpoint is not a Kunlun daemon.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from kunlun.bench import load
+from kunlun.bench.report import run_label
 from kunlun.bench.stats import summarize
 from kunlun.errors import KunlunError
 
 WARMUP_SEED = -1
+CLIENT_CPU_WARN = 0.05
+"""A run whose benchmark process used more CPU than this share of its wall time is warned
+about (``warnings``)."""
 
 
 class BenchError(KunlunError):
@@ -53,9 +64,30 @@ class BenchOptions:
 
 async def run(options: BenchOptions, progress: Any = None) -> dict[str, Any]:
     """Run every configured run in turn; ``progress(message)`` is told what starts."""
-    say = progress or (lambda message: None)
+    probe = load.PlatformProbe(options.target)
+    try:
+        return await _run(options, probe, progress or (lambda message: None))
+    finally:
+        await probe.close()
+
+
+class ClientClock:
+    """The benchmark's own CPU time (this process, every thread) against wall time: a load
+    generator that takes much of the machine it shares with the server disturbs the figure
+    it measures."""
+
+    def __init__(self) -> None:
+        self.cpu, self.wall = time.process_time(), time.monotonic()
+
+    def figures(self) -> dict[str, float]:
+        cpu, wall = time.process_time() - self.cpu, time.monotonic() - self.wall
+        return {"cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
+                "cpu_share": round(cpu / wall, 4) if wall > 0 else 0.0}  # fmt: skip
+
+
+async def _run(options: BenchOptions, probe: load.PlatformProbe, say: Any) -> dict[str, Any]:
     target = options.target
-    probe = load.PlatformProbe(target)
+    whole = ClientClock()
     idle = await probe.memory()
     startup = await probe.startup()
     say("warm-up: 1 request")
@@ -78,6 +110,7 @@ async def run(options: BenchOptions, progress: Any = None) -> dict[str, Any]:
         prompts = load.make_prompts(count, options.input_len, options.seed + index)
         label = f"concurrency {concurrency}" if concurrency else f"Poisson rate {rate:g}/s"
         say(f"{label}: {count} requests of {options.input_len} + {options.output_len} tokens")
+        clock = ClientClock()
         async with probe.peak_memory() as peak:
             if concurrency is not None:
                 records = await load.closed_loop(target, prompts, concurrency, options.output_len)
@@ -93,11 +126,13 @@ async def run(options: BenchOptions, progress: Any = None) -> dict[str, Any]:
                 "concurrency": concurrency,
                 "rate": rate,
                 "peak_memory_bytes": peak["peak_bytes"],
+                "client": clock.figures(),
                 **summary,
                 "requests": [r.to_dict() for r in records],
             }
         )
     busiest = max(runs, key=lambda r: (r["concurrency"] or 0, r["rate"] or 0), default=None)
+    client = whole.figures()
     return {
         "endpoint": target.base_url,
         "model": target.model,
@@ -112,4 +147,12 @@ async def run(options: BenchOptions, progress: Any = None) -> dict[str, Any]:
             "full_concurrency_bytes": busiest["peak_memory_bytes"] if busiest else None,
         },
         "runs": runs,
+        "client": client,
+        "warnings": [
+            f"{run_label(r)}: this benchmark's own CPU was {r['client']['cpu_share']:.0%} of the "
+            f"run's wall time (over {CLIENT_CPU_WARN:.0%}): on a machine it shares with the "
+            "server, it takes CPU from what it measures"
+            for r in runs
+            if r["client"]["cpu_share"] > CLIENT_CPU_WARN
+        ],
     }

@@ -141,7 +141,7 @@ def layer_one(replay: Path | None, config: Path | None) -> dict[str, Any]:
 
 def layer_two(model: str, device: str | None, ttft_limit: float) -> dict[str, Any]:
     """Start ``model`` alone on one device, measure it, stop it."""
-    from kunlun.cli.adapt import workload_name
+    from kunlun.cli.adapt_stages import workload_name
     from kunlun.cli.client import DaemonClient
 
     client = DaemonClient(timeout=120)
@@ -157,10 +157,31 @@ def layer_two(model: str, device: str | None, ttft_limit: float) -> dict[str, An
                               location=Location("--model"))  # fmt: skip
         startup = row["replicas"][0]["startup"]
         ttft, samples = measure(client, name, device)
+        compared = layers.against_tool(device, *vendor_reading(client, device))
     finally:
         client.post(f"/api/v1/workloads/{job}/stop")
     subject = {"model": model, "device": device, "node": client.endpoint}
-    return layers.report(2, subject, layers.layer2(startup, ttft, ttft_limit, samples, device))
+    checks = layers.layer2(startup, ttft, ttft_limit, samples, device)
+    return layers.report(2, subject, [*checks, compared])
+
+
+def vendor_reading(
+    client: Any, device: str
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None, str | None]:
+    """The platform's figures for ``device`` and its vendor tool's, read again now by its
+    plugin (on this machine: the daemon's, else why not)."""
+    from urllib.parse import urlsplit
+
+    host = urlsplit(client.endpoint).hostname
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        return None, None, (f"the daemon runs on {host}: run layer 2 on its machine to read "
+                            "the vendor tool there")  # fmt: skip
+    from kunlun.device.inventory import resolve_replay_dir
+    from kunlun.device.registry import discover_all
+
+    platform = next((d for d in client.get("/api/v1/devices") if d["id"] == device), None)
+    probed = {p.id: vars(p) for r in discover_all(resolve_replay_dir(None)) for p in r.devices}
+    return platform, probed.get(device), None
 
 
 def measure(client: Any, name: str, device: str) -> tuple[float | None, list[float]]:

@@ -42,7 +42,7 @@ def layer_three(client: DaemonClient, model: str, device_type: str | None) -> di
                   layers.Checkpoint("no OOM or timeout", layers.NOT_RUN, "not run", few)]  # fmt: skip
         return layers.report(3, subject, checks)
     ids = [d["id"] for d in devices if d["status"] == "Ready" and d["type"] == kind]
-    from kunlun.cli.adapt import workload_name
+    from kunlun.cli.adapt_stages import workload_name
 
     name = workload_name("acceptance", model, "balance")
     spec = {"model": model, "name": name, "replicas": len(ids), "preferred_device_types": [kind]}

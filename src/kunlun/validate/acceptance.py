@@ -9,7 +9,8 @@ before the next starts. Built so far:
   and equal to the tool's figure); the topology matrix;
 - layer 2, single-device baseline (:func:`layer2`): one model on one device: its compile time
   under :data:`COMPILE_LIMIT_S`, first-token latency under a limit (default
-  :data:`TTFT_LIMIT_MS`), the device's peak utilisation under load;
+  :data:`TTFT_LIMIT_MS`), the device's peak utilisation under load, and the platform's
+  figures for the device against a fresh reading of its vendor tool (:func:`against_tool`);
 - layer 3, multi-device balance (:func:`layer3`): one replica per device of one type under
   concurrent requests: the spread (standard deviation) of the devices' mean utilisation
   under :data:`BALANCE_LIMIT_PCT` points, no request failed or timed out, no replica lost;
@@ -43,6 +44,9 @@ LAYERS = {1: "device visibility", 2: "single-device baseline", 3: "multi-device 
           4: "mixed-chip scheduling", 5: "HA and canaries"}  # fmt: skip
 COMPILE_LIMIT_S = 60.0
 TTFT_LIMIT_MS = 500.0
+USED_SLACK = 0.05
+"""How far the platform's memory-used figure may be from a fresh vendor-tool reading (as a
+share of the device's memory; at least 512 MiB: the two readings are moments apart)."""
 BALANCE_LIMIT_PCT = 15.0
 """The most the devices' mean utilisations may spread (standard deviation, in points)."""
 PAGES = {1: ("/ui/devices",), 2: ("/ui/devices", "/ui/metrics"), 3: ("/ui/devices", "/ui/metrics"),
@@ -118,6 +122,28 @@ def layer2(
         else f"{len(utilisation)} samples of {device} during four clients' requests",
         {"samples": utilisation}))  # fmt: skip
     return checks
+
+
+def against_tool(device: str, platform: dict[str, Any] | None, tool: dict[str, Any] | None,
+                 why_not: str | None) -> Checkpoint:  # fmt: skip
+    """The platform's figures for ``device`` (``GET /api/v1/devices``) against a fresh
+    reading of its vendor tool (its plugin run again on the daemon's machine): memory total
+    equal, memory used within :data:`USED_SLACK` of the total (or 512 MiB)."""
+    name = "the platform's figures = the vendor tool's"
+    if why_not is not None or platform is None or tool is None:
+        return Checkpoint(name, NOT_RUN, "not compared", why_not or f"{device}: no reading")
+    keys = ("memory_total_mb", "memory_used_mb", "utilization_pct")
+    data = {"platform": {k: platform.get(k) for k in keys}, "tool": {k: tool.get(k) for k in keys}}
+    total, total_tool = platform.get("memory_total_mb"), tool.get("memory_total_mb")
+    used, used_tool = platform.get("memory_used_mb"), tool.get("memory_used_mb")
+    figure = f"memory {used}/{total} MiB; the tool's {used_tool}/{total_tool} MiB"
+    if total is None or total_tool is None or used is None or used_tool is None:
+        return Checkpoint(name, NOT_RUN, figure, "a figure is not reported", data)
+    slack, apart = max(512.0, USED_SLACK * float(total_tool)), abs(float(used) - float(used_tool))
+    wrong = ([f"total {total} against {total_tool} MiB"] if total != total_tool else []) + (
+        [f"used differs by {apart:.0f} MiB (more than {slack:.0f})"] if apart > slack else [])  # fmt: skip
+    return Checkpoint(name, FAIL if wrong else PASS, figure,
+                      "; ".join(wrong) or f"total equal, used within {slack:.0f} MiB", data)  # fmt: skip
 
 
 def layer3(
