@@ -357,7 +357,7 @@ def test_layer_five_acceptance_report_after_the_node_loss(cluster: Cluster, tmp_
     load first; a signed report with every checkpoint's figure, refused once changed."""
     lost = next(n for n in cluster.nodes if n not in cluster.up())
     node = cluster.up()[0]
-    before = node.cli("acceptance", "--layer", "5", "--out", str(tmp_path / "early"),
+    before = node.cli("acceptance", "--layer", "5", "--no-screenshots", "--out", str(tmp_path / "early"),
                       key=node.key, timeout=300)  # fmt: skip
     assert before.returncode == 1, before.stdout + before.stderr  # proves nothing yet
     assert "NOT RUN  a lost node" in before.stdout and "no rollout" in before.stdout, before.stdout

@@ -56,7 +56,9 @@ def test_layer_reports_are_signed_and_a_changed_byte_is_refused(
         assert forged.returncode != 0 and "signature" in forged.stderr.lower(), forged.stderr
 
         # layers 1 and 2 of this machine, through the daemon
-        code, said = run_cli(daemon, "--layer", "1", "--out", str(tmp_path / "here"))
+        code, said = run_cli(
+            daemon, "--layer", "1", "--out", str(tmp_path / "here"), "--no-screenshots"
+        )  # (layer 2's are checked below)
         assert code == 0, said
         code, said = run_cli(daemon, "--layer", "2", "--model", str(tiny_model), "--ttft-ms",
                              "30000", "--out", str(tmp_path / "here"), "--sign", str(key))  # fmt: skip
@@ -90,7 +92,7 @@ def test_layer_reports_are_signed_and_a_changed_byte_is_refused(
         assert [r["state"] for r in rows] == ["STOPPED"]  # what it started is stopped
 
         # layers 3 to 5 where they cannot be proven: said, never passed
-        code, said = run_cli(daemon, "--layer", "3", "--model", str(tiny_model), "--out",
+        code, said = run_cli(daemon, "--layer", "3", "--no-screenshots", "--model", str(tiny_model), "--out",
                              str(tmp_path / "here"))  # fmt: skip
         doc = json.loads((tmp_path / "here" / "acceptance-layer3.json").read_text())
         assert code == 1 and doc["verdict"] == "INCOMPLETE", said
@@ -98,14 +100,15 @@ def test_layer_reports_are_signed_and_a_changed_byte_is_refused(
         assert (
             "two or more Ready devices of one type; here: cpu 1" in doc["checkpoints"][0]["detail"]
         )
-        code, said = run_cli(daemon, "--layer", "5", "--out", str(tmp_path / "here"))
+        code, said = run_cli(daemon, "--layer", "5", "--no-screenshots", "--out",
+                             str(tmp_path / "here"))  # fmt: skip
         doc = json.loads((tmp_path / "here" / "acceptance-layer5.json").read_text())
         assert code == 1 and doc["verdict"] == "INCOMPLETE", said
         assert [c["status"] for c in doc["checkpoints"]] == ["NOT RUN"] * 3
         assert "not a cluster" in doc["checkpoints"][0]["detail"]
         assert "no canary rollout here" in doc["checkpoints"][2]["detail"]
-        code, said = run_cli(daemon, "--layer", "4", "--model", str(tiny_model), "--out",
-                             str(tmp_path / "here"))  # fmt: skip
+        code, said = run_cli(daemon, "--layer", "4", "--no-screenshots", "--model",
+                             str(tiny_model), "--out", str(tmp_path / "here"))  # fmt: skip
         assert code == 1, said  # one device class: mixed-chip choice is not proven here
         choice, others = json.loads((tmp_path / "here" / "acceptance-layer4.json").read_text())[
             "checkpoints"]  # fmt: skip
@@ -125,8 +128,8 @@ def test_layer_four_on_a_node_with_two_device_classes(
     home = daemons.home(profile)
     write_node(home / "node", 8)
     with daemons.serve(profile, home) as daemon:
-        code, said = run_cli(daemon, "--layer", "4", "--model", str(tiny_model), "--out",
-                             str(tmp_path))  # fmt: skip
+        code, said = run_cli(daemon, "--layer", "4", "--no-screenshots", "--model",
+                             str(tiny_model), "--out", str(tmp_path))  # fmt: skip
         print(said)
         choice, others = json.loads((tmp_path / "acceptance-layer4.json").read_text())[
             "checkpoints"]  # fmt: skip
