@@ -28,14 +28,18 @@ not matter and eos never stops a request early (ours: ``ignore_eos``; transforme
   (so neither side's prompt processing counts); exactly ``single_output_len`` greedy tokens
   on both sides (llama.cpp through ``Llama.generate``, which never stops on its own). Best
   of ``--repeats``, alternating. Skipped, saying so, when llama_cpp is not installed.
+  ``int8_single_vs_llamacpp_q8`` likewise: our w8a16 (from the demo's float32 import, fp32
+  activations) over llama.cpp on the demo's Q8_0 export of the same weights
+  (:func:`kunlun.engines.gguf_export.export_q8_0`). ``--llamacpp-only`` runs these two alone.
 
 Usage: ``python benchmarks/engine.py [--quick] [--threads N] [--no-bf16] [--hf-bf16-static]
-[--int8-scheme w8a16|w8a8|none] [--no-tp] [--no-int4]``.
+[--int8-scheme w8a16|w8a8|none] [--no-tp] [--no-int4] [--llamacpp-only]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -288,6 +292,30 @@ def llamacpp_decode(llm, prompt: list[int], num_tokens: int) -> float:  # noqa: 
     return (num_tokens - 1) / (time.perf_counter() - start)
 
 
+def against_llamacpp(
+    engine: LLMEngine, gguf: Path, workload: Workload, repeats: int, ours_name: str
+) -> tuple[list[float], list[float]]:
+    """Decode rates of ``engine`` and of llama.cpp on ``gguf`` (same threads, same prompt),
+    ``repeats`` of each, alternating after a warm-up of both."""
+    import llama_cpp
+
+    threads = torch.get_num_threads()
+    llm = llama_cpp.Llama(
+        model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=512,
+        verbose=False,
+    )  # fmt: skip
+    prompt = workload.requests(engine.runner.config.vocab_size)[0][0][: workload.single_prompt_len]
+    tokens = workload.single_output_len
+    ours_decode(engine, prompt, 8)  # warm-up
+    llamacpp_decode(llm, prompt, 8)
+    ours, theirs = [], []
+    for _ in range(repeats):
+        ours.append(log(torch.float32, f"{ours_name} decode", ours_decode(engine, prompt, tokens)))
+        theirs.append(log(torch.float32, f"llama.cpp {gguf.name} decode",
+                          llamacpp_decode(llm, prompt, tokens)))  # fmt: skip
+    return ours, theirs
+
+
 def run_int4(workload: Workload, repeats: int) -> dict[str, object]:
     """``int4_single_vs_llamacpp_q4``: our decode rate on the demo GGUF imported with its 4-bit
     projections kept (w4a16) over llama.cpp's on the same file, same threads."""
@@ -301,19 +329,7 @@ def run_int4(workload: Workload, repeats: int) -> dict[str, object]:
     gguf = demo_gguf_path()
     model_dir = import_gguf(gguf, model_cache_dir() / "smollm2-gguf-w4a16", ImportOptions())
     engine = make_engine(model_dir, torch.float32, workload)
-    threads = torch.get_num_threads()
-    llm = llama_cpp.Llama(
-        model_path=str(gguf), n_threads=threads, n_threads_batch=threads, n_ctx=512,
-        verbose=False,
-    )  # fmt: skip
-    prompt = workload.requests(engine.runner.config.vocab_size)[0][0][: workload.single_prompt_len]
-    tokens = workload.single_output_len
-    ours_decode(engine, prompt, 8)  # warm-up
-    llamacpp_decode(llm, prompt, 8)
-    ours, theirs = [], []
-    for _ in range(repeats):
-        ours.append(log(torch.float32, "w4a16 decode", ours_decode(engine, prompt, tokens)))
-        theirs.append(log(torch.float32, "llama.cpp decode", llamacpp_decode(llm, prompt, tokens)))
+    ours, theirs = against_llamacpp(engine, gguf, workload, repeats, "w4a16")
     spec = engine.runner.quant_spec
     return {
         "int4_decode_tokens_per_s": round(max(ours), 2),
@@ -324,6 +340,27 @@ def run_int4(workload: Workload, repeats: int) -> dict[str, object]:
             "ours": f"{spec.describe() if spec else 'floating'}, fp32 activations",
             "llama_cpp_python": llama_cpp.__version__,
         },
+    }
+
+
+def run_q8(model_dir: Path, workload: Workload, repeats: int) -> dict[str, object]:
+    """``int8_single_vs_llamacpp_q8``: our decode rate with w8a16 weights (from the demo's
+    float32 import; fp32 activations) over llama.cpp's on the demo's Q8_0 export of the same
+    weights, same threads."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return {"int8_llamacpp_skipped": "llama_cpp is not installed (pip install '.[bench]')"}
+    from kunlun.engine.gguf import demo_gguf_path
+    from kunlun.engines.gguf_export import export_q8_0
+    from kunlun.paths import model_cache_dir
+
+    gguf = model_cache_dir() / "smollm2-q8_0.gguf"
+    export_q8_0(demo_gguf_path(), gguf)
+    engine = make_engine(model_dir, torch.float32, workload, "w8a16")
+    ours, theirs = against_llamacpp(engine, gguf, workload, repeats, "w8a16")
+    return {
+        "int8_decode_tokens_per_s": round(max(ours), 2),
+        "llamacpp_q8_decode_tokens_per_s": round(max(theirs), 2),
+        "int8_single_vs_llamacpp_q8": round(max(ours) / max(theirs), 3),
     }
 
 
@@ -394,6 +431,11 @@ def main() -> None:
     parser.add_argument("--no-tp", action="store_true", help="skip the TP=2 vs TP=1 runs")
     parser.add_argument("--no-int4", action="store_true", help="skip int4 against llama.cpp")
     parser.add_argument(
+        "--llamacpp-only",
+        action="store_true",
+        help="only the comparisons with llama.cpp (int4 on the Q4_1 file, int8 on its Q8_0 export)",
+    )
+    parser.add_argument(
         "--int8-scheme",
         choices=("w8a16", "w8a8", "none"),
         default="w8a16",
@@ -406,6 +448,15 @@ def main() -> None:
     threads = torch.get_num_threads()  # before TP: rank 0 of a group lowers it for itself
     model_dir = demo_model_dir()
     load_before = os.getloadavg()
+    if args.llamacpp_only:
+        only: dict[str, object] = {**run_int4(workload, args.repeats),
+                                   **run_q8(model_dir, workload, args.repeats)}  # fmt: skip
+        only["setup"] = {"threads": threads, "cpu": cpu_facts(), "workload": workload.__dict__,
+                           "load_average_before": [round(x, 2) for x in load_before],
+                           "load_average_after": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
+        json.dump(only, sys.stdout, indent=2)
+        print()
+        return
     fp32 = run_dtype(model_dir, torch.float32, workload, True, args.repeats)
     ours32 = fp32["concurrent"]
     assert isinstance(ours32, dict)
@@ -437,6 +488,7 @@ def main() -> None:
         )
     if not args.no_int4:
         report.update(run_int4(workload, args.repeats))
+        report.update(run_q8(model_dir, workload, args.repeats))
     if not args.no_bf16:
         bf16 = run_dtype(model_dir, torch.bfloat16, workload, args.hf_bf16_static, args.repeats)
         ours16 = bf16["concurrent"]

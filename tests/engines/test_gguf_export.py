@@ -21,7 +21,7 @@ from kunlun.device.inventory import build_inventory
 from kunlun.engine.gguf import demo_gguf_path
 from kunlun.engine.gguf_source import MARKER
 from kunlun.engines.builtin import LlamaCppEngine
-from kunlun.engines.gguf_export import export_unquantized
+from kunlun.engines.gguf_export import export_q8_0, export_unquantized
 from kunlun.errors import ConfigError
 from kunlun.planner.plan import ExecutionPlan
 from kunlun.workload.placement import place
@@ -76,3 +76,36 @@ def test_llama_cpp_serves_what_the_plan_says(tmp_path: Path) -> None:
         "dtype": "bf16", "keep_quantized": True}}))  # fmt: skip
     kept = cpu_plan("w4a16")
     assert engine.prepare_model(kept, source, model_dir, plan_dir) == (source, [])
+
+
+def test_the_q8_0_export_holds_every_weight_in_8_bit_blocks(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The 8-bit file of an int8 comparison with llama.cpp (``benchmarks/engine.py``): every
+    2-D weight whose rows split into blocks of 32 in Q8_0 within half a step of its block's scale,
+    the rest as it was, every key carried over, the file type Q8_0."""
+    from tests.engine.gguf_files import write_hf_gguf
+
+    source = write_hf_gguf(tmp_path / "tiny-f32.gguf", tiny_model, None)
+    out = tmp_path / "tiny-q8_0.gguf"
+    assert export_q8_0(source, out) is True
+    assert export_q8_0(source, out) is False  # recorded: not written again
+    before, after = gguf.GGUFReader(source), gguf.GGUFReader(out)
+    keys = [f for f in before.fields if not f.startswith("GGUF.")]
+    assert [f for f in after.fields if not f.startswith("GGUF.")] == [*keys, "general.file_type"]
+    assert after.get_field(gguf.Keys.General.FILE_TYPE).contents() == 7  # type: ignore[union-attr]
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    by_name = {t.name: t for t in after.tensors}
+    for tensor in before.tensors:
+        mine = by_name[tensor.name]
+        original = np.asarray(tensor.data, dtype=np.float32)
+        if original.ndim == 2 and original.shape[1] % 32 == 0:
+            assert mine.tensor_type == q8, tensor.name
+            values = gguf.quants.dequantize(mine.data, q8)
+            assert values.shape == original.shape
+            step = np.abs(original).reshape(-1, 32).max(axis=1, keepdims=True) / 127
+            # half a step, and the f16 rounding of the block's scale times at most 127 steps
+            assert (np.abs(values - original).reshape(-1, 32) <= step * 0.57).all()
+        else:
+            assert mine.tensor_type == tensor.tensor_type, tensor.name
+            np.testing.assert_array_equal(np.asarray(mine.data), original)

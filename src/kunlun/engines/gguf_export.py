@@ -24,7 +24,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +36,10 @@ FLOAT_TYPES = {"fp32": ("F32", np.float32), "fp16": ("F16", np.float16), "bf16":
 """Kunlun dtype -> (GGML tensor type, numpy dtype; None: written as raw bf16 bits)."""
 #: ``general.file_type`` (llama.cpp's LLAMA_FTYPE) of an all-float file, per dtype.
 FILE_TYPES = {"fp32": 0, "fp16": 1, "bf16": 32}
+Q8_0_FILE_TYPE = 7
+"""LLAMA_FTYPE_MOSTLY_Q8_0."""
+FLOATS = (0, 1, 30)
+"""GGML tensor types F32, F16 and BF16."""
 
 
 def _bf16_bits(values: np.ndarray) -> np.ndarray:
@@ -48,17 +54,52 @@ def export_unquantized(source: Path, out: Path, dtype: str) -> bool:
     is already that (its record matches the source's identity), True when written."""
     import gguf  # the GGUF reader and writer of the llama.cpp project (PyPI gguf)
 
+    type_name, np_dtype = FLOAT_TYPES[dtype]
+    target_type = gguf.GGMLQuantizationType[type_name]
+
+    def convert(tensor: Any) -> tuple[np.ndarray, Any] | None:
+        if tensor.tensor_type in FLOATS:
+            return None
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        return (_bf16_bits(values) if np_dtype is None else values.astype(np_dtype)), target_type
+
+    return _rewrite(source, out, dtype, FILE_TYPES[dtype], convert)
+
+
+def export_q8_0(source: Path, out: Path) -> bool:
+    """Write ``out``: ``source`` with every 2-D weight whose rows split into blocks of 32 in
+    Q8_0 (llama.cpp's 8-bit type: a scale per 32 values), the others as they are; the 8-bit
+    file llama.cpp would serve for an int8 comparison. False when ``out`` is already that."""
+    import gguf
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+
+    def convert(tensor: Any) -> tuple[np.ndarray, Any] | None:
+        shape = [int(n) for n in tensor.shape]  # GGUF order: the row length first
+        if len(shape) != 2 or shape[0] % 32 or tensor.tensor_type == q8:
+            return None
+        values = (np.asarray(tensor.data, dtype=np.float32) if tensor.tensor_type in FLOATS
+                  else gguf.quants.dequantize(tensor.data, tensor.tensor_type))  # fmt: skip
+        return gguf.quants.quantize(values.reshape(shape[1], shape[0]), q8), q8
+
+    return _rewrite(source, out, "q8_0", Q8_0_FILE_TYPE, convert)
+
+
+def _rewrite(
+    source: Path, out: Path, kind: str, file_type: int,
+    convert: Callable[[Any], tuple[np.ndarray, Any] | None],
+) -> bool:  # fmt: skip
+    """``source`` written again as ``out`` with each tensor ``convert`` returns new data and a
+    type for (None: kept as it is); skipped when ``out``'s record says it is that already."""
+    import gguf
+
     record = out.with_suffix(".json")
-    identity = {"source": str(source.resolve()), "dtype": dtype, **import_key(source)}
+    identity = {"source": str(source.resolve()), "dtype": kind, **import_key(source)}
     try:
         if out.is_file() and json.loads(record.read_text()) == identity:
             return False
     except (OSError, ValueError):
         pass
-    type_name, np_dtype = FLOAT_TYPES[dtype]
-    target_type = gguf.GGMLQuantizationType[type_name]
-    floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
-              gguf.GGMLQuantizationType.BF16}  # fmt: skip
     reader = gguf.GGUFReader(source)
     arch = reader.get_field(gguf.Keys.General.ARCHITECTURE)
     if arch is None:
@@ -68,19 +109,17 @@ def export_unquantized(source: Path, out: Path, dtype: str) -> bool:
     for field in reader.fields.values():
         if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
             continue  # written by the writer itself
-        value = FILE_TYPES[dtype] if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
+        value = file_type if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
         value_type = field.types[0]
         sub = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, value, value_type, sub_type=sub)
+    if gguf.Keys.General.FILE_TYPE not in reader.fields:  # say what the file now holds
+        writer.add_file_type(file_type)
     tensors = []
     for tensor in reader.tensors:
-        if tensor.tensor_type in floats:
-            data, kind = np.asarray(tensor.data), tensor.tensor_type
-        else:
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            data = _bf16_bits(values) if np_dtype is None else values.astype(np_dtype)
-            kind = target_type
-        writer.add_tensor_info(tensor.name, data.shape, data.dtype, data.nbytes, kind)
+        converted = convert(tensor)
+        data, ggml_type = converted or (np.asarray(tensor.data), tensor.tensor_type)
+        writer.add_tensor_info(tensor.name, data.shape, data.dtype, data.nbytes, ggml_type)
         tensors.append(data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
