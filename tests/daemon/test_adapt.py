@@ -99,6 +99,7 @@ def test_adapt_checks_every_engine_and_leaves_the_daemon_as_it_was(
     saved = json.loads(Path(first).read_text())
     assert saved["spec"]["model"] == str(tiny_model) and saved["plan"]["devices"] == ["cpu:0"]
     assert saved["devices"][0]["id"] == "cpu:0" and saved["kunlun_version"]
+    assert saved["engine_version"] == saved["kunlun_version"]  # the embedded engine's
     assert len(saved["greedy"]) == 3 and saved["model_fingerprint"]
     # restored on a fresh daemon, it serves the same greedy answers
     with daemons.serve(Profile("adapt-restore-home")) as fresh:

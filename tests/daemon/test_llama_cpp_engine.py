@@ -69,6 +69,8 @@ def test_the_workload_runs_llama_server_on_the_original_gguf(daemon: Daemon) -> 
     described = daemon.describe(daemon.job)  # type: ignore[attr-defined]
     assert described["state"] == "RUNNING"
     assert described["placement"]["engine"]["chosen"] == "llama.cpp"
+    # the version llama-server prints, recorded with the placement (and in snapshots)
+    assert described["placement"]["engine"]["version"].startswith("version: ")
     logs = daemon.cli("workload", "logs", daemon.job)  # type: ignore[attr-defined]
     (line,) = [x for x in logs.stdout.splitlines() if x.startswith("engine: ")]
     argv = line.removeprefix("engine: ").split()

@@ -19,6 +19,8 @@ import pytest
 from pydantic import ValidationError
 from tests.planner.conftest import ROOT, model, node
 
+import kunlun
+from kunlun.engines.adapter import find_binary
 from kunlun.engines.registry import BUILTINS, LoadedEngines, choose_engine, load_engines
 from kunlun.errors import ConfigError
 from kunlun.node.agent import NodeAgent
@@ -120,6 +122,19 @@ def test_auto_is_the_embedded_engine_and_says_why_not_the_others(site: Path) -> 
     assert gguf["llama.cpp"] == "does not run on cambricon devices (runs on cpu, nvidia, amd)"
 
 
+def test_an_engine_says_its_installed_version() -> None:
+    """The version a placement (and a known-good snapshot) records: llama-server's own words
+    where it is installed (``make llama-server``), a Python engine's distribution version,
+    None where the engine is not installed."""
+    engines = load_engines().engines
+    if find_binary("llama-server") is not None:
+        said = engines["llama.cpp"].version()
+        assert said is not None and said.startswith("version: ") and "build" in said, said
+    for name in ("vllm", "sglang"):
+        if importlib.util.find_spec(name) is None:
+            assert engines[name].version() is None
+
+
 def test_a_forced_engine_that_cannot_run_here_is_an_error_naming_why(site: Path) -> None:
     loaded = load_engines()
     with pytest.raises(ConfigError, match=r"engine llama.cpp cannot run this workload: does "
@@ -146,6 +161,7 @@ def test_the_plan_carries_the_engine_chosen_and_the_reasons(site: Path) -> None:
     assert placement.plans[0].engine == "kunlun" and placement.engine is not None
     out = placement.to_dict()["engine"]
     assert out["requested"] == "auto" and out["chosen"] == "kunlun"
+    assert out["version"] == kunlun.__version__  # the embedded engine is this platform's
     assert {"engine": "llama.cpp", "reason": "does not take hf models (takes gguf)"} in (
         out["rejected"]
     )

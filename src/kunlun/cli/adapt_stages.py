@@ -93,7 +93,6 @@ def plan_all(
                     "preferred_device_types": [pool]}  # fmt: skip
             if scheme is not None:
                 spec["quantization"] = scheme
-            say(f"plan {c.column}")
             try:
                 made = client.post("/api/v1/workloads", json=spec, params={"dry_run": True})
             except KunlunError as exc:
@@ -108,6 +107,8 @@ def plan_all(
                                  f", not on {pool}: {made['placement'].get('why')}")  # fmt: skip
                 else:
                     c.plan, c.spec = plan, spec
+            why = f"refused: {c.refused}" if c.refused is not None else made["placement"].get("why")
+            say(f"plan {c.column}: {why}")
             candidates.append(c)
     return candidates
 

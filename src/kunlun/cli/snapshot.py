@@ -68,7 +68,8 @@ def capture(
         "model_fingerprint": model_fingerprint(path) if path.is_dir() else None,
         "pool": devices[0]["type"] if devices else None,
         "engine": engine,
-        "engine_version": version if engine == EMBEDDED_ENGINE else None,  # external: unknown
+        "engine_version": ((described.get("placement") or {}).get("engine") or {}).get("version")
+        or (version if engine == EMBEDDED_ENGINE else None),
         "spec": spec,
         "plan": plan,
         "devices": devices,

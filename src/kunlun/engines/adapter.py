@@ -15,9 +15,11 @@ small amount of code that reads them.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import shutil
 import signal
+import subprocess
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -105,6 +107,15 @@ class EngineAdapter(ABC):
     port itself and says which in its ready file. An external server takes its settings on
     its command line and listens where its command says."""
 
+    version_command: tuple[str, ...] = ()
+    """The command that prints the installed engine's version (a binary and its flag), or
+    empty: :meth:`version` then says None unless the adapter overrides it."""
+
+    def version(self) -> str | None:
+        """The installed engine's version as it prints it, or None (not known, not installed);
+        recorded in a workload's placement and in known-good snapshots."""
+        return printed_version(self.version_command)
+
     @abstractmethod
     def installed(self, device_type: str | None = None) -> Availability:
         """Whether the engine (and, for ``device_type``, its vendor build or plugin) is
@@ -182,6 +193,21 @@ def module_available(module: str) -> Availability:
     if found:
         return Availability(True, f"python module {module} is importable")
     return Availability(False, f"python module {module} is not importable")
+
+
+@functools.cache
+def printed_version(argv: tuple[str, ...]) -> str | None:
+    """The first line ``argv`` prints that names a version (``version: 11434 (8f3ab1c)``), once
+    per process; None when the binary is missing, fails or says nothing."""
+    binary = find_binary(argv[0]) if argv else None
+    if binary is None:
+        return None
+    try:
+        done = subprocess.run([binary, *argv[1:]], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [line.strip() for line in (done.stdout + "\n" + done.stderr).splitlines()]
+    return next((line[:200] for line in lines if "version" in line.lower()), None)
 
 
 def find_binary(binary: str) -> str | None:

@@ -9,6 +9,7 @@ agent writes.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import signal
 import sys
@@ -68,6 +69,18 @@ class ExternalEngine(EngineAdapter):
             return Availability(False, "; ".join(missing))
         return Availability(True, "; ".join(a.reason for a in found))
 
+    distribution: str | None = None
+    """The Python distribution whose version is the engine's (vLLM, SGLang); None: the
+    version is what :attr:`version_command` prints."""
+
+    def version(self) -> str | None:
+        if self.distribution is None:
+            return super().version()
+        try:
+            return importlib.metadata.version(self.distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
     def probe(self, requirement: str) -> Availability:
         return module_available(requirement)
 
@@ -115,6 +128,7 @@ class VllmEngine(ExternalEngine):
     """vLLM's OpenAI-compatible server (``vllm.entrypoints.openai.api_server``)."""
 
     name = "vllm"
+    distribution = "vllm"
     vendors = MappingProxyType(
         {
             "nvidia": VendorRow(requires=("vllm",)),
@@ -158,6 +172,7 @@ class SglangEngine(ExternalEngine):
     """SGLang's server (``sglang.launch_server``)."""
 
     name = "sglang"
+    distribution = "sglang"
     vendors = MappingProxyType(
         {
             "nvidia": VendorRow(requires=("sglang",), device_flag="cuda"),
@@ -216,6 +231,7 @@ class LlamaCppEngine(ExternalEngine):
     """llama.cpp's ``llama-server``: one GGUF file, continuous batching over parallel slots."""
 
     name = "llama.cpp"
+    version_command = ("llama-server", "--version")
     vendors = MappingProxyType(
         {
             "cpu": VendorRow(requires=("llama-server",)),
@@ -370,6 +386,11 @@ class KunlunEngine(EngineAdapter):
     name = EMBEDDED_ENGINE
     formats: tuple[ModelFormat, ...] = ("hf", "gguf")
     takes_launch_file = True
+
+    def version(self) -> str | None:
+        from kunlun import __version__
+
+        return __version__
 
     @property
     def device_types(self) -> tuple[str, ...]:  # type: ignore[override]

@@ -112,12 +112,15 @@ class EngineChoice:
     chosen: str
     why: str
     rejected: list[tuple[str, str]]
+    version: str | None = None
+    """The chosen engine's version as installed here (:meth:`EngineAdapter.version`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "requested": self.requested,
             "chosen": self.chosen,
             "why": self.why,
+            "version": self.version,
             "rejected": [{"engine": e, "reason": r} for e, r in self.rejected],
         }
 
@@ -192,7 +195,7 @@ def choose_engine(
     rejected = [(name, problem or reason(name)) for name, problem in problems.items()
                 if name != chosen]  # fmt: skip
     rejected += [(name, error) for name, error in loaded.load_errors.items()]
-    return EngineChoice(requested, chosen, why, rejected)
+    return EngineChoice(requested, chosen, why, rejected, engines[chosen].version())
 
 
 def model_files(path: str | Path | None) -> dict[str, Path]:
