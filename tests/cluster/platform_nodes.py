@@ -23,6 +23,7 @@ from tests import loopback
 from tests.daemons import BIN, ONE_THREAD, Daemon, free_port, lost_port
 
 from kunlun.state import ModelRecord
+from kunlun.state.store import ROLLOUT_ENDED
 
 LEASE_TTL_S = 10
 
@@ -168,10 +169,6 @@ def rollout_ended(node: ClusterNodeProc, rollout_id: str, timeout: float = 600) 
 
     def ended() -> Any:
         row = node.api(f"/api/v1/rollouts/{rollout_id}")
-        return (
-            row
-            if row["state"] in ("PROMOTED", "ROLLED_BACK", "ABORTED") and row["retired"]
-            else None
-        )
+        return row if row["state"] in ROLLOUT_ENDED and row["retired"] else None
 
     return wait_for("the rollout ended", ended, timeout=timeout)

@@ -12,7 +12,8 @@ import httpx
 from tests import loopback
 from tests.daemons import ONE_THREAD
 
-ENDED = ("PROMOTED", "ROLLED_BACK", "ABORTED")
+from kunlun.state.store import ROLLOUT_ENDED as ENDED
+
 __all__ = ["ONE_THREAD"]  # the benchmark declares one thread per worker too
 FAST = {"interval_s": "1.5s", "min_requests": 20, "max_error_rate": "5%"}
 """Rollout settings for tests: short steps, few samples, a loose error limit."""

@@ -32,6 +32,7 @@ import httpx
 
 from kunlun.bench.stats import RequestRecord
 from kunlun.errors import ConfigError, Location
+from kunlun.telemetry.view import PLATFORM_MEMORY as MEMORY_GAUGE
 from kunlun.telemetry.view import parse
 
 TOKEN_ID_RANGE = (1000, 2000)
@@ -40,7 +41,6 @@ tiny test models (2,048 ids), above the low ids where byte and special tokens of
 MEMORY_SAMPLE_S = 1.0
 """How often the daemon's memory is read during a run: each read has the daemon render its
 ``/metrics`` page, so a low rate keeps the benchmark from loading what it measures."""
-MEMORY_GAUGE = "kunlun_platform_resident_memory_bytes"
 
 
 @dataclass(frozen=True)

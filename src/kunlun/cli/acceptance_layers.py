@@ -20,11 +20,9 @@ from typing import Any
 
 from kunlun.cli.client import DaemonClient
 from kunlun.console import err_console
-from kunlun.errors import ConfigError, KunlunError, Location
+from kunlun.errors import ConfigError, KunlunError, Location, NotClustered
+from kunlun.state.store import ROLLOUT_ENDED
 from kunlun.validate import acceptance as layers
-
-SINGLE_NODE = "cluster.single_node"
-"""The error code of a cluster route asked of a daemon that is not a cluster node."""
 
 
 def layer_three(client: DaemonClient, model: str, device_type: str | None) -> dict[str, Any]:
@@ -132,7 +130,7 @@ def layer_five(
     try:
         nodes = client.get("/api/v1/nodes")
     except KunlunError as exc:
-        if getattr(exc, "remote_code", None) != SINGLE_NODE:
+        if getattr(exc, "remote_code", None) != NotClustered.code:
             raise
         why = f"not a cluster: {str(exc).split(': ', 1)[-1]}"
         checks = [layers.Checkpoint(n, layers.NOT_RUN, "single node", why) for n in (
@@ -187,7 +185,7 @@ def rollout(client: DaemonClient, rollout_id: str | None) -> tuple[dict[str, Any
     if rollout_id is not None:
         return client.get(f"/api/v1/rollouts/{rollout_id}"), ""
     rows = client.get("/api/v1/rollouts")
-    ended = [r for r in rows if r["state"] in layers.ENDED]
+    ended = [r for r in rows if r["state"] in ROLLOUT_ENDED]
     if not ended:
         going = ", ".join(f"{r['rollout_id']} {r['state']}" for r in rows)
         return None, (f"no rollout has ended yet ({going})" if going else

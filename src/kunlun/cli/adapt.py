@@ -127,8 +127,9 @@ def adapt(
     asked = pool_list(client, pools)
     model = imported(client, model)
     reference, hf_dir = references(client, model, reference, reference_model)
-    with Stages(len(asked) * len(names(engines))) as clock:
-        candidates = plan_all(client, model, asked, names(engines), quantization)
+    engine_names = names(engines)
+    with Stages(len(asked) * len(engine_names)) as clock:
+        candidates = plan_all(client, model, asked, engine_names, quantization)
         try:
             clock.mark("plan")
             ready = start_and_smoke(client, candidates, timeout, clock)

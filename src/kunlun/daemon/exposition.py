@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kunlun.telemetry.collector import DeviceCollector, DeviceSample, interval_from_env
 from kunlun.telemetry.gateway_metrics import GatewayMetrics
+from kunlun.telemetry.view import PLATFORM_MEMORY
 
 if TYPE_CHECKING:
     from kunlun.device.inventory import Inventory
@@ -230,7 +231,7 @@ def _memory_families(replicas: list[Replica]) -> Iterator[Metric]:
             process.add_metric(["worker", replica.replica_id], rss)
     yield process
     yield GaugeMetricFamily(
-        "kunlun_platform_resident_memory_bytes",
+        PLATFORM_MEMORY,
         "Resident memory of the daemon's whole process tree (daemon and every engine worker).",
         tree,
     )

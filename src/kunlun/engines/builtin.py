@@ -9,6 +9,7 @@ agent writes.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import signal
@@ -34,6 +35,16 @@ from kunlun.engines.adapter import (
 from kunlun.engines.table import ALL_LAYERS, QUANTIZATION_GAP, VendorRow
 from kunlun.planner.plan import ExecutionPlan
 from kunlun.protocol.fields import asks_nothing
+
+
+@functools.cache
+def distribution_version(name: str) -> str | None:
+    """The installed version of Python distribution ``name``, once per process (every
+    placement records it); None when it is not installed."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 class ExternalEngine(EngineAdapter):
@@ -76,10 +87,7 @@ class ExternalEngine(EngineAdapter):
     def version(self) -> str | None:
         if self.distribution is None:
             return super().version()
-        try:
-            return importlib.metadata.version(self.distribution)
-        except importlib.metadata.PackageNotFoundError:
-            return None
+        return distribution_version(self.distribution)
 
     def probe(self, requirement: str) -> Availability:
         return module_available(requirement)

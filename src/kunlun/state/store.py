@@ -108,6 +108,10 @@ class BatchRecord:
     """The output and error files expire this many seconds after they are written."""
 
 
+ROLLOUT_ENDED = ("PROMOTED", "ROLLED_BACK", "ABORTED")
+"""The final states of a :class:`RolloutRecord`."""
+
+
 @dataclass
 class RolloutRecord:
     """A canary rollout of a workload's model (:mod:`kunlun.rollout`)."""

@@ -20,6 +20,9 @@ from kunlun.errors import ConfigError, Location
 
 Labels = tuple[tuple[str, str], ...]
 
+PLATFORM_MEMORY = "kunlun_platform_resident_memory_bytes"
+"""The gauge of the resident memory of the daemon's whole process tree (written by
+:mod:`kunlun.daemon.exposition`, read here and by ``kunlun-cli bench``)."""
 _DEVICE_FIGURES = {
     "kunlun_device_utilization_percent": "utilization_pct",
     "kunlun_device_memory_used_bytes": "memory_used_bytes",
@@ -145,7 +148,7 @@ def parse(text: str) -> Snapshot:
                 if replica and replica != "-":
                     replicas[replica].setdefault("model", labels["model"])
                     replicas[replica].setdefault("priority", labels["priority"])
-            elif name == "kunlun_platform_resident_memory_bytes":
+            elif name == PLATFORM_MEMORY:
                 snapshot.platform["resident_memory_bytes"] = value
             elif name == "kunlun_process_resident_memory_bytes" and replica and replica != "-":
                 replicas[replica]["resident_memory_bytes"] = value

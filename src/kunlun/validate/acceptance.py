@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kunlun.errors import ConfigError, Location
+from kunlun.state.store import ROLLOUT_ENDED
 
 PASS, FAIL, NOT_RUN, INCOMPLETE = "PASS", "FAIL", "NOT RUN", "INCOMPLETE"
 LAYERS = {1: "device visibility", 2: "single-device baseline", 3: "multi-device balance",
@@ -52,8 +53,6 @@ BALANCE_LIMIT_PCT = 15.0
 PAGES = {1: ("/ui/devices",), 2: ("/ui/devices", "/ui/metrics"), 3: ("/ui/devices", "/ui/metrics"),
          4: ("/ui/devices", "/ui/workloads"), 5: ("/ui/nodes", "/ui/rollouts")}  # fmt: skip
 """The dashboard pages each layer's report shows."""
-ENDED = ("PROMOTED", "ROLLED_BACK", "ABORTED")
-"""A rollout's final states."""
 TRUSTED_MEMORY = ("probed", "validated")
 """Provenances of a device's memory that come from its vendor tool."""
 
@@ -272,7 +271,7 @@ def canary(rollout: dict[str, Any] | None, no_rollout: str) -> Checkpoint:
     name = "canary error rate and p95 within limits"
     if rollout is None:
         return Checkpoint(name, NOT_RUN, "no rollout", no_rollout)
-    if rollout["state"] not in ENDED:
+    if rollout["state"] not in ROLLOUT_ENDED:
         return Checkpoint(name, NOT_RUN, rollout["state"],
                           f"rollout {rollout['rollout_id']} has not ended yet")  # fmt: skip
     gates = [g for step in rollout.get("history") or [] for g in step.get("gates") or []]

@@ -24,20 +24,27 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from kunlun.errors import ConfigError, EngineLacks, Location
+from kunlun.errors import ConfigError, EngineLacks, Location, OverBudget, RequestError
 
 NAME = "transformers"
 COLUMN = "reference:transformers"
 MAX_LOGPROBS = 5
 MAX_BODY = 1 << 20
+MAX_PROMPTS = 64
+"""Prompts per request (the accuracy row sends one per choice of an item)."""
+MAX_STEPS = 1024
+"""Tokens one prompt may ask for (the numerics rows ask for a few dozen)."""
 HONOURED = {"model", "prompt", "max_tokens", "echo", "logprobs", "temperature", "seed", "n",
             "stream"}  # fmt: skip
 
 
 class Refused(Exception):
-    def __init__(self, status: int, message: str, code: str, param: str | None = None) -> None:
+    """A request the reference will not answer, as the platform's own error ``kind`` says
+    it (status, code and OpenAI type are the error class's)."""
+
+    def __init__(self, kind: type[RequestError], message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.code, self.param = status, code, param
+        self.kind, self.param = kind, param
 
 
 class TransformersReference:
@@ -83,14 +90,14 @@ class TransformersReference:
         is not served)."""
         for key in body:
             if key not in HONOURED:
-                raise Refused(400, f"the transformers reference does not honour {key!r}",
-                              EngineLacks.code, key)  # fmt: skip
+                raise Refused(EngineLacks, f"the transformers reference does not honour {key!r}",
+                              key)  # fmt: skip
         if body.get("stream") or int(body.get("n") or 1) != 1 or body.get("temperature", 1) != 0:
             field = (
                 "stream" if body.get("stream") else "n" if body.get("n", 1) != 1 else "temperature"
             )
-            raise Refused(400, f"the transformers reference answers greedily, one choice, "
-                          f"unstreamed: {field} refused", EngineLacks.code, field)  # fmt: skip
+            raise Refused(EngineLacks, f"the transformers reference answers greedily, one "
+                          f"choice, unstreamed: {field} refused", field)  # fmt: skip
         prompts = body.get("prompt")
         prompts = [prompts] if isinstance(prompts, str) else prompts
         if (
@@ -98,14 +105,16 @@ class TransformersReference:
             or not prompts
             or not all(isinstance(p, str) for p in prompts)
         ):
-            raise Refused(
-                400, "prompt must be a string or a list of strings", "request.invalid", "prompt"
-            )
+            raise Refused(RequestError, "prompt must be a string or a list of strings", "prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise Refused(OverBudget, f"{len(prompts)} prompts, at most {MAX_PROMPTS}", "prompt")
         wanted = body.get("logprobs")
         k = -1 if wanted is None else int(wanted)  # -1: no logprobs
         if not -1 <= k <= MAX_LOGPROBS:
-            raise Refused(400, f"logprobs at most {MAX_LOGPROBS}", "request.invalid", "logprobs")
+            raise Refused(RequestError, f"logprobs at most {MAX_LOGPROBS}", "logprobs")
         steps = int(body.get("max_tokens") or 0) if "max_tokens" in body else 16
+        if not 0 <= steps <= MAX_STEPS:
+            raise Refused(OverBudget, f"max_tokens {steps}: 0 to {MAX_STEPS}", "max_tokens")
         choices, used = [], [0, 0]
         for index, prompt in enumerate(prompts):
             choice, counts = self._one(prompt, steps, bool(body.get("echo")), k)
@@ -167,31 +176,32 @@ def _handler(ref: TransformersReference) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
         def _refuse(self, exc: Refused) -> None:
-            self._send(exc.status, {"error": {"message": str(exc), "type": "invalid_request_error",
-                                              "code": exc.code, "param": exc.param}})  # fmt: skip
+            kind = exc.kind
+            self._send(kind.http_status, {"error": {"message": str(exc), "type": kind.openai_type,
+                                                    "code": kind.code, "param": exc.param}})  # fmt: skip
 
         def do_GET(self) -> None:
             if self.path == "/v1/models":
                 self._send(200, {"object": "list", "data": [
                     {"id": NAME, "object": "model", "owned_by": "transformers"}]})  # fmt: skip
             else:
-                self._refuse(Refused(400, f"the transformers reference serves no {self.path}",
-                                     EngineLacks.code, self.path))  # fmt: skip
+                self._refuse(Refused(EngineLacks, f"the transformers reference serves no "
+                                     f"{self.path}", self.path))  # fmt: skip
 
         def do_POST(self) -> None:
             try:
                 if self.path != "/v1/completions":
-                    raise Refused(400, f"the transformers reference serves no {self.path}",
-                                  EngineLacks.code, self.path)  # fmt: skip
+                    raise Refused(EngineLacks, f"the transformers reference serves no "
+                                  f"{self.path}", self.path)  # fmt: skip
                 size = int(self.headers.get("Content-Length") or 0)
                 if size > MAX_BODY:
-                    raise Refused(413, f"body over {MAX_BODY} bytes", "request.too_large")
+                    raise Refused(OverBudget, f"body over {MAX_BODY} bytes")
                 try:
                     body = json.loads(self.rfile.read(size))
                 except ValueError as exc:
-                    raise Refused(400, f"not JSON: {exc}", "request.invalid") from None
+                    raise Refused(RequestError, f"not JSON: {exc}") from None
                 if not isinstance(body, dict):
-                    raise Refused(400, "the body must be a JSON object", "request.invalid")
+                    raise Refused(RequestError, "the body must be a JSON object")
                 self._send(200, ref.complete(body))
             except Refused as exc:
                 self._refuse(exc)
