@@ -30,7 +30,10 @@ $(STAMP): pyproject.toml | $(PIP_READY)
 	$(BIN)/python -m pip install -q --no-compile -e '.[engine,test]'
 	touch $(STAMP)
 
+# The compiled decode path (kunlun.engine.native), built for this CPU; where it cannot be
+# built the engine runs the reference path and says so.
 setup: $(STAMP)
+	$(BIN)/python -m kunlun.engine.native || echo "the compiled decode path is not built: the engine runs the reference path"
 
 # SGLang's front-end language, for the tests that run SGLang programs unchanged against the
 # daemon (tests/daemon/sglang_program.py). Kept apart from the platform's packages, in its own

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from kunlun.engine.launch import DEFAULT_MAX_NUM_SEQS
+from kunlun.engine.native import wanted_path
 from kunlun.engine.quant import make_spec
 from kunlun.errors import ConfigError
 
@@ -53,6 +54,10 @@ class EngineConfig:
     distributed_backend: str | None = None
     """``torch.distributed`` backend of the group (gloo, nccl, hccl, ...), from the device
     plugin; needed when ``tensor_parallel_size > 1``."""
+    decode_path: str | None = None
+    """Which decode step runs: ``auto`` (the compiled one where it builds and the model
+    qualifies), ``compiled`` (an error where it cannot), ``python`` (the reference path);
+    None: ``$KUNLUN_DECODE_PATH``, else auto (:mod:`kunlun.engine.native`)."""
     chat_template: str | None = None
     """A chat template (jinja2 text) the tokenizer uses instead of the model's own; None:
     the model's (:mod:`kunlun.workload.chat_template`)."""
@@ -78,6 +83,7 @@ class EngineConfig:
                     f"engine setting {name}={value!r} is invalid: expected an integer >= 1"
                 )
         make_spec(self.quantization, self.group_size)
+        wanted_path(self.decode_path)
         tp = self.tensor_parallel_size
         if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1):
             raise ConfigError(

@@ -99,6 +99,7 @@ class LLMEngine:
             num_threads=config.num_threads,
             quantization=config.quantization,
             group_size=config.group_size,
+            decode_path=config.decode_path,
         )
         self.tokenizer = self.runner.tokenizer
         if config.chat_template is not None:  # the workload's own, over the model's

@@ -9,12 +9,14 @@ model, the tokenizer and the KV cache; it keeps no per-sequence state between st
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kunlun.engine import native
 from kunlun.engine.attention import AttentionContext, DecodeBatch, PrefillSegment
 from kunlun.engine.config import ModelConfig
 from kunlun.engine.device import resolve_device
@@ -22,6 +24,8 @@ from kunlun.engine.loader import load_weights, stored_quantized_layers
 from kunlun.engine.models import build_model
 from kunlun.engine.models.llama import LlamaForCausalLM
 from kunlun.engine.models.quant_linear import quantize_linears
+from kunlun.engine.native import NativeStatus, wanted_path
+from kunlun.engine.native.decoder import CompiledDecoder, unsupported
 from kunlun.engine.parallel import SINGLE, TPGroup
 from kunlun.engine.preflight import check_max_model_len, raise_if_quantized_split
 from kunlun.engine.quant import read_spec, resolve_spec
@@ -33,6 +37,8 @@ from kunlun.errors import ConfigError, EngineError
 
 #: Default KV cache budget when neither ``num_blocks`` nor ``kv_cache_memory_bytes`` is given.
 DEFAULT_KV_BUDGET_BYTES = 1 << 30
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,6 +87,7 @@ class ModelRunner:
         group: TPGroup = SINGLE,
         quantization: str = "none",
         group_size: int | None = None,
+        decode_path: str | None = None,
     ) -> None:
         """Load config, tokenizer and weights from ``model_dir`` and allocate the KV cache.
 
@@ -93,6 +100,8 @@ class ModelRunner:
         ``quantization`` and ``group_size`` are
         :class:`~kunlun.engine.engine_config.EngineConfig`'s (see :func:`resolve_spec`);
         quantized weights run on one rank only for now (a :class:`ConfigError` otherwise).
+        ``decode_path`` chooses the decode step (:mod:`kunlun.engine.native`); which one runs,
+        and why, is logged and kept in :attr:`decode_status`.
         """
         if num_threads is not None:
             if num_threads < 1:
@@ -118,6 +127,8 @@ class ModelRunner:
         self.model = self._load_model(Path(model_dir))
         self.num_blocks = self._num_blocks(num_blocks, kv_cache_memory_bytes)
         self._allocate_kv_cache()
+        self.decode_status, self.compiled = self._compiled_decoder(decode_path)
+        log.info("decode path: %s (%s)", self.decode_status.path, self.decode_status.reason)
         self.trace: StepTrace = NO_TRACE
         """The current step's trace; the engine sets it when it profiles (a no-op otherwise)."""
         self.step_hook: Callable[[StepBatch], None] | None = None
@@ -138,6 +149,16 @@ class ModelRunner:
         if self.quant_spec is not None:
             model.lm_head.quantize_int8()
         return model.eval().requires_grad_(False)
+
+    def _compiled_decoder(self, setting: str | None) -> tuple[NativeStatus, CompiledDecoder | None]:
+        """The compiled decode step when the setting, the library and the model allow it."""
+        why = unsupported(self.model, self.group.size)
+        if why is not None and wanted_path(setting) != "python":
+            if wanted_path(setting) == "compiled":
+                raise ConfigError(f"decode_path=compiled: {why}")
+            return NativeStatus("python", why), None
+        status = native.load(setting)
+        return status, CompiledDecoder(self.model) if status.compiled else None
 
     def _quantized_modules(self, model: LlamaForCausalLM, model_dir: Path) -> set[str] | None:
         """The modules to run quantized: every linear layer (None) for a floating checkpoint
@@ -232,6 +253,8 @@ class ModelRunner:
     def run(self, batch: StepBatch) -> StepOutput:
         """The forward pass of a validated step; every rank of a tensor-parallel group runs
         it on the same ``batch`` (rank 0's logits are the ones sampled)."""
+        if self.compiled is not None and batch.compiles():
+            return self._compiled_step(batch)
         step = _StepBuilder(self, batch)
         self._end_phase("prepare")
         hidden = self.model(step.input_ids, step.positions, step.context)
@@ -256,6 +279,28 @@ class ModelRunner:
                 prompt_logits[index] = self.model.compute_logits(rows).float()
         self._end_phase("forward")
         return StepOutput(logits=logits, prompt_logits=prompt_logits)
+
+    def _compiled_step(self, batch: StepBatch) -> StepOutput:
+        """A step of decodes only, through the compiled decoder (same logits as :meth:`run`)."""
+        assert self.compiled is not None
+        bs = self.block_size
+        rows = batch.rows
+        positions = [row.num_computed for row in rows]
+        width = max(len(row.block_table) for row in rows)
+        tables = [row.block_table + [0] * (width - len(row.block_table)) for row in rows]
+        slots = [
+            table[pos // bs] * bs + pos % bs for table, pos in zip(tables, positions, strict=True)
+        ]
+        long = {"dtype": torch.long, "device": self.device}
+        self._end_phase("prepare")
+        hidden = self.compiled.step(
+            torch.tensor([row.new_token_ids[0] for row in rows], **long),
+            torch.tensor(positions, **long), torch.tensor(slots, **long),
+            torch.tensor(tables, **long), torch.tensor([p + 1 for p in positions], **long),
+        )  # fmt: skip
+        logits = self.compiled.logits(hidden)
+        self._end_phase("forward")
+        return StepOutput(logits=logits, prompt_logits=[None] * len(rows))
 
     def _end_phase(self, phase: str) -> None:
         """Mark ``phase`` ended in a traced step, once the device has finished its work
@@ -321,6 +366,14 @@ class StepBatch:
     """Rows with one new token; they lead."""
     pool: bool = False
     """A pooling step: the forward pass returns hidden states, not logits."""
+
+    def compiles(self) -> bool:
+        """Whether the compiled decoder can run this step: decodes only, logits only."""
+        return (
+            self.num_decode == len(self.rows)
+            and not self.pool
+            and not any(row.want_prompt_logits for row in self.rows)
+        )
 
     @classmethod
     def of(cls, seqs: list[StepSeq], block_size: int, pool: bool = False) -> StepBatch:

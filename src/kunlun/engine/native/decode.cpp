@@ -1,0 +1,361 @@
+// Kunlun's compiled decode path: a whole decode step of the Llama-family decoder in C++, so
+// that no Python runs per layer. Built per CPU by kunlun/engine/native/__init__.py (-O3
+// -march=native) and loaded with torch.ops.load_library; registers the class
+// torch.classes.kunlun.Decoder (the layers' tensors, then step() and logits()).
+//
+// Matrix products: floating weights and int4 ones run the kernels the eager path calls
+// (at::linear, torch's int4pack kernel, with the same casts as
+// kunlun/engine/models/quant_linear.py). Int8 rows run int8_rows below, also registered as
+// torch.ops.kunlun.int8_matmul for the LM head: the same arithmetic as torch's int8pack
+// kernel (activations and result rounded to bf16, scales after, in float32) and the same
+// results in practice, streaming the weights about 1.7x as fast (prefetching ahead, each
+// thread a contiguous run of rows). RMSNorm, rotary, the paged attention of one new token
+// and SiLU-and-multiply are loops here, in float32, that differ from the eager ones only in
+// the order of their sums.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// 16 floats at a time: AVX-512, AVX2, or GCC vector extensions elsewhere (NEON, ...)
+#if defined(__AVX512F__)
+struct V16 {
+  __m512 v;
+};
+inline V16 zero16() { return {_mm512_setzero_ps()}; }
+inline V16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V16 fma16(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline float hsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
+inline V16 from_i8(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)))};
+}
+#elif defined(__AVX2__)
+struct V16 {
+  __m256 a, b;
+};
+inline V16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V16 fma16(V16 x, V16 y, V16 z) {
+  return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)};
+}
+inline float hsum(V16 x) {
+  const __m256 s = _mm256_add_ps(x.a, x.b);
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+inline V16 from_i8(const int8_t* p) {
+  const __m128i b = _mm_loadu_si128((const __m128i*)p);
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
+#else
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef int8_t v16i8 __attribute__((vector_size(16)));
+struct V16 {
+  v16f v;
+};
+inline V16 zero16() { return {v16f{}}; }
+inline V16 load16(const float* p) {
+  V16 r;
+  std::memcpy(&r.v, p, sizeof r.v);
+  return r;
+}
+inline V16 fma16(V16 a, V16 b, V16 c) { return {a.v * b.v + c.v}; }
+inline float hsum(V16 a) {
+  float s = 0.f;
+  for (int j = 0; j < 16; ++j) s += a.v[j];
+  return s;
+}
+inline V16 from_i8(const int8_t* p) {
+  v16i8 b;
+  std::memcpy(&b, p, 16);
+  return {__builtin_convertvector(__builtin_convertvector(b, v16i), v16f)};
+}
+#endif
+
+constexpr int64_t kTile = 4;         // tokens sharing one pass over a weight row
+constexpr int64_t kPrefetch = 1024;  // bytes ahead of the row being read
+
+inline float round_bf16(float f) {  // round to nearest even, as a cast to bf16 does
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7f800000u) == 0x7f800000u) return f;  // inf, nan
+  u += 0x7fffu + ((u >> 16) & 1u);
+  u &= 0xffff0000u;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// sums[t] = sum_k row[k] * x[t * in + k] for t < N
+template <int N>
+inline void int8_dot(const int8_t* row, const float* x, int64_t in, float* sums) {
+  V16 acc[N];
+  for (int t = 0; t < N; ++t) acc[t] = zero16();
+  for (int64_t k = 0; k < in; k += 16) {
+    __builtin_prefetch(row + k + kPrefetch, 0, 3);
+    const V16 w = from_i8(row + k);
+    for (int t = 0; t < N; ++t) acc[t] = fma16(w, load16(x + t * in + k), acc[t]);
+  }
+  for (int t = 0; t < N; ++t) sums[t] = hsum(acc[t]);
+}
+
+// out [tokens, out] = round_bf16(round_bf16(x) . w[o]) * scale[o] for int8 rows w [out, in]
+// (in a multiple of 16), in parallel over contiguous runs of rows
+void int8_rows(const float* x, int64_t tokens, const int8_t* w, const float* scale, int64_t in,
+               int64_t out_features, float* out) {
+  std::vector<float> xs(x, x + tokens * in);
+  for (auto& v : xs) v = round_bf16(v);
+  at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
+    float sums[kTile];
+    for (int64_t o = first; o < last; ++o) {
+      const int8_t* row = w + o * in;
+      for (int64_t t0 = 0; t0 < tokens; t0 += kTile) {
+        const int64_t n = std::min(kTile, tokens - t0);
+        const float* xt = xs.data() + t0 * in;
+        switch (n) {
+          case 1: int8_dot<1>(row, xt, in, sums); break;
+          case 2: int8_dot<2>(row, xt, in, sums); break;
+          case 3: int8_dot<3>(row, xt, in, sums); break;
+          default: int8_dot<4>(row, xt, in, sums); break;
+        }
+        for (int64_t t = 0; t < n; ++t) out[(t0 + t) * out_features + o] = round_bf16(sums[t]) * scale[o];
+      }
+    }
+  });
+}
+
+// float32 [tokens, out] for x [tokens, in] (any floating dtype) and int8 rows [out, in]
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == at::kChar &&
+                  weight.is_contiguous() && x.size(1) == weight.size(1) &&
+                  weight.size(1) % 16 == 0 && scale.scalar_type() == at::kFloat &&
+                  scale.is_contiguous() && scale.numel() == weight.size(0),
+              "int8_matmul: expected x [T, in], int8 weight [out, in] (in a multiple of 16) "
+              "and float32 scale [out]");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({xf.size(0), weight.size(0)}, xf.options());
+  int8_rows(xf.data_ptr<float>(), xf.size(0), weight.data_ptr<int8_t>(),
+            scale.data_ptr<float>(), xf.size(1), weight.size(0), out.data_ptr<float>());
+  return out;
+}
+
+constexpr int64_t kDequantizeFrom = 48;  // quant_linear.DEQUANTIZE_FROM_TOKENS
+
+enum Kind : int64_t { kFloat = 0, kInt8 = 1, kInt4 = 2, kInt8Act = 3 };
+
+struct Linear {
+  int64_t kind = kFloat;
+  int64_t group = 0;
+  // kFloat: weight [out, in]; kInt8, kInt8Act: weight int8 [out, in], scale float32 [out],
+  // ones float32 [out]; kInt4: weight the int4pack layout, scale the bf16 (scale, zero)
+  // pairs, group the group size
+  at::Tensor weight, scale, ones, bias;
+
+  // float32 y [tokens, out] for float32 x [tokens, in]
+  at::Tensor operator()(const at::Tensor& x) const {
+    at::Tensor y;
+    if (kind == kFloat) return at::linear(x, weight, bias);
+    if (kind == kInt4) {
+      y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight, group, scale)
+              .to(at::kFloat);
+    } else if (kind == kInt8) {  // float32 rows from kDequantizeFrom tokens, as eager
+      y = x.size(0) >= kDequantizeFrom ? at::linear(x, weight.to(at::kFloat)) * scale
+                                       : int8_matmul(x, weight, scale);
+    } else {  // w8a8: activations quantized per token, symmetric
+      const at::Tensor xs = x.abs().amax(-1, true).clamp_min_(1e-12) / 127.0;
+      const at::Tensor q = at::round(x / xs).clamp_(-127, 127);
+      y = x.size(0) >= kDequantizeFrom ? at::linear(q, weight.to(at::kFloat))
+                                       : int8_matmul(q, weight, ones);
+      y = y * xs * scale;
+    }
+    return bias.defined() ? y + bias : y;
+  }
+};
+
+// x [rows, n] -> x * rsqrt(mean(x^2) + eps) * w, in place into out
+void rms_norm(const float* x, const float* w, int64_t rows, int64_t n, double eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float* yr = out + r * n;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / float(n) + float(eps));
+    for (int64_t i = 0; i < n; ++i) yr[i] = (xr[i] * inv) * w[i];
+  }
+}
+
+struct Layer {
+  at::Tensor input_norm, post_norm, q_norm, k_norm, k_cache, v_cache;
+  Linear qkv, o, gate_up, down;
+};
+
+struct Decoder : torch::CustomClassHolder {
+  int64_t heads, kv_heads, head_dim;
+  double eps;
+  at::Tensor embed, final_norm, cos, sin;
+  std::vector<Linear> pending;
+  std::vector<Layer> layers;
+
+  Decoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, at::Tensor embed,
+          at::Tensor final_norm, at::Tensor cos, at::Tensor sin)
+      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), embed(embed),
+        final_norm(final_norm), cos(cos), sin(sin) {
+    for (const auto* t : {&embed, &final_norm, &cos, &sin})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
+                  "Decoder: float32 contiguous tensors only");
+  }
+
+  void add_linear(int64_t kind, at::Tensor weight, std::optional<at::Tensor> scale,
+                  std::optional<at::Tensor> bias, int64_t group) {
+    TORCH_CHECK(kind >= kFloat && kind <= kInt8Act, "Decoder: unknown linear kind ", kind);
+    TORCH_CHECK(kind == kFloat || scale, "Decoder: a quantized linear needs its scales");
+    at::Tensor ones;
+    if (kind == kInt8 || kind == kInt8Act) ones = at::ones({weight.size(0)}, at::kFloat);
+    pending.push_back(Linear{kind, group, weight, scale.value_or(at::Tensor()), ones,
+                             bias.value_or(at::Tensor())});
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
+                 std::optional<at::Tensor> k_norm, at::Tensor k_cache, at::Tensor v_cache) {
+    TORCH_CHECK(pending.size() == 4, "Decoder: add_layer after four add_linear calls");
+    TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+                    v_cache.is_contiguous() && k_cache.dim() == 4,
+                "Decoder: float32 contiguous [blocks, block_size, kv_heads, head_dim] caches");
+    layers.push_back(Layer{input_norm, post_norm, q_norm.value_or(at::Tensor()),
+                           k_norm.value_or(at::Tensor()), k_cache, v_cache, pending[0],
+                           pending[1], pending[2], pending[3]});
+    pending.clear();
+  }
+
+  int64_t num_layers() const { return int64_t(layers.size()); }
+
+  // q and k heads of qkv [B, (heads + 2 kv) * d]: optional per-head norm, then rotary
+  void rotate(float* qkv, int64_t batch, const int64_t* positions, const Layer& layer) const {
+    const int64_t d = head_dim, half = d / 2, width = (heads + 2 * kv_heads) * d;
+    std::vector<float> tmp(d);
+    for (int64_t b = 0; b < batch; ++b) {
+      const float* c = cos.data_ptr<float>() + positions[b] * d;
+      const float* s = sin.data_ptr<float>() + positions[b] * d;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        float* x = qkv + b * width + h * d;
+        const at::Tensor& norm = h < heads ? layer.q_norm : layer.k_norm;
+        if (norm.defined()) rms_norm(x, norm.data_ptr<float>(), 1, d, eps, x);
+        for (int64_t i = 0; i < d; ++i)
+          tmp[i] = x[i] * c[i] + x[i < half ? i + half : i - half] * s[i];
+        std::memcpy(x, tmp.data(), d * sizeof(float));
+      }
+    }
+  }
+
+  // stores k, v at the slots and attends every query head over its sequence's context
+  void attend(const float* qkv, int64_t batch, const int64_t* slots, const int64_t* tables,
+              int64_t table_width, const int64_t* lens, const Layer& layer, float* out) const {
+    const int64_t d = head_dim, width = (heads + 2 * kv_heads) * d;
+    const int64_t block = layer.k_cache.size(1);
+    float* kc = layer.k_cache.data_ptr<float>();
+    float* vc = layer.v_cache.data_ptr<float>();
+    for (int64_t b = 0; b < batch; ++b) {
+      const float* k = qkv + b * width + heads * d;
+      std::memcpy(kc + slots[b] * kv_heads * d, k, kv_heads * d * sizeof(float));
+      std::memcpy(vc + slots[b] * kv_heads * d, k + kv_heads * d, kv_heads * d * sizeof(float));
+    }
+    const int64_t per_kv = heads / kv_heads;
+    const float scale = 1.f / std::sqrt(float(d));
+    at::parallel_for(0, batch * heads, 1, [&](int64_t first, int64_t last) {
+      std::vector<float> scores;
+      std::vector<float> acc(d);
+      for (int64_t task = first; task < last; ++task) {
+        const int64_t b = task / heads, h = task % heads, kvh = h / per_kv, len = lens[b];
+        const float* q = qkv + b * width + h * d;
+        scores.resize(len);
+        float top = -INFINITY;
+        for (int64_t p = 0; p < len; ++p) {
+          const int64_t slot = tables[b * table_width + p / block] * block + p % block;
+          const float* key = kc + (slot * kv_heads + kvh) * d;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < d; ++i) dot += q[i] * key[i];
+          scores[p] = dot * scale;
+          top = std::max(top, scores[p]);
+        }
+        float total = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = 0; p < len; ++p) {
+          const float e = std::exp(scores[p] - top);
+          total += e;
+          const int64_t slot = tables[b * table_width + p / block] * block + p % block;
+          const float* value = vc + (slot * kv_heads + kvh) * d;
+          for (int64_t i = 0; i < d; ++i) acc[i] += e * value[i];
+        }
+        float* o = out + b * heads * d + h * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = acc[i] / total;
+      }
+    });
+  }
+
+  // One decode step: every sequence computes one token. Returns the final-norm hidden
+  // states [B, hidden].
+  at::Tensor step(at::Tensor ids, at::Tensor positions, at::Tensor slots, at::Tensor tables,
+                  at::Tensor lens) {
+    const int64_t batch = ids.size(0), hidden = embed.size(1), d = head_dim;
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    at::Tensor x = embed.index_select(0, ids);  // [B, hidden], the residual stream
+    at::Tensor normed = at::empty_like(x);
+    at::Tensor attn = at::empty({batch, heads * d}, x.options());
+    float* xs = x.data_ptr<float>();
+    for (const Layer& layer : layers) {
+      rms_norm(xs, layer.input_norm.data_ptr<float>(), batch, hidden, eps,
+               normed.data_ptr<float>());
+      at::Tensor qkv = layer.qkv(normed).contiguous();
+      rotate(qkv.data_ptr<float>(), batch, pos, layer);
+      attend(qkv.data_ptr<float>(), batch, slots.data_ptr<int64_t>(), tables.data_ptr<int64_t>(),
+             tables.size(1), lens.data_ptr<int64_t>(), layer, attn.data_ptr<float>());
+      x.add_(layer.o(attn));
+      rms_norm(xs, layer.post_norm.data_ptr<float>(), batch, hidden, eps,
+               normed.data_ptr<float>());
+      at::Tensor gate_up = layer.gate_up(normed).contiguous();
+      const int64_t inter = gate_up.size(1) / 2;
+      at::Tensor act = at::empty({batch, inter}, x.options());
+      float* a = act.data_ptr<float>();
+      const float* gu = gate_up.data_ptr<float>();
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t i = 0; i < inter; ++i) {
+          const float g = gu[b * 2 * inter + i];
+          a[b * inter + i] = (g / (1.f + std::exp(-g))) * gu[b * 2 * inter + inter + i];
+        }
+      x.add_(layer.down(act));
+    }
+    rms_norm(xs, final_norm.data_ptr<float>(), batch, hidden, eps, normed.data_ptr<float>());
+    return normed;
+  }
+
+};
+
+}  // namespace
+
+TORCH_LIBRARY(kunlun, m) {
+  m.def("int8_matmul(Tensor x, Tensor weight, Tensor scale) -> Tensor", &int8_matmul);
+  m.class_<Decoder>("Decoder")
+      .def(torch::init<int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor,
+                       at::Tensor>())
+      .def("add_linear", &Decoder::add_linear)
+      .def("add_layer", &Decoder::add_layer)
+      .def("num_layers", &Decoder::num_layers)
+      .def("step", &Decoder::step);
+}

@@ -1,0 +1,148 @@
+"""The compiled decode step (kunlun.engine.native) against the reference path: same greedy
+tokens and logits, batches of different lengths, every weight scheme; the fallback when it
+is switched off or no compiler is found, and the log line that says which path runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kunlun.engine.model_runner import ModelRunner, StepSeq
+from kunlun.errors import ConfigError
+
+SCHEMES = ("none", "w8a16", "w8a8", "w4a16")
+
+
+def runner(model_dir: Path, path: str, quantization: str = "none") -> ModelRunner:
+    group = 32 if quantization == "w4a16" else None
+    return ModelRunner(model_dir, block_size=4, num_blocks=96, decode_path=path,
+                       quantization=quantization, group_size=group)  # fmt: skip
+
+
+def decode_batch(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Prefill each prompt alone, then ``steps`` greedy decode steps of all of them together
+    (different context lengths: the attention of each row sees only its own); the logits of
+    every decode step."""
+    rng = random.Random(3)
+    blocks = rng.sample(range(runner.num_blocks), runner.num_blocks)
+    tables, tokens, out = [], [list(p) for p in prompts], []
+    for index, prompt in enumerate(prompts):
+        table = blocks[index * 24 : (index + 1) * 24]
+        tables.append(table)
+        logits = runner.execute([StepSeq(tokens[index], 0, len(prompt), table)]).logits
+        tokens[index].append(int(logits[0].argmax()))
+    for _ in range(steps):
+        seqs = [StepSeq(t, len(t) - 1, 1, table) for t, table in zip(tokens, tables, strict=True)]
+        logits = runner.execute(seqs).logits
+        out.append(logits)
+        for row, t in enumerate(tokens):
+            t.append(int(logits[row].argmax()))
+    return out
+
+
+#: The largest log-probability difference allowed between the two paths, per scheme. Float
+#: weights: float32 rounding. Quantized ones round activations to bf16 before each matmul
+#: (as torch's int8pack and int4pack kernels take them), where a last-bit difference of a
+#: float32 norm (the two paths sum in different orders) can flip a rounding.
+TOLERANCE = {"none": 1e-4, "w8a16": 5e-3, "w8a8": 5e-3, "w4a16": 3e-2}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_compiled_steps_match_the_reference_path(scheme: str, make_tiny_model) -> None:
+    model_dir = make_tiny_model("Qwen3ForCausalLM", False)  # per-head q/k norms
+    compiled, reference = runner(model_dir, "compiled", scheme), runner(model_dir, "python", scheme)
+    assert compiled.decode_status.path == "compiled" and compiled.compiled is not None
+    assert reference.decode_status.path == "python" and reference.compiled is None
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (3, 17, 40)]
+    ours, theirs = decode_batch(compiled, prompts, 24), decode_batch(reference, prompts, 24)
+    floating = decode_batch(runner(model_dir, "python"), prompts, 24)
+    for step, (a, b, f) in enumerate(zip(ours, theirs, floating, strict=True)):
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), (scheme, step)
+        a, b, f = a.log_softmax(-1), b.log_softmax(-1), f.log_softmax(-1)
+        torch.testing.assert_close(a, b, atol=TOLERANCE[scheme], rtol=0)
+        if scheme != "none":  # far inside what quantizing the weights changes
+            assert (a - b).abs().max() < (b - f).abs().max() / 10, (scheme, step)
+
+
+def test_attention_bias_and_tied_llama3_rope_match(make_tiny_model) -> None:
+    for options in ({"attention_bias": True}, {"llama3_rope": True}):
+        model_dir = make_tiny_model("LlamaForCausalLM", "llama3_rope" in options, **options)
+        compiled, reference = runner(model_dir, "auto"), runner(model_dir, "python")
+        assert compiled.decode_status.path == "compiled"
+        prompts = [[5, 9, 300, 41], list(range(100, 127))]
+        for a, b in zip(
+            decode_batch(compiled, prompts, 12), decode_batch(reference, prompts, 12), strict=True
+        ):
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_the_log_says_which_path_runs_and_why(make_tiny_model, caplog) -> None:
+    model_dir = make_tiny_model("LlamaForCausalLM", False)
+    with caplog.at_level(logging.INFO, logger="kunlun.engine.model_runner"):
+        runner(model_dir, "auto")
+        runner(model_dir, "python")
+        bf16 = ModelRunner(model_dir, block_size=4, num_blocks=8, dtype=torch.bfloat16)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode path")]
+    assert lines[0].startswith("decode path: compiled (compiled decode library ")
+    assert lines[1] == "decode path: python (decode_path=python asks for the reference path)"
+    assert lines[2] == (
+        "decode path: python (the compiled decode step runs float32 models; this one is "
+        "torch.bfloat16)"
+    )
+    assert bf16.compiled is None
+
+
+def test_a_compiled_path_that_cannot_run_is_refused(make_tiny_model) -> None:
+    model_dir = make_tiny_model("LlamaForCausalLM", False)
+    with pytest.raises(ConfigError, match="decode_path=compiled: the compiled decode step runs "
+                       "float32 models; this one is torch.bfloat16"):  # fmt: skip
+        ModelRunner(model_dir, num_blocks=8, dtype=torch.bfloat16, decode_path="compiled")
+    with pytest.raises(ConfigError, match=r"decode_path='fast' is invalid: expected one of auto"):
+        ModelRunner(model_dir, num_blocks=8, decode_path="fast")
+
+
+FALLBACK = """
+import json, logging, sys
+logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+from kunlun.engine.model_runner import ModelRunner, StepSeq
+runner = ModelRunner(sys.argv[1], block_size=4, num_blocks=32)
+tokens = [5, 9, 300, 41]
+out = runner.execute([StepSeq(tokens, 0, 4, list(range(8)))])
+for _ in range(6):
+    tokens.append(int(out.logits[0].argmax()))
+    out = runner.execute([StepSeq(tokens, len(tokens) - 1, 1, list(range(8)))])
+print(json.dumps({"path": runner.decode_status.path, "tokens": tokens}))
+"""
+
+
+@pytest.mark.parametrize("how", ["no compiler", "environment"])
+def test_without_a_compiler_or_switched_off_the_reference_path_runs(
+    how: str, make_tiny_model, tmp_path: Path
+) -> None:
+    """A process whose PATH has no C++ compiler (or KUNLUN_DECODE_PATH=python) runs the
+    reference path, says so in its log, and decodes the same tokens as the compiled path."""
+    model_dir = make_tiny_model("LlamaForCausalLM", False)
+    env = {k: v for k, v in os.environ.items() if k != "CXX"}
+    if how == "no compiler":
+        env["PATH"] = str(Path(sys.executable).parent)
+    else:
+        env["KUNLUN_DECODE_PATH"] = "python"
+    done = subprocess.run([sys.executable, "-c", FALLBACK, str(model_dir)], env=env,
+                          capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    result = json.loads(done.stdout)
+    assert result["path"] == "python"
+    reason = "no C++ compiler on PATH" if how == "no compiler" else "decode_path=python"
+    assert "decode path: python (" in done.stderr and reason in done.stderr
+    compiled = json.loads(subprocess.run([sys.executable, "-c", FALLBACK, str(model_dir)],
+                          capture_output=True, text=True, timeout=300, check=True).stdout)  # fmt: skip
+    assert compiled["path"] == "compiled" and compiled["tokens"] == result["tokens"]
