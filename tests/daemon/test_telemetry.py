@@ -5,6 +5,7 @@ and the Chrome trace of a workload with ``advanced_profiling`` on."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -224,11 +225,17 @@ def test_cli_telemetry_metrics(keyed: tuple[Daemon, str]) -> None:
     assert (row["model"], row["device_type"], row["ready"]) == ("tiny", "cpu", 1)
     assert row["requests"]["200"] >= 2 and row["ttft_count"] >= 2
     assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
+    # the step profiler's figure: decode steps' time by part, on the path the plan runs
+    path = row["decode_path"]
+    assert path in ("compiled", "python") and row["decode_steps"] >= 1
+    assert row["decode_engine_s"] > 0
+    assert row["decode_compiled_s" if path == "compiled" else "decode_model_s"] > 0
     none = daemon.cli("telemetry", "metrics", "--filter", "device_type=ascend", "--json", key=key)
     assert json.loads(none.stdout)["devices"] == [] and json.loads(none.stdout)["replicas"] == []
     table = daemon.cli("telemetry", "metrics", key=key)
     assert table.returncode == 0, table.stderr
-    for word in ("Devices", "cpu:0", "Replicas", "tiny", "TTFT ms p50/p99", "platform memory"):
+    for word in ("Devices", "cpu:0", "Replicas", "tiny", "TTFT ms p50/p99", "platform memory",
+                 "DECODE STEP", f"ms {path}"):  # fmt: skip
         assert word in table.stdout
     bad = daemon.cli("telemetry", "metrics", "--filter", "device_type", key=key)
     assert bad.returncode == 2 and "'device_type' is not LABEL=VALUE" in bad.stderr
@@ -279,6 +286,7 @@ def test_advanced_profiling_writes_a_chrome_trace(keyed: tuple[Daemon, str]) -> 
     assert job is not None
     logs = daemon.cli("workload", "logs", job, key=key)
     assert "Advanced profiling: engine steps traced to" in logs.stdout
+    assert re.search(r"Decode path: (compiled \(compiled decode library |python \()", logs.stdout)
     stopped = daemon.cli("workload", "stop", job, key=key)
     assert stopped.returncode == 0, stopped.stderr
     (trace,) = (daemon.home / "logs" / "traces").glob(f"{job}-r0.*.trace.json")

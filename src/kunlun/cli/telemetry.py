@@ -118,7 +118,8 @@ def replica_table(rows: list[dict[str, Any]]) -> Table:
     yet; KV: share of the KV cache in use; times in ms (p50, p99 from the histograms)."""
     table = Table(title="Replicas", title_justify="left")
     columns = ("MODEL", "REPLICA", "DEVICE", "PRIO", "READY", "REQUESTS", "QUEUE", "WAIT", "KV",
-               "TTFT ms p50/p99", "TPOT ms", "E2E ms", "TOKENS IN/OUT", "MEMORY", "RESTARTS")  # fmt: skip
+               "TTFT ms p50/p99", "TPOT ms", "E2E ms", "DECODE STEP", "TOKENS IN/OUT", "MEMORY",
+               "RESTARTS")  # fmt: skip
     for column in columns:  # statuses wrap onto more lines rather than squeeze the others
         table.add_column(column, no_wrap=column != "REQUESTS")
     for r in rows:
@@ -135,11 +136,25 @@ def replica_table(rows: list[dict[str, Any]]) -> Table:
             f"{_ms(r.get('ttft_p50_s'))}/{_ms(r.get('ttft_p99_s'))}",
             _ms(r.get("tpot_p50_s")),
             _ms(r.get("e2e_p50_s")),
+            decode_step(r),
             f"{_num(r.get('prompt_tokens'), '{:.0f}')}/{_num(r.get('generation_tokens'), '{:.0f}')}",
             _bytes(r.get("resident_memory_bytes")),
             _num(r.get("restarts"), "{:.0f}"),
         )
     return table
+
+
+def decode_step(r: dict[str, Any]) -> str:
+    """A decode step's mean wall time, its path and (compiled) the Python share of it."""
+    steps = r.get("decode_steps")
+    parts = {k: v for k, v in r.items() if k.startswith("decode_") and k.endswith("_s")}
+    if not steps or "decode_path" not in r:
+        return "-"
+    wall = sum(parts.values())
+    text = f"{wall / steps * 1000:.1f} ms {r['decode_path']}"
+    if r["decode_path"] == "compiled":
+        text += f", {100 * parts.get('decode_engine_s', 0.0) / max(wall, 1e-9):.0f}% Python"
+    return text
 
 
 def _num(value: float | None, form: str) -> str:

@@ -242,6 +242,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutputDelta]:
         """Run one scheduled step; return what each touched completion gained."""
         trace = self.profiler.begin() if self.profiler is not None else NO_TRACE
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if batch.num_preempted == 0 and self.scheduler.has_unfinished():
@@ -257,6 +258,9 @@ class LLMEngine:
         deltas += self._outputs(batch, sampled)
         trace.mark("detokenize")
         trace.end(batch.num_new_tokens)
+        if all(n == 1 for n in batch.num_new_tokens):
+            self.runner.decode_time.steps += 1
+            self.runner.decode_time.wall_s += time.perf_counter() - started
         return deltas
 
     def stats(self) -> EngineStats:
@@ -275,6 +279,7 @@ class LLMEngine:
             num_steps=self._num_steps,
             num_generated_tokens=self._num_generated,
             num_failed_steps=self._num_failed_steps,
+            decode=self.runner.decode_time.copy(),
         )
 
     # ---- internals: one step ----

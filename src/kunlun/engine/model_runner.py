@@ -10,6 +10,7 @@ model, the tokenizer and the KV cache; it keeps no per-sequence state between st
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from kunlun.engine.models.llama import LlamaForCausalLM
 from kunlun.engine.models.quant_linear import quantize_linears
 from kunlun.engine.native import NativeStatus, wanted_path
 from kunlun.engine.native.decoder import CompiledDecoder, unsupported
+from kunlun.engine.outputs import DecodeTime
 from kunlun.engine.parallel import SINGLE, TPGroup
 from kunlun.engine.preflight import check_max_model_len, raise_if_quantized_split
 from kunlun.engine.quant import read_spec, resolve_spec
@@ -129,6 +131,8 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.decode_status, self.compiled = self._compiled_decoder(decode_path)
         log.info("decode path: %s (%s)", self.decode_status.path, self.decode_status.reason)
+        self.decode_time = DecodeTime(self.decode_status.path)
+        """The forward time of decode-only steps (the engine adds their wall time)."""
         self.trace: StepTrace = NO_TRACE
         """The current step's trace; the engine sets it when it profiles (a no-op otherwise)."""
         self.step_hook: Callable[[StepBatch], None] | None = None
@@ -253,8 +257,19 @@ class ModelRunner:
     def run(self, batch: StepBatch) -> StepOutput:
         """The forward pass of a validated step; every rank of a tensor-parallel group runs
         it on the same ``batch`` (rank 0's logits are the ones sampled)."""
-        if self.compiled is not None and batch.compiles():
-            return self._compiled_step(batch)
+        if not batch.compiles():
+            return self._forward(batch)
+        started = time.perf_counter()
+        if self.compiled is not None:
+            out = self._compiled_step(batch)
+            self.decode_time.compiled_s += time.perf_counter() - started
+        else:
+            out = self._forward(batch)
+            self.decode_time.model_s += time.perf_counter() - started
+        return out
+
+    def _forward(self, batch: StepBatch) -> StepOutput:
+        """The reference path: the model's modules over the flat batch."""
         step = _StepBuilder(self, batch)
         self._end_phase("prepare")
         hidden = self.model(step.input_ids, step.positions, step.context)

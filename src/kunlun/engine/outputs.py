@@ -88,3 +88,34 @@ class EngineStats:
     num_steps: int
     num_generated_tokens: int
     num_failed_steps: int
+    decode: DecodeTime = field(default_factory=lambda: DecodeTime("python"))
+    """Where the time of decode-only steps went."""
+
+
+DECODE_PARTS = ("compiled", "model", "engine")
+"""The parts of a decode step's wall time (:class:`DecodeTime`)."""
+
+
+@dataclass
+class DecodeTime:
+    """Where the time of the steps in which every sequence computes one token went, summed
+    since the engine started: the step profiler's figure of the overhead on a chip.
+
+    A step's wall time is ``compiled`` (inside the compiled decode step: kernels and loops,
+    no Python), ``model`` (the reference path's forward: its modules in Python, launching
+    kernels) and the rest, ``engine`` (scheduling, batch tensors, sampling, detokenizing:
+    Python). On the compiled path ``engine`` over the whole is the Python share."""
+
+    path: str
+    """The decode path that runs: compiled or python (:mod:`kunlun.engine.native`)."""
+    steps: int = 0
+    wall_s: float = 0.0
+    compiled_s: float = 0.0
+    model_s: float = 0.0
+
+    @property
+    def engine_s(self) -> float:
+        return max(0.0, self.wall_s - self.compiled_s - self.model_s)
+
+    def copy(self) -> DecodeTime:
+        return DecodeTime(self.path, self.steps, self.wall_s, self.compiled_s, self.model_s)

@@ -162,6 +162,8 @@ def build_engine(launch: EngineLaunch, group: Any = None) -> tuple[Any, dict[str
         import_extension(launch.torch_module, launch.device)
         engine = LLMEngine(launch.engine_config(model_dir), rank_group=group)
         times["load_time_s"] = time.perf_counter() - started
+        decode = engine.runner.decode_status
+        say(f"Decode path: {decode.path} ({decode.reason})")
         return engine
 
     return AsyncLLMEngine(factory, launch.stream_interval), times

@@ -44,6 +44,7 @@ _REPLICA_FIGURES = {
     "kunlun_prompt_tokens_total": "prompt_tokens",
     "kunlun_generation_tokens_total": "generation_tokens",
     "kunlun_engine_preemptions_total": "preemptions",
+    "kunlun_engine_decode_steps_total": "decode_steps",
 }
 _REPLICA_HISTOGRAMS = {
     "kunlun_time_to_first_token_seconds": "ttft",
@@ -152,6 +153,10 @@ def parse(text: str) -> Snapshot:
                 snapshot.platform["resident_memory_bytes"] = value
             elif name == "kunlun_process_resident_memory_bytes" and replica and replica != "-":
                 replicas[replica]["resident_memory_bytes"] = value
+            elif name == "kunlun_engine_decode_seconds_total" and replica:
+                replicas[replica][f"decode_{labels['part']}_s"] = value
+            elif name == "kunlun_engine_decode_path" and replica:
+                replicas[replica]["decode_path"] = labels["path"]
             elif name == "kunlun_replica_startup_seconds" and replica:
                 replicas[replica][f"startup_{labels['phase']}_s"] = value
             elif replica and replica != "-" and name in _REPLICA_FIGURES:

@@ -44,7 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kunlun.engine.async_engine import AsyncLLMEngine
-from kunlun.engine.outputs import RequestOutput
+from kunlun.engine.outputs import DECODE_PARTS, DecodeTime, RequestOutput
 
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 1.5,
                 2, 3, 5, 10, 20, 60)  # fmt: skip
@@ -184,6 +184,30 @@ class _VllmAliases(Collector):
             yield copy
 
 
+def _decode_families(decode: DecodeTime) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The step profiler's figure: where decode steps' time goes (:class:`DecodeTime`)."""
+    yield CounterMetricFamily(
+        "kunlun_engine_decode_steps",
+        "Engine steps in which every sequence computed one token.",
+        decode.steps,
+    )
+    parts = CounterMetricFamily(
+        "kunlun_engine_decode_seconds",
+        "Wall time of those steps by part: compiled (the compiled decode step: kernels, no "
+        "Python), model (the reference path's forward: its modules in Python), engine "
+        "(scheduling, batch tensors, sampling, detokenizing: Python).",
+        labels=["part"],
+    )
+    for part in DECODE_PARTS:
+        parts.add_metric([part], getattr(decode, f"{part}_s"))
+    yield parts
+    path = GaugeMetricFamily(
+        "kunlun_engine_decode_path", "The decode path that runs (1 on its label).", labels=["path"]
+    )
+    path.add_metric([decode.path], 1)
+    yield path
+
+
 class _EngineState(Collector):
     """The engine's statistics, read when scraped."""
 
@@ -218,6 +242,7 @@ class _EngineState(Collector):
             s.num_preemptions,
         )
         yield CounterMetricFamily("kunlun_engine_steps", "Engine steps run.", s.num_steps)
+        yield from _decode_families(s.decode)
         yield CounterMetricFamily(
             "kunlun_engine_failed_steps",
             "Engine steps in which the model failed some request.",
