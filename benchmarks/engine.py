@@ -93,7 +93,11 @@ def percentile(values: list[float], q: float) -> float:
 
 # ---- ours ----
 def engine_config(
-    model_dir: Path, dtype: torch.dtype, workload: Workload, quantization: str = "none"
+    model_dir: Path,
+    dtype: torch.dtype,
+    workload: Workload,
+    quantization: str = "none",
+    decode_path: str | None = None,
 ) -> EngineConfig:
     longest = workload.prompt_lens[1] + workload.output_lens[1]
     num_blocks = workload.in_flight * (-(-longest // 16) + 1)
@@ -105,13 +109,18 @@ def engine_config(
         max_num_seqs=workload.in_flight,
         max_num_batched_tokens=512,
         quantization=quantization,
+        decode_path=decode_path,
     )
 
 
 def make_engine(
-    model_dir: Path, dtype: torch.dtype, workload: Workload, quantization: str = "none"
+    model_dir: Path,
+    dtype: torch.dtype,
+    workload: Workload,
+    quantization: str = "none",
+    decode_path: str | None = None,
 ) -> LLMEngine:
-    return LLMEngine(engine_config(model_dir, dtype, workload, quantization))
+    return LLMEngine(engine_config(model_dir, dtype, workload, quantization, decode_path))
 
 
 def ours_single(engine: LLMEngine, prompt: list[int], num_tokens: int) -> float:
@@ -364,6 +373,54 @@ def run_q8(model_dir: Path, workload: Workload, repeats: int) -> dict[str, objec
     }
 
 
+def profile_decode(engine: LLMEngine, prompt: list[int], num_tokens: int) -> dict[str, object]:
+    """Where one request's decode steps spend their time, by the engine's step profiler
+    (:class:`~kunlun.engine.outputs.DecodeTime`: the compiled step, the reference path's
+    forward, the engine's Python), as shares of the decode steps' wall time."""
+    before = engine.stats().decode
+    rate = ours_decode(engine, prompt, num_tokens)
+    after = engine.stats().decode
+    wall = after.wall_s - before.wall_s
+    parts = {part: getattr(after, f"{part}_s") - getattr(before, f"{part}_s")
+             for part in ("compiled", "model", "engine")}  # fmt: skip
+    return {
+        "path": after.path,
+        "decode_tokens_per_s": round(rate, 2),
+        "step_ms": round(wall / (after.steps - before.steps) * 1000, 2),
+        "share": {part: round(value / wall, 3) for part, value in parts.items()},
+        "python_share": round(parts["engine"] / wall, 3) if after.path == "compiled" else None,
+        "compiled_ms": round(parts["compiled"] / (after.steps - before.steps) * 1000, 2),
+    }
+
+
+def run_profile(workload: Workload) -> dict[str, object]:
+    """``decode_profile``: the demo GGUF imported as w4a16, one request's decode on the
+    compiled path and on the reference path (``compiled_vs_python_decode``: the rate ratio).
+    The reference path's Python share is estimated as the part of its step beyond the
+    compiled step (which runs the same kernels with no Python)."""
+    from kunlun.engine.gguf import ImportOptions, demo_gguf_path, import_gguf
+    from kunlun.paths import model_cache_dir
+
+    model_dir = import_gguf(
+        demo_gguf_path(), model_cache_dir() / "smollm2-gguf-w4a16", ImportOptions()
+    )
+    result: dict[str, object] = {}
+    for path in ("python", "compiled"):
+        engine = make_engine(model_dir, torch.float32, workload, decode_path=path)
+        prompt = workload.requests(engine.runner.config.vocab_size)[0][0]
+        ours_decode(engine, prompt[: workload.single_prompt_len], 8)  # warm-up
+        result[path] = log(torch.float32, f"decode profile, {path} path", profile_decode(
+            engine, prompt[: workload.single_prompt_len], workload.single_output_len))  # fmt: skip
+    python, compiled = result["python"], result["compiled"]
+    assert isinstance(python, dict) and isinstance(compiled, dict)
+    result["compiled_vs_python_decode"] = round(
+        compiled["decode_tokens_per_s"] / python["decode_tokens_per_s"], 3
+    )
+    # the reference step's Python: what it takes beyond the compiled step's kernels
+    python["python_share_estimated"] = round(1 - compiled["compiled_ms"] / python["step_ms"], 3)
+    return {"decode_profile": result}
+
+
 def log(dtype: torch.dtype, name: str, value: T) -> T:
     """Report a partial result on stderr as soon as it is known (long runs)."""
     print(f"[{time.strftime('%X')}] {dtype} {name}: {value}", file=sys.stderr, flush=True)
@@ -450,7 +507,8 @@ def main() -> None:
     load_before = os.getloadavg()
     if args.llamacpp_only:
         only: dict[str, object] = {**run_int4(workload, args.repeats),
-                                   **run_q8(model_dir, workload, args.repeats)}  # fmt: skip
+                                   **run_q8(model_dir, workload, args.repeats),
+                                   **run_profile(workload)}  # fmt: skip
         only["setup"] = {"threads": threads, "cpu": cpu_facts(), "workload": workload.__dict__,
                            "load_average_before": [round(x, 2) for x in load_before],
                            "load_average_after": [round(x, 2) for x in os.getloadavg()]}  # fmt: skip
@@ -489,6 +547,7 @@ def main() -> None:
     if not args.no_int4:
         report.update(run_int4(workload, args.repeats))
         report.update(run_q8(model_dir, workload, args.repeats))
+    report.update(run_profile(workload))
     if not args.no_bf16:
         bf16 = run_dtype(model_dir, torch.bfloat16, workload, args.hf_bf16_static, args.repeats)
         ours16 = bf16["concurrent"]

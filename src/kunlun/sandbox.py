@@ -298,12 +298,20 @@ def worker_environment(
     }
     if workdir is not None:
         env["TMPDIR"] = str(workdir)
-    for name in ("PYTHONPATH", "KUNLUN_WORKER_NICE", "TZ", *runtime_env):
+    env[NATIVE_BUILD_ENV] = "0"
+    for name in ("PYTHONPATH", "KUNLUN_WORKER_NICE", "TZ", *PASSED_THROUGH, *runtime_env):
         if name in source:
             env[name] = source[name]
     env.update(device_env)
     return env
 
+
+NATIVE_BUILD_ENV = "KUNLUN_NATIVE_BUILD"
+"""``0`` in a worker's environment: the worker never compiles the decode library
+(:mod:`kunlun.engine.native`; its seccomp filter forbids starting a compiler) and runs the build
+``make setup`` made, or the reference path, saying which."""
+PASSED_THROUGH = ("KUNLUN_DECODE_PATH", "KUNLUN_NATIVE_DIR")
+"""The daemon's settings of the engine's decode path that its workers inherit."""
 
 _AUDIT = re.compile(r"type=1326 .*?\bpid=(\d+)\b.*?\bsig=(\d+)\b.*?\bsyscall=(\d+)")
 

@@ -83,7 +83,10 @@ def render(snapshot: Snapshot, endpoint: str) -> RenderableType:
     refused = snapshot.platform.get("refused")
     if refused:
         footer += "; refused by the gateway: " + _statuses(refused)
-    return Group(device_table(snapshot.devices), replica_table(snapshot.replicas), Text(footer))
+    tables = [device_table(snapshot.devices), replica_table(snapshot.replicas)]
+    if any(r.get("decode_steps") for r in snapshot.replicas):
+        tables.append(decode_table(snapshot.replicas))
+    return Group(*tables, Text(footer))
 
 
 def device_table(rows: list[dict[str, Any]]) -> Table:
@@ -118,8 +121,7 @@ def replica_table(rows: list[dict[str, Any]]) -> Table:
     yet; KV: share of the KV cache in use; times in ms (p50, p99 from the histograms)."""
     table = Table(title="Replicas", title_justify="left")
     columns = ("MODEL", "REPLICA", "DEVICE", "PRIO", "READY", "REQUESTS", "QUEUE", "WAIT", "KV",
-               "TTFT ms p50/p99", "TPOT ms", "E2E ms", "DECODE STEP", "TOKENS IN/OUT", "MEMORY",
-               "RESTARTS")  # fmt: skip
+               "TTFT ms p50/p99", "TPOT ms", "E2E ms", "TOKENS IN/OUT", "MEMORY", "RESTARTS")  # fmt: skip
     for column in columns:  # statuses wrap onto more lines rather than squeeze the others
         table.add_column(column, no_wrap=column != "REQUESTS")
     for r in rows:
@@ -136,7 +138,6 @@ def replica_table(rows: list[dict[str, Any]]) -> Table:
             f"{_ms(r.get('ttft_p50_s'))}/{_ms(r.get('ttft_p99_s'))}",
             _ms(r.get("tpot_p50_s")),
             _ms(r.get("e2e_p50_s")),
-            decode_step(r),
             f"{_num(r.get('prompt_tokens'), '{:.0f}')}/{_num(r.get('generation_tokens'), '{:.0f}')}",
             _bytes(r.get("resident_memory_bytes")),
             _num(r.get("restarts"), "{:.0f}"),
@@ -144,17 +145,25 @@ def replica_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
-def decode_step(r: dict[str, Any]) -> str:
-    """A decode step's mean wall time, its path and (compiled) the Python share of it."""
-    steps = r.get("decode_steps")
-    parts = {k: v for k, v in r.items() if k.startswith("decode_") and k.endswith("_s")}
-    if not steps or "decode_path" not in r:
-        return "-"
-    wall = sum(parts.values())
-    text = f"{wall / steps * 1000:.1f} ms {r['decode_path']}"
-    if r["decode_path"] == "compiled":
-        text += f", {100 * parts.get('decode_engine_s', 0.0) / max(wall, 1e-9):.0f}% Python"
-    return text
+def decode_table(rows: list[dict[str, Any]]) -> Table:
+    """The step profiler's figure per replica: its decode path, decode steps so far, their
+    mean wall time and its parts (compiled step, reference forward, engine), and on the
+    compiled path the Python share (the engine part)."""
+    table = Table(title="Decode steps", title_justify="left")
+    for column in ("REPLICA", "PATH", "STEPS", "STEP ms", "COMPILED", "MODEL", "ENGINE",
+                   "PYTHON"):  # fmt: skip
+        table.add_column(column)
+    for r in rows:
+        steps = r.get("decode_steps")
+        if not steps or "decode_path" not in r:
+            continue
+        parts = [r.get(f"decode_{part}_s", 0.0) for part in ("compiled", "model", "engine")]
+        wall = max(sum(parts), 1e-9)
+        shares = [f"{100 * part / wall:.0f}%" for part in parts]
+        python = shares[2] if r["decode_path"] == "compiled" else "-"
+        table.add_row(r["replica"], r["decode_path"], f"{steps:.0f}",
+                      f"{wall / steps * 1000:.1f}", *shares, python)  # fmt: skip
+    return table
 
 
 def _num(value: float | None, form: str) -> str:

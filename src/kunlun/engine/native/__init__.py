@@ -33,14 +33,15 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from kunlun.sandbox import NATIVE_BUILD_ENV, PASSED_THROUGH
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode.cpp")
 DECODE_PATHS = ("auto", "compiled", "python")
 """The decode path setting: auto (compiled when it builds, else python), compiled (an error
 when it cannot), python (the reference path)."""
-ENV_DECODE_PATH = "KUNLUN_DECODE_PATH"
-ENV_NATIVE_DIR = "KUNLUN_NATIVE_DIR"
+ENV_DECODE_PATH, ENV_NATIVE_DIR = PASSED_THROUGH
 BUILD_TIMEOUT_S = 600.0
 FLAGS = (
     "-O3",
@@ -96,12 +97,15 @@ def cpu_identity() -> str:
 
 
 def build_key(cxx: str) -> str:
-    """A key of the source, the torch build, the compiler and the CPU."""
+    """A key of the source, the torch build, the compiler (its file: a worker may not run
+    it) and the CPU."""
     import torch
 
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30)
+    binary = Path(cxx).resolve()
+    stat = binary.stat()
+    compiler_id = f"{binary}:{stat.st_size}:{stat.st_mtime_ns}"
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), version.stdout.encode(),
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), compiler_id.encode(),
                  cpu_identity().encode(), " ".join(FLAGS).encode()):  # fmt: skip
         digest.update(part)
         digest.update(b"\0")
@@ -137,8 +141,11 @@ def library_path(build: bool = True) -> Path:
     for folder in dirs:
         if (folder / name).is_file():
             return folder / name
-    if not build:
-        raise NativeBuildError(f"{name} is not built (python -m kunlun.engine.native)")
+    if not build or os.environ.get(NATIVE_BUILD_ENV) == "0":
+        raise NativeBuildError(
+            f"{name} is not built for this CPU, torch and source (python -m kunlun.engine.native "
+            "builds it; make setup does)"
+        )
     folder = next((d for d in dirs if _writable(d)), None)
     if folder is None:
         raise NativeBuildError(f"no writable folder for {name}: {', '.join(map(str, dirs))}")
