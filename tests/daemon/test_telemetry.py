@@ -5,8 +5,8 @@ and the Chrome trace of a workload with ``advanced_profiling`` on."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import shutil
 import signal
 import subprocess
