@@ -166,37 +166,46 @@ struct Linear {
   // pairs, group the group size
   at::Tensor weight, scale, ones, bias;
 
-  // float32 y [tokens, out] for float32 x [tokens, in]
+  // y [tokens, out] for x [tokens, in], in x's dtype
   at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor y;
     if (kind == kFloat) return at::linear(x, weight, bias);
     if (kind == kInt4) {
-      y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight, group, scale)
-              .to(at::kFloat);
+      y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight, group, scale);
     } else if (kind == kInt8) {  // float32 rows from kDequantizeFrom tokens, as eager
-      y = x.size(0) >= kDequantizeFrom ? at::linear(x, weight.to(at::kFloat)) * scale
+      y = x.size(0) >= kDequantizeFrom ? at::linear(x.to(at::kFloat), weight.to(at::kFloat)) * scale
                                        : int8_matmul(x, weight, scale);
     } else {  // w8a8: activations quantized per token, symmetric
-      const at::Tensor xs = x.abs().amax(-1, true).clamp_min_(1e-12) / 127.0;
-      const at::Tensor q = at::round(x / xs).clamp_(-127, 127);
+      const at::Tensor xf = x.to(at::kFloat);
+      const at::Tensor xs = xf.abs().amax(-1, true).clamp_min_(1e-12) / 127.0;
+      const at::Tensor q = at::round(xf / xs).clamp_(-127, 127);
       y = x.size(0) >= kDequantizeFrom ? at::linear(q, weight.to(at::kFloat))
                                        : int8_matmul(q, weight, ones);
       y = y * xs * scale;
     }
+    y = y.to(x.scalar_type());
     return bias.defined() ? y + bias : y;
   }
 };
 
-// x [rows, n] -> x * rsqrt(mean(x^2) + eps) * w, in place into out
-void rms_norm(const float* x, const float* w, int64_t rows, int64_t n, double eps, float* out) {
+// Elementwise arithmetic in float32, each result stored in the model's dtype T (float or
+// bf16) where the eager path stores one, so that a bf16 model rounds where it rounds.
+template <typename T>
+inline float f32(T v) {
+  return static_cast<float>(v);
+}
+
+// x [rows, n] -> T(x * rsqrt(mean(x^2) + eps)) * w (the product stored in T)
+template <typename T>
+void rms_norm(const T* x, const T* w, int64_t rows, int64_t n, double eps, T* out) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * n;
-    float* yr = out + r * n;
+    const T* xr = x + r * n;
+    T* yr = out + r * n;
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
+    for (int64_t i = 0; i < n; ++i) ss += f32(xr[i]) * f32(xr[i]);
     const float inv = 1.f / std::sqrt(ss / float(n) + float(eps));
-    for (int64_t i = 0; i < n; ++i) yr[i] = (xr[i] * inv) * w[i];
+    for (int64_t i = 0; i < n; ++i) yr[i] = T(f32(T(f32(xr[i]) * inv)) * f32(w[i]));
   }
 }
 
@@ -216,9 +225,12 @@ struct Decoder : torch::CustomClassHolder {
           at::Tensor final_norm, at::Tensor cos, at::Tensor sin)
       : heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), embed(embed),
         final_norm(final_norm), cos(cos), sin(sin) {
+    const auto dtype = embed.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+                "Decoder: float32 or bfloat16 models only, not ", dtype);
     for (const auto* t : {&embed, &final_norm, &cos, &sin})
-      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
-                  "Decoder: float32 contiguous tensors only");
+      TORCH_CHECK(t->scalar_type() == dtype && t->is_contiguous(),
+                  "Decoder: the model's tensors must share its dtype and be contiguous");
   }
 
   void add_linear(int64_t kind, at::Tensor weight, std::optional<at::Tensor> scale,
@@ -234,9 +246,10 @@ struct Decoder : torch::CustomClassHolder {
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
                  std::optional<at::Tensor> k_norm, at::Tensor k_cache, at::Tensor v_cache) {
     TORCH_CHECK(pending.size() == 4, "Decoder: add_layer after four add_linear calls");
-    TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+    TORCH_CHECK(k_cache.scalar_type() == embed.scalar_type() && k_cache.is_contiguous() &&
                     v_cache.is_contiguous() && k_cache.dim() == 4,
-                "Decoder: float32 contiguous [blocks, block_size, kv_heads, head_dim] caches");
+                "Decoder: contiguous [blocks, block_size, kv_heads, head_dim] caches in the "
+                "model's dtype");
     layers.push_back(Layer{input_norm, post_norm, q_norm.value_or(at::Tensor()),
                            k_norm.value_or(at::Tensor()), k_cache, v_cache, pending[0],
                            pending[1], pending[2], pending[3]});
@@ -246,51 +259,56 @@ struct Decoder : torch::CustomClassHolder {
   int64_t num_layers() const { return int64_t(layers.size()); }
 
   // q and k heads of qkv [B, (heads + 2 kv) * d]: optional per-head norm, then rotary
-  void rotate(float* qkv, int64_t batch, const int64_t* positions, const Layer& layer) const {
+  // (x * cos + rotate_half(x) * sin, each product and the sum stored in T)
+  template <typename T>
+  void rotate(T* qkv, int64_t batch, const int64_t* positions, const Layer& layer) const {
     const int64_t d = head_dim, half = d / 2, width = (heads + 2 * kv_heads) * d;
-    std::vector<float> tmp(d);
+    std::vector<T> tmp(d);
     for (int64_t b = 0; b < batch; ++b) {
-      const float* c = cos.data_ptr<float>() + positions[b] * d;
-      const float* s = sin.data_ptr<float>() + positions[b] * d;
+      const T* c = cos.data_ptr<T>() + positions[b] * d;
+      const T* s = sin.data_ptr<T>() + positions[b] * d;
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
-        float* x = qkv + b * width + h * d;
+        T* x = qkv + b * width + h * d;
         const at::Tensor& norm = h < heads ? layer.q_norm : layer.k_norm;
-        if (norm.defined()) rms_norm(x, norm.data_ptr<float>(), 1, d, eps, x);
-        for (int64_t i = 0; i < d; ++i)
-          tmp[i] = x[i] * c[i] + x[i < half ? i + half : i - half] * s[i];
-        std::memcpy(x, tmp.data(), d * sizeof(float));
+        if (norm.defined()) rms_norm<T>(x, norm.data_ptr<T>(), 1, d, eps, x);
+        for (int64_t i = 0; i < d; ++i) {
+          const T a = T(f32(x[i]) * f32(c[i]));
+          const T r = T(f32(x[i < half ? i + half : i - half]) * f32(s[i]));
+          tmp[i] = T(f32(a) + f32(r));
+        }
+        std::memcpy(x, tmp.data(), d * sizeof(T));
       }
     }
   }
 
   // stores k, v at the slots and attends every query head over its sequence's context
-  void attend(const float* qkv, int64_t batch, const int64_t* slots, const int64_t* tables,
-              int64_t table_width, const int64_t* lens, const Layer& layer, float* out) const {
+  template <typename T>
+  void attend(const T* qkv, int64_t batch, const int64_t* slots, const int64_t* tables,
+              int64_t table_width, const int64_t* lens, const Layer& layer, T* out) const {
     const int64_t d = head_dim, width = (heads + 2 * kv_heads) * d;
     const int64_t block = layer.k_cache.size(1);
-    float* kc = layer.k_cache.data_ptr<float>();
-    float* vc = layer.v_cache.data_ptr<float>();
+    T* kc = layer.k_cache.data_ptr<T>();
+    T* vc = layer.v_cache.data_ptr<T>();
     for (int64_t b = 0; b < batch; ++b) {
-      const float* k = qkv + b * width + heads * d;
-      std::memcpy(kc + slots[b] * kv_heads * d, k, kv_heads * d * sizeof(float));
-      std::memcpy(vc + slots[b] * kv_heads * d, k + kv_heads * d, kv_heads * d * sizeof(float));
+      const T* k = qkv + b * width + heads * d;
+      std::memcpy(kc + slots[b] * kv_heads * d, k, kv_heads * d * sizeof(T));
+      std::memcpy(vc + slots[b] * kv_heads * d, k + kv_heads * d, kv_heads * d * sizeof(T));
     }
     const int64_t per_kv = heads / kv_heads;
     const float scale = 1.f / std::sqrt(float(d));
     at::parallel_for(0, batch * heads, 1, [&](int64_t first, int64_t last) {
-      std::vector<float> scores;
-      std::vector<float> acc(d);
+      std::vector<float> scores, q(d), acc(d);
       for (int64_t task = first; task < last; ++task) {
         const int64_t b = task / heads, h = task % heads, kvh = h / per_kv, len = lens[b];
-        const float* q = qkv + b * width + h * d;
+        for (int64_t i = 0; i < d; ++i) q[i] = f32(qkv[b * width + h * d + i]);
         scores.resize(len);
         float top = -INFINITY;
         for (int64_t p = 0; p < len; ++p) {
           const int64_t slot = tables[b * table_width + p / block] * block + p % block;
-          const float* key = kc + (slot * kv_heads + kvh) * d;
+          const T* key = kc + (slot * kv_heads + kvh) * d;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < d; ++i) dot += q[i] * key[i];
+          for (int64_t i = 0; i < d; ++i) dot += q[i] * f32(key[i]);
           scores[p] = dot * scale;
           top = std::max(top, scores[p]);
         }
@@ -299,52 +317,67 @@ struct Decoder : torch::CustomClassHolder {
         for (int64_t p = 0; p < len; ++p) {
           const float e = std::exp(scores[p] - top);
           total += e;
+          const float weight = f32(T(e));  // torch's flash kernel multiplies V by T(e)
           const int64_t slot = tables[b * table_width + p / block] * block + p % block;
-          const float* value = vc + (slot * kv_heads + kvh) * d;
-          for (int64_t i = 0; i < d; ++i) acc[i] += e * value[i];
+          const T* value = vc + (slot * kv_heads + kvh) * d;
+          for (int64_t i = 0; i < d; ++i) acc[i] += weight * f32(value[i]);
         }
-        float* o = out + b * heads * d + h * d;
-        for (int64_t i = 0; i < d; ++i) o[i] = acc[i] / total;
+        T* o = out + b * heads * d + h * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = T(acc[i] / total);
       }
     });
   }
 
-  // One decode step: every sequence computes one token. Returns the final-norm hidden
-  // states [B, hidden].
-  at::Tensor step(at::Tensor ids, at::Tensor positions, at::Tensor slots, at::Tensor tables,
-                  at::Tensor lens) {
+  // silu(gate) * up for gate_up [B, 2 * inter] (silu stored in T, then the product)
+  template <typename T>
+  static void silu_and_mul(const T* gu, int64_t batch, int64_t inter, T* out) {
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t i = 0; i < inter; ++i) {
+        const float g = f32(gu[b * 2 * inter + i]);
+        const T silu = T(g / (1.f + std::exp(-g)));
+        out[b * inter + i] = T(f32(silu) * f32(gu[b * 2 * inter + inter + i]));
+      }
+  }
+
+  template <typename T>
+  at::Tensor run(const at::Tensor& ids, const int64_t* pos, const int64_t* slots,
+                 const at::Tensor& tables, const int64_t* lens) {
     const int64_t batch = ids.size(0), hidden = embed.size(1), d = head_dim;
-    const int64_t* pos = positions.data_ptr<int64_t>();
     at::Tensor x = embed.index_select(0, ids);  // [B, hidden], the residual stream
     at::Tensor normed = at::empty_like(x);
     at::Tensor attn = at::empty({batch, heads * d}, x.options());
-    float* xs = x.data_ptr<float>();
+    T* xs = x.data_ptr<T>();
     for (const Layer& layer : layers) {
-      rms_norm(xs, layer.input_norm.data_ptr<float>(), batch, hidden, eps,
-               normed.data_ptr<float>());
+      rms_norm<T>(xs, layer.input_norm.data_ptr<T>(), batch, hidden, eps, normed.data_ptr<T>());
       at::Tensor qkv = layer.qkv(normed).contiguous();
-      rotate(qkv.data_ptr<float>(), batch, pos, layer);
-      attend(qkv.data_ptr<float>(), batch, slots.data_ptr<int64_t>(), tables.data_ptr<int64_t>(),
-             tables.size(1), lens.data_ptr<int64_t>(), layer, attn.data_ptr<float>());
+      rotate<T>(qkv.data_ptr<T>(), batch, pos, layer);
+      attend<T>(qkv.data_ptr<T>(), batch, slots, tables.data_ptr<int64_t>(), tables.size(1),
+                lens, layer, attn.data_ptr<T>());
       x.add_(layer.o(attn));
-      rms_norm(xs, layer.post_norm.data_ptr<float>(), batch, hidden, eps,
-               normed.data_ptr<float>());
+      rms_norm<T>(xs, layer.post_norm.data_ptr<T>(), batch, hidden, eps, normed.data_ptr<T>());
       at::Tensor gate_up = layer.gate_up(normed).contiguous();
       const int64_t inter = gate_up.size(1) / 2;
       at::Tensor act = at::empty({batch, inter}, x.options());
-      float* a = act.data_ptr<float>();
-      const float* gu = gate_up.data_ptr<float>();
-      for (int64_t b = 0; b < batch; ++b)
-        for (int64_t i = 0; i < inter; ++i) {
-          const float g = gu[b * 2 * inter + i];
-          a[b * inter + i] = (g / (1.f + std::exp(-g))) * gu[b * 2 * inter + inter + i];
-        }
+      silu_and_mul<T>(gate_up.data_ptr<T>(), batch, inter, act.data_ptr<T>());
       x.add_(layer.down(act));
     }
-    rms_norm(xs, final_norm.data_ptr<float>(), batch, hidden, eps, normed.data_ptr<float>());
+    rms_norm<T>(xs, final_norm.data_ptr<T>(), batch, hidden, eps, normed.data_ptr<T>());
     return normed;
   }
 
+  // One decode step: every sequence computes one token. Returns the final-norm hidden
+  // states [B, hidden] in the model's dtype.
+  at::Tensor step(at::Tensor ids, at::Tensor positions, at::Tensor slots, at::Tensor tables,
+                  at::Tensor lens) {
+    for (const auto* t : {&ids, &positions, &slots, &tables, &lens})
+      TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                  "Decoder.step: contiguous long tensors only");
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int64_t* len = lens.data_ptr<int64_t>();
+    if (embed.scalar_type() == at::kBFloat16) return run<at::BFloat16>(ids, pos, slot, tables, len);
+    return run<float>(ids, pos, slot, tables, len);
+  }
 };
 
 }  // namespace

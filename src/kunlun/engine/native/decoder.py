@@ -3,8 +3,8 @@ tensors to ``torch.classes.kunlun.Decoder`` (``decode.cpp``) once, then runs eac
 sequences all compute one token through it, with no Python per layer.
 
 :func:`compiled_decoder` says whether a model qualifies, and why not: the C++ step reads the
-tensors' memory directly, so it serves models on the CPU, float32, on one rank, whose linear
-layers are floating or run the int8pack or int4pack kernel; anything else runs the reference
+tensors' memory directly, so it serves models on the CPU, in float32 or bfloat16, on one rank,
+whose linear layers are floating or run the int8pack or int4pack kernel; anything else runs the reference
 path (the model's own modules), which every step that prefills runs anyway.
 """
 
@@ -66,7 +66,8 @@ class CompiledDecoder:
         head = self._model.lm_head.int8
         if head is None or hidden.shape[0] >= DEQUANTIZE_FROM_TOKENS:
             return self._model.compute_logits(hidden).float()
-        return torch.ops.kunlun.int8_matmul(hidden, head.weight, head.scale)
+        logits = torch.ops.kunlun.int8_matmul(hidden, head.weight, head.scale)
+        return logits.to(hidden.dtype).float()  # rounded as the eager head rounds them
 
 
 def _linear_args(linear: nn.Module) -> tuple[object, ...]:
@@ -86,8 +87,10 @@ def unsupported(model: nn.Module, tp_size: int) -> str | None:
     weight = model.model.embed_tokens.weight
     if weight.device.type != "cpu":
         return f"the compiled decode step runs on the CPU; this model is on {weight.device}"
-    if weight.dtype != torch.float32:
-        return f"the compiled decode step runs float32 models; this one is {weight.dtype}"
+    if weight.dtype not in (torch.float32, torch.bfloat16):
+        return (
+            f"the compiled decode step runs float32 and bfloat16 models; this one is {weight.dtype}"
+        )
     if tp_size > 1:
         return f"the compiled decode step runs on one rank; this model is split over {tp_size}"
     if not all(isinstance(m, PagedAttention) for m in model.attention_layers()):
