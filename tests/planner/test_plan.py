@@ -62,8 +62,12 @@ def test_the_operator_report_is_what_the_engine_runs_and_names_what_the_chip_off
     """The report comes from the engine's own kernel registry: on an Ascend NPU the engine
     runs torch's ops through torch_npu, and each op the vendor has a fused kernel for is a
     fallback naming that kernel; on this CPU every op is the engine's native kernel."""
-    npu = operators.choose_operators("npu", "none")
-    assert {op: c.fallback for op, c in npu.items()} == dict.fromkeys(operators.OPERATORS, True)
+    npu = dict(operators.choose_operators("npu", "none"))
+    decode = npu.pop("decode")  # torch_npu offers no whole decode step: the reference path
+    assert not decode.fallback and decode.implementation.startswith("the model's modules")
+    assert {op: c.fallback for op, c in npu.items()} == {
+        op: True for op in operators.OPERATORS if op != "decode"
+    }
     assert npu["attention"].implementation.startswith("torch.nn.functional.scaled_dot_product")
     assert "npu_fusion_attention (torch_npu) is not wired into it" in npu["attention"].why
     quantized = operators.choose_operators("npu", "w4a16")["matmul"]
@@ -71,6 +75,8 @@ def test_the_operator_report_is_what_the_engine_runs_and_names_what_the_chip_off
     on_cpu = operators.choose_operators("cpu", "w4a16")
     assert not any(c.fallback for c in on_cpu.values())
     assert on_cpu["matmul"].implementation.startswith("torch._weight_int4pack_mm_for_cpu")
+    assert on_cpu["decode"].implementation.startswith("Kunlun's compiled decode step")
+    assert "float32 or bfloat16 on one rank" in on_cpu["decode"].implementation
     cuda = operators.choose_operators("cuda", "w8a8")["matmul"]  # NVIDIA offers nothing else
     assert not cuda.fallback and cuda.implementation.startswith("torch._int_mm")
     unknown = operators.choose_operators("xla", "none")["rmsnorm"]

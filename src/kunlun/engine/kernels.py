@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-OPERATORS: tuple[str, ...] = ("attention", "rmsnorm", "rotary", "matmul")
+OPERATORS: tuple[str, ...] = ("attention", "rmsnorm", "rotary", "matmul", "decode")
+"""The ops a plan reports; ``decode`` is the whole decode step (:mod:`kunlun.engine.native`)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,22 @@ KERNELS: tuple[Kernel, ...] = (
         "matmul", "dequantize", "dequantize, then torch.nn.functional.linear", schemes=_QUANTIZED
     ),  # fmt: skip
     Kernel("matmul", "linear", "torch.nn.functional.linear"),
+    Kernel(
+        "decode",
+        "compiled",
+        "Kunlun's compiled decode step (C++, no Python per layer; int8 rows through its own "
+        "kernel)",
+        schemes=("none", *_QUANTIZED),
+        device_types=("cpu",),
+        condition="float32 or bfloat16 on one rank, built by make setup; else the reference "
+        "path, said in the worker's log",
+    ),  # fmt: skip
+    Kernel(
+        "decode",
+        "modules",
+        "the model's modules, one Python call each (the reference path)",
+        schemes=("none", *_QUANTIZED),
+    ),  # fmt: skip
 )
 
 

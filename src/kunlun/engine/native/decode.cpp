@@ -209,6 +209,17 @@ void rms_norm(const T* x, const T* w, int64_t rows, int64_t n, double eps, T* ou
   }
 }
 
+// the residual step fused with the norm after it: x += delta (stored in T, as the eager
+// ``hidden + out``), then out = rms_norm(x) * w, in one pass over each row
+template <typename T>
+void add_rms_norm(T* x, const at::Tensor& delta, const T* w, int64_t rows, int64_t n,
+                  double eps, T* out) {
+  const at::Tensor d = delta.contiguous();
+  const T* dp = d.data_ptr<T>();
+  for (int64_t i = 0; i < rows * n; ++i) x[i] = T(f32(x[i]) + f32(dp[i]));
+  rms_norm<T>(x, w, rows, n, eps, out);
+}
+
 struct Layer {
   at::Tensor input_norm, post_norm, q_norm, k_norm, k_cache, v_cache;
   Linear qkv, o, gate_up, down;
@@ -347,21 +358,23 @@ struct Decoder : torch::CustomClassHolder {
     at::Tensor normed = at::empty_like(x);
     at::Tensor attn = at::empty({batch, heads * d}, x.options());
     T* xs = x.data_ptr<T>();
-    for (const Layer& layer : layers) {
-      rms_norm<T>(xs, layer.input_norm.data_ptr<T>(), batch, hidden, eps, normed.data_ptr<T>());
+    T* ns = normed.data_ptr<T>();
+    if (!layers.empty()) rms_norm<T>(xs, layers[0].input_norm.data_ptr<T>(), batch, hidden, eps, ns);
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const Layer& layer = layers[i];
       at::Tensor qkv = layer.qkv(normed).contiguous();
       rotate<T>(qkv.data_ptr<T>(), batch, pos, layer);
       attend<T>(qkv.data_ptr<T>(), batch, slots, tables.data_ptr<int64_t>(), tables.size(1),
                 lens, layer, attn.data_ptr<T>());
-      x.add_(layer.o(attn));
-      rms_norm<T>(xs, layer.post_norm.data_ptr<T>(), batch, hidden, eps, normed.data_ptr<T>());
+      add_rms_norm<T>(xs, layer.o(attn), layer.post_norm.data_ptr<T>(), batch, hidden, eps, ns);
       at::Tensor gate_up = layer.gate_up(normed).contiguous();
       const int64_t inter = gate_up.size(1) / 2;
       at::Tensor act = at::empty({batch, inter}, x.options());
       silu_and_mul<T>(gate_up.data_ptr<T>(), batch, inter, act.data_ptr<T>());
-      x.add_(layer.down(act));
+      const at::Tensor& next = i + 1 < layers.size() ? layers[i + 1].input_norm : final_norm;
+      add_rms_norm<T>(xs, layer.down(act), next.data_ptr<T>(), batch, hidden, eps, ns);
     }
-    rms_norm<T>(xs, final_norm.data_ptr<T>(), batch, hidden, eps, normed.data_ptr<T>());
+    if (layers.empty()) rms_norm<T>(xs, final_norm.data_ptr<T>(), batch, hidden, eps, ns);
     return normed;
   }
 

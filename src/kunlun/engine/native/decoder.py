@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from kunlun.engine.attention import PagedAttention
+from kunlun.engine.kernels import candidates
 from kunlun.engine.models.llama import LlamaForCausalLM
 from kunlun.engine.models.quant_linear import DEQUANTIZE_FROM_TOKENS, QuantLinear
 
@@ -85,8 +86,8 @@ def unsupported(model: nn.Module, tp_size: int) -> str | None:
     if not isinstance(model, LlamaForCausalLM):
         return f"{type(model).__name__} has no compiled decode step"
     weight = model.model.embed_tokens.weight
-    if weight.device.type != "cpu":
-        return f"the compiled decode step runs on the CPU; this model is on {weight.device}"
+    if candidates("decode", weight.device.type, "none")[0].key != "compiled":
+        return f"the compiled decode step does not run on {weight.device.type}"
     if weight.dtype not in (torch.float32, torch.bfloat16):
         return (
             f"the compiled decode step runs float32 and bfloat16 models; this one is {weight.dtype}"
