@@ -395,7 +395,8 @@ def profile_decode(engine: LLMEngine, prompt: list[int], num_tokens: int) -> dic
 
 def run_profile(workload: Workload) -> dict[str, object]:
     """``decode_profile``: the demo GGUF imported as w4a16, one request's decode on the
-    compiled path and on the reference path (``compiled_vs_python_decode``: the rate ratio).
+    compiled path and on the reference path (``compiled_vs_python_decode``: the rate ratio),
+    and w8a16 with 16 in flight on both (``compiled_vs_python_w8a16_concurrent16``).
     The reference path's Python share is estimated as the part of its step beyond the
     compiled step (which runs the same kernels with no Python)."""
     from kunlun.engine.gguf import ImportOptions, demo_gguf_path, import_gguf
@@ -418,6 +419,19 @@ def run_profile(workload: Workload) -> dict[str, object]:
     )
     # the reference step's Python: what it takes beyond the compiled step's kernels
     python["python_share_estimated"] = round(1 - compiled["compiled_ms"] / python["step_ms"], 3)
+    # 16 in flight (decode steps of up to 16 rows, prefill chunks between) on both paths
+    concurrent = {}
+    for path in ("python", "compiled"):
+        engine = make_engine(demo_model_dir(), torch.float32, workload, "w8a16", path)
+        requests = workload.requests(engine.runner.config.vocab_size)
+        concurrent[path] = round(
+            ours_concurrent(engine, requests, workload.in_flight)["tokens_per_s"], 2
+        )
+        log(torch.float32, f"w8a16 concurrent, {path} path", concurrent[path])
+    result["w8a16_concurrent_tokens_per_s"] = concurrent
+    result["compiled_vs_python_w8a16_concurrent16"] = round(
+        concurrent["compiled"] / concurrent["python"], 3
+    )
     return {"decode_profile": result}
 
 

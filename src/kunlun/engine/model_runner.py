@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from kunlun.engine import native
 from kunlun.engine.attention import AttentionContext, DecodeBatch, PrefillSegment
 from kunlun.engine.config import ModelConfig
 from kunlun.engine.device import resolve_device
@@ -25,8 +24,7 @@ from kunlun.engine.loader import load_weights, stored_quantized_layers
 from kunlun.engine.models import build_model
 from kunlun.engine.models.llama import LlamaForCausalLM
 from kunlun.engine.models.quant_linear import quantize_linears
-from kunlun.engine.native import NativeStatus, wanted_path
-from kunlun.engine.native.decoder import CompiledDecoder, unsupported
+from kunlun.engine.native.decoder import compiled_decoder
 from kunlun.engine.outputs import DecodeTime
 from kunlun.engine.parallel import SINGLE, TPGroup
 from kunlun.engine.preflight import check_max_model_len, raise_if_quantized_split
@@ -129,7 +127,7 @@ class ModelRunner:
         self.model = self._load_model(Path(model_dir))
         self.num_blocks = self._num_blocks(num_blocks, kv_cache_memory_bytes)
         self._allocate_kv_cache()
-        self.decode_status, self.compiled = self._compiled_decoder(decode_path)
+        self.decode_status, self.compiled = compiled_decoder(self.model, group.size, decode_path)
         log.info("decode path: %s (%s)", self.decode_status.path, self.decode_status.reason)
         self.decode_time = DecodeTime(self.decode_status.path)
         """The forward time of decode-only steps (the engine adds their wall time)."""
@@ -153,16 +151,6 @@ class ModelRunner:
         if self.quant_spec is not None:
             model.lm_head.quantize_int8()
         return model.eval().requires_grad_(False)
-
-    def _compiled_decoder(self, setting: str | None) -> tuple[NativeStatus, CompiledDecoder | None]:
-        """The compiled decode step when the setting, the library and the model allow it."""
-        why = unsupported(self.model, self.group.size)
-        if why is not None and wanted_path(setting) != "python":
-            if wanted_path(setting) == "compiled":
-                raise ConfigError(f"decode_path=compiled: {why}")
-            return NativeStatus("python", why), None
-        status = native.load(setting)
-        return status, CompiledDecoder(self.model) if status.compiled else None
 
     def _quantized_modules(self, model: LlamaForCausalLM, model_dir: Path) -> set[str] | None:
         """The modules to run quantized: every linear layer (None) for a floating checkpoint
@@ -298,22 +286,12 @@ class ModelRunner:
     def _compiled_step(self, batch: StepBatch) -> StepOutput:
         """A step of decodes only, through the compiled decoder (same logits as :meth:`run`)."""
         assert self.compiled is not None
-        bs = self.block_size
         rows = batch.rows
-        positions = [row.num_computed for row in rows]
-        width = max(len(row.block_table) for row in rows)
-        tables = [row.block_table + [0] * (width - len(row.block_table)) for row in rows]
-        slots = [
-            table[pos // bs] * bs + pos % bs for table, pos in zip(tables, positions, strict=True)
-        ]
-        long = {"dtype": torch.long, "device": self.device}
         self._end_phase("prepare")
-        hidden = self.compiled.step(
-            torch.tensor([row.new_token_ids[0] for row in rows], **long),
-            torch.tensor(positions, **long), torch.tensor(slots, **long),
-            torch.tensor(tables, **long), torch.tensor([p + 1 for p in positions], **long),
+        logits = self.compiled.decode(
+            [row.new_token_ids[0] for row in rows], [row.num_computed for row in rows],
+            [row.block_table for row in rows], self.block_size,
         )  # fmt: skip
-        logits = self.compiled.logits(hidden)
         self._end_phase("forward")
         return StepOutput(logits=logits, prompt_logits=[None] * len(rows))
 

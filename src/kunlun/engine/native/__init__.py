@@ -146,10 +146,10 @@ def library_path(build: bool = True) -> Path:
             f"{name} is not built for this CPU, torch and source (python -m kunlun.engine.native "
             "builds it; make setup does)"
         )
-    folder = next((d for d in dirs if _writable(d)), None)
-    if folder is None:
+    target = next((d / name for d in dirs if _writable(d)), None)
+    if target is None:
         raise NativeBuildError(f"no writable folder for {name}: {', '.join(map(str, dirs))}")
-    return _build(cxx, folder / name)
+    return _build(cxx, target)
 
 
 def _build(cxx: str, target: Path) -> Path:

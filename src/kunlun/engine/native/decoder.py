@@ -15,8 +15,10 @@ from torch import nn
 
 from kunlun.engine.attention import PagedAttention
 from kunlun.engine.kernels import candidates
-from kunlun.engine.models.llama import LlamaForCausalLM
+from kunlun.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from kunlun.engine.models.quant_linear import DEQUANTIZE_FROM_TOKENS, QuantLinear
+from kunlun.engine.native import NativeStatus, load, wanted_path
+from kunlun.errors import ConfigError
 
 #: Linear kinds of decode.cpp, by the eager kernel they stand for.
 KINDS = {"linear": 0, "w8a16": 1, "int4pack": 2, "w8a8": 3}
@@ -36,6 +38,7 @@ class CompiledDecoder:
             inner.rotary.cos, inner.rotary.sin,
         )  # fmt: skip
         for layer, attn in zip(inner.layers, attention, strict=True):
+            assert isinstance(layer, LlamaDecoderLayer)
             mlp = layer.mlp
             for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, mlp.gate_up_proj,
                            mlp.down_proj):  # fmt: skip
@@ -47,18 +50,24 @@ class CompiledDecoder:
                 None if k_norm is None else k_norm.weight, attn.k_cache, attn.v_cache,
             )  # fmt: skip
 
-    def step(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
+    def decode(
+        self, tokens: list[int], positions: list[int], tables: list[list[int]], block_size: int
     ) -> torch.Tensor:
-        """Final-norm hidden states [B, hidden] of ``B`` sequences computing one token each:
-        their token ids, positions and cache slots [B], padded block tables [B, n] and
-        context lengths [B] (long tensors)."""
-        return self._decoder.step(input_ids, positions, slots, block_tables, context_lens)
+        """Float32 logits [B, vocab] of ``B`` sequences computing one token each: the token,
+        its position (the tokens already cached) and the sequence's block table (covering
+        that position) per sequence."""
+        width = max(len(table) for table in tables)
+        padded = [table + [0] * (width - len(table)) for table in tables]
+        slots = [t[p // block_size] * block_size + p % block_size
+                 for t, p in zip(padded, positions, strict=True)]  # fmt: skip
+        device = self._model.model.embed_tokens.weight.device
+
+        def long(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        hidden = self._decoder.step(long(tokens), long(positions), long(slots), long(padded),
+                                    long([p + 1 for p in positions]))  # fmt: skip
+        return self.logits(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [B, vocab] of final hidden states [B, hidden]: an int8 LM head
@@ -69,6 +78,25 @@ class CompiledDecoder:
             return self._model.compute_logits(hidden).float()
         logits = torch.ops.kunlun.int8_matmul(hidden, head.weight, head.scale)
         return logits.to(hidden.dtype).float()  # rounded as the eager head rounds them
+
+
+def compiled_decoder(
+    model: nn.Module, tp_size: int, setting: str | None
+) -> tuple[NativeStatus, CompiledDecoder | None]:
+    """Which decode path runs for ``model`` (on ``tp_size`` ranks) under the ``decode_path``
+    setting, and the compiled decoder when it is the compiled one. ``compiled`` where the
+    model cannot take it is a :class:`ConfigError` naming why."""
+    why = unsupported(model, tp_size)
+    wanted = wanted_path(setting)
+    if why is not None and wanted != "python":
+        if wanted == "compiled":
+            raise ConfigError(f"decode_path=compiled: {why}")
+        return NativeStatus("python", why), None
+    status = load(setting)
+    if not status.compiled:
+        return status, None
+    assert isinstance(model, LlamaForCausalLM)
+    return status, CompiledDecoder(model)
 
 
 def _linear_args(linear: nn.Module) -> tuple[object, ...]:
