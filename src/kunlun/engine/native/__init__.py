@@ -136,7 +136,10 @@ def library_path(build: bool = True) -> Path:
     cxx = compiler()
     if cxx is None:
         raise NativeBuildError("no C++ compiler on PATH (c++, g++ or clang++; or set CXX)")
-    name = f"kunlun_decode_{build_key(cxx)}.so"
+    try:
+        name = f"kunlun_decode_{build_key(cxx)}.so"
+    except OSError as exc:  # the source missing from an install, an unreadable compiler
+        raise NativeBuildError(f"cannot key a build: {exc}") from exc
     dirs = build_dirs()
     for folder in dirs:
         if (folder / name).is_file():
