@@ -197,15 +197,27 @@ def wanted_path(setting: str | None) -> str:
     return value
 
 
-@cache
 def _loaded(build: bool) -> Path:
+    """The loaded library's path; a failure is raised again, not retried, for the rest of
+    the process (a compiler that fails once fails again, in seconds per model load)."""
+    outcome = _load_once(build)
+    if isinstance(outcome, NativeBuildError):
+        raise NativeBuildError(str(outcome))
+    return outcome
+
+
+@cache
+def _load_once(build: bool) -> Path | NativeBuildError:
     import torch
 
-    path = library_path(build)
+    try:
+        path = library_path(build)
+    except NativeBuildError as exc:
+        return exc
     try:
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError) as exc:
-        raise NativeBuildError(f"{path} does not load: {exc}") from exc
+        return NativeBuildError(f"{path} does not load: {exc}")
     return path
 
 
