@@ -156,9 +156,23 @@ print(json.dumps({"path": runner.decode_status.path, "tokens": tokens}))
 """
 
 
+def run_fallback_script(model_dir: Path, env: dict[str, str] | None = None) -> tuple[dict, str]:
+    done = subprocess.run([sys.executable, "-c", FALLBACK, str(model_dir)], env=env,
+                          capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    return json.loads(done.stdout), done.stderr
+
+
+@pytest.fixture(scope="module")
+def compiled_tokens(make_tiny_model) -> list[int]:
+    """The fallback script's tokens in a process that runs the compiled path."""
+    result, _ = run_fallback_script(make_tiny_model("LlamaForCausalLM", False))
+    assert result["path"] == "compiled"
+    return result["tokens"]
+
+
 @pytest.mark.parametrize("how", ["no compiler", "environment"])
 def test_without_a_compiler_or_switched_off_the_reference_path_runs(
-    how: str, make_tiny_model, tmp_path: Path
+    how: str, make_tiny_model, compiled_tokens: list[int]
 ) -> None:
     """A process whose PATH has no C++ compiler (or KUNLUN_DECODE_PATH=python) runs the
     reference path, says so in its log, and decodes the same tokens as the compiled path."""
@@ -168,12 +182,8 @@ def test_without_a_compiler_or_switched_off_the_reference_path_runs(
         env["PATH"] = str(Path(sys.executable).parent)
     else:
         env["KUNLUN_DECODE_PATH"] = "python"
-    done = subprocess.run([sys.executable, "-c", FALLBACK, str(model_dir)], env=env,
-                          capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
-    result = json.loads(done.stdout)
+    result, log = run_fallback_script(model_dir, env)
     assert result["path"] == "python"
     reason = "no C++ compiler on PATH" if how == "no compiler" else "decode_path=python"
-    assert "decode path: python (" in done.stderr and reason in done.stderr
-    compiled = json.loads(subprocess.run([sys.executable, "-c", FALLBACK, str(model_dir)],
-                          capture_output=True, text=True, timeout=300, check=True).stdout)  # fmt: skip
-    assert compiled["path"] == "compiled" and compiled["tokens"] == result["tokens"]
+    assert "decode path: python (" in log and reason in log
+    assert result["tokens"] == compiled_tokens

@@ -16,6 +16,7 @@ from rich.text import Text
 from kunlun.cli.client import DaemonClient
 from kunlun.cli.commands import summary
 from kunlun.console import console, handle_errors, print_json
+from kunlun.engine.outputs import DECODE_PARTS
 from kunlun.errors import ConfigError, Location
 from kunlun.telemetry.view import Snapshot, parse, parse_filters
 
@@ -150,19 +151,19 @@ def decode_table(rows: list[dict[str, Any]]) -> Table:
     mean wall time and its parts (compiled step, reference forward, engine), and on the
     compiled path the Python share (the engine part)."""
     table = Table(title="Decode steps", title_justify="left")
-    for column in ("REPLICA", "PATH", "STEPS", "STEP ms", "COMPILED", "MODEL", "ENGINE",
+    for column in ("REPLICA", "PATH", "STEPS", "STEP ms", *map(str.upper, DECODE_PARTS),
                    "PYTHON"):  # fmt: skip
         table.add_column(column)
     for r in rows:
         steps = r.get("decode_steps")
         if not steps or "decode_path" not in r:
             continue
-        parts = [r.get(f"decode_{part}_s", 0.0) for part in ("compiled", "model", "engine")]
-        wall = max(sum(parts), 1e-9)
-        shares = [f"{100 * part / wall:.0f}%" for part in parts]
-        python = shares[2] if r["decode_path"] == "compiled" else "-"
+        parts = {part: r.get(f"decode_{part}_s", 0.0) for part in DECODE_PARTS}
+        wall = max(sum(parts.values()), 1e-9)
+        shares = {part: f"{100 * value / wall:.0f}%" for part, value in parts.items()}
+        python = shares["engine"] if r["decode_path"] == "compiled" else "-"
         table.add_row(r["replica"], r["decode_path"], f"{steps:.0f}",
-                      f"{wall / steps * 1000:.1f}", *shares, python)  # fmt: skip
+                      f"{wall / steps * 1000:.1f}", *shares.values(), python)  # fmt: skip
     return table
 
 

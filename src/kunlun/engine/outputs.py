@@ -88,7 +88,7 @@ class EngineStats:
     num_steps: int
     num_generated_tokens: int
     num_failed_steps: int
-    decode: DecodeTime = field(default_factory=lambda: DecodeTime("python"))
+    decode: DecodeTime
     """Where the time of decode-only steps went."""
 
 

@@ -130,9 +130,9 @@ def _writable(folder: Path) -> bool:
     return os.access(folder, os.W_OK)
 
 
-def library_path(build: bool = True) -> Path:
-    """The built library for this CPU, torch and source; built first when ``build`` and no
-    build exists. Raises :class:`NativeBuildError` saying why there is none."""
+def library_path() -> Path:
+    """The built library for this CPU, torch and source; built first when none exists
+    (never in a worker: ``KUNLUN_NATIVE_BUILD=0``). Raises :class:`NativeBuildError` saying why there is none."""
     cxx = compiler()
     if cxx is None:
         raise NativeBuildError("no C++ compiler on PATH (c++, g++ or clang++; or set CXX)")
@@ -144,7 +144,7 @@ def library_path(build: bool = True) -> Path:
     for folder in dirs:
         if (folder / name).is_file():
             return folder / name
-    if not build or os.environ.get(NATIVE_BUILD_ENV) == "0":
+    if os.environ.get(NATIVE_BUILD_ENV) == "0":
         raise NativeBuildError(
             f"{name} is not built for this CPU, torch and source (python -m kunlun.engine.native "
             "builds it; make setup does)"
@@ -197,21 +197,21 @@ def wanted_path(setting: str | None) -> str:
     return value
 
 
-def _loaded(build: bool) -> Path:
+def _loaded() -> Path:
     """The loaded library's path; a failure is raised again, not retried, for the rest of
     the process (a compiler that fails once fails again, in seconds per model load)."""
-    outcome = _load_once(build)
+    outcome = _load_once()
     if isinstance(outcome, NativeBuildError):
         raise NativeBuildError(str(outcome))
     return outcome
 
 
 @cache
-def _load_once(build: bool) -> Path | NativeBuildError:
+def _load_once() -> Path | NativeBuildError:
     import torch
 
     try:
-        path = library_path(build)
+        path = library_path()
     except NativeBuildError as exc:
         return exc
     try:
@@ -221,7 +221,7 @@ def _load_once(build: bool) -> Path | NativeBuildError:
     return path
 
 
-def load(setting: str | None = None, build: bool = True) -> NativeStatus:
+def load(setting: str | None = None) -> NativeStatus:
     """Load the library when the setting allows; the status says which path runs and why.
     ``decode_path="compiled"`` that cannot load raises :class:`~kunlun.errors.EngineError`."""
     from kunlun.errors import EngineError
@@ -230,7 +230,7 @@ def load(setting: str | None = None, build: bool = True) -> NativeStatus:
     if wanted == "python":
         return NativeStatus("python", "decode_path=python asks for the reference path")
     try:
-        path = _loaded(build)
+        path = _loaded()
     except NativeBuildError as exc:
         if wanted == "compiled":
             raise EngineError(
@@ -243,7 +243,7 @@ def load(setting: str | None = None, build: bool = True) -> NativeStatus:
 def main() -> None:
     """Build (or find) the library for this machine and print its path."""
     try:
-        print(_loaded(True))
+        print(_loaded())
     except NativeBuildError as exc:
         print(f"kunlun.engine.native: {exc}", file=sys.stderr)
         raise SystemExit(1) from exc

@@ -267,8 +267,6 @@ struct Decoder : torch::CustomClassHolder {
     pending.clear();
   }
 
-  int64_t num_layers() const { return int64_t(layers.size()); }
-
   // q and k heads of qkv [B, (heads + 2 kv) * d]: optional per-head norm, then rotary
   // (x * cos + rotate_half(x) * sin, each product and the sum stored in T)
   template <typename T>
@@ -402,6 +400,5 @@ TORCH_LIBRARY(kunlun, m) {
                        at::Tensor>())
       .def("add_linear", &Decoder::add_linear)
       .def("add_layer", &Decoder::add_layer)
-      .def("num_layers", &Decoder::num_layers)
       .def("step", &Decoder::step);
 }

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kunlun.engine.attention import PagedAttention
 from kunlun.engine.kernels import candidates
 from kunlun.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from kunlun.engine.models.quant_linear import DEQUANTIZE_FROM_TOKENS, QuantLinear
@@ -122,8 +121,6 @@ def unsupported(model: nn.Module, tp_size: int) -> str | None:
         )
     if tp_size > 1:
         return f"the compiled decode step runs on one rank; this model is split over {tp_size}"
-    if not all(isinstance(m, PagedAttention) for m in model.attention_layers()):
-        return "an attention layer is not paged attention"
     for name, module in model.named_modules():
         if not isinstance(module, QuantLinear):
             continue
