@@ -79,9 +79,8 @@ def test_bench_sweep_poisson_json_and_chart(tiny_daemon: Daemon, tmp_path: Path)
             if r["ttft_ms"] <= 60000 and r["tpot_ms"] is not None and r["tpot_ms"] <= 1
         ]
         assert run["num_slo_met"] == len(met)
-        assert run["goodput_requests_per_s"] == pytest.approx(
-            len(met) / run["duration_s"], rel=1e-3
-        )
+        # one met request in 0.04 s: duration_s's rounding alone is over 0.1 % of the rate
+        assert within_rounding(run["goodput_requests_per_s"], len(met), run)
         for request in run["requests"]:
             assert request["num_output_tokens"] == OUTPUT_LEN
             assert request["num_prompt_tokens"] == INPUT_LEN
