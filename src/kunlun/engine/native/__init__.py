@@ -1,6 +1,6 @@
 """Kunlun's compiled decode path: ``decode.cpp`` built once per CPU and loaded into torch.
 
-The library registers ``torch.ops.kunlun.int8_matmul``, ``torch.ops.kunlun.int4_matmul``
+The library registers ``torch.ops.kunlun.int8_matmul``, ``torch.ops.kunlun.float_matmul``
 and the class ``torch.classes.kunlun.Decoder`` (a whole decode step in C++; see
 :mod:`kunlun.engine.native.decoder`). It is compiled with the machine's C++ compiler (the one
 ``make llama-server`` needs) against the installed torch, ``-O3 -march=native``, so a build

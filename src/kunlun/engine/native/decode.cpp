@@ -3,21 +3,25 @@
 // -march=native) and loaded with torch.ops.load_library; registers the class
 // torch.classes.kunlun.Decoder (the layers' tensors, then step() and logits()).
 //
-// Matrix products: floating weights and int4 ones run the kernels the eager path calls
-// (at::linear, torch's int4pack kernel, with the same casts as
-// kunlun/engine/models/quant_linear.py). Int8 rows run int8_rows below, also registered as
-// torch.ops.kunlun.int8_matmul for the LM head: the same arithmetic as torch's int8pack
-// kernel (activations and result rounded to bf16, scales after, in float32) and the same
-// results in practice, streaming the weights about 1.7x as fast (prefetching ahead, each
-// thread a contiguous run of rows). RMSNorm, rotary, the paged attention of one new token
-// and SiLU-and-multiply are loops here, in float32, that differ from the eager ones only in
-// the order of their sums.
+// Matrix products: int4 weights run torch's int4pack kernel, as the eager path does (with
+// the casts of kunlun/engine/models/quant_linear.py). Int8 rows run int8_rows below, also
+// registered as torch.ops.kunlun.int8_matmul for the LM head: the arithmetic of torch's
+// int8pack kernel (activations and result rounded to bf16, scales after, in float32),
+// streaming the weights about 1.7x as fast. Floating weights run float_matmul (also
+// torch.ops.kunlun.float_matmul for the LM head): for a few tokens its own kernel, float32
+// sums of each row (bf16 pairs by vdpbf16ps where the CPU has it), up to 1.6x as fast as
+// at::linear on a bf16 model's single stream; past a few tokens at::linear. Both own kernels
+// prefetch ahead along each row and hand rows out to torch's threads in chunks taken in
+// turn (dynamic_for). RMSNorm, rotary, the paged attention of one new token and
+// SiLU-and-multiply are loops here, in float32, that differ from the eager ones only in the
+// order of their sums.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -41,6 +45,10 @@ inline float hsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
 inline V16 from_i8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)))};
 }
+inline V16 from_bf16(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+}
 #elif defined(__AVX2__)
 struct V16 {
   __m256 a, b;
@@ -61,6 +69,11 @@ inline V16 from_i8(const int8_t* p) {
   const __m128i b = _mm_loadu_si128((const __m128i*)p);
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
+inline V16 from_bf16(const uint16_t* p) {
+  const __m128i lo = _mm_loadu_si128((const __m128i*)p), hi = _mm_loadu_si128((const __m128i*)(p + 8));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16))};
 }
 #else
 typedef float v16f __attribute__((vector_size(64)));
@@ -86,10 +99,22 @@ inline V16 from_i8(const int8_t* p) {
   std::memcpy(&b, p, 16);
   return {__builtin_convertvector(__builtin_convertvector(b, v16i), v16f)};
 }
+inline V16 from_bf16(const uint16_t* p) {
+  V16 r;
+  for (int j = 0; j < 16; ++j) {
+    const uint32_t u = uint32_t(p[j]) << 16;
+    std::memcpy(&r.v[j], &u, 4);
+  }
+  return r;
+}
 #endif
 
 constexpr int64_t kTile = 4;         // tokens sharing one pass over a weight row
 constexpr int64_t kPrefetch = 1024;  // bytes ahead of the row being read
+// tokens up to which float_matmul runs each_row: measured on the demo's shapes against
+// at::linear (docs/benchmarks.md), bf16 up to 1.6x as fast at one token and even at eight,
+// float32 1.05-1.6x up to sixteen; past those the blocked kernels win
+constexpr int64_t kBf16RowsUpTo = 8, kFloatRowsUpTo = 16;
 
 inline float round_bf16(float f) {  // round to nearest even, as a cast to bf16 does
   uint32_t u;
@@ -101,17 +126,94 @@ inline float round_bf16(float f) {  // round to nearest even, as a cast to bf16 
   return f;
 }
 
-// sums[t] = sum_k row[k] * x[t * in + k] for t < N
-template <int N>
-inline void int8_dot(const int8_t* row, const float* x, int64_t in, float* sums) {
-  V16 acc[N];
-  for (int t = 0; t < N; ++t) acc[t] = zero16();
-  for (int64_t k = 0; k < in; k += 16) {
-    __builtin_prefetch(row + k + kPrefetch, 0, 3);
-    const V16 w = from_i8(row + k);
-    for (int t = 0; t < N; ++t) acc[t] = fma16(w, load16(x + t * in + k), acc[t]);
+// f(first, last) over [0, n) in chunks that torch's threads take in turn. A thread the OS
+// preempts (another process wanting its core: the gateway, a client) holds up only the chunk
+// it is in while the others take the rest, where a static split would keep every thread
+// waiting for its share: on a machine whose every core runs the step, that turns each
+// millisecond another process takes into a millisecond of the step instead of a fraction.
+template <typename F>
+void dynamic_for(int64_t n, int64_t min_chunk, const F& f) {
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk = std::max(min_chunk, n / (threads * 16));
+  if (threads <= 1 || n <= chunk || at::in_parallel_region()) return f(0, n);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t first; (first = next.fetch_add(chunk, std::memory_order_relaxed)) < n;)
+      f(first, std::min(n, first + chunk));
+  });
+}
+
+// Dot products of one weight row with N <= kTile token rows: sums[t] = sum_k row[k] *
+// x[t * in + k], float32 sums, prefetching the row ahead. W is the weight's element type
+// (int8, bf16 as uint16_t, float), X the activations' as the kernel reads them.
+template <typename W>
+inline V16 widen(const W* p);
+template <>
+inline V16 widen(const int8_t* p) { return from_i8(p); }
+template <>
+inline V16 widen(const uint16_t* p) { return from_bf16(p); }
+template <>
+inline V16 widen(const float* p) { return load16(p); }
+
+struct FmaDot {  // the weights widened to float32, multiplied and added 16 lanes at a time
+  static constexpr int kTokens = kTile;
+  template <int N, typename W>
+  static void run(const W* row, const float* x, int64_t in, float* sums) {
+    V16 acc[N];
+    for (int t = 0; t < N; ++t) acc[t] = zero16();
+    for (int64_t k = 0; k < in; k += 16) {
+      __builtin_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetch, 0, 3);
+      const V16 w = widen(row + k);
+      for (int t = 0; t < N; ++t) acc[t] = fma16(w, load16(x + t * in + k), acc[t]);
+    }
+    for (int t = 0; t < N; ++t) sums[t] = hsum(acc[t]);
   }
-  for (int t = 0; t < N; ++t) sums[t] = hsum(acc[t]);
+};
+
+#if defined(__AVX512BF16__)
+struct Bf16Dot {  // bf16 pairs multiplied and summed into float32 lanes (vdpbf16ps)
+  static constexpr int kTokens = 8;
+  template <int N>
+  static void run(const uint16_t* row, const uint16_t* x, int64_t in, float* sums) {
+    __m512 acc[N];
+    for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < in; k += 32) {
+      __builtin_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetch, 0, 3);
+      const __m512bh w = (__m512bh)_mm512_loadu_si512(row + k);
+      for (int t = 0; t < N; ++t)
+        acc[t] = _mm512_dpbf16_ps(acc[t], w, (__m512bh)_mm512_loadu_si512(x + t * in + k));
+    }
+    for (int t = 0; t < N; ++t) sums[t] = _mm512_reduce_add_ps(acc[t]);
+  }
+};
+#endif
+
+// Dot::run<N> for the n (1 <= n <= N) token rows of a tile
+template <typename Dot, int N, typename W, typename X>
+inline void dot_tile(int64_t n, const W* row, const X* x, int64_t in, float* sums) {
+  if constexpr (N > 1) {
+    if (n < N) return dot_tile<Dot, N - 1>(n, row, x, in, sums);
+  }
+  Dot::template run<N>(row, x, in, sums);
+}
+
+// store(t, o, sum) for every token t < tokens and weight row o of w [out, in], the rows
+// taken by torch's threads in turn (dynamic_for), each row read once per Dot::kTokens tokens
+template <typename Dot, typename W, typename X, typename Store>
+void each_row(const X* x, int64_t tokens, const W* w, int64_t in, int64_t out_features,
+              const Store& store) {
+  constexpr int kTokens = Dot::kTokens;
+  dynamic_for(out_features, 16, [&](int64_t first, int64_t last) {
+    float sums[kTokens];
+    for (int64_t o = first; o < last; ++o) {
+      const W* row = w + o * in;
+      for (int64_t t0 = 0; t0 < tokens; t0 += kTokens) {
+        const int64_t n = std::min<int64_t>(kTokens, tokens - t0);
+        dot_tile<Dot, kTokens>(n, row, x + t0 * in, in, sums);
+        for (int64_t t = 0; t < n; ++t) store(t0 + t, o, sums[t]);
+      }
+    }
+  });
 }
 
 // out [tokens, out] = round_bf16(round_bf16(x) . w[o]) * scale[o] for int8 rows w [out, in]
@@ -120,23 +222,52 @@ void int8_rows(const float* x, int64_t tokens, const int8_t* w, const float* sca
                int64_t out_features, float* out) {
   std::vector<float> xs(x, x + tokens * in);
   for (auto& v : xs) v = round_bf16(v);
-  at::parallel_for(0, out_features, 16, [&](int64_t first, int64_t last) {
-    float sums[kTile];
-    for (int64_t o = first; o < last; ++o) {
-      const int8_t* row = w + o * in;
-      for (int64_t t0 = 0; t0 < tokens; t0 += kTile) {
-        const int64_t n = std::min(kTile, tokens - t0);
-        const float* xt = xs.data() + t0 * in;
-        switch (n) {
-          case 1: int8_dot<1>(row, xt, in, sums); break;
-          case 2: int8_dot<2>(row, xt, in, sums); break;
-          case 3: int8_dot<3>(row, xt, in, sums); break;
-          default: int8_dot<4>(row, xt, in, sums); break;
-        }
-        for (int64_t t = 0; t < n; ++t) out[(t0 + t) * out_features + o] = round_bf16(sums[t]) * scale[o];
-      }
-    }
+  each_row<FmaDot>(xs.data(), tokens, w, in, out_features, [&](int64_t t, int64_t o, float sum) {
+    out[t * out_features + o] = round_bf16(sum) * scale[o];
   });
+}
+
+// Whether float_matmul takes x [T, in] by weight [out, in] (else at::linear does)
+bool float_rows_take(const at::Tensor& x, const at::Tensor& weight) {
+  const auto dtype = weight.scalar_type();
+  const int64_t up_to = dtype == at::kBFloat16 ? kBf16RowsUpTo : kFloatRowsUpTo;
+  return x.dim() == 2 && x.size(0) <= up_to && weight.dim() == 2 &&
+         weight.is_contiguous() && x.scalar_type() == dtype &&
+         (dtype == at::kFloat || dtype == at::kBFloat16) && weight.size(1) % 32 == 0 &&
+         x.size(1) == weight.size(1);
+}
+
+// y [T, out] = x . weight^T (+ bias) in x's dtype, float32 sums, for floating weights
+// [out, in]: a few tokens through each_row (float_rows_take), more through at::linear
+at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight,
+                        const std::optional<at::Tensor>& bias) {
+  if (!float_rows_take(x, weight)) return at::linear(x, weight, bias);
+  const at::Tensor xc = x.contiguous();
+  const int64_t tokens = xc.size(0), in = xc.size(1), out_features = weight.size(0);
+  at::Tensor out = at::empty({tokens, out_features}, xc.options());
+  const at::Tensor b = bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  if (xc.scalar_type() == at::kFloat) {
+    float* y = out.data_ptr<float>();
+    each_row<FmaDot>(xc.data_ptr<float>(), tokens, weight.data_ptr<float>(), in, out_features,
+                     [&](int64_t t, int64_t o, float sum) {
+                       y[t * out_features + o] = bp ? sum + bp[o] : sum;
+                     });
+    return out;
+  }
+  at::BFloat16* y = out.data_ptr<at::BFloat16>();
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
+  const auto store = [&](int64_t t, int64_t o, float sum) {
+    y[t * out_features + o] = at::BFloat16(bp ? sum + bp[o] : sum);
+  };
+#if defined(__AVX512BF16__)
+  each_row<Bf16Dot>(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), tokens, w,
+                    in, out_features, store);
+#else
+  const at::Tensor xf = xc.to(at::kFloat);
+  each_row<FmaDot>(xf.data_ptr<float>(), tokens, w, in, out_features, store);
+#endif
+  return out;
 }
 
 // float32 [tokens, out] for x [tokens, in] (any floating dtype) and int8 rows [out, in]
@@ -169,7 +300,7 @@ struct Linear {
   // y [tokens, out] for x [tokens, in], in x's dtype
   at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor y;
-    if (kind == kFloat) return at::linear(x, weight, bias);
+    if (kind == kFloat) return float_matmul(x, weight, bias.defined() ? std::optional(bias) : std::nullopt);
     if (kind == kInt4) {
       y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight, group, scale);
     } else if (kind == kInt8) {  // float32 rows from kDequantizeFrom tokens, as eager
@@ -395,6 +526,7 @@ struct Decoder : torch::CustomClassHolder {
 
 TORCH_LIBRARY(kunlun, m) {
   m.def("int8_matmul(Tensor x, Tensor weight, Tensor scale) -> Tensor", &int8_matmul);
+  m.def("float_matmul(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &float_matmul);
   m.class_<Decoder>("Decoder")
       .def(torch::init<int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor,
                        at::Tensor>())

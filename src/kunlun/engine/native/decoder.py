@@ -69,13 +69,16 @@ class CompiledDecoder:
         return self.logits(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [B, vocab] of final hidden states [B, hidden]: an int8 LM head
-        through the compiled int8 kernel (the eager int8pack kernel's results, faster), below
-        :data:`DEQUANTIZE_FROM_TOKENS` rows as the eager path does; else the model's."""
-        head = self._model.lm_head.int8
-        if head is None or hidden.shape[0] >= DEQUANTIZE_FROM_TOKENS:
+        """Float32 logits [B, vocab] of final hidden states [B, hidden], through the compiled
+        kernels: an int8 LM head as the eager int8pack kernel computes it (below
+        :data:`DEQUANTIZE_FROM_TOKENS` rows, as the eager path does), a floating one as
+        ``F.linear`` does (``float_matmul``: its own kernel for a few rows)."""
+        head = self._model.lm_head
+        if head.int8 is None:
+            return torch.ops.kunlun.float_matmul(hidden, head.weight, None).float()
+        if hidden.shape[0] >= DEQUANTIZE_FROM_TOKENS:
             return self._model.compute_logits(hidden).float()
-        logits = torch.ops.kunlun.int8_matmul(hidden, head.weight, head.scale)
+        logits = torch.ops.kunlun.int8_matmul(hidden, head.int8.weight, head.int8.scale)
         return logits.to(hidden.dtype).float()  # rounded as the eager head rounds them
 
 
