@@ -36,7 +36,12 @@ time, and each process's CPU use (cores) over that run.
 
 Keys: ``platform_vs_engine_16``, ``platform_vs_engine_1``, ``platform_vs_engine_mixed``,
 ``ttft_p50_ms_16`` (the platform's), ``worker_layout``, ``cpu_steal_pct`` (the share of CPU
-time the host took during the whole run), and each side's figures.
+time the host took during the whole run), and each side's figures. ``cpu_ms_per_token``:
+per set, the CPU milliseconds per output token of the worker, the daemon (the gateway) and
+the client (this process, the ``openai`` SDK) during the platform's rounds, each the median
+of the rounds. On a machine whose every core runs the engine's step, the daemon's and the
+client's share are taken from the step: it is what the platform costs beyond the engine
+(the daemon's) and what measuring it costs (the client's).
 
 Usage: ``python benchmarks/serving.py [--threads N] [--quick] [--profile]``.
 """
@@ -238,6 +243,22 @@ def on_second_thread(engine: LLMEngine, batch: list[Request]) -> dict[str, float
     return result[0]
 
 
+def with_cpu(run: Any, platform: subprocess.Popen[bytes]) -> dict[str, Any]:
+    """``run()``'s result with ``cpu_ms_per_token`` of the worker, daemon and client."""
+    import psutil
+
+    processes = {"worker": psutil.Process(worker_pid(platform)),
+                 "daemon": psutil.Process(platform.pid), "client": psutil.Process()}  # fmt: skip
+    before = {name: sum(p.cpu_times()[:2]) for name, p in processes.items()}
+    result = dict(run())
+    tokens = max(result["output_tokens"], 1)
+    result["cpu_ms_per_token"] = {
+        name: round((sum(p.cpu_times()[:2]) - before[name]) * 1e3 / tokens, 3)
+        for name, p in processes.items()
+    }
+    return result
+
+
 def worker_pid(platform: subprocess.Popen[bytes]) -> int:
     import psutil
 
@@ -333,8 +354,11 @@ def main() -> None:
                         if side == "engine":
                             ours[name].append(engine_run(engine, batch, in_flight))
                         else:
-                            theirs[name].append(asyncio.run(client_run(
-                                url, "smollm2", batch, in_flight, {"ignore_eos": True})))  # fmt: skip
+                            send = functools.partial(
+                                client_run, url, "smollm2", batch, in_flight, {"ignore_eos": True}
+                            )
+                            run = functools.partial(asyncio.run, send())
+                            theirs[name].append(with_cpu(run, proc))
                     print(f"{name}: engine {ours[name][-1]['output_tokens_per_s']}, platform "
                           f"{theirs[name][-1]['output_tokens_per_s']}", file=sys.stderr,
                           flush=True)  # fmt: skip
@@ -359,6 +383,11 @@ def main() -> None:
         report["rounds"][name] = [round(r, 3) for r in ratios]
         report[f"platform_vs_engine_{name}"] = round(statistics.median(ratios), 3)
     report["ttft_p50_ms_16"] = best["platform"]["16"]["ttft_p50_ms"]
+    report["cpu_ms_per_token"] = {
+        name: {part: round(statistics.median(r["cpu_ms_per_token"][part] for r in runs), 3)
+               for part in ("worker", "daemon", "client")}
+        for name, runs in theirs.items()
+    }  # fmt: skip
     second = max((r[0] for r in layout), key=lambda r: r["output_tokens_per_s"])
     same = max((r[1] for r in layout), key=lambda r: r["output_tokens_per_s"])
     report["worker_layout"] = {
