@@ -8,11 +8,12 @@
 // registered as torch.ops.kunlun.int8_matmul for the LM head: the arithmetic of torch's
 // int8pack kernel (activations and result rounded to bf16, scales after, in float32),
 // streaming the weights about 1.7x as fast. Floating weights run float_matmul (also
-// torch.ops.kunlun.float_matmul for the LM head): for a few tokens its own kernel, float32
-// sums of each row (bf16 pairs by vdpbf16ps where the CPU has it), up to 1.6x as fast as
-// at::linear on a bf16 model's single stream; past a few tokens at::linear. Both own kernels
-// prefetch ahead along each row and hand rows out to torch's threads in chunks taken in
-// turn (dynamic_for). RMSNorm, rotary, the paged attention of one new token and
+// torch.ops.kunlun.float_matmul for the LM head): bf16 weights through AMX tiles where the
+// CPU has them (up to 48 tokens), else for a few tokens an own kernel of float32 sums per
+// row (bf16 pairs by vdpbf16ps where the CPU has it), past those at::linear; 1.3-1.7x
+// at::linear on the demo's shapes. The own kernels hand rows out to torch's threads in chunks
+// taken in turn (dynamic_for). RMSNorm, rotary, the paged attention of one new token (a task
+// per sequence and KV head, so grouped query heads read the cache once) and
 // SiLU-and-multiply are loops here, in float32, that differ from the eager ones only in the
 // order of their sums.
 
@@ -21,7 +22,9 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
+#include <type_traits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -29,6 +32,11 @@
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KUNLUN_AMX 1
 #endif
 
 namespace {
@@ -39,6 +47,8 @@ struct V16 {
   __m512 v;
 };
 inline V16 zero16() { return {_mm512_setzero_ps()}; }
+inline V16 splat16(float f) { return {_mm512_set1_ps(f)}; }
+inline void store16(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
 inline V16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline V16 fma16(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline float hsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
@@ -54,6 +64,8 @@ struct V16 {
   __m256 a, b;
 };
 inline V16 zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 splat16(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+inline void store16(float* p, V16 x) { _mm256_storeu_ps(p, x.a), _mm256_storeu_ps(p + 8, x.b); }
 inline V16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline V16 fma16(V16 x, V16 y, V16 z) {
   return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)};
@@ -83,6 +95,8 @@ struct V16 {
   v16f v;
 };
 inline V16 zero16() { return {v16f{}}; }
+inline V16 splat16(float f) { return {v16f{} + f}; }
+inline void store16(float* p, V16 a) { std::memcpy(p, &a.v, sizeof a.v); }
 inline V16 load16(const float* p) {
   V16 r;
   std::memcpy(&r.v, p, sizeof r.v);
@@ -188,6 +202,89 @@ struct Bf16Dot {  // bf16 pairs multiplied and summed into float32 lanes (vdpbf1
 };
 #endif
 
+#if defined(KUNLUN_AMX)
+// Whether this process may use AMX tiles: Linux hands out their state on request, once.
+bool amx_usable() {
+  static const bool usable = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return usable;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int64_t kAmxTokens = 48;  // three tiles of 16 tokens
+
+// store(t, o, sum) for bf16 weights w [out, in] (out a multiple of 16, in of 32) and up to
+// kAmxTokens tokens x, B = ceil(tokens / 16): per block of 16 weight rows, tile 0 holds 16
+// rows by 32 bf16 of the weights as they lie in memory, tiles 1..B the same 32 columns of
+// 16 tokens each in pairs (packed below), tiles 4..3+B their 16 x 16 float32 sums.
+template <int B, typename Store>
+void amx_blocks(const uint16_t* packed, int64_t tokens, const uint16_t* w, int64_t in,
+                int64_t out_features, const Store& store) {
+  dynamic_for(out_features / 16, 1, [&](int64_t first, int64_t last) {
+    TileConfig config;
+    for (int t = 0; t < 1 + B; ++t) config.rows[t] = 16, config.bytes_per_row[t] = 64;
+    for (int t = 4; t < 4 + B; ++t) config.rows[t] = 16, config.bytes_per_row[t] = 64;
+    _tile_loadconfig(&config);
+    alignas(64) float sums[16][16];
+    const int64_t stride = in * 2, block_stride = in * 16;  // packed elements per 16 tokens
+    for (int64_t rows = first; rows < last; ++rows) {
+      const uint16_t* a = w + rows * 16 * in;
+      _tile_zero(4);
+      if constexpr (B > 1) _tile_zero(5);
+      if constexpr (B > 2) _tile_zero(6);
+      for (int64_t k = 0; k < in; k += 32) {  // (software prefetching measured slower)
+        _tile_loadd(0, a + k, stride);
+        _tile_loadd(1, packed + k * 16, 64);
+        _tile_dpbf16ps(4, 0, 1);
+        if constexpr (B > 1) {
+          _tile_loadd(2, packed + block_stride + k * 16, 64);
+          _tile_dpbf16ps(5, 0, 2);
+        }
+        if constexpr (B > 2) {
+          _tile_loadd(3, packed + 2 * block_stride + k * 16, 64);
+          _tile_dpbf16ps(6, 0, 3);
+        }
+      }
+      for (int b = 0; b < B; ++b) {
+        if (b == 0) _tile_stored(4, sums, 64);
+        if constexpr (B > 1) if (b == 1) _tile_stored(5, sums, 64);
+        if constexpr (B > 2) if (b == 2) _tile_stored(6, sums, 64);
+        for (int64_t t = b * 16; t < std::min<int64_t>(tokens, b * 16 + 16); ++t)
+          for (int64_t i = 0; i < 16; ++i) store(t, rows * 16 + i, sums[i][t - b * 16]);
+      }
+    }
+    _tile_release();
+  });
+}
+
+// whether amx_rows takes this product (else each_row or at::linear)
+bool amx_takes(int64_t tokens, int64_t in, int64_t out_features) {
+  return tokens <= kAmxTokens && in % 32 == 0 && out_features % 16 == 0 && amx_usable();
+}
+
+// amx_blocks for bf16 tokens x [tokens, in]: x packed as the tiles read it, 16 tokens per
+// block, each column pair of a token together ([block][in / 2][16][2]), zeros past the last
+template <typename Store>
+void amx_rows(const uint16_t* x, int64_t tokens, const uint16_t* w, int64_t in,
+              int64_t out_features, const Store& store) {
+  const int64_t blocks = (tokens + 15) / 16;
+  std::vector<uint16_t> packed(blocks * in * 16, 0);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t k = 0; k < in; ++k)
+      packed[(t / 16) * in * 16 + (k / 2) * 32 + (t % 16) * 2 + k % 2] = x[t * in + k];
+  if (blocks == 1) return amx_blocks<1>(packed.data(), tokens, w, in, out_features, store);
+  if (blocks == 2) return amx_blocks<2>(packed.data(), tokens, w, in, out_features, store);
+  amx_blocks<3>(packed.data(), tokens, w, in, out_features, store);
+}
+#endif
+
 // Dot::run<N> for the n (1 <= n <= N) token rows of a tile
 template <typename Dot, int N, typename W, typename X>
 inline void dot_tile(int64_t n, const W* row, const X* x, int64_t in, float* sums) {
@@ -227,21 +324,30 @@ void int8_rows(const float* x, int64_t tokens, const int8_t* w, const float* sca
   });
 }
 
-// Whether float_matmul takes x [T, in] by weight [out, in] (else at::linear does)
-bool float_rows_take(const at::Tensor& x, const at::Tensor& weight) {
+// Which kernel float_matmul runs for x [T, in] by weight [out, in]
+enum class FloatKernel { kLinear, kRows, kAmx };
+
+FloatKernel float_kernel(const at::Tensor& x, const at::Tensor& weight) {
   const auto dtype = weight.scalar_type();
+  const bool own = x.dim() == 2 && weight.dim() == 2 && weight.is_contiguous() &&
+                   x.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16) &&
+                   weight.size(1) % 32 == 0 && x.size(1) == weight.size(1);
+  if (!own) return FloatKernel::kLinear;
+#if defined(KUNLUN_AMX)
+  if (dtype == at::kBFloat16 && amx_takes(x.size(0), weight.size(1), weight.size(0)))
+    return FloatKernel::kAmx;
+#endif
   const int64_t up_to = dtype == at::kBFloat16 ? kBf16RowsUpTo : kFloatRowsUpTo;
-  return x.dim() == 2 && x.size(0) <= up_to && weight.dim() == 2 &&
-         weight.is_contiguous() && x.scalar_type() == dtype &&
-         (dtype == at::kFloat || dtype == at::kBFloat16) && weight.size(1) % 32 == 0 &&
-         x.size(1) == weight.size(1);
+  return x.size(0) <= up_to ? FloatKernel::kRows : FloatKernel::kLinear;
 }
 
 // y [T, out] = x . weight^T (+ bias) in x's dtype, float32 sums, for floating weights
-// [out, in]: a few tokens through each_row (float_rows_take), more through at::linear
+// [out, in]: a few tokens through each_row, more through at::linear; bf16 up to kAmxTokens
+// through AMX tiles where the CPU has them (float_kernel)
 at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias) {
-  if (!float_rows_take(x, weight)) return at::linear(x, weight, bias);
+  const FloatKernel kernel = float_kernel(x, weight);
+  if (kernel == FloatKernel::kLinear) return at::linear(x, weight, bias);
   const at::Tensor xc = x.contiguous();
   const int64_t tokens = xc.size(0), in = xc.size(1), out_features = weight.size(0);
   at::Tensor out = at::empty({tokens, out_features}, xc.options());
@@ -260,9 +366,15 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight,
   const auto store = [&](int64_t t, int64_t o, float sum) {
     y[t * out_features + o] = at::BFloat16(bp ? sum + bp[o] : sum);
   };
+  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+#if defined(KUNLUN_AMX)
+  if (kernel == FloatKernel::kAmx) {
+    amx_rows(xs, tokens, w, in, out_features, store);
+    return out;
+  }
+#endif
 #if defined(__AVX512BF16__)
-  each_row<Bf16Dot>(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), tokens, w,
-                    in, out_features, store);
+  each_row<Bf16Dot>(xs, tokens, w, in, out_features, store);
 #else
   const at::Tensor xf = xc.to(at::kFloat);
   each_row<FmaDot>(xf.data_ptr<float>(), tokens, w, in, out_features, store);
@@ -434,49 +546,89 @@ struct Decoder : torch::CustomClassHolder {
       std::memcpy(kc + slots[b] * kv_heads * d, k, kv_heads * d * sizeof(T));
       std::memcpy(vc + slots[b] * kv_heads * d, k + kv_heads * d, kv_heads * d * sizeof(T));
     }
-    const int64_t per_kv = heads / kv_heads;
+    const int64_t per_kv = heads / kv_heads;  // query heads kvh * per_kv ... share KV head kvh
     const float scale = 1.f / std::sqrt(float(d));
-    at::parallel_for(0, batch * heads, 1, [&](int64_t first, int64_t last) {
-      std::vector<float> scores, q(d), acc(d);
+    const int64_t longest = *std::max_element(lens, lens + batch);
+    // a task per sequence and KV head: its query heads read each key and value once
+    dynamic_for(batch * kv_heads, 1, [&](int64_t first, int64_t last) {
+      std::vector<float> q(per_kv * d), acc(per_kv * d), scores(per_kv * longest);
+      std::vector<float> top(per_kv), total(per_kv);
       for (int64_t task = first; task < last; ++task) {
-        const int64_t b = task / heads, h = task % heads, kvh = h / per_kv, len = lens[b];
-        for (int64_t i = 0; i < d; ++i) q[i] = f32(qkv[b * width + h * d + i]);
-        scores.resize(len);
-        float top = -INFINITY;
+        const int64_t b = task / kv_heads, kvh = task % kv_heads, len = lens[b];
+        const T* qs = qkv + b * width + kvh * per_kv * d;
+        for (int64_t i = 0; i < per_kv * d; ++i) q[i] = f32(qs[i]);
+        std::fill(top.begin(), top.end(), -INFINITY);
         for (int64_t p = 0; p < len; ++p) {
           const int64_t slot = tables[b * table_width + p / block] * block + p % block;
           const T* key = kc + (slot * kv_heads + kvh) * d;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < d; ++i) dot += q[i] * f32(key[i]);
-          scores[p] = dot * scale;
-          top = std::max(top, scores[p]);
+          for (int64_t j = 0; j < per_kv; ++j) {
+            const float s = dot_row(q.data() + j * d, key, d) * scale;
+            scores[j * longest + p] = s;
+            top[j] = std::max(top[j], s);
+          }
         }
-        float total = 0.f;
         std::fill(acc.begin(), acc.end(), 0.f);
+        std::fill(total.begin(), total.end(), 0.f);
         for (int64_t p = 0; p < len; ++p) {
-          const float e = std::exp(scores[p] - top);
-          total += e;
-          const float weight = f32(T(e));  // torch's flash kernel multiplies V by T(e)
           const int64_t slot = tables[b * table_width + p / block] * block + p % block;
           const T* value = vc + (slot * kv_heads + kvh) * d;
-          for (int64_t i = 0; i < d; ++i) acc[i] += weight * f32(value[i]);
+          for (int64_t j = 0; j < per_kv; ++j) {
+            const float e = std::exp(scores[j * longest + p] - top[j]);
+            total[j] += e;
+            // torch's flash kernel multiplies V by T(e)
+            add_scaled(acc.data() + j * d, f32(T(e)), value, d);
+          }
         }
-        T* o = out + b * heads * d + h * d;
-        for (int64_t i = 0; i < d; ++i) o[i] = T(acc[i] / total);
+        for (int64_t j = 0; j < per_kv; ++j) {
+          T* o = out + b * heads * d + (kvh * per_kv + j) * d;
+          for (int64_t i = 0; i < d; ++i) o[i] = T(acc[j * d + i] / total[j]);
+        }
       }
     });
+  }
+
+  // 16 elements of T as float32
+  template <typename T>
+  static V16 load_t(const T* p) {
+    if constexpr (std::is_same_v<T, float>) return load16(p);
+    else return from_bf16(reinterpret_cast<const uint16_t*>(p));
+  }
+
+  // sum_i q[i] * x[i] for i < n
+  template <typename T>
+  static float dot_row(const float* q, const T* x, int64_t n) {
+    if (n % 16 != 0) {
+      float dot = 0.f;
+      for (int64_t i = 0; i < n; ++i) dot += q[i] * f32(x[i]);
+      return dot;
+    }
+    V16 acc = zero16();
+    for (int64_t i = 0; i < n; i += 16) acc = fma16(load16(q + i), load_t(x + i), acc);
+    return hsum(acc);
+  }
+
+  // acc[i] += w * x[i] for i < n
+  template <typename T>
+  static void add_scaled(float* acc, float w, const T* x, int64_t n) {
+    if (n % 16 != 0) {
+      for (int64_t i = 0; i < n; ++i) acc[i] += w * f32(x[i]);
+      return;
+    }
+    const V16 ws = splat16(w);
+    for (int64_t i = 0; i < n; i += 16) store16(acc + i, fma16(ws, load_t(x + i), load16(acc + i)));
   }
 
   // silu(gate) * up for gate_up [B, 2 * inter] (silu stored in T, then the product)
   template <typename T>
   static void silu_and_mul(const T* gu, int64_t batch, int64_t inter, T* out) {
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t i = 0; i < inter; ++i) {
+    dynamic_for(batch * inter, 256, [&](int64_t first, int64_t last) {
+      for (int64_t n = first; n < last; ++n) {
+        const int64_t b = n / inter, i = n % inter;
         const float g = f32(gu[b * 2 * inter + i]);
         const T silu = T(g / (1.f + std::exp(-g)));
-        out[b * inter + i] = T(f32(silu) * f32(gu[b * 2 * inter + inter + i]));
+        out[n] = T(f32(silu) * f32(gu[b * 2 * inter + inter + i]));
       }
+    });
   }
 
   template <typename T>
