@@ -223,3 +223,31 @@ def test_without_a_compiler_or_switched_off_the_reference_path_runs(
     reason = "no C++ compiler on PATH" if how == "no compiler" else "decode_path=python"
     assert "decode path: python (" in log and reason in log
     assert result["tokens"] == compiled_tokens
+
+
+#: Runs pytest on a library built for another CPU kind: ``-march=haswell`` (AVX2 and FMA, no
+#: AVX-512, no AMX), the code an AVX2 machine builds, checked on whatever CPU runs the suite.
+OTHER_CPU = """
+import sys
+import pytest
+import kunlun.engine.native as native
+native.FLAGS = tuple("-march=haswell" if f == "-march=native" else f for f in native.FLAGS)
+sys.exit(pytest.main(sys.argv[1:]))
+"""
+
+
+def test_an_avx2_build_passes_the_same_checks(tmp_path: Path) -> None:
+    """The kernels' accuracy and the compiled steps against the reference path, every weight
+    scheme, with the library built for AVX2 (into a folder of its own: the build key holds
+    the flags)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file() or " avx2" not in cpuinfo.read_text():
+        pytest.skip("not an x86 CPU with AVX2")
+    env = dict(os.environ, KUNLUN_NATIVE_DIR=str(tmp_path))
+    checks = "matrix_products or match_the_reference_path"
+    done = subprocess.run([sys.executable, "-c", OTHER_CPU, "-q", "-x", "-p", "no:cacheprovider",
+                           __file__, "-k", checks], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "6 passed" in done.stdout, done.stdout[-2000:]
+    assert len(list(tmp_path.glob("kunlun_decode_*.so"))) == 1
