@@ -223,6 +223,15 @@ def test_playground_streams_a_reply_and_shows_the_request(keyed: Any, browser: A
     page.fill("#max_tokens", "64")
     page.fill("#temperature", "0")
     page.fill("#prompt", f"Say hello. {HOSTILE}")
+    # The tiny model writes its 64 tokens faster than the page takes its next read: with
+    # the whole stream in one read the page draws once however it draws. Chromium's own
+    # network throttling spreads the stream's bytes over a few seconds, so that drawing
+    # chunk by chunk shows as the reply growing more than once.
+    cdp = context.new_cdp_session(page)
+    cdp.send("Network.enable")
+    cdp.send("Network.emulateNetworkConditions",
+             {"offline": False, "latency": 0, "downloadThroughput": 4000,
+              "uploadThroughput": -1})  # fmt: skip
     page.evaluate(
         """() => { window.seen = [];
         new MutationObserver(() => { const r = document.querySelector('.msg.assistant');
