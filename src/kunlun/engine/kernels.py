@@ -94,8 +94,8 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel(
         "decode",
         "compiled",
-        "Kunlun's compiled decode step (C++, no Python per layer; int8 rows through its own "
-        "kernel)",
+        "Kunlun's compiled decode step (C++, no Python per layer; int8 rows and floating "
+        "weights through its own kernels: bf16 on AMX tiles where the CPU has them)",
         schemes=("none", *_QUANTIZED),
         device_types=("cpu",),
         condition="float32 or bfloat16 on one rank, built by make setup; else the reference "
