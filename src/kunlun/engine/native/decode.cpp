@@ -157,7 +157,7 @@ void dynamic_for(int64_t n, int64_t min_chunk, const F& f) {
   });
 }
 
-// Dot products of one weight row with N <= kTile token rows: sums[t] = sum_k row[k] *
+// Dot products of one weight row with N <= Dot::kTokens token rows: sums[t] = sum_k row[k] *
 // x[t * in + k], float32 sums, prefetching the row ahead. W is the weight's element type
 // (int8, bf16 as uint16_t, float), X the activations' as the kernel reads them.
 template <typename W>
@@ -366,7 +366,7 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight,
   const auto store = [&](int64_t t, int64_t o, float sum) {
     y[t * out_features + o] = at::BFloat16(bp ? sum + bp[o] : sum);
   };
-  const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+  [[maybe_unused]] const auto* xs = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
 #if defined(KUNLUN_AMX)
   if (kernel == FloatKernel::kAmx) {
     amx_rows(xs, tokens, w, in, out_features, store);
