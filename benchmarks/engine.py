@@ -340,6 +340,13 @@ def run_int4(workload: Workload, repeats: int) -> dict[str, object]:
     engine = make_engine(model_dir, torch.float32, workload)
     ours, theirs = against_llamacpp(engine, gguf, workload, repeats, "w4a16")
     spec = engine.runner.quant_spec
+    from kunlun.engine.models.quant_linear import QuantLinear
+    from kunlun.engine.native import recorded_choice
+
+    record = recorded_choice()
+    kernels = sorted(
+        {m.kernel for m in engine.runner.model.modules() if isinstance(m, QuantLinear)}
+    )
     return {
         "int4_decode_tokens_per_s": round(max(ours), 2),
         "llamacpp_q4_decode_tokens_per_s": round(max(theirs), 2),
@@ -348,6 +355,8 @@ def run_int4(workload: Workload, repeats: int) -> dict[str, object]:
             "gguf": gguf.name,
             "ours": f"{spec.describe() if spec else 'floating'}, fp32 activations",
             "llama_cpp_python": llama_cpp.__version__,
+            "int4_kernels": kernels,
+            "kernel_choice": None if record is None else record.describe(),
         },
     }
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kunlun.engine.model_runner import ModelRunner, StepSeq
+from kunlun.engine.quant import QuantSpec, dequantize, int4_tiles, pack_int4
 from kunlun.errors import ConfigError
 
 SCHEMES = ("none", "w8a16", "w8a8", "w4a16")
@@ -29,10 +30,14 @@ def runner(
                        quantization=quantization, group_size=group)  # fmt: skip
 
 
-def decode_batch(runner: ModelRunner, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+def decode_batch(
+    runner: ModelRunner, prompts: list[list[int]], steps: int, feed: list[list[int]] | None = None
+) -> list[torch.Tensor]:
     """Prefill each prompt alone, then ``steps`` greedy decode steps of all of them together
     (different context lengths: the attention of each row sees only its own); the logits of
-    every decode step."""
+    every decode step. ``feed``: each sequence's tokens after its prompt come from there (the
+    same inputs as another run's), not from this run's own greedy choice; the list is
+    filled with the tokens fed."""
     rng = random.Random(3)
     blocks = rng.sample(range(runner.num_blocks), runner.num_blocks)
     tables, tokens, out = [], [list(p) for p in prompts], []
@@ -40,37 +45,61 @@ def decode_batch(runner: ModelRunner, prompts: list[list[int]], steps: int) -> l
         table = blocks[index * 24 : (index + 1) * 24]
         tables.append(table)
         logits = runner.execute([StepSeq(tokens[index], 0, len(prompt), table)]).logits
-        tokens[index].append(int(logits[0].argmax()))
+        tokens[index].append(feed[index][len(prompt)] if feed else int(logits[0].argmax()))
     for _ in range(steps):
         seqs = [StepSeq(t, len(t) - 1, 1, table) for t, table in zip(tokens, tables, strict=True)]
         logits = runner.execute(seqs).logits
         out.append(logits)
         for row, t in enumerate(tokens):
-            t.append(int(logits[row].argmax()))
+            t.append(feed[row][len(t)] if feed else int(logits[row].argmax()))
+    if feed is not None and not feed:
+        feed.extend(tokens)
     return out
 
 
-#: The largest log-probability difference allowed between the two paths, per scheme. Float
-#: weights: float32 rounding. Quantized ones round activations to bf16 before each matmul
-#: (as torch's int8pack and int4pack kernels take them), where a last-bit difference of a
-#: float32 norm (the two paths sum in different orders) can flip a rounding.
+#: The largest log-probability difference allowed between the compiled step and the
+#: model's modules running the same kernels, per scheme. Float weights: float32 rounding.
+#: Quantized ones round activations to bf16 before each int8 matmul (as torch's int8pack
+#: kernel takes them; every quantized model's LM head is int8 rows), where a last-bit
+#: difference of a float32 norm (the two paths sum in different orders) can flip a rounding.
 TOLERANCE = {"none": 1e-4, "w8a16": 5e-3, "w8a8": 5e-3, "w4a16": 3e-2}
+
+
+def eager(model_dir: Path, scheme: str, dtype: torch.dtype = torch.float32) -> ModelRunner:
+    """A model loaded as the compiled path loads it (the same kernels for its quantized
+    layers: Kunlun's int4 kernel where this CPU's measurement chose it), stepping through
+    its modules."""
+    loaded = runner(model_dir, "compiled", scheme, dtype)
+    loaded.compiled = None
+    return loaded
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_compiled_steps_match_the_reference_path(scheme: str, make_tiny_model) -> None:
+    """The compiled step against the model's modules with the same kernels: the same greedy
+    tokens, log-probabilities to float32 rounding (or a bf16 rounding of the activations the
+    int8 kernels take). Against the reference path, torch's kernels only (for int4: torch's
+    int4pack, which rounds the activations, scales and zero points to bf16), fed the same
+    tokens: far closer than quantizing the weights moves either, and the same greedy token
+    but where the reference's top two are within a rounding of a tie."""
     model_dir = make_tiny_model("Qwen3ForCausalLM", False)  # per-head q/k norms
     compiled, reference = runner(model_dir, "compiled", scheme), runner(model_dir, "python", scheme)
     assert compiled.decode_status.path == "compiled" and compiled.compiled is not None
     assert reference.decode_status.path == "python" and reference.compiled is None
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (3, 17, 40)]
-    ours, theirs = decode_batch(compiled, prompts, 24), decode_batch(reference, prompts, 24)
-    floating = decode_batch(runner(model_dir, "python"), prompts, 24)
-    for step, (a, b, f) in enumerate(zip(ours, theirs, floating, strict=True)):
-        assert torch.equal(a.argmax(-1), b.argmax(-1)), (scheme, step)
-        a, b, f = a.log_softmax(-1), b.log_softmax(-1), f.log_softmax(-1)
-        torch.testing.assert_close(a, b, atol=TOLERANCE[scheme], rtol=0)
+    fed: list[list[int]] = []
+    ours = decode_batch(compiled, prompts, 24, fed)
+    modules = decode_batch(eager(model_dir, scheme), prompts, 24)
+    theirs = decode_batch(reference, prompts, 24, fed)
+    floating = decode_batch(runner(model_dir, "python"), prompts, 24, fed)
+    for step, (a, e, b, f) in enumerate(zip(ours, modules, theirs, floating, strict=True)):
+        assert torch.equal(a.argmax(-1), e.argmax(-1)), (scheme, step)
+        a, e, b, f = (t.log_softmax(-1) for t in (a, e, b, f))
+        torch.testing.assert_close(a, e, atol=TOLERANCE[scheme], rtol=0)
+        our_top, their_top = a.argmax(-1, keepdim=True), b.argmax(-1, keepdim=True)
+        margin = b.gather(-1, their_top) - b.gather(-1, our_top)  # 0 where both agree
+        assert bool((margin <= 2 * TOLERANCE[scheme]).all()), (scheme, step, margin)
         if scheme != "none":  # far inside what quantizing the weights changes
             assert (a - b).abs().max() < (b - f).abs().max() / 10, (scheme, step)
 
@@ -100,7 +129,7 @@ def test_compiled_bf16_steps_track_the_reference_path(scheme: str, make_tiny_mod
     assert our_error < 1.25 * their_error, (scheme, our_error, their_error)
     assert agree >= 14, (scheme, agree)  # the same greedy tokens, but for near ties
     single = decode_batch(compiled, prompts[:1], 6)
-    reference = decode_batch(runner(model_dir, "python", scheme, bf16), prompts[:1], 6)
+    reference = decode_batch(eager(model_dir, scheme, bf16), prompts[:1], 6)
     for a, b in zip(single, reference, strict=True):
         assert torch.equal(a.argmax(-1), b.argmax(-1)), scheme
         torch.testing.assert_close(a.log_softmax(-1), b.log_softmax(-1), atol=0.05, rtol=0)
@@ -110,9 +139,11 @@ def test_compiled_bf16_steps_track_the_reference_path(scheme: str, make_tiny_mod
 def test_the_compiled_matrix_products_are_as_accurate_as_torchs(dtype: torch.dtype) -> None:
     """``float_matmul`` (AMX tiles for bf16 up to 48 rows where the CPU has them and the
     widths fit (208 outputs; not 200), its own row kernel for a few rows, F.linear past them
-    and for widths that are no multiple of 32) and ``int8_matmul`` against float64
+    and for widths that are no multiple of 32), ``int8_matmul`` and ``int4_matmul`` (its
+    tiles up to 32 rows, dequantized tiles through torch.mm past them) against float64
     references, for 1 to 50 rows: no worse than torch's own kernels, and only last-bit
-    roundings apart from them. (``-march=haswell`` builds of the library pass this file
+    roundings apart from them (int8) or within float32 rounding of the exact product (int4,
+    float32 activations). (``-march=haswell`` builds of the library pass this file
     too: docs/engines.md.)"""
     from kunlun.engine.native import load
 
@@ -138,6 +169,32 @@ def test_the_compiled_matrix_products_are_as_accurate_as_torchs(dtype: torch.dty
         ours = torch.ops.kunlun.int8_matmul(x, q, scale.float())
         theirs = torch._weight_int8pack_mm(x.to(torch.bfloat16), q, scale)
         torch.testing.assert_close(ours, theirs.float(), rtol=2**-7, atol=1e-3)
+        for n, group in ((64, 32), (96, 128)):  # int4: tiles of 32 rows, below and past 32 rows
+            x = torch.randn(rows, 256, generator=generator).to(dtype)
+            q = torch.randint(0, 16, (n, 256), dtype=torch.uint8, generator=generator)
+            scale = (torch.rand(n, 256 // group, generator=generator) / 50).half().float()
+            minimum = (
+                (-8 * scale + torch.randn(scale.shape, generator=generator) / 100).half().float()
+            )
+            canonical = {
+                "weight_packed": pack_int4(q),
+                "weight_scale": scale,
+                "weight_min": minimum,
+            }
+            exact = x.double() @ dequantize(canonical, QuantSpec("w4a16", group)).double().T
+            tiles = int4_tiles(canonical["weight_packed"], scale, minimum, group)
+            ours = torch.ops.kunlun.int4_matmul(x, *tiles, group)
+            pairs = torch.stack((scale.t(), (minimum + 8 * scale).t()), -1).to(torch.bfloat16)
+            packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            theirs = torch._weight_int4pack_mm_for_cpu(
+                x.bfloat16(), packed, group, pairs.contiguous()
+            )
+            assert ours.dtype == dtype and ours.shape == (rows, n)
+            ours_error = (ours.double() - exact).abs().max()
+            theirs_error = (theirs.double() - exact).abs().max()
+            assert ours_error <= 2 * theirs_error + 1e-5, (rows, n, group, ours_error, theirs_error)
+            if dtype == torch.float32:  # float32 sums of float32 products: float32 rounding
+                assert ours_error < 1e-4 * exact.abs().max(), (rows, n, group, ours_error)
 
 
 def test_attention_bias_and_tied_llama3_rope_match(make_tiny_model) -> None:
@@ -251,3 +308,33 @@ def test_an_avx2_build_passes_the_same_checks(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert "6 passed" in done.stdout, done.stdout[-2000:]
     assert len(list(tmp_path.glob("kunlun_decode_*.so"))) == 1
+
+
+def test_the_int4_kernel_is_chosen_by_a_measurement_recorded_per_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loaded library's measurement (both int4 kernels on the same products) names the
+    faster one; its record is read back only for this CPU and this source, newest first."""
+    from kunlun.engine import native
+
+    assert native.load().compiled
+    measured = native._measure()
+    assert set(measured.figures) == {"int4_matmul", "int4pack"}
+    faster = min(measured.figures, key=measured.figures.__getitem__)
+    assert measured.native_ops == (("int4_matmul",) if faster == "int4_matmul" else ())
+    assert "int4_matmul" in measured.describe() and "best of" in measured.describe()
+    record = measured.to_record()
+    assert native.NativeChoice.from_record(json.loads(json.dumps(record))) == measured
+    assert native.NativeChoice.from_record({**record, "cpu": "another CPU"}) is None
+    assert native.NativeChoice.from_record({**record, "source": "0" * 16}) is None
+    monkeypatch.setenv("KUNLUN_NATIVE_DIR", str(tmp_path))
+    other = native.NativeChoice(("int4_matmul",), {"int4_matmul": 1.0, "int4pack": 9.0}, "x")
+    ours = tmp_path / "kunlun_decode_0.choice.json"
+    ours.write_text(json.dumps(other.to_record()))
+    assert native.recorded_choice() == other  # the newest record for this CPU
+    (tmp_path / "kunlun_decode_1.choice.json").write_text(
+        json.dumps({**other.to_record(), "cpu": "another CPU", "native_ops": []})
+    )
+    assert native.recorded_choice() == other  # another CPU's record is not this one's
+    ours.write_text("{not json")
+    assert native.recorded_choice() != other  # unreadable: the next record for this CPU

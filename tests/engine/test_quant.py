@@ -17,6 +17,7 @@ from kunlun.engine.convert import prepare_weights, write_quantized
 from kunlun.engine.llm import LLM
 from kunlun.engine.model_runner import ModelRunner, StepSeq
 from kunlun.engine.models.quant_linear import QuantLinear
+from kunlun.engine.native import native_ops
 from kunlun.engine.quant import (
     QuantSpec,
     _int8_scales,
@@ -251,6 +252,8 @@ def test_prepare_weights_quantizes_once_into_the_plan_cache(
     assert again == target and line.startswith("conversion: reused ")
     runner = ModelRunner(loaded, num_blocks=8, quantization="w4a16")
     kernels = {m.kernel for m in runner.model.modules() if isinstance(m, QuantLinear)}
-    assert kernels <= {"int4pack", "dequantize"} and "int4pack" in kernels
+    # Kunlun's int4 kernel where the compiled library's measurement on this CPU chose it
+    measured = "int4" if "int4_matmul" in native_ops(None) else "int4pack"
+    assert kernels == {measured}
     # floating weights already in the plan dtype and no quantization: nothing to do
     assert prepare_weights(source, tmp_path / "other", "fp32")[0] == source

@@ -7,6 +7,7 @@ import pytest
 from tests.planner.conftest import EditConfig, model, node
 
 from kunlun.device.inventory import build_inventory
+from kunlun.engine.native import recorded_choice
 from kunlun.planner import operators
 from kunlun.planner.capacity import capacity_of
 from kunlun.planner.engine_options import engine_options
@@ -74,7 +75,13 @@ def test_the_operator_report_is_what_the_engine_runs_and_names_what_the_chip_off
     assert quantized.fallback and quantized.implementation.startswith("dequantize")
     on_cpu = operators.choose_operators("cpu", "w4a16")
     assert not any(c.fallback for c in on_cpu.values())
-    assert on_cpu["matmul"].implementation.startswith("torch._weight_int4pack_mm_for_cpu")
+    record = recorded_choice()  # int4 on this CPU: the kernel measured faster, with its figures
+    assert record is not None, "make setup builds and measures the compiled library"
+    int4 = (
+        "Kunlun's int4 kernel" if "int4_matmul" in record.native_ops else "torch._weight_int4pack"
+    )
+    assert on_cpu["matmul"].implementation.startswith(int4)
+    assert record.describe() in on_cpu["matmul"].why and "int4pack" in record.describe()
     assert on_cpu["decode"].implementation.startswith("Kunlun's compiled decode step")
     assert "float32 or bfloat16 on one rank" in on_cpu["decode"].implementation
     cuda = operators.choose_operators("cuda", "w8a8")["matmul"]  # NVIDIA offers nothing else
@@ -91,14 +98,20 @@ def test_the_quantized_layers_run_the_kernel_the_plan_reports() -> None:
     from kunlun.engine.quant import QuantSpec
 
     CPU = torch.device("cpu")
-    for scheme, key in (("w8a16", "int8pack"), ("w8a8", "int8pack"), ("w4a16", "int4pack")):
+    record = recorded_choice()
+    assert record is not None, "make setup builds and measures the compiled library"
+    int4 = "int4" if "int4_matmul" in record.native_ops else "int4pack"
+    for scheme, key in (("w8a16", "int8pack"), ("w8a8", "int8pack"), ("w4a16", int4)):
         spec = QuantSpec(scheme, 32 if scheme == "w4a16" else None)
         layer = QuantLinear(64, 32, spec, bias=False, dtype=torch.float32, device=CPU)
-        layer.prepare()
+        for tensor in layer.canonical().values():  # as if loaded (empty memory may hold NaN)
+            tensor.zero_()
+        layer.prepare(record.native_ops)
         assert layer.kernel == key
         reported = operators.choose_operators("cpu", scheme)["matmul"].implementation
-        assert reported.startswith({"int8pack": "torch._weight_int8pack_mm",
-                                    "int4pack": "torch._weight_int4pack_mm_for_cpu"}[key])  # fmt: skip
+        assert reported.startswith({"int8pack": "torch._weight_int8pack_mm", "int4":
+                                    "Kunlun's int4 kernel", "int4pack":
+                                    "torch._weight_int4pack_mm_for_cpu"}[key])  # fmt: skip
 
 
 def test_vendor_attributes_become_engine_options_and_environment() -> None:

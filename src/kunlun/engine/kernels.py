@@ -6,8 +6,11 @@ preference; the first whose conditions hold on a device is the one the engine ru
 torch device type it is limited to (or excluded from), a weight quantization scheme, and a
 private torch function it needs (checked with ``hasattr`` where torch is imported: by the
 engine when it loads, never by the planner, which stays torch-free and reports what the
-pinned torch has). Every kernel here is torch's own, run through its dispatcher on the
-device's backend (the CPU's, CUDA's, or the one a vendor's extension registers); a fused
+pinned torch has). Kernels are torch's own, run through its dispatcher on the device's
+backend (the CPU's, CUDA's, or the one a vendor's extension registers), or Kunlun's own
+operators of the compiled library (:mod:`kunlun.engine.native`), which run where that library
+is loaded and, where torch has a kernel for the same job, where the library's measurement on
+the CPU (``python -m kunlun.engine.native``, run by ``make setup``) found them faster; a fused
 kernel a vendor library offers and the engine does not call is the device plugin's fact
 (:attr:`kunlun.device.plugin.DevicePlugin.vendor_kernels`), and the planner reports the op as
 a fallback there. Torch-free: the planner and the CLI import it.
@@ -15,7 +18,7 @@ a fallback there. Torch-free: the planner and the CLI import it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 OPERATORS: tuple[str, ...] = ("attention", "rmsnorm", "rotary", "matmul", "decode")
@@ -40,6 +43,9 @@ class Kernel:
     """A private torch function it needs (absent from some builds)."""
     condition: str | None = None
     """A per-layer condition the engine checks when it loads (said in the report)."""
+    native_op: str | None = None
+    """Kunlun's own operator it runs (``torch.ops.kunlun.<native_op>``): only where the
+    compiled library is loaded and its measurement on the CPU chose it."""
 
     def serves(self, device_type: str, scheme: str) -> bool:
         return (
@@ -80,6 +86,17 @@ KERNELS: tuple[Kernel, ...] = (
     ),  # fmt: skip
     Kernel(
         "matmul",
+        "int4",
+        "Kunlun's int4 kernel (tiles of 32 rows widened to float32 in registers, float32 "
+        "sums; past 32 tokens, tiles dequantized for torch.mm)",
+        schemes=("w4a16",),
+        device_types=("cpu",),
+        condition="where the compiled library is built and measured faster than torch's "
+        "int4pack on this CPU, for layers whose output width is a multiple of 32",
+        native_op="int4_matmul",
+    ),  # fmt: skip
+    Kernel(
+        "matmul",
         "int4pack",
         "torch._weight_int4pack_mm_for_cpu",
         schemes=("w4a16",),
@@ -94,8 +111,9 @@ KERNELS: tuple[Kernel, ...] = (
     Kernel(
         "decode",
         "compiled",
-        "Kunlun's compiled decode step (C++, no Python per layer; int8 rows and floating "
-        "weights through its own kernels: bf16 on AMX tiles where the CPU has them)",
+        "Kunlun's compiled decode step (C++, no Python per layer; int8 rows, floating weights "
+        "and, where measured faster, int4 tiles through its own kernels: bf16 on AMX tiles "
+        "where the CPU has them)",
         schemes=("none", *_QUANTIZED),
         device_types=("cpu",),
         condition="float32 or bfloat16 on one rank, built by make setup; else the reference "
@@ -115,16 +133,26 @@ def candidates(
     device_type: str,
     scheme: str,
     has_function: Callable[[str], bool] | None = None,
+    native_ops: Collection[str] | None = None,
 ) -> list[Kernel]:
     """The kernels of ``op`` for ``scheme`` on torch device type ``device_type``, best
     first; ``has_function`` says whether torch has a private function (None: assume the
-    pinned torch, which has them all). The last one always runs."""
+    pinned torch, which has them all); ``native_ops`` are Kunlun's own operators the process
+    runs (None: those the record of this CPU's measurement chose,
+    :func:`kunlun.engine.native.recorded_choice`, where the engine would load the library).
+    The last one always runs."""
+    if native_ops is None:
+        from kunlun.engine.native import recorded_choice
+
+        record = recorded_choice()
+        native_ops = () if record is None else record.native_ops
     found = [
         k
         for k in KERNELS
         if k.op == op
         and k.serves(device_type, scheme)
         and (k.torch_function is None or has_function is None or has_function(k.torch_function))
+        and (k.native_op is None or k.native_op in native_ops)
     ]
     if not found:
         raise ValueError(f"no kernel for {op} with {scheme} weights on {device_type}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -96,10 +97,13 @@ def load_weights(
     model: LlamaForCausalLM,
     model_dir: str | Path,
     replacements: dict[str, torch.Tensor] | None = None,
+    native_ops: Collection[str] = (),
 ) -> None:
     """Copy every parameter of ``model`` from the checkpoint in ``model_dir``; a checkpoint
     name in ``replacements`` takes that tensor instead of the file's (the smoothed weights of
-    :func:`kunlun.engine.smooth.smoothed_tensors`; whole tensors, one rank only).
+    :func:`kunlun.engine.smooth.smoothed_tensors`; whole tensors, one rank only). Quantized
+    layers are then prepared for their kernels (``native_ops``:
+    :meth:`~kunlun.engine.models.quant_linear.QuantLinear.prepare`).
 
     Raises :class:`CorruptWeights` naming the file when a safetensors header cannot be read,
     and :class:`ModelError` naming the tensor and file when a tensor is missing or has the
@@ -122,7 +126,7 @@ def load_weights(
     _check_complete(model, params, filled, files)
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            module.prepare()
+            module.prepare(native_ops)
 
 
 def _load_file(

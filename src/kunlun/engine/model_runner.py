@@ -24,6 +24,7 @@ from kunlun.engine.loader import load_weights, stored_quantized_layers
 from kunlun.engine.models import build_model
 from kunlun.engine.models.llama import LlamaForCausalLM
 from kunlun.engine.models.quant_linear import quantize_linears
+from kunlun.engine.native import native_ops
 from kunlun.engine.native.decoder import compiled_decoder
 from kunlun.engine.outputs import DecodeTime
 from kunlun.engine.parallel import SINGLE, TPGroup
@@ -124,6 +125,9 @@ class ModelRunner:
         """The weights' quantization (None: floating point)."""
         if self.quant_spec is not None:
             raise_if_quantized_split(self.quant_spec.scheme, group.size)
+        quantized_on_cpu = self.quant_spec is not None and self.device.type == "cpu"
+        self._native_ops = native_ops(decode_path) if quantized_on_cpu else frozenset[str]()
+        """Kunlun's own kernels the quantized layers may run (the library's measured choice)."""
         self.model = self._load_model(Path(model_dir))
         self.num_blocks = self._num_blocks(num_blocks, kv_cache_memory_bytes)
         self._allocate_kv_cache()
@@ -147,7 +151,8 @@ class ModelRunner:
             quantize_linears(
                 model, self.quant_spec, self.dtype, self._quantized_modules(model, model_dir)
             )
-        load_weights(model, model_dir, smoothed_tensors(model_dir, self.quant_spec))
+        load_weights(model, model_dir, smoothed_tensors(model_dir, self.quant_spec),
+                     self._native_ops)  # fmt: skip
         if self.quant_spec is not None:
             model.lm_head.quantize_int8()
         return model.eval().requires_grad_(False)

@@ -248,6 +248,31 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)
 
 
+INT4_TILE_ROWS = 32
+"""Output rows per tile of the compiled int4 kernel (``decode.cpp``'s ``int4_matmul``)."""
+
+
+def int4_tiles(
+    packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled int4 kernel's layout of ``w4a16`` tensors (``out`` a multiple of
+    :data:`INT4_TILE_ROWS`): uint8 tiles [out / 32, in, 16], byte ``j`` of column ``k`` holding
+    row ``j`` of the tile at ``k`` in its low nibble and row ``j + 16`` in its high one; and
+    float16 [out / 32, in / group_size, 2, 32], per tile and group the 32 rows' scales, then
+    their minimums. The same 4 bits per weight (plus 4 bytes per row and group); float16
+    holds a GGUF file's scales exactly."""
+    import torch
+
+    q = unpack_int4(packed)
+    out_features, in_features = q.shape
+    rows = q.reshape(out_features // INT4_TILE_ROWS, 2, INT4_TILE_ROWS // 2, in_features)
+    tiles = (rows[:, 0] | (rows[:, 1] << 4)).transpose(1, 2).contiguous()
+    pairs = torch.stack((scale, minimum)).reshape(
+        2, out_features // INT4_TILE_ROWS, INT4_TILE_ROWS, in_features // group_size
+    )
+    return tiles, pairs.permute(1, 3, 0, 2).to(torch.float16).contiguous()
+
+
 def read_spec(model_dir: str | Path) -> QuantSpec | None:
     """The scheme a model directory's ``config.json`` says its weights are in (None when it
     has no ``quantization_config``).

@@ -7,6 +7,9 @@ engine dispatches with; what the device could run besides is its plugin's
 libraries the engine does not call). An op is a *fallback* when the plugin offers such a
 kernel for it, or when no plugin registers the device type with torch here: the plan lists
 it under ``fallback_ops`` with the reason, so that what a chip lacks in Kunlun is visible.
+Where Kunlun's compiled library has its own kernel for an op that torch also has (int4
+weights on the CPU), the choice between them is the one measured on this CPU
+(:func:`kunlun.engine.native.recorded_choice`), and the report says the figures.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from kunlun.device.registry import plugin_for_torch_device
-from kunlun.engine.kernels import OPERATORS, candidates
+from kunlun.engine.kernels import KERNELS, OPERATORS, candidates
+from kunlun.engine.native import recorded_choice
 
 __all__ = ["OPERATORS", "OperatorChoice", "choose_operators"]
 
@@ -36,9 +40,11 @@ def choose_operators(torch_device_type: str, quantization: str) -> dict[str, Ope
     (decided once per process; callers must not modify the result)."""
     plugin = plugin_for_torch_device(torch_device_type)
     offered = {} if plugin is None else dict(plugin.vendor_kernels)
+    record = recorded_choice()
+    native = () if record is None else record.native_ops
     out: dict[str, OperatorChoice] = {}
     for op in OPERATORS:
-        kernel = candidates(op, torch_device_type, quantization)[0]
+        kernel = candidates(op, torch_device_type, quantization, None, native)[0]
         name = kernel.name if kernel.condition is None else f"{kernel.name} ({kernel.condition})"
         if plugin is None:
             why = f"no device plugin registers {torch_device_type} with torch: generic torch"
@@ -48,5 +54,14 @@ def choose_operators(torch_device_type: str, quantization: str) -> dict[str, Ope
             out[op] = OperatorChoice(name, True, why)
         else:
             where = plugin.torch_module or "torch"
-            out[op] = OperatorChoice(name, False, f"the engine's kernel, through {where}")
+            why = f"the engine's kernel, through {where}"
+            if any(k.native_op and k.op == op and k.serves(torch_device_type, quantization)
+                   for k in KERNELS):  # fmt: skip
+                why += "; " + (
+                    "Kunlun's own kernel is not measured on this CPU (make setup builds and "
+                    "measures the compiled library)"
+                    if record is None
+                    else record.describe()
+                )
+            out[op] = OperatorChoice(name, False, why)
     return out

@@ -24,8 +24,14 @@ So on the CPU:
   kernel multiplies them (int8 values are exact in bf16, products accumulate in float32),
   then the row and column scales are applied in float32. ``torch._int_mm`` is 15-25 times
   slower than that on this CPU.
-- ``w4a16``: ``_convert_weight_to_int4pack_for_cpu`` + ``_weight_int4pack_mm_for_cpu`` with
-  bf16 activations (needs ``out % 16 == 0``; otherwise the fallback).
+- ``w4a16``: Kunlun's own int4 kernel (``torch.ops.kunlun.int4_matmul`` of the compiled
+  library, :mod:`kunlun.engine.native`: weights in tiles of 32 rows widened to float32 in
+  registers, float32 activations and sums; past 32 tokens, tiles dequantized for
+  ``torch.mm``) where the library is loaded and its measurement on the CPU found it faster
+  than torch's (needs ``out % 32 == 0``); else ``_convert_weight_to_int4pack_for_cpu`` +
+  ``_weight_int4pack_mm_for_cpu`` with bf16 activations (needs ``out % 16 == 0``); else the
+  fallback. Which one a process may run is the ``native_ops`` :meth:`QuantLinear.prepare`
+  is given (the reference path, ``decode_path=python``, runs torch's).
 
 The LM head of a quantized model (a floating tensor in every checkpoint, often tied to the
 embedding) runs through the same int8pack kernel on the CPU (:class:`Int8Rows`): it is the
@@ -44,12 +50,21 @@ reports.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kunlun.engine.kernels import candidates
-from kunlun.engine.quant import QuantSpec, dequantize, quantize, unpack_int4
+from kunlun.engine.quant import (
+    INT4_TILE_ROWS,
+    QuantSpec,
+    dequantize,
+    int4_tiles,
+    quantize,
+    unpack_int4,
+)
 from kunlun.engine.schemes import INT8_SCHEMES
 
 DEQUANTIZE_FROM_TOKENS = 48
@@ -92,7 +107,7 @@ class QuantLinear(nn.Module):
         self.spec = spec
         self.shards = None if shards is None else dict(shards)
         self.kernel = "unprepared"
-        """The path :meth:`forward` takes: int8pack, int_mm, int4pack or dequantize."""
+        """The path :meth:`forward` takes: int8pack, int_mm, int4, int4pack or dequantize."""
         for suffix, (shape, tensor_dtype) in self._canonical_shapes().items():
             self.register_buffer(suffix, torch.empty(shape, dtype=tensor_dtype, device=device))
         self.bias = (
@@ -138,15 +153,21 @@ class QuantLinear(nn.Module):
         )
         return rows, self.in_features
 
-    def prepare(self) -> None:
+    def prepare(self, native_ops: Collection[str] = ()) -> None:
         """Choose the kernel for this device and repack the loaded tensors for it (once,
-        after loading)."""
+        after loading); ``native_ops`` are Kunlun's own operators this process runs
+        (:func:`kunlun.engine.native.native_ops`; none: torch's kernels)."""
         device = self.weight_scale.device
-        found = candidates("matmul", device.type, self.spec.scheme, _has_function)
-        self.kernel = next(
-            k.key for k in found if k.key != "int4pack" or self.out_features % 16 == 0
-        )
-        if self.kernel == "int8pack":
+        found = candidates("matmul", device.type, self.spec.scheme, _has_function, native_ops)
+        self.kernel = next(k.key for k in found if self._fits(k.key))
+        if self.kernel == "int4":
+            group_size = self.spec.group_size or self.in_features
+            self._packed, self._scales_zeros = int4_tiles(
+                self.weight_packed, self.weight_scale, self.weight_min, group_size
+            )
+            for suffix in self.spec.tensor_suffixes:  # the kernel's copy replaces them
+                setattr(self, suffix, torch.empty(0, device=device))
+        elif self.kernel == "int8pack":
             self._unit_scale = torch.ones(self.out_features, dtype=torch.bfloat16, device=device)
         elif self.kernel == "int4pack":
             values = unpack_int4(self.weight_packed).to(torch.int32)
@@ -158,8 +179,21 @@ class QuantLinear(nn.Module):
             for suffix in self.spec.tensor_suffixes:  # the kernel's copy replaces them
                 setattr(self, suffix, torch.empty(0, device=device))
 
+    def _fits(self, kernel: str) -> bool:
+        """Whether this layer's shape and scales suit ``kernel``."""
+        if kernel == "int4":  # tiles of 32 rows; float16 scales and minimums
+            finite = bool(torch.isfinite(self.weight_scale.half()).all()) and bool(
+                torch.isfinite(self.weight_min.half()).all()
+            )
+            return self.out_features % INT4_TILE_ROWS == 0 and finite
+        return kernel != "int4pack" or self.out_features % 16 == 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, in] -> [T, out] in ``x``'s dtype."""
+        if self.kernel == "int4":
+            group_size = self.spec.group_size or self.in_features
+            out = torch.ops.kunlun.int4_matmul(x, self._packed, self._scales_zeros, group_size)
+            return out if self.bias is None else out + self.bias
         if self.kernel == "int8pack":
             out = self._int8pack(x)
         elif self.kernel == "int_mm" and x.shape[0] > 16:

@@ -1,8 +1,8 @@
 """Kunlun's compiled decode path: ``decode.cpp`` built once per CPU and loaded into torch.
 
-The library registers ``torch.ops.kunlun.int8_matmul``, ``torch.ops.kunlun.float_matmul``
-and the class ``torch.classes.kunlun.Decoder`` (a whole decode step in C++; see
-:mod:`kunlun.engine.native.decoder`). It is compiled with the machine's C++ compiler (the one
+The library registers ``torch.ops.kunlun.int8_matmul``, ``torch.ops.kunlun.float_matmul``,
+``torch.ops.kunlun.int4_matmul`` and the class ``torch.classes.kunlun.Decoder`` (a whole
+decode step in C++; see :mod:`kunlun.engine.native.decoder`). It is compiled with the machine's C++ compiler (the one
 ``make llama-server`` needs) against the installed torch, ``-O3 -march=native``, so a build
 is only good for the CPU, torch and source it was made from: its file name carries a key of
 all three, and a machine with another CPU builds its own.
@@ -17,18 +17,27 @@ the library loads, ``python`` (the reference path, every module in Python) when 
 asks for it (``decode_path="python"``, or ``KUNLUN_DECODE_PATH=python``), no compiler is
 found or the build fails; the engine logs it. ``python -m kunlun.engine.native`` builds and
 prints the library's path (``make setup`` runs it).
+
+Where torch has a kernel for the same job as one of the library's operators (int4 weights:
+``torch._weight_int4pack_mm_for_cpu``), which one runs on a CPU is measured, not assumed: the
+first process that loads a library times both on the same products and records the outcome
+beside it (``<library>.choice.json``, :class:`NativeChoice`); every later model load reads
+the record, and the planner reports from it (:func:`recorded_choice`), so a plan says what
+was measured on the CPU.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -71,6 +80,44 @@ class NativeStatus:
     @property
     def compiled(self) -> bool:
         return self.path == "compiled"
+
+
+@dataclass(frozen=True)
+class NativeChoice:
+    """What the measurement of a library on its CPU chose: which of Kunlun's own operators
+    run where torch has a kernel for the same job, and the figures behind it."""
+
+    native_ops: tuple[str, ...]
+    """Operators that run (``torch.ops.kunlun.<name>``)."""
+    figures: dict[str, float]
+    """Milliseconds per measured round, by kernel."""
+    detail: str
+    """What was measured."""
+
+    def describe(self) -> str:
+        figures = ", ".join(f"{name} {ms:.3f} ms" for name, ms in self.figures.items())
+        return f"measured on this CPU: {figures} ({self.detail})"
+
+    def to_record(self) -> dict[str, object]:
+        return {"cpu": cpu_identity(), "source": source_digest(), "native_ops": list(
+            self.native_ops), "figures": self.figures, "detail": self.detail}  # fmt: skip
+
+    @classmethod
+    def from_record(cls, raw: object) -> NativeChoice | None:
+        """The choice a record holds, or None where it is not one for this CPU and source."""
+        if not isinstance(raw, dict) or raw.get("cpu") != cpu_identity():
+            return None
+        ops, figures, detail = raw.get("native_ops"), raw.get("figures"), raw.get("detail")
+        if raw.get("source") != source_digest() or not isinstance(ops, list):
+            return None
+        if not isinstance(figures, dict) or not isinstance(detail, str):
+            return None
+        return cls(tuple(map(str, ops)), {str(k): float(v) for k, v in figures.items()}, detail)
+
+
+def source_digest() -> str:
+    """A digest of ``decode.cpp`` (a record is good for the source it measured)."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
 def compiler() -> str | None:
@@ -240,10 +287,113 @@ def load(setting: str | None = None) -> NativeStatus:
     return NativeStatus("compiled", f"compiled decode library {path}")
 
 
+def _record_path(library: Path) -> Path:
+    return library.with_name(library.stem + ".choice.json")
+
+
+def recorded_choice() -> NativeChoice | None:
+    """The newest record of a measurement on this CPU of this source, in any build folder;
+    None where no library was measured here. Torch-free (the planner reads it)."""
+    records = []
+    for folder in build_dirs():
+        try:
+            records += [(p.stat().st_mtime, p) for p in folder.glob("kunlun_decode_*.choice.json")]
+        except OSError:
+            continue
+    for _, path in sorted(records, reverse=True):
+        try:
+            found = NativeChoice.from_record(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError, TypeError):
+            continue
+        if found is not None:
+            return found
+    return None
+
+
+@cache
+def choice() -> NativeChoice:
+    """The loaded library's measured choice: its record, or measured now and recorded (where
+    the folder is writable; a worker's may not be: then it is measured once per process)."""
+    library = _loaded()
+    record = _record_path(library)
+    try:
+        found = NativeChoice.from_record(json.loads(record.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        found = None
+    if found is not None:
+        return found
+    measured = _measure()
+    log.info("compiled library %s: %s", library.name, measured.describe())
+    partial = record.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        partial.write_text(json.dumps(measured.to_record(), indent=1), encoding="utf-8")
+        os.replace(partial, record)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        log.info("the measurement is not recorded (%s): %s", record, exc)
+    return measured
+
+
+def native_ops(setting: str | None) -> frozenset[str]:
+    """Kunlun's own operators a model loaded under the ``decode_path`` setting runs where
+    torch has a kernel for the same job: none on the reference path or without the library,
+    else those :func:`choice` measured faster."""
+    if not load(setting).compiled:
+        return frozenset()
+    return frozenset(choice().native_ops)
+
+
+#: What the int4 measurement multiplies: products of this shape (out, in), group 32, one
+#: token, float32 activations; this many distinct weights (21 MB of int4: more than a core's
+#: caches, as a model's layers are), best of this many rounds, the two kernels in turn.
+INT4_SHAPE, INT4_GROUP, INT4_WEIGHTS, ROUNDS = (1536, 576), 32, 48, 11
+
+
+def _measure() -> NativeChoice:
+    import torch
+
+    from kunlun.engine.quant import int4_tiles, pack_int4
+
+    if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
+        return NativeChoice(("int4_matmul",), {}, "this torch has no int4pack kernel")
+    out_features, in_features = INT4_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    ours, theirs = [], []
+    for _ in range(INT4_WEIGHTS):
+        q = torch.randint(0, 16, INT4_SHAPE, dtype=torch.uint8, generator=generator)
+        scale = torch.rand(out_features, in_features // INT4_GROUP, generator=generator) / 100
+        ours.append(int4_tiles(pack_int4(q), scale, -8 * scale, INT4_GROUP))
+        pairs = torch.stack((scale.t(), torch.zeros_like(scale.t())), dim=-1)
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        theirs.append((packed, pairs.to(torch.bfloat16).contiguous()))
+    x = torch.randn(1, in_features, generator=generator)
+
+    def own() -> None:
+        for tiles, scale_min in ours:
+            torch.ops.kunlun.int4_matmul(x, tiles, scale_min, INT4_GROUP)
+
+    def int4pack() -> None:
+        for packed, pairs in theirs:
+            torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, INT4_GROUP, pairs)
+
+    best = {"int4_matmul": float("inf"), "int4pack": float("inf")}
+    for _ in range(ROUNDS):
+        for name, run in (("int4_matmul", own), ("int4pack", int4pack)):
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+    detail = (f"{INT4_WEIGHTS} int4 products of {out_features}x{in_features}, one token, "
+              f"{torch.get_num_threads()} threads, best of {ROUNDS}")  # fmt: skip
+    wins = ("int4_matmul",) if best["int4_matmul"] < best["int4pack"] else ()
+    return NativeChoice(wins, {k: round(v, 4) for k, v in best.items()}, detail)
+
+
 def main() -> None:
-    """Build (or find) the library for this machine and print its path."""
+    """Build (or find) the library for this machine, measure it where no record says what
+    runs, and print its path and the choice."""
     try:
         print(_loaded())
     except NativeBuildError as exc:
         print(f"kunlun.engine.native: {exc}", file=sys.stderr)
         raise SystemExit(1) from exc
+    print(choice().describe())

@@ -3,8 +3,9 @@
 // -march=native) and loaded with torch.ops.load_library; registers the class
 // torch.classes.kunlun.Decoder (the layers' tensors, then step() and logits()).
 //
-// Matrix products: int4 weights run torch's int4pack kernel, as the eager path does (with
-// the casts of kunlun/engine/models/quant_linear.py). Int8 rows run int8_rows below, also
+// Matrix products: int4 weights run int4_matmul below (also torch.ops.kunlun.int4_matmul,
+// which the eager path runs too) where the measurement on the CPU chose it, else torch's
+// int4pack kernel with the eager path's casts (kunlun/engine/models/quant_linear.py). Int8 rows run int8_rows below, also
 // registered as torch.ops.kunlun.int8_matmul for the LM head: the arithmetic of torch's
 // int8pack kernel (activations and result rounded to bf16, scales after, in float32),
 // streaming the weights about 1.7x as fast. Floating weights run float_matmul (also
@@ -52,6 +53,7 @@ inline void store16(float* p, V16 a) { _mm512_storeu_ps(p, a.v); }
 inline V16 load16(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline V16 fma16(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline float hsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
+inline V16 add16(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V16 from_i8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)))};
 }
@@ -70,6 +72,7 @@ inline V16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(
 inline V16 fma16(V16 x, V16 y, V16 z) {
   return {_mm256_fmadd_ps(x.a, y.a, z.a), _mm256_fmadd_ps(x.b, y.b, z.b)};
 }
+inline V16 add16(V16 x, V16 y) { return {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; }
 inline float hsum(V16 x) {
   const __m256 s = _mm256_add_ps(x.a, x.b);
   __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
@@ -103,6 +106,7 @@ inline V16 load16(const float* p) {
   return r;
 }
 inline V16 fma16(V16 a, V16 b, V16 c) { return {a.v * b.v + c.v}; }
+inline V16 add16(V16 a, V16 b) { return {a.v + b.v}; }
 inline float hsum(V16 a) {
   float s = 0.f;
   for (int j = 0; j < 16; ++j) s += a.v[j];
@@ -397,22 +401,182 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::
   return out;
 }
 
+// Int4 weights in tiles of 32 output rows (packed once at load by
+// kunlun/engine/models/quant_linear.py from the checkpoint's nibbles): per tile and input
+// column k, 16 bytes whose low nibbles are rows 0-15 of the tile at k and whose high nibbles
+// are rows 16-31; per tile and group of `group` inputs, the 32 rows' float16 scales, then
+// their minimums (w = q * scale + min). The 32 rows lie across the vector lanes, so a
+// group's sums of q * x need no scale until the group ends: per column, the 32 nibbles
+// become floats by table lookup (AVX-512) or conversion, and each token's x at k is
+// broadcast to them. The tile (9 KB for 576 inputs) stays in cache while up to 16 tokens
+// pass over it four at a time.
+constexpr int64_t kInt4Rows = 32;      // output rows per tile
+constexpr int64_t kInt4RowsUpTo = 16;  // tokens; more dequantize tiles for at::mm
+
+// the 32 weights of one column of a tile, as floats 0..15: rows 0-15 and rows 16-31
+inline void int4_column(const uint8_t* p, V16& low, V16& high) {
+#if defined(__AVX512F__)
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  low.v = _mm512_permutexvar_ps(bytes, table);  // the lookup reads the index's low 4 bits
+  high.v = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128((const __m128i*)p);
+  const __m256i first = _mm256_cvtepu8_epi32(b), second = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+  const __m256i mask = _mm256_set1_epi32(15);
+  low = {_mm256_cvtepi32_ps(_mm256_and_si256(first, mask)),
+         _mm256_cvtepi32_ps(_mm256_and_si256(second, mask))};
+  high = {_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)),
+          _mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4))};
+#else
+  for (int j = 0; j < 16; ++j) low.v[j] = float(p[j] & 15), high.v[j] = float(p[j] >> 4);
+#endif
+}
+
+inline V16 load_half16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))};
+#elif defined(__AVX2__) && defined(__F16C__)
+  return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)),
+          _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
+#else
+  V16 r;
+  for (int j = 0; j < 16; ++j) r.v[j] = static_cast<float>(c10::Half(p[j], c10::Half::from_bits()));
+  return r;
+#endif
+}
+
+// out[t * stride + r] = sum_k w[r, k] x[t, k] for the 32 rows r of one tile and N tokens;
+// xsum[t * groups + g] is the sum of token t's x over group g (the minimums' part)
+template <int N>
+inline void int4_tile(const uint8_t* tile, const uint16_t* scale_min, const float* x,
+                      const float* xsum, int64_t in, int64_t group, float* out, int64_t stride) {
+  V16 acc[N][2];
+  for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = zero16();
+  for (int64_t g0 = 0, g = 0; g0 < in; g0 += group, ++g) {
+    V16 sums[N][4];  // rows 0-15 and 16-31, even and odd columns apart (four FMA chains)
+    for (int t = 0; t < N; ++t) sums[t][0] = sums[t][1] = sums[t][2] = sums[t][3] = zero16();
+    for (int64_t k = g0; k < g0 + group; k += 2) {
+      __builtin_prefetch(tile + k * 16 + 2048, 0, 3);
+      V16 low0, high0, low1, high1;
+      int4_column(tile + k * 16, low0, high0);
+      int4_column(tile + k * 16 + 16, low1, high1);
+      for (int t = 0; t < N; ++t) {
+        const V16 x0 = splat16(x[t * in + k]), x1 = splat16(x[t * in + k + 1]);
+        sums[t][0] = fma16(low0, x0, sums[t][0]);
+        sums[t][1] = fma16(high0, x0, sums[t][1]);
+        sums[t][2] = fma16(low1, x1, sums[t][2]);
+        sums[t][3] = fma16(high1, x1, sums[t][3]);
+      }
+    }
+    const uint16_t* sm = scale_min + g * 2 * kInt4Rows;
+    const V16 scale0 = load_half16(sm), scale1 = load_half16(sm + 16);
+    const V16 min0 = load_half16(sm + 32), min1 = load_half16(sm + 48);
+    for (int t = 0; t < N; ++t) {
+      const V16 xs = splat16(xsum[t * (in / group) + g]);
+      acc[t][0] = fma16(add16(sums[t][0], sums[t][2]), scale0, fma16(min0, xs, acc[t][0]));
+      acc[t][1] = fma16(add16(sums[t][1], sums[t][3]), scale1, fma16(min1, xs, acc[t][1]));
+    }
+  }
+  for (int t = 0; t < N; ++t) store16(out + t * stride, acc[t][0]), store16(out + t * stride + 16, acc[t][1]);
+}
+
+// the transposed float weights [in, 32 * count] of `count` tiles from tile `first`, in
+// `dtype` (each column of a tile is 32 contiguous floats there)
+at::Tensor dequantize_int4(const at::Tensor& tiles, const at::Tensor& scale_min, int64_t group,
+                           int64_t first, int64_t count, at::ScalarType dtype) {
+  const int64_t in = tiles.size(1), groups = in / group, width = count * kInt4Rows;
+  at::Tensor out = at::empty({in, width}, at::kFloat);
+  const uint8_t* p = tiles.data_ptr<uint8_t>() + first * in * 16;
+  const auto* sm = reinterpret_cast<const uint16_t*>(scale_min.data_ptr<at::Half>()) + first * groups * 64;
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, count, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint16_t* s = sm + (t * groups + g) * 64;
+        const V16 scale0 = load_half16(s), scale1 = load_half16(s + 16);
+        const V16 min0 = load_half16(s + 32), min1 = load_half16(s + 48);
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+          V16 low, high;
+          int4_column(p + (t * in + k) * 16, low, high);
+          store16(o + k * width + t * kInt4Rows, fma16(low, scale0, min0));
+          store16(o + k * width + t * kInt4Rows + 16, fma16(high, scale1, min1));
+        }
+      }
+  });
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+// y [T, out] = x . w^T in x's dtype (float32 sums) for int4 tiles [out / 32, in, 16] and
+// their float16 scales and minimums [out / 32, in / group, 2, 32]: up to kInt4RowsUpTo tokens
+// through int4_tile, more (a prefill chunk) through at::mm on tiles dequantized 32 at a time
+at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scale_min,
+                       int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && tiles.dim() == 3 && tiles.scalar_type() == at::kByte &&
+                  tiles.is_contiguous() && tiles.size(2) == 16 && x.size(1) == tiles.size(1) &&
+                  group > 0 && group % 2 == 0 && x.size(1) % group == 0 &&
+                  scale_min.scalar_type() == at::kHalf && scale_min.is_contiguous() &&
+                  scale_min.sizes() == at::IntArrayRef({tiles.size(0), x.size(1) / group, 2, kInt4Rows}),
+              "int4_matmul: expected x [T, in], uint8 tiles [out / 32, in, 16], float16 scales "
+              "and minimums [out / 32, in / group, 2, 32] and an even group size dividing in");
+  const int64_t tokens = x.size(0), in = x.size(1), count = tiles.size(0);
+  const int64_t out_features = count * kInt4Rows, groups = in / group;
+  if (tokens > kInt4RowsUpTo) {
+    at::Tensor out = at::empty({tokens, out_features}, x.options());
+    for (int64_t first = 0; first < count; first += 32) {
+      const int64_t n = std::min<int64_t>(32, count - first);
+      out.narrow(1, first * kInt4Rows, n * kInt4Rows)
+          .copy_(at::mm(x, dequantize_int4(tiles, scale_min, group, first, n, x.scalar_type())));
+    }
+    return out;
+  }
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  std::vector<float> xsum(tokens * groups, 0.f);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t k = 0; k < in; ++k) xsum[t * groups + k / group] += xp[t * in + k];
+  at::Tensor out = at::empty({tokens, out_features}, at::kFloat);
+  float* y = out.data_ptr<float>();
+  const uint8_t* pt = tiles.data_ptr<uint8_t>();
+  const auto* psm = reinterpret_cast<const uint16_t*>(scale_min.data_ptr<at::Half>());
+  dynamic_for(count, 1, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i)
+      for (int64_t t0 = 0; t0 < tokens; t0 += kTile) {
+        const int64_t n = std::min<int64_t>(kTile, tokens - t0);
+        const uint8_t* tile = pt + i * in * 16;
+        const uint16_t* sm = psm + i * groups * 2 * kInt4Rows;
+        const float *xt = xp + t0 * in, *xs = xsum.data() + t0 * groups;
+        float* o = y + t0 * out_features + i * kInt4Rows;
+        if (n == 4) int4_tile<4>(tile, sm, xt, xs, in, group, o, out_features);
+        else if (n == 3) int4_tile<3>(tile, sm, xt, xs, in, group, o, out_features);
+        else if (n == 2) int4_tile<2>(tile, sm, xt, xs, in, group, o, out_features);
+        else int4_tile<1>(tile, sm, xt, xs, in, group, o, out_features);
+      }
+  });
+  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
 constexpr int64_t kDequantizeFrom = 48;  // quant_linear.DEQUANTIZE_FROM_TOKENS
 
-enum Kind : int64_t { kFloat = 0, kInt8 = 1, kInt4 = 2, kInt8Act = 3 };
+enum Kind : int64_t { kFloat = 0, kInt8 = 1, kInt4 = 2, kInt8Act = 3, kInt4Tiles = 4 };
 
 struct Linear {
   int64_t kind = kFloat;
   int64_t group = 0;
   // kFloat: weight [out, in]; kInt8, kInt8Act: weight int8 [out, in], scale float32 [out],
   // ones float32 [out]; kInt4: weight the int4pack layout, scale the bf16 (scale, zero)
-  // pairs, group the group size
+  // pairs, group the group size; kInt4Tiles: weight and scale int4_matmul's tiles and
+  // float16 scales and minimums, group the group size
   at::Tensor weight, scale, ones, bias;
 
   // y [tokens, out] for x [tokens, in], in x's dtype
   at::Tensor operator()(const at::Tensor& x) const {
     at::Tensor y;
     if (kind == kFloat) return float_matmul(x, weight, bias.defined() ? std::optional(bias) : std::nullopt);
+    if (kind == kInt4Tiles) {
+      y = int4_matmul(x, weight, scale, group);
+      return bias.defined() ? y + bias : y;
+    }
     if (kind == kInt4) {
       y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight, group, scale);
     } else if (kind == kInt8) {  // float32 rows from kDequantizeFrom tokens, as eager
@@ -489,7 +653,7 @@ struct Decoder : torch::CustomClassHolder {
 
   void add_linear(int64_t kind, at::Tensor weight, std::optional<at::Tensor> scale,
                   std::optional<at::Tensor> bias, int64_t group) {
-    TORCH_CHECK(kind >= kFloat && kind <= kInt8Act, "Decoder: unknown linear kind ", kind);
+    TORCH_CHECK(kind >= kFloat && kind <= kInt4Tiles, "Decoder: unknown linear kind ", kind);
     TORCH_CHECK(kind == kFloat || scale, "Decoder: a quantized linear needs its scales");
     at::Tensor ones;
     if (kind == kInt8 || kind == kInt8Act) ones = at::ones({weight.size(0)}, at::kFloat);
@@ -679,6 +843,7 @@ struct Decoder : torch::CustomClassHolder {
 TORCH_LIBRARY(kunlun, m) {
   m.def("int8_matmul(Tensor x, Tensor weight, Tensor scale) -> Tensor", &int8_matmul);
   m.def("float_matmul(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &float_matmul);
+  m.def("int4_matmul(Tensor x, Tensor tiles, Tensor scale_min, int group) -> Tensor", &int4_matmul);
   m.class_<Decoder>("Decoder")
       .def(torch::init<int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor,
                        at::Tensor>())

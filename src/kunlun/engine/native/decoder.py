@@ -4,7 +4,7 @@ sequences all compute one token through it, with no Python per layer.
 
 :func:`compiled_decoder` says whether a model qualifies, and why not: the C++ step reads the
 tensors' memory directly, so it serves models on the CPU, in float32 or bfloat16, on one rank,
-whose linear layers are floating or run the int8pack or int4pack kernel; anything else runs the reference
+whose linear layers are floating or run the int8pack, int4 or int4pack kernel; anything else runs the reference
 path (the model's own modules), which every step that prefills runs anyway.
 """
 
@@ -20,7 +20,7 @@ from kunlun.engine.native import NativeStatus, load, wanted_path
 from kunlun.errors import ConfigError
 
 #: Linear kinds of decode.cpp, by the eager kernel they stand for.
-KINDS = {"linear": 0, "w8a16": 1, "int4pack": 2, "w8a8": 3}
+KINDS = {"linear": 0, "w8a16": 1, "int4pack": 2, "w8a8": 3, "int4": 4}
 
 
 class CompiledDecoder:
@@ -103,9 +103,9 @@ def compiled_decoder(
 
 def _linear_args(linear: nn.Module) -> tuple[object, ...]:
     if isinstance(linear, QuantLinear):
-        if linear.kernel == "int4pack":
+        if linear.kernel in ("int4pack", "int4"):
             group = linear.spec.group_size or linear.in_features
-            return KINDS["int4pack"], linear._packed, linear._scales_zeros, linear.bias, group
+            return KINDS[linear.kernel], linear._packed, linear._scales_zeros, linear.bias, group
         return KINDS[linear.spec.scheme], linear.weight, linear.weight_scale, linear.bias, 0
     assert isinstance(linear, nn.Linear)
     return KINDS["linear"], linear.weight, None, linear.bias, 0
@@ -127,7 +127,7 @@ def unsupported(model: nn.Module, tp_size: int) -> str | None:
     for name, module in model.named_modules():
         if not isinstance(module, QuantLinear):
             continue
-        if module.kernel not in ("int8pack", "int4pack"):
+        if module.kernel not in ("int8pack", "int4pack", "int4"):
             return f"{name} runs the {module.kernel} kernel, which the compiled step lacks"
         if module.kernel == "int8pack" and module.in_features % 16:
             return f"{name} has {module.in_features} input features, not a multiple of 16"
