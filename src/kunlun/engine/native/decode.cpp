@@ -411,7 +411,14 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::
 // broadcast to them. The tile (9 KB for 576 inputs) stays in cache while up to 16 tokens
 // pass over it four at a time.
 constexpr int64_t kInt4Rows = 32;      // output rows per tile
-constexpr int64_t kInt4RowsUpTo = 16;  // tokens; more dequantize tiles for at::mm
+// tokens int4_tile takes; more dequantize tiles for at::mm, which costs about as much as
+// 24-32 tokens of tiles on AVX-512 (its table lookup widens the nibbles) and 16 on AVX2
+// (benchmarks/int4_kernel.py, docs/benchmarks.md)
+#if defined(__AVX512F__)
+constexpr int64_t kInt4RowsUpTo = 32;
+#else
+constexpr int64_t kInt4RowsUpTo = 16;
+#endif
 
 // the 32 weights of one column of a tile, as floats 0..15: rows 0-15 and rows 16-31
 inline void int4_column(const uint8_t* p, V16& low, V16& high) {
@@ -522,11 +529,19 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& tiles, const at::T
   const int64_t tokens = x.size(0), in = x.size(1), count = tiles.size(0);
   const int64_t out_features = count * kInt4Rows, groups = in / group;
   if (tokens > kInt4RowsUpTo) {
+    // bf16 products where the CPU multiplies bf16 natively; float32 elsewhere (an AVX2 CPU
+    // runs bf16 matrix products through slow emulation: measured 37x slower than float32)
+#if defined(__AVX512BF16__) || defined(__AMX_BF16__)
+    const at::ScalarType dtype = x.scalar_type();
+#else
+    const at::ScalarType dtype = at::kFloat;
+#endif
+    const at::Tensor xd = x.to(dtype);
     at::Tensor out = at::empty({tokens, out_features}, x.options());
     for (int64_t first = 0; first < count; first += 32) {
       const int64_t n = std::min<int64_t>(32, count - first);
       out.narrow(1, first * kInt4Rows, n * kInt4Rows)
-          .copy_(at::mm(x, dequantize_int4(tiles, scale_min, group, first, n, x.scalar_type())));
+          .copy_(at::mm(xd, dequantize_int4(tiles, scale_min, group, first, n, dtype)));
     }
     return out;
   }
