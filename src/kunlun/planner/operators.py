@@ -54,7 +54,11 @@ def choose_operators(torch_device_type: str, quantization: str) -> dict[str, Ope
             out[op] = OperatorChoice(name, True, why)
         else:
             where = plugin.torch_module or "torch"
-            why = f"the engine's kernel, through {where}"
+            why = (
+                "Kunlun's compiled library, loaded into torch"
+                if kernel.native_op
+                else f"the engine's kernel, through {where}"
+            )
             if any(k.native_op and k.op == op and k.serves(torch_device_type, quantization)
                    for k in KERNELS):  # fmt: skip
                 why += "; " + (
