@@ -6,7 +6,7 @@ matrices as the model has (so the weights stream from memory, as in a step), gro
 random nibbles with float16-exact scales and minimums; for each token count and activation
 dtype: both kernels' best of five passes over the 120 products, taken in turn, and their
 largest error against a float64 product of the same weights (the first layer's shapes).
-``torch.ops.kunlun.int4_matmul`` (``decode.cpp``: tiles of 32 rows up to 32 tokens, 16 on AVX2;
+``torch.ops.kunlun.int4_matmul`` (``decode.cpp``: tiles of 32 rows up to 48 tokens, 16 on AVX2;
 dequantized tiles through ``torch.mm`` past them) against
 ``torch._weight_int4pack_mm_for_cpu`` with the bf16 activations it takes.
 

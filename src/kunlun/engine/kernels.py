@@ -88,7 +88,7 @@ KERNELS: tuple[Kernel, ...] = (
         "matmul",
         "int4",
         "Kunlun's int4 kernel (tiles of 32 rows widened to float32 in registers, float32 "
-        "sums; past 32 tokens (16 on AVX2), tiles dequantized for torch.mm)",
+        "sums; past 48 tokens (16 on AVX2), tiles dequantized for torch.mm)",
         schemes=("w4a16",),
         device_types=("cpu",),
         condition="where the compiled library is built and measured faster than torch's "

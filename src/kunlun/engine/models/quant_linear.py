@@ -26,7 +26,7 @@ So on the CPU:
   slower than that on this CPU.
 - ``w4a16``: Kunlun's own int4 kernel (``torch.ops.kunlun.int4_matmul`` of the compiled
   library, :mod:`kunlun.engine.native`: weights in tiles of 32 rows widened to float32 in
-  registers, float32 activations and sums; past 32 tokens (16 on AVX2), tiles dequantized for
+  registers, float32 activations and sums; past 48 tokens (16 on AVX2), tiles dequantized for
   ``torch.mm``) where the library is loaded and its measurement on the CPU found it faster
   than torch's (needs ``out % 32 == 0``); else ``_convert_weight_to_int4pack_for_cpu`` +
   ``_weight_int4pack_mm_for_cpu`` with bf16 activations (needs ``out % 16 == 0``); else the

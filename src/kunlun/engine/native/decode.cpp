@@ -411,11 +411,11 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::
 // broadcast to them. The tile (9 KB for 576 inputs) stays in cache while up to 16 tokens
 // pass over it four at a time.
 constexpr int64_t kInt4Rows = 32;      // output rows per tile
-// tokens int4_tile takes; more dequantize tiles for at::mm, which costs about as much as
-// 24-32 tokens of tiles on AVX-512 (its table lookup widens the nibbles) and 16 on AVX2
+// tokens int4_tile takes; more dequantize tiles for at::mm, whose fixed cost is about that
+// of 48 tokens of tiles on AVX-512 (its table lookup widens the nibbles) and of 16 on AVX2
 // (benchmarks/int4_kernel.py, docs/benchmarks.md)
 #if defined(__AVX512F__)
-constexpr int64_t kInt4RowsUpTo = 32;
+constexpr int64_t kInt4RowsUpTo = 48;
 #else
 constexpr int64_t kInt4RowsUpTo = 16;
 #endif
