@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# A real vLLM behind Kunlun on an NVIDIA GPU: the external-engine path end to end.
+# A real vLLM behind Kunlun on an NVIDIA GPU: the external-engine path end to end; first,
+# the embedded engine's decode steps replayed from CUDA graphs against its eager path
+# (scripts/graph_smoke.py: the same greedy tokens, and both decode rates).
 #
 # Starts kunlun-platform in a scratch KUNLUN_HOME, imports the demo model (a local file: no
 # hub), submits it with `engine: vllm` on nvidia:0, waits until the node agent reports the
@@ -17,6 +19,10 @@ TIMEOUT_S=${SMOKE_TIMEOUT_S:-600}
 
 command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 || {
   echo "accelerator-smoke: no NVIDIA GPU here (nvidia-smi -L failed); skipped"; exit 77; }
+graphs=0
+"$BIN/python" "$(dirname "$0")/graph_smoke.py" || graphs=$?
+[ "$graphs" -eq 0 ] || [ "$graphs" -eq 77 ] || {
+  echo "accelerator-smoke: FAIL: decode steps from CUDA graphs differ from the eager path"; exit 1; }
 "$BIN/python" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)" || {
   echo "accelerator-smoke: vllm is not importable by $BIN/python; skipped"; exit 77; }
 

@@ -31,15 +31,20 @@ def runner(
 
 
 def decode_batch(
-    runner: ModelRunner, prompts: list[list[int]], steps: int, feed: list[list[int]] | None = None
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    steps: int,
+    feed: list[list[int]] | None = None,
+    blocks: list[int] | None = None,
 ) -> list[torch.Tensor]:
     """Prefill each prompt alone, then ``steps`` greedy decode steps of all of them together
     (different context lengths: the attention of each row sees only its own); the logits of
     every decode step. ``feed``: each sequence's tokens after its prompt come from there (the
     same inputs as another run's), not from this run's own greedy choice; the list is
-    filled with the tokens fed."""
-    rng = random.Random(3)
-    blocks = rng.sample(range(runner.num_blocks), runner.num_blocks)
+    filled with the tokens fed. ``blocks``: the KV blocks handed out in turn, 24 per sequence
+    (default: all of them, shuffled)."""
+    if blocks is None:
+        blocks = random.Random(3).sample(range(runner.num_blocks), runner.num_blocks)
     tables, tokens, out = [], [list(p) for p in prompts], []
     for index, prompt in enumerate(prompts):
         table = blocks[index * 24 : (index + 1) * 24]
@@ -338,3 +343,33 @@ def test_the_int4_kernel_is_chosen_by_a_measurement_recorded_per_cpu(
     assert native.recorded_choice() == other  # another CPU's record is not this one's
     ours.write_text("{not json")
     assert native.recorded_choice() != other  # unreadable: the next record for this CPU
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_static_decode_steps_compute_what_the_modules_compute(make_tiny_model, dtype) -> None:
+    """The decode step a device graph captures (:mod:`kunlun.engine.graphs`), run uncaptured
+    on this CPU: fixed batch sizes (three sequences pad to four; the padding row writes into
+    the scratch block beyond ``num_blocks``), block tables padded to ``max_model_len``, a
+    mask from the lengths. The same greedy tokens as the model's modules, the same
+    log-probabilities to float32 rounding (bf16: to a rounding of bf16), and no sequence's
+    cache disturbed by the padding (every step after the first reads what the earlier wrote)."""
+    model_dir = make_tiny_model("Qwen3ForCausalLM", False)
+    static = ModelRunner(model_dir, block_size=4, num_blocks=96, dtype=dtype, max_model_len=128,
+                         graph_batch_sizes=(1, 2, 4))  # fmt: skip
+    assert static.decode_status.path == "graphs"
+    assert static.decode_status.reason == "static decode steps of 1, 2, 4 rows, uncaptured (cpu)"
+    assert static.num_blocks == 96 and static.kv_cache.shape[2] == 97  # the scratch block
+    reference = ModelRunner(model_dir, block_size=4, num_blocks=96, dtype=dtype,
+                            max_model_len=128, decode_path="python")  # fmt: skip
+    rng = random.Random(17)
+    prompts = [[rng.randrange(3, 2000) for _ in range(n)] for n in (3, 17, 40)]
+    for batch in (prompts, prompts[:2], prompts[:1]):  # sizes 4 (one padding row), 2 and 1
+        fed: list[list[int]] = []
+        ours = decode_batch(static, batch, 12, fed, list(range(96)))  # block 0: the first's
+        theirs = decode_batch(reference, batch, 12, fed, list(range(96)))
+        atol = 1e-4 if dtype == torch.float32 else 0.05
+        for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+            assert torch.equal(a.argmax(-1), b.argmax(-1)), (len(batch), step)
+            torch.testing.assert_close(a.log_softmax(-1), b.log_softmax(-1), atol=atol, rtol=0)
+    with pytest.raises(ConfigError, match="graph_batch_sizes=\\[0\\]"):
+        ModelRunner(model_dir, num_blocks=8, graph_batch_sizes=(0,))

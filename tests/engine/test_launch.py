@@ -25,8 +25,8 @@ from kunlun.engine.launch import (
 )
 from kunlun.errors import ConfigError, EngineError
 from kunlun.planner.capacity import capacity_of
+from kunlun.planner.launch import engine_launch
 from kunlun.planner.operators import choose_operators
-from kunlun.planner.plan import engine_launch
 from kunlun.serving.worker import write_launch
 from kunlun.workload.placement import place
 from kunlun.workload.placement.filters import runnable

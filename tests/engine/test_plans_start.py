@@ -24,8 +24,8 @@ from kunlun.engine.preflight import preflight
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.engine.tp_layout import quantized_split_problem
 from kunlun.errors import ConfigError
+from kunlun.planner.launch import engine_launch
 from kunlun.planner.model_info import inspect_model
-from kunlun.planner.plan import engine_launch
 from kunlun.workload.placement import place
 from kunlun.workload.spec import WorkloadSpec
 

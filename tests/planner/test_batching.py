@@ -16,19 +16,23 @@ import pytest
 from tests.planner.conftest import model, node
 from tests.planner.test_plan_cli import cli, mixed
 
+from kunlun.engine.launch import EMBEDDED_ENGINE
 from kunlun.errors import ConfigError
 from kunlun.planner.batching import (
     DEFAULT_STEP_TOKENS,
+    GRAPH_SIZES_UP_TO,
     MAX_STEP_TOKENS,
     MIN_PREFILL_CHUNK,
     SATURATION,
+    graph_batch_sizes,
+    graph_capture,
     saturation_batch,
     size_batch,
     size_step_tokens,
 )
 from kunlun.planner.capacity import capacity_of
 from kunlun.planner.estimate import BLOCK_SIZE, MAX_AUTO_BATCH, MIB, average_context, tokens_per_s
-from kunlun.planner.plan import engine_launch
+from kunlun.planner.launch import engine_launch
 from kunlun.workload.placement import place
 from kunlun.workload.spec import WorkloadSpec, current_names, parse_spec
 
@@ -179,3 +183,37 @@ def test_plan_explain_shows_the_step_budget_and_the_flag_overrides(tmp_path: Pat
     assert json.loads(forced.stdout)["plan"]["max_num_batched_tokens"] == 200
     bad = cli(*args, "--max-num-batched-tokens", "0", home=tmp_path)
     assert bad.returncode != 0 and "max_num_batched_tokens" in bad.stderr
+
+
+def test_nvidia_plans_capture_decode_graphs_for_the_batch_sizes_max_num_seqs_allows() -> None:
+    """On a device whose plugin declares graph capture (NVIDIA: torch.cuda.CUDAGraph), the
+    plan lists the decode batch sizes to capture, up to its ``max_num_seqs``, says so in its
+    notes and hands them to the engine; the declaration's ``cuda_graphs: false``, more than one
+    rank or another engine turn it off with a note; a device family without graph capture
+    (Ascend here) has none and says nothing."""
+    info = model("Qwen2-0.5B")
+    spec = WorkloadSpec(model="Qwen2-0.5B", device="nvidia:0", max_model_len=2048, max_num_seqs=40)
+    plan = place(spec, node("mixed"), info).plans[0]
+    assert plan.graph_batch_sizes == [1, 2, 4, 8, 16, 32, 40]
+    said = "decode steps captured as graphs (torch.cuda.CUDAGraph) for batch sizes 1, 2, 4, 8"
+    assert any(n.startswith(said) for n in plan.notes)
+    assert plan.engine_options["graph_capture"] is True
+    assert not any("graph_capture" in n and "not use" in n for n in plan.notes)
+    launch = engine_launch(plan, None, "/models/q", "q", None, 2)
+    assert launch.engine_config().graph_batch_sizes == (1, 2, 4, 8, 16, 32, 40)
+    assert graph_batch_sizes(3) == [1, 2, 3] and graph_batch_sizes(16) == [1, 2, 4, 8, 16]
+    assert graph_batch_sizes(2000)[-1] == GRAPH_SIZES_UP_TO
+    off = dataclasses.replace(CAPS["nvidia"], custom_attributes={"cuda_graphs": False})
+    assert graph_capture(off, 1, EMBEDDED_ENGINE, 40) == (
+        [],
+        "graph capture (torch.cuda.CUDAGraph) off: the declaration's cuda_graphs is false",
+    )
+    sizes, why = graph_capture(CAPS["nvidia"], 2, EMBEDDED_ENGINE, 40)
+    assert sizes == [] and why is not None and "one rank, not 2" in why
+    sizes, why = graph_capture(CAPS["nvidia"], 1, "vllm", 40)
+    assert sizes == [] and why is not None and "vllm decides its own" in why
+    plan.set_engine("vllm")  # auto chose an external engine: the embedded engine's graphs go
+    assert plan.graph_batch_sizes == [] and not any(n.startswith(said) for n in plan.notes)
+    assert "graph capture is the embedded engine's; vllm decides its own" in plan.notes
+    npu = place(WorkloadSpec(model="Qwen2-0.5B", device="ascend:0"), node("mixed"), info).plans[0]
+    assert npu.graph_batch_sizes == [] and not any("graph" in n for n in npu.notes)

@@ -99,6 +99,11 @@ class DevicePlugin(ABC):
     #: matmul) that the embedded engine does not call: a plan reports the op as a fallback
     #: on this family's devices, naming what it lacks (:mod:`kunlun.planner.operators`).
     vendor_kernels: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    #: The torch API that captures a decode step's kernel launches as one replayable graph on
+    #: this family's devices, and the declaration's ``custom_attributes`` switch that turns
+    #: it off (``False``); ``None``: the engine launches each kernel (:mod:`kunlun.engine.
+    #: graphs`; the engine captures through ``torch.cuda.CUDAGraph`` only).
+    graph_capture: ClassVar[tuple[str, str] | None] = None
     #: ``torch.distributed`` backend of a tensor-parallel group on this family's devices, as
     #: the vendor's torch build registers it (``None``: the family runs one device per
     #: replica).

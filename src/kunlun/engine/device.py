@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -79,3 +80,13 @@ def synchronize(device: torch.device) -> None:
     backend = getattr(torch, device.type, None)
     if backend is not None and hasattr(backend, "synchronize"):
         backend.synchronize(device)
+
+
+def graph_capture(device: torch.device) -> tuple[Any, type] | None:
+    """The torch backend module and graph class that capture ``device``'s kernel launches as
+    one replayable graph (:mod:`kunlun.engine.graphs`), or None where the engine captures
+    none: CUDA devices (NVIDIA, and AMD through ROCm's build of torch.cuda) have
+    ``torch.cuda.CUDAGraph``; other backends' graph APIs are not wired in yet."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda, torch.cuda.CUDAGraph

@@ -61,6 +61,10 @@ class EngineConfig:
     chat_template: str | None = None
     """A chat template (jinja2 text) the tokenizer uses instead of the model's own; None:
     the model's (:mod:`kunlun.workload.chat_template`)."""
+    graph_batch_sizes: tuple[int, ...] = ()
+    """Decode steps on static buffers of these batch sizes, captured as device graphs where
+    the device can (:mod:`kunlun.engine.graphs`; the plan sets them on devices whose plugin
+    declares graph capture); empty: none. Each size within ``max_num_seqs``."""
 
     def validate(self) -> EngineConfig:
         """Raise :class:`ConfigError` naming the first bad field and its value."""
@@ -84,6 +88,13 @@ class EngineConfig:
                 )
         make_spec(self.quantization, self.group_size)
         wanted_path(self.decode_path)
+        sizes = self.graph_batch_sizes
+        if any(isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= self.max_num_seqs
+               for s in sizes):  # fmt: skip
+            raise ConfigError(
+                f"engine setting graph_batch_sizes={list(sizes)} is invalid: expected integers "
+                f"from 1 to max_num_seqs={self.max_num_seqs}"
+            )
         tp = self.tensor_parallel_size
         if not (isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1):
             raise ConfigError(

@@ -118,6 +118,10 @@ class EngineLaunch(BaseModel):
     block_size: int | None = Field(None, ge=1, description="Token slots per KV block.")
     enable_prefix_caching: bool | None = Field(None, description="Reuse the KV of prompt prefixes.")
     num_threads: int | None = Field(None, ge=1, description="CPU threads for torch.")
+    graph_batch_sizes: list[int] = Field(
+        default_factory=list,
+        description="Decode batch sizes captured as device graphs (the plan's; empty: none).",
+    )
     seed: int | None = Field(None, description="Seed of requests that bring none.")
     chat_template: str | None = Field(
         None,
@@ -241,6 +245,8 @@ class EngineLaunch(BaseModel):
             )  # fmt: skip
             if getattr(self, name) is not None
         }
+        if self.graph_batch_sizes:
+            settings["graph_batch_sizes"] = tuple(self.graph_batch_sizes)
         return EngineConfig(
             self.model_dir if model_dir is None else model_dir,
             device=self.device,

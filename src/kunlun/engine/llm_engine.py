@@ -100,6 +100,7 @@ class LLMEngine:
             quantization=config.quantization,
             group_size=config.group_size,
             decode_path=config.decode_path,
+            graph_batch_sizes=tuple(config.graph_batch_sizes),
         )
         self.tokenizer = self.runner.tokenizer
         if config.chat_template is not None:  # the workload's own, over the model's

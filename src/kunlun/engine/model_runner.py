@@ -20,17 +20,19 @@ import torch
 from kunlun.engine.attention import AttentionContext, DecodeBatch, PrefillSegment
 from kunlun.engine.config import ModelConfig
 from kunlun.engine.device import resolve_device
+from kunlun.engine.graphs import GraphedDecoder, graphed_decoder
 from kunlun.engine.loader import load_weights, stored_quantized_layers
 from kunlun.engine.models import build_model
 from kunlun.engine.models.llama import LlamaForCausalLM
 from kunlun.engine.models.quant_linear import quantize_linears
 from kunlun.engine.native import native_ops
-from kunlun.engine.native.decoder import compiled_decoder
+from kunlun.engine.native.decoder import CompiledDecoder, compiled_decoder
 from kunlun.engine.outputs import DecodeTime
 from kunlun.engine.parallel import SINGLE, TPGroup
 from kunlun.engine.preflight import check_max_model_len, raise_if_quantized_split
 from kunlun.engine.quant import read_spec, resolve_spec
 from kunlun.engine.smooth import smoothed_tensors
+from kunlun.engine.step_batch import StepBatch, StepRow
 from kunlun.engine.step_profiler import NO_TRACE, StepTrace
 from kunlun.engine.tokenizer import Tokenizer
 from kunlun.engine.tp_layout import head_split, max_kv_heads_per_rank
@@ -89,6 +91,7 @@ class ModelRunner:
         quantization: str = "none",
         group_size: int | None = None,
         decode_path: str | None = None,
+        graph_batch_sizes: tuple[int, ...] = (),
     ) -> None:
         """Load config, tokenizer and weights from ``model_dir`` and allocate the KV cache.
 
@@ -102,7 +105,10 @@ class ModelRunner:
         :class:`~kunlun.engine.engine_config.EngineConfig`'s (see :func:`resolve_spec`);
         quantized weights run on one rank only for now (a :class:`ConfigError` otherwise).
         ``decode_path`` chooses the decode step (:mod:`kunlun.engine.native`); which one runs,
-        and why, is logged and kept in :attr:`decode_status`.
+        and why, is logged and kept in :attr:`decode_status`. ``graph_batch_sizes`` (the
+        plan's, on a device whose plugin declares graph capture) runs decode steps on static
+        buffers of those batch sizes instead (:mod:`kunlun.engine.graphs`), captured as CUDA
+        graphs on a CUDA device and run uncaptured elsewhere (the suite's check on a CPU).
         """
         if num_threads is not None:
             if num_threads < 1:
@@ -130,8 +136,15 @@ class ModelRunner:
         """Kunlun's own kernels the quantized layers may run (the library's measured choice)."""
         self.model = self._load_model(Path(model_dir))
         self.num_blocks = self._num_blocks(num_blocks, kv_cache_memory_bytes)
+        self._scratch_blocks = 1 if graph_batch_sizes else 0  # padding rows of static steps
         self._allocate_kv_cache()
+        self.compiled: CompiledDecoder | GraphedDecoder | None
         self.decode_status, self.compiled = compiled_decoder(self.model, group.size, decode_path)
+        if graph_batch_sizes:
+            self.decode_status, self.compiled = graphed_decoder(
+                self.model, graph_batch_sizes, group.size, self.max_model_len, self.block_size,
+                scratch_block=self.num_blocks,
+            )  # fmt: skip
         log.info("decode path: %s (%s)", self.decode_status.path, self.decode_status.reason)
         self.decode_time = DecodeTime(self.decode_status.path)
         """The forward time of decode-only steps (the engine adds their wall time)."""
@@ -205,7 +218,7 @@ class ModelRunner:
         shape = (
             2,
             config.num_hidden_layers,
-            self.num_blocks,
+            self.num_blocks + self._scratch_blocks,
             self.block_size,
             split.kv.size,  # this rank's KV heads
             config.head_dim,
@@ -337,54 +350,6 @@ class ModelRunner:
             raise EngineError(
                 f"{where}: block_table holds block id {bad}, outside [0, {self.num_blocks})"
             )
-
-
-@dataclass
-class StepRow:
-    """One sequence of a step as the forward pass needs it (no full token history)."""
-
-    new_token_ids: list[int]
-    """The tokens computed this step."""
-    num_computed: int
-    """Tokens already in the KV cache."""
-    block_table: list[int]
-    """Block ids covering ``[0, num_computed + len(new_token_ids))``, no more."""
-    want_prompt_logits: bool
-
-
-@dataclass
-class StepBatch:
-    """A validated step, decode rows first: what rank 0 sends the other ranks of a
-    tensor-parallel group (small and picklable)."""
-
-    rows: list[StepRow]
-    order: list[int]
-    """For each row, the index of its sequence in the caller's list."""
-    num_decode: int
-    """Rows with one new token; they lead."""
-    pool: bool = False
-    """A pooling step: the forward pass returns hidden states, not logits."""
-
-    def compiles(self) -> bool:
-        """Whether the compiled decoder can run this step: decodes only, logits only."""
-        return (
-            self.num_decode == len(self.rows)
-            and not self.pool
-            and not any(row.want_prompt_logits for row in self.rows)
-        )
-
-    @classmethod
-    def of(cls, seqs: list[StepSeq], block_size: int, pool: bool = False) -> StepBatch:
-        decode = [i for i, seq in enumerate(seqs) if seq.num_new == 1]
-        order = decode + [i for i, seq in enumerate(seqs) if seq.num_new != 1]
-        rows = []
-        for i in order:
-            seq = seqs[i]
-            end = seq.num_computed + seq.num_new
-            rows.append(StepRow(seq.token_ids[seq.num_computed : end], seq.num_computed,
-                                seq.block_table[: -(-end // block_size)],
-                                seq.want_prompt_logits))  # fmt: skip
-        return cls(rows, order, len(decode), pool)
 
 
 class _StepBuilder:

@@ -39,8 +39,8 @@ import torch.distributed as dist
 
 from kunlun.engine.device import resolve_device
 from kunlun.engine.engine_config import EngineConfig
-from kunlun.engine.model_runner import StepBatch
 from kunlun.engine.parallel import TPGroup
+from kunlun.engine.step_batch import StepBatch
 from kunlun.errors import EngineError
 
 logger = logging.getLogger(__name__)

@@ -236,7 +236,7 @@ def choose_plan_engines(
     choices = [choose_engine(requested, p.device_type, formats, loaded, measured, p.quantization)
                for p in plans]  # fmt: skip
     for plan, choice in zip(plans, choices, strict=True):
-        plan.engine = choice.chosen
+        plan.set_engine(choice.chosen)
     return choices[0]
 
 

@@ -45,6 +45,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kunlun.device.registry import load_plugins
+from kunlun.engine.launch import EMBEDDED_ENGINE
 from kunlun.planner.capacity import DeviceCapacity
 from kunlun.planner.estimate import (
     BLOCK_SIZE,
@@ -161,3 +163,44 @@ def size_step_tokens(
         f"max_num_batched_tokens {tokens} (tokens per step, the chunked-prefill budget): {why}"
         " (--max-num-batched-tokens overrides)",
     )
+
+
+GRAPH_NOTE = "decode steps captured as graphs"
+"""How a plan's note on its captured decode graphs begins."""
+GRAPH_SIZES_UP_TO = 512
+"""The largest decode batch a plan captures as a device graph; larger steps launch kernels."""
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch sizes captured as graphs for a replica running up to
+    ``max_num_seqs`` sequences: 1, 2, 4, 8, every multiple of 16, and ``max_num_seqs``
+    itself (each graph holds its own activations: coarser steps past 16 keep that memory
+    small; a step runs the smallest captured size that holds it, its extra rows padding)."""
+    top = min(max_num_seqs, GRAPH_SIZES_UP_TO)
+    sizes = {n for n in (1, 2, 4, 8) if n <= top} | set(range(16, top + 1, 16)) | {top}
+    return sorted(sizes)
+
+
+def graph_capture(
+    cap: DeviceCapacity, tp: int, engine: str, max_num_seqs: int
+) -> tuple[list[int], str | None]:
+    """The decode batch sizes captured as graphs on ``cap``'s devices, and the plan's note
+    saying so or why not (None where the device family has no graph capture)."""
+    plugin = load_plugins().plugins.get(cap.device_type)
+    if plugin is None or plugin.graph_capture is None:
+        return [], None
+    api, switch = plugin.graph_capture
+    if engine not in (EMBEDDED_ENGINE, "auto"):  # auto: set_engine drops them for another
+        return [], f"graph capture ({api}) is the embedded engine's; {engine} decides its own"
+    if cap.custom_attributes.get(switch) is False:
+        return [], f"graph capture ({api}) off: the declaration's {switch} is false"
+    if tp > 1:
+        return [], f"graph capture ({api}) off: captured decode steps run on one rank, not {tp}"
+    sizes = graph_batch_sizes(max_num_seqs)
+    return sizes, f"{GRAPH_NOTE} ({api}) for batch sizes {', '.join(map(str, sizes))}"
+
+
+def without_graphs(notes: list[str], engine: str) -> list[str]:
+    """A plan's ``notes`` once ``engine``, not the embedded one, runs it: no captured graphs."""
+    kept = [n for n in notes if not n.startswith(GRAPH_NOTE)]
+    return [*kept, f"graph capture is the embedded engine's; {engine} decides its own"]

@@ -15,8 +15,10 @@ in the plan's notes, not silently dropped.
 | ``num_threads`` (CPU) | ``num_threads`` (the worker's ``--num-threads``) | - |
 | ``numa_node`` (CPU) | ``numa_node`` | - |
 
-Of these the embedded engine applies ``num_threads``; the others are recorded for engines
-that take them, and the environment variables are set for the worker.
+Of these the embedded engine applies ``num_threads`` and ``cuda_graphs`` (false turns off
+the decode graphs a plan captures on NVIDIA devices: :mod:`kunlun.engine.graphs`); the others
+are recorded for engines that take them, and the environment variables are set for the
+worker.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ ATTRIBUTE_OPTIONS: dict[str, AttributeOption] = {
     "magicmind_opt_level": AttributeOption("graph_opt_level"),
     "mlu_stream_priority": AttributeOption("stream_priority"),
     "hipblaslt_enabled": AttributeOption("hipblaslt", env="TORCH_BLAS_PREFER_HIPBLASLT"),
-    "cuda_graphs": AttributeOption("graph_capture"),
+    "cuda_graphs": AttributeOption("graph_capture", applied_by_embedded=True),
     "musa_graphs": AttributeOption("graph_capture"),
     "xpu_graph_enabled": AttributeOption("graph_capture"),
     "topsgraph_enabled": AttributeOption("graph_capture"),

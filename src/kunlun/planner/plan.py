@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kunlun.engine.launch import EMBEDDED_ENGINE, EngineLaunch, device_fields
+from kunlun.engine.launch import EMBEDDED_ENGINE
 from kunlun.engine.schemes import COMPUTE_DTYPES
 from kunlun.engine.tp_layout import head_split_problem, quantized_split_problem
-from kunlun.planner.batching import BatchSizing, StepSizing, size_batch, size_step_tokens
+from kunlun.planner.batching import (
+    BatchSizing,
+    StepSizing,
+    graph_capture,
+    size_batch,
+    size_step_tokens,
+    without_graphs,
+)
 from kunlun.planner.capacity import DeviceCapacity
 from kunlun.planner.engine_options import engine_options
 from kunlun.planner.estimate import (
@@ -34,7 +40,7 @@ from kunlun.planner.model_info import ModelInfo
 from kunlun.planner.operators import choose_operators
 
 if TYPE_CHECKING:
-    from kunlun.device.plugin import DevicePlugin
+    pass
 
 #: Activation and KV dtypes the embedded engine runs, in the default preference order.
 ENGINE_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")
@@ -263,6 +269,16 @@ class ExecutionPlan:
     memory_utilization: float | None = None
     """The spec's ``memory_utilization`` (part of the plan cache key), or None: the default
     fraction (``memory["utilization"]`` holds the fraction the plan was made with)."""
+    graph_batch_sizes: list[int] = field(default_factory=list)
+    """Decode batch sizes the embedded engine captures as device graphs (on devices whose
+    plugin declares graph capture, one rank; :mod:`kunlun.engine.graphs`); empty: none."""
+
+    def set_engine(self, engine: str) -> None:
+        """Run on ``engine``; where that is not the embedded engine, the decode graphs it
+        would capture are dropped, saying so."""
+        self.engine = engine
+        if engine != EMBEDDED_ENGINE and self.graph_batch_sizes:
+            self.graph_batch_sizes, self.notes = [], without_graphs(self.notes, engine)
 
     @property
     def fallback_ops(self) -> list[str]:
@@ -352,6 +368,9 @@ def build_plan(
         notes_kv = []
     ops = choose_operators(first.torch_device_type, demand.quantization)
     opts, env, notes = engine_options(first.custom_attributes)
+    graphs, graph_note = graph_capture(first, option.tp, demand.engine, batch)
+    if graph_note:
+        notes.append(graph_note)
     if first.visibility_env:
         env[first.visibility_env] = ",".join(str(c.index) for c in group)
     local = 0 if first.visibility_env else first.index
@@ -399,41 +418,7 @@ def build_plan(
         compute_tokens_per_s=_round(option.compute_tokens_per_s),
         max_num_batched_tokens=step.tokens,
         memory_utilization=demand.memory_utilization,
-    )
-
-
-def engine_launch(
-    plan: ExecutionPlan,
-    plugin: DevicePlugin | None,
-    model_dir: str | Path,
-    served_name: str,
-    plan_dir: Path | None,
-    num_threads: int | None,
-    **worker: Any,
-) -> EngineLaunch:
-    """The launch of one replica of ``plan``: the plan's engine settings, the device facts of
-    ``plugin`` (the plan's device type's plugin: device type, torch extension module,
-    distributed backend), and ``worker`` settings (profiling). The node agent adds the ready
-    file and the sandbox."""
-    if plugin is not None:
-        facts = device_fields(plugin, plan.torch_device)
-    else:
-        facts = {"device": plan.torch_device, "device_type": plan.device_type}
-    return EngineLaunch(
-        model_dir=Path(model_dir),
-        served_name=served_name,
-        **facts,
-        dtype=plan.dtype,  # type: ignore[arg-type]
-        quantization=plan.quantization,
-        tensor_parallel_size=plan.tensor_parallel_size,
-        max_num_seqs=plan.max_num_seqs,
-        max_num_batched_tokens=plan.max_num_batched_tokens,
-        max_model_len=plan.max_model_len,
-        kv_cache_memory_bytes=plan.kv_cache_memory_mb * MIB,
-        block_size=plan.block_size,
-        num_threads=num_threads,
-        plan_dir=plan_dir,
-        **worker,
+        graph_batch_sizes=graphs,
     )
 
 

@@ -27,8 +27,9 @@ from kunlun.errors import ConfigError, KunlunError, Location, ModelError
 from kunlun.node.agent import NodeAgent
 from kunlun.offline.integrity import Finding, ModelGuard
 from kunlun.planner.cache import LAUNCH_FILE, PlanCache
+from kunlun.planner.launch import engine_launch
 from kunlun.planner.model_info import ModelInfo, inspect_model, locate_model
-from kunlun.planner.plan import ExecutionPlan, engine_launch
+from kunlun.planner.plan import ExecutionPlan
 from kunlun.sandbox import memory_cap_mb
 from kunlun.serving.replica import Replica, ReplicaSet
 from kunlun.state.store import EventRecord, StateStore, WorkloadRecord

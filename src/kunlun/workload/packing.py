@@ -28,8 +28,8 @@ def plan_package(
     from kunlun.device.registry import load_plugins
     from kunlun.paths import kunlun_home
     from kunlun.planner.cache import device_snapshot
+    from kunlun.planner.launch import engine_launch
     from kunlun.planner.model_info import inspect_model, locate_model
-    from kunlun.planner.plan import engine_launch
     from kunlun.state.sqlite import SQLiteStore
     from kunlun.workload.placement import place
     from kunlun.workload.spec import parse_spec

@@ -185,6 +185,7 @@ class NvidiaPlugin(DevicePlugin):
     torch_module = None
     memory_fields = None
     custom_attributes = {"cuda_graphs": bool}
+    graph_capture = ("torch.cuda.CUDAGraph", "cuda_graphs")
     compute_unit_dtype = "fp16"
     pci_vendor_ids = ("10de",)
     device_nodes = ("/dev/nvidiactl", "/dev/nvidia[0-9]*")
