@@ -371,5 +371,13 @@ def test_static_decode_steps_compute_what_the_modules_compute(make_tiny_model, d
         for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
             assert torch.equal(a.argmax(-1), b.argmax(-1)), (len(batch), step)
             torch.testing.assert_close(a.log_softmax(-1), b.log_softmax(-1), atol=atol, rtol=0)
+    small = ModelRunner(model_dir, block_size=4, num_blocks=96, dtype=dtype, max_model_len=128,
+                        graph_batch_sizes=(1, 2))  # fmt: skip
+    fed = []  # three sequences: more than the largest static size, so the modules run them
+    ours = decode_batch(small, prompts, 4, fed, list(range(96)))
+    theirs = decode_batch(reference, prompts, 4, fed, list(range(96)))
+    assert small.decode_time.compiled_s == 0 < small.decode_time.model_s
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
     with pytest.raises(ConfigError, match="graph_batch_sizes=\\[0\\]"):
         ModelRunner(model_dir, num_blocks=8, graph_batch_sizes=(0,))

@@ -137,6 +137,11 @@ class GraphedDecoder:
         """The batch sizes replayed from graphs."""
         return tuple(sorted(self._graphs))
 
+    def takes(self, count: int) -> bool:
+        """Whether a decode step of ``count`` sequences fits a static size (more sequences
+        than the largest, past the plan's 512: the model's modules run the step)."""
+        return 1 <= count <= self.sizes[-1]
+
     def decode(
         self, tokens: list[int], positions: list[int], tables: list[list[int]], block_size: int
     ) -> torch.Tensor:

@@ -266,7 +266,7 @@ class ModelRunner:
         if not batch.compiles():
             return self._forward(batch)
         started = time.perf_counter()
-        if self.compiled is not None:
+        if self.compiled is not None and self.compiled.takes(len(batch.rows)):
             out = self._compiled_step(batch)
             self.decode_time.compiled_s += time.perf_counter() - started
         else:

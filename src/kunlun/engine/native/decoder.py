@@ -49,6 +49,10 @@ class CompiledDecoder:
                 None if k_norm is None else k_norm.weight, attn.k_cache, attn.v_cache,
             )  # fmt: skip
 
+    def takes(self, count: int) -> bool:
+        """Whether a decode step of ``count`` sequences runs here (every one does)."""
+        return count >= 1
+
     def decode(
         self, tokens: list[int], positions: list[int], tables: list[list[int]], block_size: int
     ) -> torch.Tensor:
