@@ -161,7 +161,8 @@ def decode_table(rows: list[dict[str, Any]]) -> Table:
         parts = {part: r.get(f"decode_{part}_s", 0.0) for part in DECODE_PARTS}
         wall = max(sum(parts.values()), 1e-9)
         shares = {part: f"{100 * value / wall:.0f}%" for part, value in parts.items()}
-        python = shares["engine"] if r["decode_path"] == "compiled" else "-"
+        # the compiled step and graph replays run no Python: the engine's part is all of it
+        python = shares["engine"] if r["decode_path"] in ("compiled", "graphs") else "-"
         table.add_row(r["replica"], r["decode_path"], f"{steps:.0f}",
                       f"{wall / steps * 1000:.1f}", *shares.values(), python)  # fmt: skip
     return table

@@ -99,7 +99,8 @@ class GraphedDecoder:
         if capture and found is None:
             raise ConfigError(f"decode graphs: {device} has no graph capture")
         if found is not None:
-            self._capture_all(device, *found)
+            with torch.inference_mode():  # as the steps run (ModelRunner.run)
+                self._capture_all(device, *found)
 
     def _step(self, size: int) -> torch.Tensor:
         """The decode step of the first ``size`` rows of the buffers (fixed shapes only)."""
