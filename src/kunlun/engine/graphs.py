@@ -18,7 +18,7 @@ of sequences that all compute one token on static buffers:
   (computed inside the step, so it is part of the graph): the attention's shapes never
   change with the contexts' lengths.
 
-The same static step runs uncaptured (``capture=False``) on any device: that is how the suite
+The same static step runs uncaptured (``backend=None``) on any device: that is how the suite
 checks, on a CPU, that it computes what the model's modules compute; on a device whose plugin
 declares graph capture, the runner captures one graph per batch size when it loads
 (``scripts/accelerator-smoke.sh`` compares the greedy tokens of both on a GPU).
@@ -57,7 +57,7 @@ def graphed_decoder(
     device = model.model.embed_tokens.weight.device
     backend = graph_capture(device)
     graphed = GraphedDecoder(model, sizes, max_model_len, block_size, scratch_block,
-                             capture=backend is not None)  # fmt: skip
+                             backend=backend)  # fmt: skip
     how = (
         f"uncaptured ({device.type})" if backend is None else f"captured as {backend[1].__name__}s"
     )
@@ -76,8 +76,10 @@ class GraphedDecoder:
         block_size: int,
         scratch_block: int,
         *,
-        capture: bool,
+        backend: tuple[Any, type] | None,
     ) -> None:
+        """``backend``: the device's graph capture (:func:`kunlun.engine.device.graph_capture`),
+        or None to run the static steps uncaptured."""
         if not sizes:
             raise ValueError("GraphedDecoder needs at least one batch size")
         self._model = model
@@ -95,12 +97,9 @@ class GraphedDecoder:
         self._key_positions = torch.arange(width * block_size, device=device)
         self._logits: dict[int, torch.Tensor] = {}
         self._graphs: dict[int, Any] = {}
-        found = graph_capture(device) if capture else None
-        if capture and found is None:
-            raise ConfigError(f"decode graphs: {device} has no graph capture")
-        if found is not None:
+        if backend is not None:
             with torch.inference_mode():  # as the steps run (ModelRunner.run)
-                self._capture_all(device, *found)
+                self._capture_all(device, *backend)
 
     def _step(self, size: int) -> torch.Tensor:
         """The decode step of the first ``size`` rows of the buffers (fixed shapes only)."""

@@ -133,19 +133,14 @@ def candidates(
     device_type: str,
     scheme: str,
     has_function: Callable[[str], bool] | None = None,
-    native_ops: Collection[str] | None = None,
+    native_ops: Collection[str] = (),
 ) -> list[Kernel]:
     """The kernels of ``op`` for ``scheme`` on torch device type ``device_type``, best
     first; ``has_function`` says whether torch has a private function (None: assume the
-    pinned torch, which has them all); ``native_ops`` are Kunlun's own operators the process
-    runs (None: those the record of this CPU's measurement chose,
-    :func:`kunlun.engine.native.recorded_choice`, where the engine would load the library).
-    The last one always runs."""
-    if native_ops is None:
-        from kunlun.engine.native import recorded_choice
-
-        record = recorded_choice()
-        native_ops = () if record is None else record.native_ops
+    pinned torch, which has them all); ``native_ops`` are Kunlun's own operators that run
+    (the engine's measured choice, :func:`kunlun.engine.native.native_ops`; the planner's,
+    :func:`kunlun.engine.native.recorded_choice`; none: torch's kernels only). The last one
+    always runs."""
     found = [
         k
         for k in KERNELS
