@@ -33,7 +33,10 @@ pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's ch
 ui_daemon = daemon_fixture(
     Profile(
         "ui-home",
-        (TINY,),
+        # A slow device (20 ms a step): the tiny model's answer is spread over a second or
+        # more, so the playground's stream reaches the page in more than one read however
+        # late the worker or the browser is to read it (test_playground_streams...).
+        (TINY + "faults:\n  step_delay_ms: 20\n",),
         keys=(("ops", "admin"), ("reader", "inference")),
         env=(("KUNLUN_UI_SAMPLE_S", "1"),),
         demo=True,
@@ -223,15 +226,9 @@ def test_playground_streams_a_reply_and_shows_the_request(keyed: Any, browser: A
     page.fill("#max_tokens", "64")
     page.fill("#temperature", "0")
     page.fill("#prompt", f"Say hello. {HOSTILE}")
-    # The tiny model writes its 64 tokens faster than the page takes its next read: with
-    # the whole stream in one read the page draws once however it draws. Chromium's own
-    # network throttling spreads the stream's bytes over a few seconds, so that drawing
-    # chunk by chunk shows as the reply growing more than once.
-    cdp = context.new_cdp_session(page)
-    cdp.send("Network.enable")
-    cdp.send("Network.emulateNetworkConditions",
-             {"offline": False, "latency": 0, "downloadThroughput": 4000,
-              "uploadThroughput": -1})  # fmt: skip
+    # The workload's 20 ms steps spread the 64 tokens over more than a second: drawing chunk
+    # by chunk shows as the reply growing more than once. (At the tiny model's own pace the
+    # whole answer could reach a late reader in one read, and the page would draw once.)
     page.evaluate(
         """() => { window.seen = [];
         new MutationObserver(() => { const r = document.querySelector('.msg.assistant');

@@ -233,13 +233,14 @@ def test_deltas_that_wait_are_merged_and_an_interval_holds_tokens(engine: LLMEng
     async def late_consumer() -> list[RequestOutputDelta]:
         async with AsyncLLMEngine(engine) as server:
             stream = server.add_request("Once upon a time", params, request_id="late")
-            deltas = [await anext(stream)]
             queue = server._streams["late"].queue
-            await wait_until(lambda: queue.qsize() >= 3)  # the engine ran ahead of us
-            deltas += [d async for d in stream]
-            return deltas
+            await wait_until(lambda: queue.qsize() >= 4)  # the engine ran ahead of us
+            deltas = [await anext(stream)]
+            return deltas + [d async for d in stream]
 
     late = run(late_consumer())
+    # the first token is an event of its own however late the first read; what waited
+    # behind it comes as one
     assert len(late[0].token_ids) == 1 and len(late[1].token_ids) >= 3
     final = late[-1].final
     assert final is not None and late[-1].finish_reason == "length"
@@ -256,3 +257,19 @@ def test_deltas_that_wait_are_merged_and_an_interval_holds_tokens(engine: LLMEng
     assert [t for d in held for t in d.token_ids] == final.outputs[0].token_ids  # greedy
     with pytest.raises(ValueError, match="stream_interval"):
         AsyncLLMEngine(engine, stream_interval=0)
+
+
+def test_a_step_delay_fault_waits_after_every_step(engine: LLMEngine) -> None:
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    async def slowed() -> tuple[list[RequestOutputDelta], float]:
+        async with AsyncLLMEngine(engine, step_delay_s=0.1) as server:
+            started = time.monotonic()
+            deltas = await collect(server.add_request("Once upon a time", params))
+            return deltas, time.monotonic() - started
+
+    deltas, took = run(slowed())
+    assert sum(len(d.token_ids) for d in deltas) == 5
+    assert took >= 0.4  # a wait after each of the first four steps: a floor, never a ceiling
+    with pytest.raises(ValueError, match="step_delay_s"):
+        AsyncLLMEngine(engine, step_delay_s=-1)

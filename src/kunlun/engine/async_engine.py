@@ -9,7 +9,8 @@ cores, and the runtime then parks its workers after every operation instead of s
 Measured on the 2-vCPU benchmark machine, a decode-sized matrix product took about 2.5x as
 long on the second thread (docs/benchmarks.md, "One thread runs the model").
 
-Streaming: each completion's first delta goes out at once; after it, deltas that are already
+Streaming: each completion's first delta goes out at once and alone, even to a consumer that
+reads late (its first token is an event of its own); after it, deltas that are already
 waiting when the consumer reads are merged into one (a consumer that fell behind catches up in
 one event instead of one per token: no token waits for this), and with ``stream_interval`` N > 1
 a completion's tokens are held until N are there (or it finishes), for fewer, larger events.
@@ -31,6 +32,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -57,14 +59,22 @@ class AsyncLLMEngine:
     """An :class:`LLMEngine` driven by a background thread, for asyncio servers."""
 
     def __init__(
-        self, engine: LLMEngine | Callable[[], LLMEngine], stream_interval: int = 1
+        self,
+        engine: LLMEngine | Callable[[], LLMEngine],
+        stream_interval: int = 1,
+        step_delay_s: float = 0.0,
     ) -> None:
         """``engine`` is a built engine, or a factory the engine thread calls to build it
         (see the module: a server should pass a factory); ``stream_interval``: tokens a
-        completion's delta holds before it is handed out, after the first (see the module)."""
+        completion's delta holds before it is handed out, after the first (see the module);
+        ``step_delay_s``: an injected fault (a workload's ``faults.step_delay_ms``), the
+        engine thread's wait after each step and its deltas."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
+        if step_delay_s < 0:
+            raise ValueError(f"step_delay_s must be >= 0, got {step_delay_s}")
         self.stream_interval = stream_interval
+        self.step_delay_s = step_delay_s
         self._built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
         self._factory: Callable[[], LLMEngine] | None = None
         if isinstance(engine, LLMEngine):
@@ -201,8 +211,10 @@ class AsyncLLMEngine:
         try:
             while not done:
                 items = [await stream.queue.get()]
-                while not stream.queue.empty():  # already here: merged, nothing waits
-                    items.append(stream.queue.get_nowait())
+                first = items[0]
+                if isinstance(first, BaseException) or first.index in started:
+                    while not stream.queue.empty():  # already here: merged, nothing waits
+                        items.append(stream.queue.get_nowait())
                 failure: BaseException | None = None
                 for item in items:
                     if isinstance(item, BaseException):
@@ -287,10 +299,13 @@ class AsyncLLMEngine:
             deltas += self.engine.abort_request(request_id)
         self._stats = self.engine.stats()
         _resolve(aborts)
-        if self.engine.has_unfinished():
+        stepped = self.engine.has_unfinished()
+        if stepped:
             deltas += self.engine.step()
             self._stats = self.engine.stats()
         self._deliver(deltas)
+        if stepped and self.step_delay_s:
+            time.sleep(self.step_delay_s)
 
     def _pool(self, jobs: list[PoolingJob]) -> None:
         """One pooling step over the waiting embeddings inputs (:mod:`kunlun.engine.pooling`)."""

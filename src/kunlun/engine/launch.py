@@ -68,6 +68,13 @@ class FaultSpec(BaseModel):
     delay_ms: int = Field(
         0, ge=0, le=600_000, description="Added before each request reaches the engine."
     )
+    step_delay_ms: int = Field(
+        0,
+        ge=0,
+        le=1_000,
+        description="Added after every engine step (a slow device): each token of every "
+        "request, health probes included, comes this much later.",
+    )
     seed: int | None = Field(None, description="Seed of the error draws (None: random).")
 
 

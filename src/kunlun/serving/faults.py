@@ -12,6 +12,11 @@ A workload spec's ``faults`` (:class:`~kunlun.engine.launch.FaultSpec`) reaches 
 
 The platform's own health probes (header ``X-Kunlun-Health-Probe``) are exempt: a fault
 injected to test rollout gates does not also take the replica out of routing.
+
+``step_delay_ms`` is the one fault of the engine rather than of a request: the engine thread
+waits that long after every step (:class:`~kunlun.engine.async_engine.AsyncLLMEngine`'s
+``step_delay_s``), as a slow device would, so every token of every request (probes too) comes
+later and a streamed answer is spread out in time however fast the model is.
 """
 
 from __future__ import annotations

@@ -166,7 +166,8 @@ def build_engine(launch: EngineLaunch, group: Any = None) -> tuple[Any, dict[str
         say(f"Decode path: {decode.path} ({decode.reason})")
         return engine
 
-    return AsyncLLMEngine(factory, launch.stream_interval), times
+    step_delay_s = launch.faults.step_delay_ms / 1000.0 if launch.faults else 0.0
+    return AsyncLLMEngine(factory, launch.stream_interval, step_delay_s), times
 
 
 async def warm_up(engine: Any) -> float:

@@ -159,7 +159,7 @@ class WorkloadSpec(BaseModel):
     faults: FaultSpec | None = Field(
         None,
         description="Testing only: faults the workers inject into client requests "
-        "(error_rate, delay_ms, seed; kunlun.serving.faults), e.g. to try rollout gates on a "
+        "(error_rate, delay_ms, step_delay_ms, seed; kunlun.serving.faults), e.g. to try rollout gates on a "
         "real broken version.",
     )
 
