@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -545,13 +546,31 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& tiles, const at::T
     }
     return out;
   }
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
+  // bf16 activations are widened and the sums rounded back here, not by two more torch
+  // operators (their fixed cost was 5 % of a one-token product of the demo's shapes)
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  at::Tensor xf;
+  std::unique_ptr<float[]> widened, sums;  // left uninitialized: every element is written
+  const float* xp;
+  if (bf16) {
+    const at::Tensor xc = x.contiguous();
+    const auto* xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
+    widened.reset(new float[tokens * in]);
+    int64_t i = 0;
+    for (; i + 16 <= tokens * in; i += 16) store16(widened.get() + i, from_bf16(xb + i));
+    for (; i < tokens * in; ++i) widened[i] = static_cast<float>(c10::BFloat16(xb[i], c10::BFloat16::from_bits()));
+    xp = widened.get();
+  } else {
+    xf = x.to(at::kFloat).contiguous();
+    xp = xf.data_ptr<float>();
+  }
   std::vector<float> xsum(tokens * groups, 0.f);
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t k = 0; k < in; ++k) xsum[t * groups + k / group] += xp[t * in + k];
-  at::Tensor out = at::empty({tokens, out_features}, at::kFloat);
-  float* y = out.data_ptr<float>();
+  at::Tensor out = at::empty({tokens, out_features}, bf16 ? at::kBFloat16 : at::kFloat);
+  if (bf16) sums.reset(new float[tokens * out_features]);
+  float* y = bf16 ? sums.get() : out.data_ptr<float>();
+  at::BFloat16* yb = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
   const uint8_t* pt = tiles.data_ptr<uint8_t>();
   const auto* psm = reinterpret_cast<const uint16_t*>(scale_min.data_ptr<at::Half>());
   dynamic_for(count, 1, [&](int64_t first, int64_t last) {
@@ -566,9 +585,19 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& tiles, const at::T
         else if (n == 3) int4_tile<3>(tile, sm, xt, xs, in, group, o, out_features);
         else if (n == 2) int4_tile<2>(tile, sm, xt, xs, in, group, o, out_features);
         else int4_tile<1>(tile, sm, xt, xs, in, group, o, out_features);
+        if (yb)  // rounded to nearest even, as a torch cast rounds
+          for (int64_t t = t0; t < t0 + n; ++t) {
+            const int64_t row = t * out_features + i * kInt4Rows;
+#if defined(__AVX512BF16__)
+            for (int64_t r = 0; r < kInt4Rows; r += 16)
+              _mm256_storeu_si256((__m256i*)(yb + row + r), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(y + row + r)));
+#else
+            for (int64_t r = 0; r < kInt4Rows; ++r) yb[row + r] = at::BFloat16(y[row + r]);
+#endif
+          }
       }
   });
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+  return bf16 || x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
 constexpr int64_t kDequantizeFrom = 48;  // quant_linear.DEQUANTIZE_FROM_TOKENS
