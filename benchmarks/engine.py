@@ -356,7 +356,7 @@ def run_int4(workload: Workload, repeats: int) -> dict[str, object]:
             "ours": f"{spec.describe() if spec else 'floating'}, fp32 activations",
             "llama_cpp_python": llama_cpp.__version__,
             "int4_kernels": kernels,
-            "kernel_choice": None if record is None else record.describe(),
+            "kernel_choice": None if record is None else record.describe("float32"),
         },
     }
 

@@ -321,29 +321,39 @@ def test_an_avx2_build_passes_the_same_checks(tmp_path: Path) -> None:
 def test_the_int4_kernel_is_chosen_by_a_measurement_recorded_per_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The loaded library's measurement (both int4 kernels on the same products) names the
-    faster one; its record is read back only for this CPU and this source, newest first."""
+    """The loaded library's measurement (both int4 kernels on the same products, for each
+    activation dtype) names the faster one per dtype; its record is read back only for this
+    CPU and this source, newest first."""
     from kunlun.engine import native
 
     assert native.load().compiled
     measured = native._measure()
-    assert set(measured.figures) == {"int4_matmul", "int4pack"}
-    faster = min(measured.figures, key=measured.figures.__getitem__)
-    assert measured.native_ops == (("int4_matmul",) if faster == "int4_matmul" else ())
-    assert "int4_matmul" in measured.describe() and "best of" in measured.describe()
+    assert set(measured.figures) == set(native.MEASURED_DTYPES) == {"float32", "bfloat16"}
+    for dtype, figures in measured.figures.items():
+        assert set(figures) == {"int4_matmul", "int4pack"}
+        faster = min(figures, key=figures.__getitem__)
+        assert measured.ops(dtype) == (("int4_matmul",) if faster == "int4_matmul" else ())
+        assert f"{dtype} activations: int4_matmul" in measured.describe(dtype)
+        assert "best of" in measured.describe(dtype)
+    assert measured.ops("float16") == measured.ops("float32")  # not measured: float32's
     record = measured.to_record()
     assert native.NativeChoice.from_record(json.loads(json.dumps(record))) == measured
     assert native.NativeChoice.from_record({**record, "cpu": "another CPU"}) is None
     assert native.NativeChoice.from_record({**record, "source": "0" * 16}) is None
     monkeypatch.setenv("KUNLUN_NATIVE_DIR", str(tmp_path))
-    other = native.NativeChoice(("int4_matmul",), {"int4_matmul": 1.0, "int4pack": 9.0}, "x")
+    other = native.NativeChoice({"float32": ("int4_matmul",), "bfloat16": ()},
+                                {"float32": {"int4_matmul": 1.0, "int4pack": 9.0}}, "x")  # fmt: skip
     ours = tmp_path / "kunlun_decode_0.choice.json"
     ours.write_text(json.dumps(other.to_record()))
     assert native.recorded_choice() == other  # the newest record for this CPU
     (tmp_path / "kunlun_decode_1.choice.json").write_text(
-        json.dumps({**other.to_record(), "cpu": "another CPU", "native_ops": []})
+        json.dumps({**other.to_record(), "cpu": "another CPU", "native_ops": {}})
     )
     assert native.recorded_choice() == other  # another CPU's record is not this one's
+    (tmp_path / "kunlun_decode_2.choice.json").write_text(
+        json.dumps({**other.to_record(), "native_ops": ["int4_matmul"]})  # an older shape
+    )
+    assert native.recorded_choice() == other
     ours.write_text("{not json")
     assert native.recorded_choice() != other  # unreadable: the next record for this CPU
 

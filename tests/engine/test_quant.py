@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from tests.engine.conftest import TinyFactory
 
+from kunlun.engine import native
 from kunlun.engine.config import ModelConfig
 from kunlun.engine.convert import prepare_weights, write_quantized
 from kunlun.engine.llm import LLM
@@ -240,7 +241,7 @@ def test_other_quantization_formats_are_refused_naming_the_file(
 
 
 def test_prepare_weights_quantizes_once_into_the_plan_cache(
-    make_tiny_model: TinyFactory, tmp_path: Path
+    make_tiny_model: TinyFactory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     source = make_tiny_model("Qwen3ForCausalLM")
     target = tmp_path / "plan" / "weights"
@@ -253,7 +254,15 @@ def test_prepare_weights_quantizes_once_into_the_plan_cache(
     runner = ModelRunner(loaded, num_blocks=8, quantization="w4a16")
     kernels = {m.kernel for m in runner.model.modules() if isinstance(m, QuantLinear)}
     # Kunlun's int4 kernel where the compiled library's measurement on this CPU chose it
-    measured = "int4" if "int4_matmul" in native_ops(None) else "int4pack"
+    measured = "int4" if "int4_matmul" in native_ops(None, "float32") else "int4pack"
     assert kernels == {measured}
+    # the choice is the one measured for the model's dtype: on a CPU where torch's kernel
+    # won with bf16 activations, a bf16 model runs it and a float32 one Kunlun's
+    split = native.NativeChoice({"float32": ("int4_matmul",), "bfloat16": ()}, {}, "a split")
+    monkeypatch.setattr(native, "choice", lambda: split)
+    for dtype, kernel in ((torch.float32, "int4"), (torch.bfloat16, "int4pack")):
+        runner = ModelRunner(loaded, num_blocks=8, quantization="w4a16", dtype=dtype)
+        assert {m.kernel for m in runner.model.modules() if isinstance(m, QuantLinear)} == {
+            kernel}  # fmt: skip
     # floating weights already in the plan dtype and no quantization: nothing to do
     assert prepare_weights(source, tmp_path / "other", "fp32")[0] == source

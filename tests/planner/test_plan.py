@@ -77,11 +77,13 @@ def test_the_operator_report_is_what_the_engine_runs_and_names_what_the_chip_off
     assert not any(c.fallback for c in on_cpu.values())
     record = recorded_choice()  # int4 on this CPU: the kernel measured faster, with its figures
     assert record is not None, "make setup builds and measures the compiled library"
-    int4 = (
-        "Kunlun's int4 kernel" if "int4_matmul" in record.native_ops else "torch._weight_int4pack"
-    )
-    assert on_cpu["matmul"].implementation.startswith(int4)
-    assert record.describe() in on_cpu["matmul"].why and "int4pack" in record.describe()
+    for dtype, activations in (("fp32", "float32"), ("bf16", "bfloat16")):  # each its own
+        matmul = operators.choose_operators("cpu", "w4a16", dtype)["matmul"]
+        int4 = ("Kunlun's int4 kernel" if "int4_matmul" in record.ops(activations)
+                else "torch._weight_int4pack")  # fmt: skip
+        assert matmul.implementation.startswith(int4), (dtype, record)
+        assert record.describe(activations) in matmul.why
+        assert f"{activations} activations: int4_matmul" in matmul.why and "int4pack" in matmul.why
     assert on_cpu["decode"].implementation.startswith("Kunlun's compiled decode step")
     assert "float32 or bfloat16 on one rank" in on_cpu["decode"].implementation
     cuda = operators.choose_operators("cuda", "w8a8")["matmul"]  # NVIDIA offers nothing else
@@ -100,13 +102,13 @@ def test_the_quantized_layers_run_the_kernel_the_plan_reports() -> None:
     CPU = torch.device("cpu")
     record = recorded_choice()
     assert record is not None, "make setup builds and measures the compiled library"
-    int4 = "int4" if "int4_matmul" in record.native_ops else "int4pack"
+    int4 = "int4" if "int4_matmul" in record.ops("float32") else "int4pack"
     for scheme, key in (("w8a16", "int8pack"), ("w8a8", "int8pack"), ("w4a16", int4)):
         spec = QuantSpec(scheme, 32 if scheme == "w4a16" else None)
         layer = QuantLinear(64, 32, spec, bias=False, dtype=torch.float32, device=CPU)
         for tensor in layer.canonical().values():  # as if loaded (empty memory may hold NaN)
             tensor.zero_()
-        layer.prepare(record.native_ops)
+        layer.prepare(record.ops("float32"))
         assert layer.kernel == key
         reported = operators.choose_operators("cpu", scheme)["matmul"].implementation
         assert reported.startswith({"int8pack": "torch._weight_int8pack_mm", "int4":

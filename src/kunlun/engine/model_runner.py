@@ -132,7 +132,8 @@ class ModelRunner:
         if self.quant_spec is not None:
             raise_if_quantized_split(self.quant_spec.scheme, group.size)
         quantized_on_cpu = self.quant_spec is not None and self.device.type == "cpu"
-        self._native_ops = native_ops(decode_path) if quantized_on_cpu else frozenset[str]()
+        activations = str(dtype).removeprefix("torch.")  # the measured choice is per dtype
+        self._native_ops = native_ops(decode_path, activations) if quantized_on_cpu else frozenset()
         """Kunlun's own kernels the quantized layers may run (the library's measured choice)."""
         self.model = self._load_model(Path(model_dir))
         self.num_blocks = self._num_blocks(num_blocks, kv_cache_memory_bytes)

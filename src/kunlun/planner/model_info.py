@@ -37,7 +37,7 @@ DTYPE_BYTES: dict[str, float] = {
 }
 
 #: transformers' dtype names -> the dtype vocabulary of :mod:`kunlun.device.dtypes`.
-_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 @dataclass(frozen=True)
@@ -165,7 +165,7 @@ def _info(config: HFConfig, name: str, path: str | None = None) -> ModelInfo:
         vocab_size=vocab,
         max_context=config.max_position_embeddings,
         tie_word_embeddings=tied,
-        checkpoint_dtype=_DTYPE_NAMES.get(config.dtype or ""),
+        checkpoint_dtype=DTYPE_NAMES.get(config.dtype or ""),
         quantization=config.quantization,
         parameters=parameters,
         num_parameters=sum(parameters.values()),

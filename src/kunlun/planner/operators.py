@@ -8,8 +8,8 @@ libraries the engine does not call). An op is a *fallback* when the plugin offer
 kernel for it, or when no plugin registers the device type with torch here: the plan lists
 it under ``fallback_ops`` with the reason, so that what a chip lacks in Kunlun is visible.
 Where Kunlun's compiled library has its own kernel for an op that torch also has (int4
-weights on the CPU), the choice between them is the one measured on this CPU
-(:func:`kunlun.engine.native.recorded_choice`), and the report says the figures.
+weights on the CPU), the choice between them is the one measured on this CPU for the
+plan's dtype (:func:`kunlun.engine.native.recorded_choice`), and the report says the figures.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from functools import lru_cache
 from kunlun.device.registry import plugin_for_torch_device
 from kunlun.engine.kernels import KERNELS, OPERATORS, candidates
 from kunlun.engine.native import recorded_choice
+from kunlun.planner.model_info import DTYPE_NAMES
+
+_TORCH_NAMES = {ours: torch_name for torch_name, ours in DTYPE_NAMES.items()}
 
 __all__ = ["OPERATORS", "OperatorChoice", "choose_operators"]
 
@@ -35,13 +38,17 @@ class OperatorChoice:
 
 
 @lru_cache(maxsize=64)
-def choose_operators(torch_device_type: str, quantization: str) -> dict[str, OperatorChoice]:
+def choose_operators(
+    torch_device_type: str, quantization: str, dtype: str = "fp32"
+) -> dict[str, OperatorChoice]:
     """The implementation of every operator on ``torch_device_type`` for ``quantization``
-    (decided once per process; callers must not modify the result)."""
+    and activations of ``dtype`` (fp32, bf16, fp16) (decided once per process; callers must
+    not modify the result)."""
     plugin = plugin_for_torch_device(torch_device_type)
     offered = {} if plugin is None else dict(plugin.vendor_kernels)
     record = recorded_choice()
-    native = () if record is None else record.native_ops
+    activations = _TORCH_NAMES.get(dtype, dtype)
+    native = () if record is None else record.ops(activations)
     out: dict[str, OperatorChoice] = {}
     for op in OPERATORS:
         kernel = candidates(op, torch_device_type, quantization, None, native)[0]
@@ -65,7 +72,7 @@ def choose_operators(torch_device_type: str, quantization: str) -> dict[str, Ope
                     "Kunlun's own kernel is not measured on this CPU (make setup builds and "
                     "measures the compiled library)"
                     if record is None
-                    else record.describe()
+                    else record.describe(activations)
                 )
             out[op] = OperatorChoice(name, False, why)
     return out

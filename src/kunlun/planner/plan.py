@@ -366,7 +366,7 @@ def build_plan(
         notes_kv = [f"KV ({blocks} blocks) is shorter than max_model_len={demand.max_model_len}"]
     else:
         notes_kv = []
-    ops = choose_operators(first.torch_device_type, demand.quantization)
+    ops = choose_operators(first.torch_device_type, demand.quantization, option.dtype)
     opts, env, notes = engine_options(first.custom_attributes)
     graphs, graph_note = graph_capture(first, option.tp, demand.engine, batch)
     if graph_note:

@@ -20,10 +20,11 @@ prints the library's path (``make setup`` runs it).
 
 Where torch has a kernel for the same job as one of the library's operators (int4 weights:
 ``torch._weight_int4pack_mm_for_cpu``), which one runs on a CPU is measured, not assumed: the
-first process that loads a library times both on the same products and records the outcome
-beside it (``<library>.choice.json``, :class:`NativeChoice`); every later model load reads
-the record, and the planner reports from it (:func:`recorded_choice`), so a plan says what
-was measured on the CPU.
+first process that loads a library times both on the same products, for each activation
+dtype a model runs in (:data:`MEASURED_DTYPES`), and records the outcome beside it
+(``<library>.choice.json``, :class:`NativeChoice`); every later model load reads the record
+for its dtype, and the planner reports from it (:func:`recorded_choice`), so a plan says what
+was measured on the CPU for its dtype.
 """
 
 from __future__ import annotations
@@ -84,35 +85,52 @@ class NativeStatus:
 
 @dataclass(frozen=True)
 class NativeChoice:
-    """What the measurement of a library on its CPU chose: which of Kunlun's own operators
-    run where torch has a kernel for the same job, and the figures behind it."""
+    """What the measurement of a library on its CPU chose, per activation dtype: which of
+    Kunlun's own operators run where torch has a kernel for the same job, and the figures."""
 
-    native_ops: tuple[str, ...]
-    """Operators that run (``torch.ops.kunlun.<name>``)."""
-    figures: dict[str, float]
-    """Milliseconds per measured round, by kernel."""
+    native_ops: dict[str, tuple[str, ...]]
+    """Operators that run (``torch.ops.kunlun.<name>``), by activation dtype (torch's name:
+    ``float32``, ``bfloat16``)."""
+    figures: dict[str, dict[str, float]]
+    """Milliseconds per measured round, by activation dtype, then kernel."""
     detail: str
     """What was measured."""
 
-    def describe(self) -> str:
-        figures = ", ".join(f"{name} {ms:.3f} ms" for name, ms in self.figures.items())
+    def ops(self, dtype: str) -> tuple[str, ...]:
+        """The operators that run for activations of ``dtype`` (torch's name); a dtype not
+        measured (float16) takes float32's choice, as its products widen to float32 too."""
+        return self.native_ops.get(dtype, self.native_ops.get(MEASURED_DTYPES[0], ()))
+
+    def describe(self, dtype: str | None = None) -> str:
+        """The figures, of ``dtype``'s activations only where one is given."""
+        shown = [d for d in self.figures if dtype is None or d == dtype] or list(self.figures)
+        figures = "; ".join(f"{d} activations: " + ", ".join(
+            f"{name} {ms:.3f} ms" for name, ms in self.figures[d].items()) for d in shown)  # fmt: skip
         return f"measured on this CPU: {figures} ({self.detail})"
 
     def to_record(self) -> dict[str, object]:
-        return {"cpu": cpu_identity(), "source": source_digest(), "native_ops": list(
-            self.native_ops), "figures": self.figures, "detail": self.detail}  # fmt: skip
+        ops = {d: list(names) for d, names in self.native_ops.items()}
+        return {"cpu": cpu_identity(), "source": source_digest(), "measure": MEASURE_VERSION,
+                "native_ops": ops, "figures": self.figures, "detail": self.detail}  # fmt: skip
 
     @classmethod
     def from_record(cls, raw: object) -> NativeChoice | None:
-        """The choice a record holds, or None where it is not one for this CPU and source."""
+        """The choice a record holds, or None where it is not one for this CPU and source
+        (or one in an older shape: the library is measured again)."""
         if not isinstance(raw, dict) or raw.get("cpu") != cpu_identity():
             return None
         ops, figures, detail = raw.get("native_ops"), raw.get("figures"), raw.get("detail")
-        if raw.get("source") != source_digest() or not isinstance(ops, list):
+        if raw.get("source") != source_digest() or raw.get("measure") != MEASURE_VERSION:
             return None
-        if not isinstance(figures, dict) or not isinstance(detail, str):
+        if not isinstance(detail, str):
             return None
-        return cls(tuple(map(str, ops)), {str(k): float(v) for k, v in figures.items()}, detail)
+        if not isinstance(ops, dict) or not all(isinstance(v, list) for v in ops.values()):
+            return None
+        if not isinstance(figures, dict) or not all(isinstance(v, dict) for v in figures.values()):
+            return None
+        return cls({str(d): tuple(map(str, v)) for d, v in ops.items()},
+                   {str(d): {str(k): float(ms) for k, ms in v.items()} for d, v in figures.items()},
+                   detail)  # fmt: skip
 
 
 def source_digest() -> str:
@@ -334,19 +352,28 @@ def choice() -> NativeChoice:
     return measured
 
 
-def native_ops(setting: str | None) -> frozenset[str]:
+def native_ops(setting: str | None, dtype: str = "float32") -> frozenset[str]:
     """Kunlun's own operators a model loaded under the ``decode_path`` setting runs where
-    torch has a kernel for the same job: none on the reference path or without the library,
-    else those :func:`choice` measured faster."""
+    torch has a kernel for the same job, for activations of ``dtype`` (torch's name): none on
+    the reference path or without the library, else those :func:`choice` measured faster."""
     if not load(setting).compiled:
         return frozenset()
-    return frozenset(choice().native_ops)
+    return frozenset(choice().ops(dtype))
 
 
-#: What the int4 measurement multiplies: products of this shape (out, in), group 32, one
-#: token, float32 activations; this many distinct weights (21 MB of int4: more than a core's
-#: caches, as a model's layers are), best of this many rounds, the two kernels in turn.
-INT4_SHAPE, INT4_GROUP, INT4_WEIGHTS, ROUNDS = (1536, 576), 32, 48, 11
+MEASURE_VERSION = 2
+"""Part of a record's key with the CPU and the source: raise it when what :func:`_measure`
+measures changes, so a library is measured again."""
+#: The activation dtypes the int4 measurement runs (torch's names; the first is the default).
+MEASURED_DTYPES = ("float32", "bfloat16")
+#: What the int4 measurement multiplies: the products of one decoder layer as the engine
+#: holds them (out, in: q/k/v fused, o, gate/up fused, down; the demo model's), group 32, one
+#: token; this many distinct layers (20 MB of int4: more than a core's caches, as a model's
+#: layers are), best of this many rounds, the two kernels in turn. (One unfused shape alone
+#: misjudged the engine: with bf16 activations int4pack won 1536x576 by 2 %, where Kunlun's
+#: kernel ran the demo's decode 5 % faster.)
+INT4_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+INT4_GROUP, INT4_LAYERS, ROUNDS = 32, 10, 11
 
 
 def _measure() -> NativeChoice:
@@ -355,37 +382,46 @@ def _measure() -> NativeChoice:
     from kunlun.engine.quant import int4_tiles, pack_int4
 
     if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
-        return NativeChoice(("int4_matmul",), {}, "this torch has no int4pack kernel")
-    out_features, in_features = INT4_SHAPE
+        every: dict[str, tuple[str, ...]] = dict.fromkeys(MEASURED_DTYPES, ("int4_matmul",))
+        return NativeChoice(every, {}, "this torch has no int4pack kernel")
     generator = torch.Generator().manual_seed(0)
     ours, theirs = [], []
-    for _ in range(INT4_WEIGHTS):
-        q = torch.randint(0, 16, INT4_SHAPE, dtype=torch.uint8, generator=generator)
+    for out_features, in_features in INT4_LAYER * INT4_LAYERS:
+        q = torch.randint(
+            0, 16, (out_features, in_features), dtype=torch.uint8, generator=generator
+        )
         scale = torch.rand(out_features, in_features // INT4_GROUP, generator=generator) / 100
-        ours.append(int4_tiles(pack_int4(q), scale, -8 * scale, INT4_GROUP))
+        ours.append((in_features, *int4_tiles(pack_int4(q), scale, -8 * scale, INT4_GROUP)))
         pairs = torch.stack((scale.t(), torch.zeros_like(scale.t())), dim=-1)
         packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        theirs.append((packed, pairs.to(torch.bfloat16).contiguous()))
-    x = torch.randn(1, in_features, generator=generator)
+        theirs.append((in_features, packed, pairs.to(torch.bfloat16).contiguous()))
+    chosen: dict[str, tuple[str, ...]] = {}
+    figures: dict[str, dict[str, float]] = {}
+    for dtype in MEASURED_DTYPES:  # the model's activations, as each kernel takes them
+        xs = {k: torch.randn(1, k, generator=generator).to(getattr(torch, dtype))
+              for k in {k for _, k in INT4_LAYER}}  # fmt: skip
 
-    def own() -> None:
-        for tiles, scale_min in ours:
-            torch.ops.kunlun.int4_matmul(x, tiles, scale_min, INT4_GROUP)
+        def own(xs: dict[int, torch.Tensor] = xs) -> None:
+            for k, tiles, scale_min in ours:
+                torch.ops.kunlun.int4_matmul(xs[k], tiles, scale_min, INT4_GROUP)
 
-    def int4pack() -> None:
-        for packed, pairs in theirs:
-            torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, INT4_GROUP, pairs)
+        def int4pack(xs: dict[int, torch.Tensor] = xs) -> None:
+            for k, packed, pairs in theirs:
+                torch._weight_int4pack_mm_for_cpu(
+                    xs[k].to(torch.bfloat16), packed, INT4_GROUP, pairs
+                )
 
-    best = {"int4_matmul": float("inf"), "int4pack": float("inf")}
-    for _ in range(ROUNDS):
-        for name, run in (("int4_matmul", own), ("int4pack", int4pack)):
-            start = time.perf_counter()
-            run()
-            best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
-    detail = (f"{INT4_WEIGHTS} int4 products of {out_features}x{in_features}, one token, "
-              f"{torch.get_num_threads()} threads, best of {ROUNDS}")  # fmt: skip
-    wins = ("int4_matmul",) if best["int4_matmul"] < best["int4pack"] else ()
-    return NativeChoice(wins, {k: round(v, 4) for k, v in best.items()}, detail)
+        best = {"int4_matmul": float("inf"), "int4pack": float("inf")}
+        for _ in range(ROUNDS):
+            for name, run in (("int4_matmul", own), ("int4pack", int4pack)):
+                start = time.perf_counter()
+                run()
+                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+        chosen[dtype] = ("int4_matmul",) if best["int4_matmul"] < best["int4pack"] else ()
+        figures[dtype] = {k: round(v, 4) for k, v in best.items()}
+    detail = (f"the int4 products of {INT4_LAYERS} decoder layers (q/k/v, o, gate/up, down; "
+              f"hidden size 576), one token, {torch.get_num_threads()} threads, best of {ROUNDS}")  # fmt: skip
+    return NativeChoice(chosen, figures, detail)
 
 
 def main() -> None:
