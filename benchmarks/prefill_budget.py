@@ -33,7 +33,7 @@ from kunlun.device.registry import load_plugins  # noqa: E402
 from kunlun.engine.gguf import demo_model_dir  # noqa: E402
 from kunlun.engine.llm_engine import LLMEngine  # noqa: E402
 from kunlun.engine.sampling_params import SamplingParams  # noqa: E402
-from kunlun.planner.plan import engine_launch  # noqa: E402
+from kunlun.planner.launch import engine_launch  # noqa: E402
 from serving import Request, platform_plan, requests  # noqa: E402
 
 

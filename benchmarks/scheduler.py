@@ -33,7 +33,7 @@ from typing import Any
 
 from kunlun.serving.admission import Admission, Ticket
 from kunlun.serving.replica import Replica, ReplicaSet
-from kunlun.serving.routing import DeviceSample, DeviceSamples, Router
+from kunlun.serving.routing import DeviceLoad, DeviceSamples, Router
 from kunlun.serving.scheduler_config import (
     QueueLimits,
     SchedulerConfig,
@@ -75,8 +75,8 @@ def route_decision(iterations: int) -> dict[str, float]:
         replicas.upsert(replica)
         if i % 2 == 0:
             hot = i % 8 == 0
-            samples[device] = DeviceSample(rng.uniform(20, 95), 90.0 if hot else 60.0, now - 40)
-            samples[device] = DeviceSample(rng.uniform(20, 95), 90.0 if hot else 60.0, now)
+            samples[device] = DeviceLoad(rng.uniform(20, 95), 90.0 if hot else 60.0, now - 40)
+            samples[device] = DeviceLoad(rng.uniform(20, 95), 90.0 if hot else 60.0, now)
     timings = []
     ticket = Ticket(MODEL, "normal", None, 300)
     clock = time.perf_counter_ns
