@@ -73,8 +73,8 @@ from kunlun.engine.gguf import demo_model_dir
 from kunlun.engine.llm_engine import LLMEngine
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.engine.tokenizer import Tokenizer
-from kunlun.planner.model_info import inspect_model
 from kunlun.planner.launch import engine_launch
+from kunlun.planner.model_info import inspect_model
 from kunlun.planner.plan import ExecutionPlan
 from kunlun.workload.placement import place
 from kunlun.workload.spec import WorkloadSpec
