@@ -72,12 +72,9 @@ from tests.cluster.platform_nodes import (  # noqa: E402
     serving_replicas,
     wait_for,
 )
-from tests.cluster.test_cluster_failover import (  # noqa: E402
-    WORKLOAD,
-    Cluster,
-    _demo_home,
-    _spread,
-)
+from tests.cluster.test_cluster_failover import WORKLOAD as TEST_WORKLOAD  # noqa: E402
+from tests.cluster.test_cluster_failover import Cluster, _spread  # noqa: E402
+from tests.daemons import BIN  # noqa: E402
 
 from kunlun.state.certs import make_certs  # noqa: E402
 from kunlun.state.etcd import EtcdStore  # noqa: E402
@@ -85,6 +82,7 @@ from kunlun.state.etcd_client import Etcd  # noqa: E402
 from kunlun.state.sqlite import SQLiteStore  # noqa: E402
 
 NAMES = ["node-a", "node-b", "node-c"]
+WORKLOAD = {**TEST_WORKLOAD, "model": "smollm2"}
 PROMPT = "Say hi."
 POLL_S = 0.05
 Pair = dict[str, tuple[float, str, str]]
@@ -106,6 +104,17 @@ def parse_args() -> argparse.Namespace:
 
 
 # ---- the cluster ----
+def _demo_home(root: Path) -> Path:
+    """A home whose catalog holds the demo model (``model import-gguf --demo``)."""
+    home = root / "models-home"
+    proc = subprocess.run([str(BIN / "kunlun-cli"), "model", "import-gguf", "--demo"],
+                          capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, KUNLUN_HOME=str(home)))  # fmt: skip
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr)
+    return home
+
+
 def start_cluster(cluster: Cluster, root: Path, lease_ttl_s: int) -> None:
     """Certificates are in ``cluster.certs``; start etcd, put the demo model into it, start
     three nodes (each in ``cluster.nodes`` as soon as it exists, for :func:`stop_cluster`),

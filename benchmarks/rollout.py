@@ -62,7 +62,7 @@ def parse_args() -> argparse.Namespace:
 
 def submit(daemon: Daemon, name: str, extra: str = "") -> str:
     spec = daemon.home / f"{name}.yaml"
-    spec.write_text(SPEC.replace("name: chat", f"name: {name}") + extra)
+    spec.write_text(SPEC.format(model="smollm2").replace("name: chat", f"name: {name}") + extra)
     proc = daemon.cli("workload", "submit", "--file", str(spec), "--json")
     if proc.returncode != 0:
         raise SystemExit(proc.stderr)
