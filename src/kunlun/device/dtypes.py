@@ -10,6 +10,10 @@ from __future__ import annotations
 
 DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 
+#: The floating dtypes a model computes in, by the names torch (and transformers' configs)
+#: give them.
+TORCH_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
 #: Throughput relative to fp16 on a typical accelerator with matrix units.
 _RELATIVE_TO_FP16: dict[str, float] = {
     "fp32": 0.5,

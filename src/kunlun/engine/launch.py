@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kunlun.device.dtypes import TORCH_NAMES
 from kunlun.errors import ConfigError, Location
 
 if TYPE_CHECKING:
@@ -235,7 +236,6 @@ class EngineLaunch(BaseModel):
 
         from kunlun.engine.engine_config import EngineConfig
 
-        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
         settings = {
             name: getattr(self, name)
             for name in (
@@ -257,7 +257,7 @@ class EngineLaunch(BaseModel):
         return EngineConfig(
             self.model_dir if model_dir is None else model_dir,
             device=self.device,
-            dtype=dtypes[self.dtype],
+            dtype=getattr(torch, TORCH_NAMES[self.dtype]),
             quantization=self.quantization,
             group_size=self.group_size,
             tensor_parallel_size=self.tensor_parallel_size,

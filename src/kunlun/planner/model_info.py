@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kunlun.catalog import resolve
+from kunlun.device.dtypes import TORCH_NAMES
 from kunlun.engine.quant import DEFAULT_GROUP_SIZE
 from kunlun.engine.schemes import INT8_SCHEMES, SCHEMES
 from kunlun.errors import UnknownModel
@@ -37,7 +38,7 @@ DTYPE_BYTES: dict[str, float] = {
 }
 
 #: transformers' dtype names -> the dtype vocabulary of :mod:`kunlun.device.dtypes`.
-DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_DTYPE_NAMES = {torch_name: ours for ours, torch_name in TORCH_NAMES.items()}
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def _info(config: HFConfig, name: str, path: str | None = None) -> ModelInfo:
         vocab_size=vocab,
         max_context=config.max_position_embeddings,
         tie_word_embeddings=tied,
-        checkpoint_dtype=DTYPE_NAMES.get(config.dtype or ""),
+        checkpoint_dtype=_DTYPE_NAMES.get(config.dtype or ""),
         quantization=config.quantization,
         parameters=parameters,
         num_parameters=sum(parameters.values()),

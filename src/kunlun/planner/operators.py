@@ -17,12 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from kunlun.device.dtypes import TORCH_NAMES
 from kunlun.device.registry import plugin_for_torch_device
 from kunlun.engine.kernels import KERNELS, OPERATORS, candidates
 from kunlun.engine.native import recorded_choice
-from kunlun.planner.model_info import DTYPE_NAMES
-
-_TORCH_NAMES = {ours: torch_name for torch_name, ours in DTYPE_NAMES.items()}
 
 __all__ = ["OPERATORS", "OperatorChoice", "choose_operators"]
 
@@ -47,7 +45,7 @@ def choose_operators(
     plugin = plugin_for_torch_device(torch_device_type)
     offered = {} if plugin is None else dict(plugin.vendor_kernels)
     record = recorded_choice()
-    activations = _TORCH_NAMES.get(dtype, dtype)
+    activations = TORCH_NAMES.get(dtype, dtype)
     native = () if record is None else record.ops(activations)
     out: dict[str, OperatorChoice] = {}
     for op in OPERATORS:
