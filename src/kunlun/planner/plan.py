@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kunlun.engine.launch import EMBEDDED_ENGINE
 from kunlun.engine.schemes import COMPUTE_DTYPES
@@ -38,9 +38,6 @@ from kunlun.planner.estimate import (
 )
 from kunlun.planner.model_info import ModelInfo
 from kunlun.planner.operators import choose_operators
-
-if TYPE_CHECKING:
-    pass
 
 #: Activation and KV dtypes the embedded engine runs, in the default preference order.
 ENGINE_DTYPES: tuple[str, ...] = ("bf16", "fp16", "fp32")

@@ -352,7 +352,7 @@ def choice() -> NativeChoice:
     return measured
 
 
-def native_ops(setting: str | None, dtype: str = "float32") -> frozenset[str]:
+def native_ops(setting: str | None, dtype: str) -> frozenset[str]:
     """Kunlun's own operators a model loaded under the ``decode_path`` setting runs where
     torch has a kernel for the same job, for activations of ``dtype`` (torch's name): none on
     the reference path or without the library, else those :func:`choice` measured faster."""
