@@ -6,9 +6,14 @@ on this machine's CPU (``place`` on the live inventory: dtype, ``max_num_seqs``,
 * **engine**: that plan's :class:`~kunlun.engine.engine_config.EngineConfig` in this process,
   requests added at once and stepped to the end (no HTTP, no detokenized text sent anywhere);
 * **platform**: ``kunlun-platform --demo`` started here with a fresh ``KUNLUN_HOME`` and
-  default settings, the same requests sent at once through the gateway with the ``openai``
-  SDK (streaming completions of token-id prompts, ``ignore_eos`` so every request runs to
-  its ``max_tokens``);
+  default settings, the same requests sent at once through the gateway (streaming
+  completions of token-id prompts, ``ignore_eos`` so every request runs to its
+  ``max_tokens``) by the client ``--client`` names: ``lean`` (the default: HTTP/1.1 on
+  asyncio streams, one connection per request, the body's pieces counted as they arrive and
+  only the closing usage event read, about a tenth of the SDK's CPU per token) or ``sdk``
+  (the ``openai`` SDK, which decodes every event into its objects). On a machine whose every
+  core runs the engine's step, the client's CPU is taken from the step, so the default is
+  the client that takes least: the SDK's own cost is measured, not the platform's;
 * **llama.cpp** (``llama_cpp.server`` on the demo GGUF, same threads) when its server extra
   is installed; skipped, saying so, otherwise. Its server takes text prompts only (the same
   ids decoded, so its token counts may differ by a few) and has no ``ignore_eos`` (eos gets a
@@ -38,12 +43,12 @@ Keys: ``platform_vs_engine_16``, ``platform_vs_engine_1``, ``platform_vs_engine_
 ``ttft_p50_ms_16`` (the platform's), ``worker_layout``, ``cpu_steal_pct`` (the share of CPU
 time the host took during the whole run), and each side's figures. ``cpu_ms_per_token``:
 per set, the CPU milliseconds per output token of the worker, the daemon (the gateway) and
-the client (this process, the ``openai`` SDK) during the platform's rounds, each the median
+the client (this process) during the platform's rounds, each the median
 of the rounds. On a machine whose every core runs the engine's step, the daemon's and the
 client's share are taken from the step: it is what the platform costs beyond the engine
 (the daemon's) and what measuring it costs (the client's).
 
-Usage: ``python benchmarks/serving.py [--threads N] [--quick] [--profile]``.
+Usage: ``python benchmarks/serving.py [--threads N] [--quick] [--profile] [--client lean|sdk]``.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ import functools
 import json
 import os
 import random
+import re
 import socket
 import statistics
 import subprocess
@@ -61,7 +67,9 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +206,75 @@ async def client_run(url: str, model: str, batch: list[tuple[Any, int]], in_flig
     return summary(started, ttfts, ends, counted[0])
 
 
+_TEXT = re.compile(rb'"text":"(?!")')
+"""An event's choice with text (JSON escapes a quote inside the text)."""
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":(\d+)')
+
+
+async def lean_post(url: str, payload: dict[str, Any]) -> AsyncIterator[bytes]:
+    """POST ``payload`` to ``url`` over HTTP/1.1 on a new connection and yield the response
+    body's pieces as they arrive: the least a client can do (no SSE or JSON parsing)."""
+    address = urllib.parse.urlsplit(url)
+    reader, writer = await asyncio.open_connection(address.hostname, address.port)
+    try:
+        body = json.dumps(payload).encode()
+        writer.write(f"POST {address.path} HTTP/1.1\r\nHost: {address.netloc}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                     "Connection: close\r\n\r\n".encode() + body)  # fmt: skip
+        status = await reader.readline()
+        head = (await reader.readuntil(b"\r\n\r\n")).lower()
+        if status.split()[1:2] != [b"200"]:
+            raise RuntimeError(
+                f"{url}: {status.decode().strip()}: {(await reader.read()).decode()}"
+            )
+        if b"transfer-encoding: chunked" not in head:
+            while piece := await reader.read(65536):
+                yield piece
+            return
+        while size := int((await reader.readline()).split(b";")[0], 16):
+            yield (await reader.readexactly(size + 2))[:-2]
+    finally:
+        writer.close()
+
+
+async def lean_run(url: str, model: str, batch: list[tuple[Any, int]], in_flight: int,
+                   extra: dict[str, Any], count_chunks: bool = False) -> dict[str, float]:  # fmt: skip
+    """:func:`client_run` with :func:`lean_post` for its client: the answer's text is not
+    decoded; its usage event (``count_chunks``: its events with text) gives its tokens."""
+    gate = asyncio.Semaphore(in_flight)
+    ttfts: list[float] = []
+    ends: list[float] = []
+    counted = [0]
+
+    async def one(prompt: list[int] | str, num: int) -> None:
+        payload = {"model": model, "prompt": prompt, "max_tokens": num, "temperature": 0,
+                   "stream": True, "stream_options": {"include_usage": True}, **extra}  # fmt: skip
+        async with gate:
+            sent = time.perf_counter()
+            seen_first, tail = False, b""
+            async for piece in lean_post(url + "/v1/completions", payload):
+                if not seen_first and _TEXT.search(piece):
+                    ttfts.append(time.perf_counter() - sent)
+                    seen_first = True
+                if count_chunks:
+                    counted[0] += len(_TEXT.findall(piece))
+                tail = (tail + piece)[-4096:]
+            ends.append(time.perf_counter())
+        if not count_chunks:
+            usage = _COMPLETION_TOKENS.findall(tail)
+            if not usage:
+                raise RuntimeError(f"{url}: a stream without its usage event: ...{tail[-200:]!r}")
+            counted[0] += int(usage[-1])
+
+    started = time.perf_counter()
+    await asyncio.gather(*(one(p, n) for p, n in batch))
+    return summary(started, ttfts, ends, counted[0])
+
+
+CLIENTS = {"lean": lean_run, "sdk": client_run}
+"""The benchmark's clients: ``--client``."""
+
+
 def start_llamacpp(port: int, threads: int) -> subprocess.Popen[bytes] | str:
     try:
         import llama_cpp.server.app  # noqa: F401
@@ -270,7 +347,7 @@ def worker_pid(platform: subprocess.Popen[bytes]) -> int:
 
 
 def profile_worker(url: str, platform: subprocess.Popen[bytes], batch: list[Request],
-                   in_flight: int) -> dict[str, Any]:  # fmt: skip
+                   in_flight: int, client: Any) -> dict[str, Any]:  # fmt: skip
     """py-spy on the worker during one run of ``batch`` (see the module)."""
     import psutil
 
@@ -289,7 +366,7 @@ def profile_worker(url: str, platform: subprocess.Popen[bytes], batch: list[Requ
         time.sleep(1)
         before = {name: sum(p.cpu_times()[:2]) for name, p in processes.items()}
         started = time.perf_counter()
-        run = asyncio.run(client_run(url, "smollm2", batch, in_flight, {"ignore_eos": True}))
+        run = asyncio.run(client(url, "smollm2", batch, in_flight, {"ignore_eos": True}))
         wall = time.perf_counter() - started
         cores = {name: round((sum(p.cpu_times()[:2]) - before[name]) / wall, 2)
                  for name, p in processes.items()}  # fmt: skip
@@ -325,6 +402,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="fewer and shorter requests")
     parser.add_argument("--profile", action="store_true", help="py-spy on the worker")
+    parser.add_argument(
+        "--client",
+        choices=sorted(CLIENTS),
+        default="lean",
+        help="the client of the platform and llama.cpp (default: lean)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     output = 16 if args.quick else 128
@@ -356,7 +439,12 @@ def main() -> None:
                             ours[name].append(engine_run(engine, batch, in_flight))
                         else:
                             send = functools.partial(
-                                client_run, url, "smollm2", batch, in_flight, {"ignore_eos": True}
+                                CLIENTS[args.client],
+                                url,
+                                "smollm2",
+                                batch,
+                                in_flight,
+                                {"ignore_eos": True},
                             )
                             run = functools.partial(asyncio.run, send())
                             theirs[name].append(with_cpu(run, proc))
@@ -369,7 +457,7 @@ def main() -> None:
                       for _ in range(3)]  # fmt: skip
             del engine
             if args.profile:
-                report["profile"] = profile_worker(url, proc, *sets["16"])
+                report["profile"] = profile_worker(url, proc, *sets["16"], CLIENTS[args.client])
         finally:
             proc.terminate()
             proc.wait(60)
@@ -414,7 +502,7 @@ def main() -> None:
             llama = {}
             for name, (batch, in_flight) in sets.items():
                 texts = [(tokenizer.decode(p), n) for p, n in batch]
-                llama[name] = asyncio.run(client_run(url, "smollm2", texts, in_flight,
+                llama[name] = asyncio.run(CLIENTS[args.client](url, "smollm2", texts, in_flight,
                                                      {"logit_bias": eos}, count_chunks=True))  # fmt: skip
                 print(f"llama.cpp {name}: {llama[name]}", file=sys.stderr, flush=True)
             report["llamacpp"] = llama
@@ -426,6 +514,7 @@ def main() -> None:
     report["setup"] = {
         "threads": args.threads,
         "quick": args.quick,
+        "client": args.client,
         "cpu_count": os.cpu_count(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "torch": torch.__version__,
