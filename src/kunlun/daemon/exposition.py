@@ -12,7 +12,9 @@ On each scrape :meth:`PlatformTelemetry.render` concatenates:
    does not answer is reported by ``kunlun_replica_scrape_up 0`` and its series are absent
    from that scrape.
 
-Nothing here runs per request: a scrape costs one loopback request per worker.
+Nothing here runs per request: a scrape costs one loopback request per worker. Reading the
+workers' expositions and writing the whole one out runs in a thread, off the event loop that
+relays every stream (milliseconds of CPU per replica).
 """
 
 from __future__ import annotations
@@ -99,11 +101,12 @@ class PlatformTelemetry:
         """The whole exposition (see the module docstring)."""
         replicas = self.replicas.all()
         scraped = await asyncio.gather(*(self._scrape(r) for r in replicas))
-        families = list(self._platform_families(replicas, scraped))
-        families += _relabelled(
-            (_replica_labels(r), text) for r, text in zip(replicas, scraped, strict=True) if text
-        )
-        return generate_latest(self.gateway.registry) + generate_latest(_Families(families))
+        families = list(self._platform_families(replicas, scraped))  # live state: on the loop
+        workers = [(_replica_labels(r), t) for r, t in zip(replicas, scraped, strict=True) if t]
+        own = generate_latest(self.gateway.registry)  # its queue depth reads the admission
+        # the workers' texts parsed, merged and written out: milliseconds per replica, in a
+        # thread so that the streams this loop relays do not wait for a scrape
+        return own + await asyncio.to_thread(_written, families, workers)
 
     async def _scrape(self, replica: Replica) -> str | None:
         if not (replica.ready and replica.base_url and self._http is not None):
@@ -296,6 +299,11 @@ def _device_families(samples: Iterable[DeviceSample]) -> Iterator[Metric]:
             if value is not None:
                 family.add_metric([sample.device_type, sample.device_id], value * scale)
         yield family
+
+
+def _written(families: list[Metric], workers: list[tuple[dict[str, str], str]]) -> bytes:
+    """``families`` and the workers' expositions relabelled, as exposition text."""
+    return generate_latest(_Families(families + _relabelled(workers)))
 
 
 def _relabelled(sources: Iterable[tuple[dict[str, str], str]]) -> list[Metric]:

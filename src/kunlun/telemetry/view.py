@@ -1,6 +1,7 @@
 """Reading the daemon's exposition back: device rows, replica rows, quantiles.
 
-:func:`parse` turns ``/metrics`` text into a :class:`Snapshot`: one row per device and one
+:func:`parse` turns ``/metrics`` text into a :class:`Snapshot` (:func:`snapshot` does it for
+the families already read, so a reader that needs them twice parses the text once): one row per device and one
 per replica, each a flat dict of labels and figures, plus the platform-wide ones.
 :func:`histogram_quantile` estimates a quantile from cumulative buckets the way
 Prometheus's ``histogram_quantile`` does (linear within the bucket). ``kunlun-cli telemetry
@@ -14,6 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from kunlun.errors import ConfigError, Location
@@ -119,17 +121,26 @@ def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | 
 
 def parse(text: str) -> Snapshot:
     """The :class:`Snapshot` of one exposition of the daemon's ``/metrics``."""
+    return snapshot(metric_families(text))
+
+
+def metric_families(text: str) -> list[Metric]:
+    """The metric families of one exposition; a :class:`ConfigError` for anything else."""
     try:
-        families = list(text_string_to_metric_families(text))
+        return list(text_string_to_metric_families(text))
     except ValueError as exc:
         raise ConfigError(
             f"not a Prometheus exposition: {exc}", location=Location("/metrics")
         ) from None
+
+
+def snapshot(families: list[Metric]) -> Snapshot:
+    """The :class:`Snapshot` of the daemon's exposition, already read into its families."""
     devices: dict[str, dict[str, Any]] = defaultdict(dict)
     replicas: dict[str, dict[str, Any]] = defaultdict(dict)
     buckets: dict[tuple[str, str], dict[float, float]] = defaultdict(lambda: defaultdict(float))
     requests: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    snapshot = Snapshot()
+    result = Snapshot()
     for family in families:
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, sample.value
@@ -150,7 +161,7 @@ def parse(text: str) -> Snapshot:
                     replicas[replica].setdefault("model", labels["model"])
                     replicas[replica].setdefault("priority", labels["priority"])
             elif name == PLATFORM_MEMORY:
-                snapshot.platform["resident_memory_bytes"] = value
+                result.platform["resident_memory_bytes"] = value
             elif name == "kunlun_process_resident_memory_bytes" and replica and replica != "-":
                 replicas[replica]["resident_memory_bytes"] = value
             elif name == "kunlun_engine_decode_seconds_total" and replica:
@@ -175,9 +186,9 @@ def parse(text: str) -> Snapshot:
         replicas[replica][f"{short}_p99_s"] = histogram_quantile(0.99, pairs)
     for replica, by_status in requests.items():
         if replica == "-":
-            snapshot.platform["refused"] = dict(by_status)
+            result.platform["refused"] = dict(by_status)
         else:
             replicas[replica]["requests"] = dict(by_status)
-    snapshot.devices = [{"device": d, **row} for d, row in sorted(devices.items())]
-    snapshot.replicas = [{"replica": r, **row} for r, row in sorted(replicas.items())]
-    return snapshot
+    result.devices = [{"device": d, **row} for d, row in sorted(devices.items())]
+    result.replicas = [{"replica": r, **row} for r, row in sorted(replicas.items())]
+    return result

@@ -4,7 +4,8 @@ A page that drew only what it polled itself opened blank, lost everything on a r
 showed nothing of the minutes before it was opened. :class:`MetricsHistory` runs with the
 daemon (started and stopped by the dashboard with the app's lifespan): every
 ``interval_s`` it renders the exposition in-process (no HTTP, no key: the same text
-``GET /metrics`` answers), reads it (:func:`~kunlun.ui.windows.read`) and keeps one
+``GET /metrics`` answers), reads it once, in a thread (parsing it is milliseconds of CPU per
+replica, which the event loop relaying every stream must not wait for), and keeps one
 :class:`Point` per sample for ``keep_s`` seconds: per replica its model, device, queue depth
 and KV cache use, and per replica, device and priority class the figures of the window since
 the sample before (:func:`~kunlun.ui.windows.window`). Every page load reads the same
@@ -23,8 +24,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kunlun.limits import seconds_from_env
-from kunlun.telemetry.view import parse
-from kunlun.ui.windows import Scrape, read, window
+from kunlun.telemetry.view import Snapshot, metric_families, snapshot
+from kunlun.ui.windows import Scrape, scrape, window
 
 INTERVAL_ENV = "KUNLUN_UI_SAMPLE_S"
 """Seconds between two samples (default :data:`DEFAULT_INTERVAL_S`)."""
@@ -66,12 +67,12 @@ class MetricsHistory:
         """Render, read and keep one point; the point."""
         raw = await self.render()
         text = raw.decode() if isinstance(raw, bytes) else raw
-        now = read(text)
+        now, rows = await asyncio.to_thread(_read, text, time.time())
         windowed = window(now, self._last)
         span = None if self._last is None else now.ts - self._last.ts
         self._last = now
         replicas = {}
-        for row in parse(text).replicas:
+        for row in rows.replicas:
             rid = str(row["replica"])
             replicas[rid] = {k: row.get(k) for k in FIGURES} | windowed.get("replica", {}).get(
                 rid, {}
@@ -112,3 +113,9 @@ class MetricsHistory:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+def _read(text: str, ts: float) -> tuple[Scrape, Snapshot]:
+    """One exposition read once into its :class:`Scrape` (taken at ``ts``) and its rows."""
+    families = metric_families(text)
+    return scrape(families, ts), snapshot(families)

@@ -20,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from kunlun.serving.queue_metrics import NAME as QUEUE_DEPTH
@@ -49,11 +50,16 @@ class Scrape:
 
 def read(text: str, ts: float | None = None) -> Scrape:
     """The :class:`Scrape` of one ``/metrics`` exposition."""
+    return scrape(list(text_string_to_metric_families(text)), ts)
+
+
+def scrape(families: list[Metric], ts: float | None = None) -> Scrape:
+    """The :class:`Scrape` of one exposition, already read into its families."""
     buckets: dict[Key, dict[float, float]] = defaultdict(lambda: defaultdict(float))
     counters: dict[Key, float] = defaultdict(float)
     gauges: dict[Key, float] = defaultdict(float)
     device_of: dict[str, str] = {}
-    for family in text_string_to_metric_families(text):
+    for family in families:
         for s in family.samples:
             labels, replica = s.labels, s.labels.get("replica", NONE)
             if s.name == "kunlun_replica_info":
