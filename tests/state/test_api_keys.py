@@ -81,3 +81,14 @@ def test_bad_scope_or_limit_is_refused_naming_it(
         create_key(store, "x", **kwargs)  # type: ignore[arg-type]
     assert named in str(caught.value)
     assert store.list_api_keys() == []
+
+
+def test_a_key_made_on_disk_is_known_at_once(tmp_path: Path) -> None:
+    """The daemon asks its store at most every 0.25 s whether keys changed; a key another
+    process (``kunlun-cli apikey create`` on the same host) stored a moment ago is looked up
+    in the store at once instead of being refused until then."""
+    ring = KeyRing(SQLiteStore(tmp_path / "state.db"))
+    assert ring.lookup("kl-not-a-key") is None  # the ring has just asked the store
+    _, secret = create_key(SQLiteStore(tmp_path / "state.db"), "temp")  # another connection
+    assert ring.lookup(secret) is not None
+    assert ring.lookup("kl-not-a-key") is None

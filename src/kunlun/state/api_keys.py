@@ -295,10 +295,11 @@ class KeyRing:
             self._fixed = {hash_key(secret): key}
             self._keys = {**self._keys, **self._fixed}
 
-    def refresh(self, force: bool = False) -> None:
-        """Re-read the keys if the store changed (checked at most every 0.25 s)."""
+    def refresh(self, force: bool = False, throttled: bool = True) -> None:
+        """Re-read the keys if the store changed (asked at most every 0.25 s, unless not
+        ``throttled``); ``force``: re-read them whatever the store's version says."""
         now = time.monotonic()
-        if not force and now - self._checked < 0.25:
+        if not force and throttled and now - self._checked < 0.25:
             return
         self._checked = now
         version = getattr(self._store, "data_version", lambda: None)()
@@ -324,6 +325,14 @@ class KeyRing:
         if not secret:
             return None
         digest = hash_key(secret)
+        found = self._find(digest)
+        if found is None:  # made a moment ago (the CLI on disk)? Ask the store now, not later
+            self.refresh(throttled=False)
+            found = self._find(digest)
+        return found
+
+    def _find(self, digest: str) -> ActiveKey | None:
+        """The active key whose hash is ``digest``, compared in constant time with every one."""
         found = None
         for key_hash, key in self._keys.items():
             if hmac.compare_digest(digest, key_hash):
