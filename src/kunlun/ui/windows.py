@@ -2,7 +2,7 @@
 
 A Prometheus histogram is cumulative since its process started, so quantiles read from one
 scrape describe the whole life of a replica and barely move once it has served a while. The
-daemon samples its ``/metrics`` every few seconds (:mod:`kunlun.ui.history`); :func:`read`
+daemon samples its ``/metrics`` every few seconds (:mod:`kunlun.ui.history`); :func:`scrape`
 keeps one sample's cumulative buckets and counters (per replica, per device and per priority
 class) and :func:`window` subtracts the sample before from the current one: p50/p99 of the requests that finished
 between the two samples (:func:`~kunlun.telemetry.view.histogram_quantile` on the bucket
@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 
 from kunlun.serving.queue_metrics import NAME as QUEUE_DEPTH
 from kunlun.telemetry.gateway_metrics import NONE
@@ -48,13 +47,9 @@ class Scrape:
     gauges: dict[Key, float] = field(default_factory=dict)
 
 
-def read(text: str, ts: float | None = None) -> Scrape:
-    """The :class:`Scrape` of one ``/metrics`` exposition."""
-    return scrape(list(text_string_to_metric_families(text)), ts)
-
-
 def scrape(families: list[Metric], ts: float | None = None) -> Scrape:
-    """The :class:`Scrape` of one exposition, already read into its families."""
+    """The :class:`Scrape` of one ``/metrics`` exposition, read into its families
+    (:func:`~kunlun.telemetry.view.metric_families`)."""
     buckets: dict[Key, dict[float, float]] = defaultdict(lambda: defaultdict(float))
     counters: dict[Key, float] = defaultdict(float)
     gauges: dict[Key, float] = defaultdict(float)
