@@ -8,9 +8,9 @@ on this machine's CPU (``place`` on the live inventory: dtype, ``max_num_seqs``,
 * **platform**: ``kunlun-platform --demo`` started here with a fresh ``KUNLUN_HOME`` and
   default settings, the same requests sent at once through the gateway (streaming
   completions of token-id prompts, ``ignore_eos`` so every request runs to its
-  ``max_tokens``) by the client ``--client`` names: ``lean`` (the default: HTTP/1.1 on
-  asyncio streams, one connection per request, the body's pieces counted as they arrive and
-  only the closing usage event read, about a tenth of the SDK's CPU per token) or ``sdk``
+  ``max_tokens``) by the client ``--client`` names: ``lean`` (the default: the gateway's own
+  client to its workers, ``UpstreamPool``, the body's pieces counted as they arrive and only
+  the closing usage event read, about a tenth of the SDK's CPU per token) or ``sdk``
   (the ``openai`` SDK, which decodes every event into its objects). On a machine whose every
   core runs the engine's step, the client's CPU is taken from the step, so the default is
   the client that takes least: the SDK's own cost is measured, not the platform's;
@@ -67,9 +67,7 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.parse
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +82,7 @@ from kunlun.engine.tokenizer import Tokenizer
 from kunlun.planner.launch import engine_launch
 from kunlun.planner.model_info import inspect_model
 from kunlun.planner.plan import ExecutionPlan
+from kunlun.serving.upstream import UpstreamPool
 from kunlun.workload.placement import place
 from kunlun.workload.spec import WorkloadSpec
 
@@ -209,57 +208,42 @@ async def client_run(url: str, model: str, batch: list[tuple[Any, int]], in_flig
 _TEXT = re.compile(rb'"text":"(?!")')
 """An event's choice with text (JSON escapes a quote inside the text)."""
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":(\d+)')
-
-
-async def lean_post(url: str, payload: dict[str, Any]) -> AsyncIterator[bytes]:
-    """POST ``payload`` to ``url`` over HTTP/1.1 on a new connection and yield the response
-    body's pieces as they arrive: the least a client can do (no SSE or JSON parsing)."""
-    address = urllib.parse.urlsplit(url)
-    reader, writer = await asyncio.open_connection(address.hostname, address.port)
-    try:
-        body = json.dumps(payload).encode()
-        writer.write(f"POST {address.path} HTTP/1.1\r\nHost: {address.netloc}\r\n"
-                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                     "Connection: close\r\n\r\n".encode() + body)  # fmt: skip
-        status = await reader.readline()
-        head = (await reader.readuntil(b"\r\n\r\n")).lower()
-        if status.split()[1:2] != [b"200"]:
-            raise RuntimeError(
-                f"{url}: {status.decode().strip()}: {(await reader.read()).decode()}"
-            )
-        if b"transfer-encoding: chunked" not in head:
-            while piece := await reader.read(65536):
-                yield piece
-            return
-        while size := int((await reader.readline()).split(b";")[0], 16):
-            yield (await reader.readexactly(size + 2))[:-2]
-    finally:
-        writer.close()
+_JSON = [(b"content-type", b"application/json")]
 
 
 async def lean_run(url: str, model: str, batch: list[tuple[Any, int]], in_flight: int,
                    extra: dict[str, Any], count_chunks: bool = False) -> dict[str, float]:  # fmt: skip
-    """:func:`client_run` with :func:`lean_post` for its client: the answer's text is not
-    decoded; its usage event (``count_chunks``: its events with text) gives its tokens."""
+    """:func:`client_run` with the gateway's own client to its workers for its client
+    (:class:`~kunlun.serving.upstream.UpstreamPool`: keep-alive connections, the ``httptools``
+    parser): the answer's text is not decoded; its usage event (``count_chunks``: its events
+    with text) gives its tokens."""
+    pool = UpstreamPool()
     gate = asyncio.Semaphore(in_flight)
     ttfts: list[float] = []
     ends: list[float] = []
     counted = [0]
 
     async def one(prompt: list[int] | str, num: int) -> None:
-        payload = {"model": model, "prompt": prompt, "max_tokens": num, "temperature": 0,
-                   "stream": True, "stream_options": {"include_usage": True}, **extra}  # fmt: skip
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": num,
+                           "temperature": 0, "stream": True,
+                           "stream_options": {"include_usage": True}, **extra}).encode()  # fmt: skip
         async with gate:
             sent = time.perf_counter()
             seen_first, tail = False, b""
-            async for piece in lean_post(url + "/v1/completions", payload):
-                if not seen_first and _TEXT.search(piece):
-                    ttfts.append(time.perf_counter() - sent)
-                    seen_first = True
-                if count_chunks:
-                    counted[0] += len(_TEXT.findall(piece))
-                tail = (tail + piece)[-4096:]
+            response = await pool.post(url, "/v1/completions", _JSON, body)
+            try:
+                async for piece in response.iter_raw():
+                    if not seen_first and _TEXT.search(piece):
+                        ttfts.append(time.perf_counter() - sent)
+                        seen_first = True
+                    if count_chunks:
+                        counted[0] += len(_TEXT.findall(piece))
+                    tail = (tail + piece)[-4096:]
+            finally:
+                await response.close()
             ends.append(time.perf_counter())
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {tail[-300:]!r}")
         if not count_chunks:
             usage = _COMPLETION_TOKENS.findall(tail)
             if not usage:
@@ -267,7 +251,10 @@ async def lean_run(url: str, model: str, batch: list[tuple[Any, int]], in_flight
             counted[0] += int(usage[-1])
 
     started = time.perf_counter()
-    await asyncio.gather(*(one(p, n) for p, n in batch))
+    try:
+        await asyncio.gather(*(one(p, n) for p, n in batch))
+    finally:
+        await pool.close()
     return summary(started, ttfts, ends, counted[0])
 
 

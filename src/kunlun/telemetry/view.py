@@ -1,8 +1,9 @@
 """Reading the daemon's exposition back: device rows, replica rows, quantiles.
 
-:func:`parse` turns ``/metrics`` text into a :class:`Snapshot` (:func:`snapshot` does it for
-the families already read, so a reader that needs them twice parses the text once): one row per device and one
-per replica, each a flat dict of labels and figures, plus the platform-wide ones.
+:func:`parse` turns ``/metrics`` text into a :class:`Snapshot`: one row per device and one
+per replica, each a flat dict of labels and figures, plus the platform-wide ones
+(:func:`snapshot` does it for the families already read, so a reader that needs them twice
+parses the text once).
 :func:`histogram_quantile` estimates a quantile from cumulative buckets the way
 Prometheus's ``histogram_quantile`` does (linear within the bucket). ``kunlun-cli telemetry
 metrics`` shows a snapshot; ``kunlun-cli bench`` reads memory and start-up times from one.
