@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from kunlun.engine.native import INT4_LAYER, load
+from kunlun.engine.native import load
+from kunlun.engine.native.measure import INT4_LAYER
 from kunlun.engine.quant import QuantSpec, dequantize, int4_tiles, pack_int4
 
 SHAPES = INT4_LAYER  # one decoder layer's products as the engine holds them (the demo's)

@@ -171,9 +171,13 @@ def test_the_compiled_matrix_products_are_as_accurate_as_torchs(dtype: torch.dty
         q = torch.randint(-127, 128, (200, 576), dtype=torch.int8, generator=generator)
         scale = (torch.rand(200, generator=generator) / 100).to(torch.bfloat16)
         x = torch.randn(rows, 576, generator=generator).to(dtype)
-        ours = torch.ops.kunlun.int8_matmul(x, q, scale.float())
+        ours = torch.ops.kunlun.int8_matmul(x, q, scale.float(), rows)  # Kunlun's rows
         theirs = torch._weight_int8pack_mm(x.to(torch.bfloat16), q, scale)
         torch.testing.assert_close(ours, theirs.float(), rtol=2**-7, atol=1e-3)
+        # past rows_up_to, torch's kernel as the eager path runs it (scales after, in float32)
+        unit = torch.ones(200, dtype=torch.bfloat16)
+        eager = torch._weight_int8pack_mm(x.to(torch.bfloat16), q, unit).float() * scale.float()
+        assert torch.equal(torch.ops.kunlun.int8_matmul(x, q, scale.float(), rows - 1), eager)
         for n, group in ((64, 32), (96, 128)):  # int4: tiles of 32 rows, below and past 32 rows
             x = torch.randn(rows, 256, generator=generator).to(dtype)
             q = torch.randint(0, 16, (n, 256), dtype=torch.uint8, generator=generator)
@@ -322,12 +326,22 @@ def test_the_int4_kernel_is_chosen_by_a_measurement_recorded_per_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The loaded library's measurement (both int4 kernels on the same products, for each
-    activation dtype) names the faster one per dtype; its record is read back only for this
-    CPU and this source, newest first."""
+    activation dtype; both int8 kernels for each token count) names the faster one per dtype,
+    and the token counts up to which Kunlun's int8 rows run; its record is read back only for
+    this CPU and this source, newest first."""
     from kunlun.engine import native
+    from kunlun.engine.native.measure import INT8_TOKENS, measure
 
     assert native.load().compiled
-    measured = native._measure()
+    measured = measure()
+    assert list(measured.int8_figures) == [str(n) for n in INT8_TOKENS]
+    slower = [int(n) for n, f in measured.int8_figures.items() if f["int8pack"] < f["int8_rows"]]
+    assert measured.int8_rows_up_to == (
+        native.DEQUANTIZE_FROM_TOKENS - 1
+        if not slower
+        else max([0, *(n for n in INT8_TOKENS if n < slower[0])])
+    )
+    assert f"Kunlun's int8 rows up to {measured.int8_rows_up_to} token" in measured.describe()
     assert set(measured.figures) == set(native.MEASURED_DTYPES) == {"float32", "bfloat16"}
     for dtype, figures in measured.figures.items():
         assert set(figures) == {"int4_matmul", "int4pack"}
@@ -340,6 +354,7 @@ def test_the_int4_kernel_is_chosen_by_a_measurement_recorded_per_cpu(
     assert native.NativeChoice.from_record(json.loads(json.dumps(record))) == measured
     assert native.NativeChoice.from_record({**record, "cpu": "another CPU"}) is None
     assert native.NativeChoice.from_record({**record, "source": "0" * 16}) is None
+    assert native.NativeChoice.from_record({**record, "int8_rows_up_to": "4"}) is None
     monkeypatch.setenv("KUNLUN_NATIVE_DIR", str(tmp_path))
     other = native.NativeChoice({"float32": ("int4_matmul",), "bfloat16": ()},
                                 {"float32": {"int4_matmul": 1.0, "int4pack": 9.0}}, "x")  # fmt: skip

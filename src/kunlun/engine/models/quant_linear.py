@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kunlun.engine.kernels import candidates
+from kunlun.engine.native import DEQUANTIZE_FROM_TOKENS
 from kunlun.engine.quant import (
     INT4_TILE_ROWS,
     QuantSpec,
@@ -67,11 +68,6 @@ from kunlun.engine.quant import (
 )
 from kunlun.engine.schemes import INT8_SCHEMES
 
-DEQUANTIZE_FROM_TOKENS = 48
-"""From this many tokens in one call (a prefill chunk) the int8 schemes dequantize their rows
-into float32 ``F.linear`` rather than call the int8pack kernel: on the 2-vCPU machine, one
-thread, demo shapes, the kernel is on par at 16 tokens and about 2x slower from 64 on
-(1536x576 at 64 tokens: 4.6 ms against 2.7 ms; at 256: 14.6 against 8.7)."""
 DEQUANTIZE_BLOCK = 1 << 20
 """Weights per block dequantized at once on that path (4 MiB of float32): the LM head's
 49152 x 576 never exists whole in float32."""

@@ -19,9 +19,11 @@ found or the build fails; the engine logs it. ``python -m kunlun.engine.native``
 prints the library's path (``make setup`` runs it).
 
 Where torch has a kernel for the same job as one of the library's operators (int4 weights:
-``torch._weight_int4pack_mm_for_cpu``), which one runs on a CPU is measured, not assumed: the
-first process that loads a library times both on the same products, for each activation
-dtype a model runs in (:data:`MEASURED_DTYPES`), and records the outcome beside it
+``torch._weight_int4pack_mm_for_cpu``; int8 weights: ``torch._weight_int8pack_mm``), which one
+runs on a CPU is measured, not assumed: the first process that loads a library times both on
+the same products, for each activation dtype a model runs in (:data:`MEASURED_DTYPES`; int8's
+arithmetic is the same for both: for token counts :data:`INT8_TOKENS` instead), and records
+the outcome beside it
 (``<library>.choice.json``, :class:`NativeChoice`); every later model load reads the record
 for its dtype, and the planner reports from it (:func:`recorded_choice`), so a plan says what
 was measured on the CPU for its dtype.
@@ -38,8 +40,7 @@ import platform
 import shutil
 import subprocess
 import sys
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
@@ -63,6 +64,12 @@ FLAGS = (
     "-fopenmp",
     "-w",
 )
+DEQUANTIZE_FROM_TOKENS = 48
+"""From this many tokens in one call (a prefill chunk) the int8 schemes dequantize their rows
+into float32 ``F.linear`` rather than call an int8 kernel, on both paths
+(:mod:`kunlun.engine.models.quant_linear`; ``decode.cpp``'s ``kDequantizeFrom``): on the 2-vCPU
+machine, one thread, demo shapes, the int8pack kernel is on par at 16 tokens and about 2x
+slower from 64 on (1536x576 at 64 tokens: 4.6 ms against 2.7 ms; at 256: 14.6 against 8.7)."""
 
 
 class NativeBuildError(RuntimeError):
@@ -95,6 +102,12 @@ class NativeChoice:
     """Milliseconds per measured round, by activation dtype, then kernel."""
     detail: str
     """What was measured."""
+    int8_rows_up_to: int = DEQUANTIZE_FROM_TOKENS - 1
+    """Token counts up to which int8 weights run Kunlun's rows (``int8_matmul``) in the
+    compiled step; past them torch's int8pack kernel (and from
+    :data:`DEQUANTIZE_FROM_TOKENS`, dequantized rows, as the eager path)."""
+    int8_figures: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Milliseconds per measured round of the int8 products, by token count, then kernel."""
 
     def ops(self, dtype: str) -> tuple[str, ...]:
         """The operators that run for activations of ``dtype`` (torch's name); a dtype not
@@ -106,12 +119,20 @@ class NativeChoice:
         shown = [d for d in self.figures if dtype is None or d == dtype] or list(self.figures)
         figures = "; ".join(f"{d} activations: " + ", ".join(
             f"{name} {ms:.3f} ms" for name, ms in self.figures[d].items()) for d in shown)  # fmt: skip
-        return f"measured on this CPU: {figures} ({self.detail})"
+        int8 = "; ".join(f"{n} token{'' if n == '1' else 's'}: " + ", ".join(
+            f"{name} {ms:.3f} ms" for name, ms in kernels.items())
+            for n, kernels in self.int8_figures.items())  # fmt: skip
+        if int8:
+            up_to = self.int8_rows_up_to
+            int8 = (f"; int8 weights at {int8}: Kunlun's int8 rows up to {up_to} "
+                    f"token{'' if up_to == 1 else 's'}")  # fmt: skip
+        return f"measured on this CPU: {figures}{int8} ({self.detail})"
 
     def to_record(self) -> dict[str, object]:
         ops = {d: list(names) for d, names in self.native_ops.items()}
         return {"cpu": cpu_identity(), "source": source_digest(), "measure": MEASURE_VERSION,
-                "native_ops": ops, "figures": self.figures, "detail": self.detail}  # fmt: skip
+                "native_ops": ops, "figures": self.figures, "detail": self.detail,
+                "int8_rows_up_to": self.int8_rows_up_to, "int8_figures": self.int8_figures}  # fmt: skip
 
     @classmethod
     def from_record(cls, raw: object) -> NativeChoice | None:
@@ -126,11 +147,21 @@ class NativeChoice:
             return None
         if not isinstance(ops, dict) or not all(isinstance(v, list) for v in ops.values()):
             return None
-        if not isinstance(figures, dict) or not all(isinstance(v, dict) for v in figures.values()):
+        int8_up_to, int8_figures = raw.get("int8_rows_up_to"), raw.get("int8_figures")
+        if not (_table(figures) and _table(int8_figures) and isinstance(int8_up_to, int)):
             return None
-        return cls({str(d): tuple(map(str, v)) for d, v in ops.items()},
-                   {str(d): {str(k): float(ms) for k, ms in v.items()} for d, v in figures.items()},
-                   detail)  # fmt: skip
+        assert isinstance(figures, dict) and isinstance(int8_figures, dict)
+
+        def milliseconds(table: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+            return {str(a): {str(k): float(ms) for k, ms in v.items()} for a, v in table.items()}
+
+        return cls({str(d): tuple(map(str, v)) for d, v in ops.items()}, milliseconds(figures),
+                   detail, int8_up_to, milliseconds(int8_figures))  # fmt: skip
+
+
+def _table(raw: object) -> bool:
+    """Whether a record's ``raw`` figures are a table of tables."""
+    return isinstance(raw, dict) and all(isinstance(v, dict) for v in raw.values())
 
 
 def source_digest() -> str:
@@ -340,7 +371,9 @@ def choice() -> NativeChoice:
         found = None
     if found is not None:
         return found
-    measured = _measure()
+    from kunlun.engine.native.measure import measure
+
+    measured = measure()
     log.info("compiled library %s: %s", library.name, measured.describe())
     partial = record.with_suffix(f".{os.getpid()}.tmp")
     try:
@@ -361,67 +394,11 @@ def native_ops(setting: str | None, dtype: str) -> frozenset[str]:
     return frozenset(choice().ops(dtype))
 
 
-MEASURE_VERSION = 2
-"""Part of a record's key with the CPU and the source: raise it when what :func:`_measure`
-measures changes, so a library is measured again."""
+MEASURE_VERSION = 3
+"""Part of a record's key with the CPU and the source: raise it when what
+:func:`kunlun.engine.native.measure.measure` measures changes, so a library is measured again."""
 #: The activation dtypes the int4 measurement runs (torch's names; the first is the default).
 MEASURED_DTYPES = ("float32", "bfloat16")
-#: What the int4 measurement multiplies: the products of one decoder layer as the engine
-#: holds them (out, in: q/k/v fused, o, gate/up fused, down; the demo model's), group 32, one
-#: token; this many distinct layers (20 MB of int4: more than a core's caches, as a model's
-#: layers are), best of this many rounds, the two kernels in turn. (One unfused shape alone
-#: misjudged the engine: with bf16 activations int4pack won 1536x576 by 2 %, where Kunlun's
-#: kernel ran the demo's decode 5 % faster.)
-INT4_LAYER = ((960, 576), (576, 576), (3072, 576), (576, 1536))
-INT4_GROUP, INT4_LAYERS, ROUNDS = 32, 10, 11
-
-
-def _measure() -> NativeChoice:
-    import torch
-
-    from kunlun.engine.quant import int4_tiles, pack_int4
-
-    if not hasattr(torch, "_weight_int4pack_mm_for_cpu"):
-        every: dict[str, tuple[str, ...]] = dict.fromkeys(MEASURED_DTYPES, ("int4_matmul",))
-        return NativeChoice(every, {}, "this torch has no int4pack kernel")
-    generator = torch.Generator().manual_seed(0)
-    ours, theirs = [], []
-    for out_features, in_features in INT4_LAYER * INT4_LAYERS:
-        q = torch.randint(
-            0, 16, (out_features, in_features), dtype=torch.uint8, generator=generator
-        )
-        scale = torch.rand(out_features, in_features // INT4_GROUP, generator=generator) / 100
-        ours.append((in_features, *int4_tiles(pack_int4(q), scale, -8 * scale, INT4_GROUP)))
-        pairs = torch.stack((scale.t(), torch.zeros_like(scale.t())), dim=-1)
-        packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-        theirs.append((in_features, packed, pairs.to(torch.bfloat16).contiguous()))
-    chosen: dict[str, tuple[str, ...]] = {}
-    figures: dict[str, dict[str, float]] = {}
-    for dtype in MEASURED_DTYPES:  # the model's activations, as each kernel takes them
-        xs = {k: torch.randn(1, k, generator=generator).to(getattr(torch, dtype))
-              for k in {k for _, k in INT4_LAYER}}  # fmt: skip
-
-        def own(xs: dict[int, torch.Tensor] = xs) -> None:
-            for k, tiles, scale_min in ours:
-                torch.ops.kunlun.int4_matmul(xs[k], tiles, scale_min, INT4_GROUP)
-
-        def int4pack(xs: dict[int, torch.Tensor] = xs) -> None:
-            for k, packed, pairs in theirs:
-                torch._weight_int4pack_mm_for_cpu(
-                    xs[k].to(torch.bfloat16), packed, INT4_GROUP, pairs
-                )
-
-        best = {"int4_matmul": float("inf"), "int4pack": float("inf")}
-        for _ in range(ROUNDS):
-            for name, run in (("int4_matmul", own), ("int4pack", int4pack)):
-                start = time.perf_counter()
-                run()
-                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
-        chosen[dtype] = ("int4_matmul",) if best["int4_matmul"] < best["int4pack"] else ()
-        figures[dtype] = {k: round(v, 4) for k, v in best.items()}
-    detail = (f"the int4 products of {INT4_LAYERS} decoder layers (q/k/v, o, gate/up, down; "
-              f"hidden size 576), one token, {torch.get_num_threads()} threads, best of {ROUNDS}")  # fmt: skip
-    return NativeChoice(chosen, figures, detail)
 
 
 def main() -> None:

@@ -8,15 +8,18 @@
 // int4pack kernel with the eager path's casts (kunlun/engine/models/quant_linear.py). Int8 rows run int8_rows below, also
 // registered as torch.ops.kunlun.int8_matmul for the LM head: the arithmetic of torch's
 // int8pack kernel (activations and result rounded to bf16, scales after, in float32),
-// streaming the weights about 1.7x as fast. Floating weights run float_matmul (also
+// streaming the weights about 1.7x as fast on an Intel core at one token; past the token
+// count measured on the CPU (kunlun/engine/native: on a Zen 5 core torch's kernel, bf16 pairs
+// through vdpbf16ps, ran 16 tokens 1.6x as fast), torch's kernel itself. Floating weights run float_matmul (also
 // torch.ops.kunlun.float_matmul for the LM head): bf16 weights through AMX tiles where the
 // CPU has them (up to 48 tokens), else for a few tokens an own kernel of float32 sums per
 // row (bf16 pairs by vdpbf16ps where the CPU has it), past those at::linear; 1.3-1.7x
 // at::linear on the demo's shapes. The own kernels hand rows out to torch's threads in chunks
 // taken in turn (dynamic_for). RMSNorm, rotary, the paged attention of one new token (a task
-// per sequence and KV head, so grouped query heads read the cache once) and
-// SiLU-and-multiply are loops here, in float32, that differ from the eager ones only in the
-// order of their sums.
+// per sequence and KV head, so grouped query heads read the cache once; the softmax's
+// exponentials 16 at a time, within 1 ulp of expf: exp16) and SiLU-and-multiply are loops
+// here, in float32, that differ from the eager ones only in the order of their sums and in
+// those exponentials' last bit.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -43,6 +46,16 @@
 
 namespace {
 
+// exp16(x): e^x of 16 floats x <= 0 (attention's scores less their largest), within 1 ulp of
+// glibc's expf over [-87, 0] (every 64th float, and every one within 1e-3 of 0, checked on the
+// AVX-512 and AVX2 code when written), and 0 below kExpFloor (where expf is 1e-38 or less): x = n ln 2 + r, |r| <= ln 2 / 2 (ln 2 in two parts, so n ln 2 is
+// exact), e^r by a polynomial of degree 7 (1 + r + r^2 p(r), Cephes' coefficients for p),
+// times 2^n.
+constexpr float kExpFloor = -87.f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 // 16 floats at a time: AVX-512, AVX2, or GCC vector extensions elsewhere (NEON, ...)
 #if defined(__AVX512F__)
 struct V16 {
@@ -57,6 +70,18 @@ inline float hsum(V16 a) { return _mm512_reduce_add_ps(a.v); }
 inline V16 add16(V16 a, V16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline V16 from_i8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)))};
+}
+inline V16 exp16(V16 x) {  // exp_poly below, scaled by 2^n with vscalefps
+  const __m512 v = _mm512_max_ps(x.v, _mm512_set1_ps(kExpFloor));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), v);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 y = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kExpPoly[i]));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __mmask16 kept = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(kExpFloor), _CMP_GE_OQ);
+  return {_mm512_maskz_mov_ps(kept, _mm512_scalef_ps(y, n))};
 }
 inline V16 from_bf16(const uint16_t* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
@@ -86,6 +111,20 @@ inline V16 from_i8(const int8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
           _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
 }
+inline __m256 exp8(__m256 x) {  // exp_poly below, scaled by 2^n through the exponent bits
+  const __m256 floor = _mm256_set1_ps(kExpFloor);
+  const __m256 v = _mm256_max_ps(x, floor);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), v);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 y = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kExpPoly[i]));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(bits)), _mm256_cmp_ps(x, floor, _CMP_GE_OQ));
+}
+inline V16 exp16(V16 x) { return {exp8(x.a), exp8(x.b)}; }
 inline V16 from_bf16(const uint16_t* p) {
   const __m128i lo = _mm_loadu_si128((const __m128i*)p), hi = _mm_loadu_si128((const __m128i*)(p + 8));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16)),
@@ -126,6 +165,10 @@ inline V16 from_bf16(const uint16_t* p) {
   }
   return r;
 }
+inline V16 exp16(V16 x) {
+  for (int j = 0; j < 16; ++j) x.v[j] = std::exp(x.v[j]);
+  return x;
+}
 #endif
 
 constexpr int64_t kTile = 4;         // tokens sharing one pass over a weight row
@@ -164,7 +207,11 @@ void dynamic_for(int64_t n, int64_t min_chunk, const F& f) {
 
 // Dot products of one weight row with N <= Dot::kTokens token rows: sums[t] = sum_k row[k] *
 // x[t * in + k], float32 sums, prefetching the row ahead. W is the weight's element type
-// (int8, bf16 as uint16_t, float), X the activations' as the kernel reads them.
+// (int8, bf16 as uint16_t, float), X the activations' as the kernel reads them. Each token's
+// sum runs in A chains over k taken in turn, so that at least kDotChains products are in
+// flight: one chain waits out each FMA's latency (a single token's w8a16 decode ran 2-3 %
+// faster with eight chains on a Zen 5 core; docs/benchmarks.md). One row at a time: four
+// rows side by side ran it 5 % slower there (four streams from memory instead of one).
 template <typename W>
 inline V16 widen(const W* p);
 template <>
@@ -174,38 +221,60 @@ inline V16 widen(const uint16_t* p) { return from_bf16(p); }
 template <>
 inline V16 widen(const float* p) { return load16(p); }
 
+// products in flight: eight of AVX-512's 32 vector registers; four V16 on AVX2 (two of its
+// 16 registers each)
+#if defined(__AVX512F__)
+constexpr int kDotChains = 8;
+#else
+constexpr int kDotChains = 4;
+#endif
+
 struct FmaDot {  // the weights widened to float32, multiplied and added 16 lanes at a time
-  static constexpr int kTokens = kTile;
-  template <int N, typename W>
-  static void run(const W* row, const float* x, int64_t in, float* sums) {
-    V16 acc[N];
-    for (int t = 0; t < N; ++t) acc[t] = zero16();
-    for (int64_t k = 0; k < in; k += 16) {
-      __builtin_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetch, 0, 3);
-      const V16 w = widen(row + k);
-      for (int t = 0; t < N; ++t) acc[t] = fma16(w, load16(x + t * in + k), acc[t]);
-    }
-    for (int t = 0; t < N; ++t) sums[t] = hsum(acc[t]);
-  }
+  static constexpr int kTokens = kTile, kStep = 16;
+  using Sum = V16;
+  static Sum zero() { return zero16(); }
+  template <typename W>
+  static V16 weights(const W* p) { return widen(p); }
+  static V16 tokens(const float* p) { return load16(p); }
+  static Sum mac(Sum acc, V16 w, V16 x) { return fma16(w, x, acc); }
+  static Sum add(Sum a, Sum b) { return add16(a, b); }
+  static float total(Sum a) { return hsum(a); }
 };
 
 #if defined(__AVX512BF16__)
 struct Bf16Dot {  // bf16 pairs multiplied and summed into float32 lanes (vdpbf16ps)
-  static constexpr int kTokens = 8;
-  template <int N>
-  static void run(const uint16_t* row, const uint16_t* x, int64_t in, float* sums) {
-    __m512 acc[N];
-    for (int t = 0; t < N; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < in; k += 32) {
-      __builtin_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetch, 0, 3);
-      const __m512bh w = (__m512bh)_mm512_loadu_si512(row + k);
-      for (int t = 0; t < N; ++t)
-        acc[t] = _mm512_dpbf16_ps(acc[t], w, (__m512bh)_mm512_loadu_si512(x + t * in + k));
-    }
-    for (int t = 0; t < N; ++t) sums[t] = _mm512_reduce_add_ps(acc[t]);
-  }
+  static constexpr int kTokens = 8, kStep = 32;
+  using Sum = __m512;
+  static Sum zero() { return _mm512_setzero_ps(); }
+  static __m512bh weights(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static __m512bh tokens(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static Sum mac(Sum acc, __m512bh w, __m512bh x) { return _mm512_dpbf16_ps(acc, w, x); }
+  static Sum add(Sum a, Sum b) { return _mm512_add_ps(a, b); }
+  static float total(Sum a) { return _mm512_reduce_add_ps(a); }
 };
 #endif
+
+template <typename Dot, int N, typename W, typename X>
+inline void dot_block(const W* row, const X* x, int64_t in, float* sums) {
+  constexpr int A = N >= kDotChains ? 1 : kDotChains / N;  // chains per token
+  typename Dot::Sum acc[A][N];
+  for (int a = 0; a < A; ++a)
+    for (int t = 0; t < N; ++t) acc[a][t] = Dot::zero();
+  const auto step = [&](int a, int64_t k) {
+    __builtin_prefetch(reinterpret_cast<const char*>(row + k) + kPrefetch, 0, 3);
+    const auto w = Dot::weights(row + k);
+    for (int t = 0; t < N; ++t) acc[a][t] = Dot::mac(acc[a][t], w, Dot::tokens(x + t * in + k));
+  };
+  int64_t k = 0;
+  for (; k + A * Dot::kStep <= in; k += A * Dot::kStep)
+    for (int a = 0; a < A; ++a) step(a, k + a * Dot::kStep);
+  for (; k < in; k += Dot::kStep) step(0, k);
+  for (int t = 0; t < N; ++t) {
+    typename Dot::Sum s = acc[0][t];
+    for (int a = 1; a < A; ++a) s = Dot::add(s, acc[a][t]);
+    sums[t] = Dot::total(s);
+  }
+}
 
 #if defined(KUNLUN_AMX)
 // Whether this process may use AMX tiles: Linux hands out their state on request, once.
@@ -290,13 +359,13 @@ void amx_rows(const uint16_t* x, int64_t tokens, const uint16_t* w, int64_t in,
 }
 #endif
 
-// Dot::run<N> for the n (1 <= n <= N) token rows of a tile
+// dot_block<N> for the n (1 <= n <= N) token rows of a tile
 template <typename Dot, int N, typename W, typename X>
 inline void dot_tile(int64_t n, const W* row, const X* x, int64_t in, float* sums) {
   if constexpr (N > 1) {
     if (n < N) return dot_tile<Dot, N - 1>(n, row, x, in, sums);
   }
-  Dot::template run<N>(row, x, in, sums);
+  dot_block<Dot, N>(row, x, in, sums);
 }
 
 // store(t, o, sum) for every token t < tokens and weight row o of w [out, in], the rows
@@ -387,14 +456,23 @@ at::Tensor float_matmul(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
-// float32 [tokens, out] for x [tokens, in] (any floating dtype) and int8 rows [out, in]
-at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+constexpr int64_t kDequantizeFrom = 48;  // quant_linear.DEQUANTIZE_FROM_TOKENS
+
+// float32 [tokens, out] for x [tokens, in] (any floating dtype) and int8 rows [out, in]:
+// int8_rows up to rows_up_to tokens, past them torch's int8pack kernel, whose arithmetic is
+// the same (which is faster at how many tokens is measured per CPU: kunlun/engine/native)
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                       int64_t rows_up_to) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == at::kChar &&
                   weight.is_contiguous() && x.size(1) == weight.size(1) &&
                   weight.size(1) % 16 == 0 && scale.scalar_type() == at::kFloat &&
                   scale.is_contiguous() && scale.numel() == weight.size(0),
               "int8_matmul: expected x [T, in], int8 weight [out, in] (in a multiple of 16) "
               "and float32 scale [out]");
+  if (x.size(0) > rows_up_to) {
+    const at::Tensor unit = at::ones({weight.size(0)}, x.options().dtype(at::kBFloat16));
+    return at::_weight_int8pack_mm(x.to(at::kBFloat16), weight, unit).to(at::kFloat) * scale;
+  }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({xf.size(0), weight.size(0)}, xf.options());
   int8_rows(xf.data_ptr<float>(), xf.size(0), weight.data_ptr<int8_t>(),
@@ -600,13 +678,12 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& tiles, const at::T
   return bf16 || x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
-constexpr int64_t kDequantizeFrom = 48;  // quant_linear.DEQUANTIZE_FROM_TOKENS
-
 enum Kind : int64_t { kFloat = 0, kInt8 = 1, kInt4 = 2, kInt8Act = 3, kInt4Tiles = 4 };
 
 struct Linear {
   int64_t kind = kFloat;
   int64_t group = 0;
+  int64_t int8_rows_up_to = kDequantizeFrom - 1;  // tokens int8_rows takes (int8_matmul)
   // kFloat: weight [out, in]; kInt8, kInt8Act: weight int8 [out, in], scale float32 [out],
   // ones float32 [out]; kInt4: weight the int4pack layout, scale the bf16 (scale, zero)
   // pairs, group the group size; kInt4Tiles: weight and scale int4_matmul's tiles and
@@ -625,13 +702,13 @@ struct Linear {
       y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight, group, scale);
     } else if (kind == kInt8) {  // float32 rows from kDequantizeFrom tokens, as eager
       y = x.size(0) >= kDequantizeFrom ? at::linear(x.to(at::kFloat), weight.to(at::kFloat)) * scale
-                                       : int8_matmul(x, weight, scale);
+                                       : int8_matmul(x, weight, scale, int8_rows_up_to);
     } else {  // w8a8: activations quantized per token, symmetric
       const at::Tensor xf = x.to(at::kFloat);
       const at::Tensor xs = xf.abs().amax(-1, true).clamp_min_(1e-12) / 127.0;
       const at::Tensor q = at::round(xf / xs).clamp_(-127, 127);
       y = x.size(0) >= kDequantizeFrom ? at::linear(q, weight.to(at::kFloat))
-                                       : int8_matmul(q, weight, ones);
+                                       : int8_matmul(q, weight, ones, int8_rows_up_to);
       y = y * xs * scale;
     }
     y = y.to(x.scalar_type());
@@ -679,14 +756,16 @@ struct Layer {
 struct Decoder : torch::CustomClassHolder {
   int64_t heads, kv_heads, head_dim;
   double eps;
+  int64_t int8_rows_up_to;  // tokens from which int8 weights run torch's int8pack kernel, less one
   at::Tensor embed, final_norm, cos, sin;
   std::vector<Linear> pending;
   std::vector<Layer> layers;
 
   Decoder(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, at::Tensor embed,
-          at::Tensor final_norm, at::Tensor cos, at::Tensor sin)
-      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps), embed(embed),
-        final_norm(final_norm), cos(cos), sin(sin) {
+          at::Tensor final_norm, at::Tensor cos, at::Tensor sin, int64_t int8_rows_up_to)
+      : heads(heads), kv_heads(kv_heads), head_dim(head_dim), eps(eps),
+        int8_rows_up_to(int8_rows_up_to), embed(embed), final_norm(final_norm), cos(cos),
+        sin(sin) {
     const auto dtype = embed.scalar_type();
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
                 "Decoder: float32 or bfloat16 models only, not ", dtype);
@@ -701,8 +780,8 @@ struct Decoder : torch::CustomClassHolder {
     TORCH_CHECK(kind == kFloat || scale, "Decoder: a quantized linear needs its scales");
     at::Tensor ones;
     if (kind == kInt8 || kind == kInt8Act) ones = at::ones({weight.size(0)}, at::kFloat);
-    pending.push_back(Linear{kind, group, weight, scale.value_or(at::Tensor()), ones,
-                             bias.value_or(at::Tensor())});
+    pending.push_back(Linear{kind, group, int8_rows_up_to, weight, scale.value_or(at::Tensor()),
+                             ones, bias.value_or(at::Tensor())});
   }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
@@ -759,40 +838,106 @@ struct Decoder : torch::CustomClassHolder {
     const int64_t longest = *std::max_element(lens, lens + batch);
     // a task per sequence and KV head: its query heads read each key and value once
     dynamic_for(batch * kv_heads, 1, [&](int64_t first, int64_t last) {
-      std::vector<float> q(per_kv * d), acc(per_kv * d), scores(per_kv * longest);
+      std::vector<float> q(per_kv * d), acc(per_kv * d), weights(per_kv * longest);
       std::vector<float> top(per_kv), total(per_kv);
+      std::vector<int64_t> rows(longest);  // each position's key and value, as an offset
       for (int64_t task = first; task < last; ++task) {
         const int64_t b = task / kv_heads, kvh = task % kv_heads, len = lens[b];
         const T* qs = qkv + b * width + kvh * per_kv * d;
         for (int64_t i = 0; i < per_kv * d; ++i) q[i] = f32(qs[i]);
-        std::fill(top.begin(), top.end(), -INFINITY);
         for (int64_t p = 0; p < len; ++p) {
           const int64_t slot = tables[b * table_width + p / block] * block + p % block;
-          const T* key = kc + (slot * kv_heads + kvh) * d;
+          rows[p] = (slot * kv_heads + kvh) * d;
+        }
+        std::fill(top.begin(), top.end(), -INFINITY);
+        for (int64_t p = 0; p < len; ++p) {
+          const T* key = kc + rows[p];
           for (int64_t j = 0; j < per_kv; ++j) {
             const float s = dot_row(q.data() + j * d, key, d) * scale;
-            scores[j * longest + p] = s;
+            weights[j * longest + p] = s;
             top[j] = std::max(top[j], s);
           }
         }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        std::fill(total.begin(), total.end(), 0.f);
-        for (int64_t p = 0; p < len; ++p) {
-          const int64_t slot = tables[b * table_width + p / block] * block + p % block;
-          const T* value = vc + (slot * kv_heads + kvh) * d;
-          for (int64_t j = 0; j < per_kv; ++j) {
-            const float e = std::exp(scores[j * longest + p] - top[j]);
-            total[j] += e;
-            // torch's flash kernel multiplies V by T(e)
-            add_scaled(acc.data() + j * d, f32(T(e)), value, d);
-          }
-        }
+        for (int64_t j = 0; j < per_kv; ++j)
+          total[j] = softmax_weights<T>(weights.data() + j * longest, len, top[j]);
+        weigh_values<T>(vc, rows.data(), len, weights.data(), longest, per_kv, d, acc.data());
         for (int64_t j = 0; j < per_kv; ++j) {
           T* o = out + b * heads * d + (kvh * per_kv + j) * d;
           for (int64_t i = 0; i < d; ++i) o[i] = T(acc[j * d + i] / total[j]);
         }
       }
     });
+  }
+
+  // in place: s[p] -> T(e^(s[p] - top)) as float32 (torch's flash kernel multiplies V by
+  // T(e)); returns the sum of the e (unrounded)
+  template <typename T>
+  static float softmax_weights(float* s, int64_t len, float top) {
+    const V16 shift = splat16(-top);
+    V16 sums = zero16();
+    int64_t p = 0;
+    for (; p + 16 <= len; p += 16) {
+      const V16 e = exp16(add16(load16(s + p), shift));
+      sums = add16(sums, e);
+      store16(s + p, e);
+    }
+    float total = hsum(sums);
+    for (; p < len; ++p) total += s[p] = std::exp(s[p] - top);
+    if constexpr (!std::is_same_v<T, float>)
+      for (p = 0; p < len; ++p) s[p] = f32(T(s[p]));
+    return total;
+  }
+
+  // acc[j * d + i] = sum_p w[j * stride + p] * value_p[i] for the query heads j < heads of one
+  // KV head (value_p at vc + rows[p]), the sums in positions' order; heads four at a time, the
+  // values K V16 at a time, their sums held in registers across the positions
+  template <typename T>
+  static void weigh_values(const T* vc, const int64_t* rows, int64_t len, const float* w,
+                           int64_t stride, int64_t heads, int64_t d, float* acc) {
+    if (d % 16 != 0) {  // an odd head size: one weight at a time
+      std::fill(acc, acc + heads * d, 0.f);
+      for (int64_t p = 0; p < len; ++p)
+        for (int64_t j = 0; j < heads; ++j) add_scaled(acc + j * d, w[j * stride + p], vc + rows[p], d);
+      return;
+    }
+    for (int64_t j = 0; j < heads; j += 4) {
+      const int64_t g = std::min<int64_t>(4, heads - j);
+      const float* wj = w + j * stride;
+      float* aj = acc + j * d;
+#if defined(__AVX512F__)
+      if (d % 64 == 0) {
+        if (g == 4) weigh_group<T, 4, 4>(vc, rows, len, wj, stride, d, aj);
+        else if (g == 3) weigh_group<T, 3, 4>(vc, rows, len, wj, stride, d, aj);
+        else if (g == 2) weigh_group<T, 2, 4>(vc, rows, len, wj, stride, d, aj);
+        else weigh_group<T, 1, 4>(vc, rows, len, wj, stride, d, aj);
+        continue;
+      }
+#endif
+      if (g == 4) weigh_group<T, 4, 1>(vc, rows, len, wj, stride, d, aj);
+      else if (g == 3) weigh_group<T, 3, 1>(vc, rows, len, wj, stride, d, aj);
+      else if (g == 2) weigh_group<T, 2, 1>(vc, rows, len, wj, stride, d, aj);
+      else weigh_group<T, 1, 1>(vc, rows, len, wj, stride, d, aj);
+    }
+  }
+
+  template <typename T, int G, int K>
+  static void weigh_group(const T* vc, const int64_t* rows, int64_t len, const float* w,
+                          int64_t stride, int64_t d, float* acc) {
+    for (int64_t c = 0; c < d; c += 16 * K) {
+      V16 sums[G][K];
+      for (int g = 0; g < G; ++g)
+        for (int k = 0; k < K; ++k) sums[g][k] = zero16();
+      for (int64_t p = 0; p < len; ++p) {
+        V16 v[K];
+        for (int k = 0; k < K; ++k) v[k] = load_t(vc + rows[p] + c + 16 * k);
+        for (int g = 0; g < G; ++g) {
+          const V16 weight = splat16(w[g * stride + p]);
+          for (int k = 0; k < K; ++k) sums[g][k] = fma16(weight, v[k], sums[g][k]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int k = 0; k < K; ++k) store16(acc + g * d + c + 16 * k, sums[g][k]);
+    }
   }
 
   // 16 elements of T as float32
@@ -885,12 +1030,14 @@ struct Decoder : torch::CustomClassHolder {
 }  // namespace
 
 TORCH_LIBRARY(kunlun, m) {
-  m.def("int8_matmul(Tensor x, Tensor weight, Tensor scale) -> Tensor", &int8_matmul);
+  const std::string int8_schema = "int8_matmul(Tensor x, Tensor weight, Tensor scale, int rows_up_to=" +
+                                  std::to_string(kDequantizeFrom - 1) + ") -> Tensor";
+  m.def(int8_schema.c_str(), &int8_matmul);
   m.def("float_matmul(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &float_matmul);
   m.def("int4_matmul(Tensor x, Tensor tiles, Tensor scale_min, int group) -> Tensor", &int4_matmul);
   m.class_<Decoder>("Decoder")
       .def(torch::init<int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor,
-                       at::Tensor>())
+                       at::Tensor, int64_t>())
       .def("add_linear", &Decoder::add_linear)
       .def("add_layer", &Decoder::add_layer)
       .def("step", &Decoder::step);

@@ -15,8 +15,8 @@ from torch import nn
 
 from kunlun.engine.kernels import candidates
 from kunlun.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from kunlun.engine.models.quant_linear import DEQUANTIZE_FROM_TOKENS, QuantLinear
-from kunlun.engine.native import NativeStatus, load, wanted_path
+from kunlun.engine.models.quant_linear import QuantLinear
+from kunlun.engine.native import DEQUANTIZE_FROM_TOKENS, NativeStatus, choice, load, wanted_path
 from kunlun.errors import ConfigError
 
 #: Linear kinds of decode.cpp, by the eager kernel they stand for.
@@ -31,10 +31,11 @@ class CompiledDecoder:
         config = model.config
         inner = model.model
         attention = model.attention_layers()
+        self._int8_rows_up_to = choice().int8_rows_up_to  # measured on this CPU
         self._decoder = torch.classes.kunlun.Decoder(
             attention[0].num_heads, attention[0].num_kv_heads, config.head_dim,
             config.rms_norm_eps, inner.embed_tokens.weight, inner.norm.weight,
-            inner.rotary.cos, inner.rotary.sin,
+            inner.rotary.cos, inner.rotary.sin, self._int8_rows_up_to,
         )  # fmt: skip
         for layer, attn in zip(inner.layers, attention, strict=True):
             assert isinstance(layer, LlamaDecoderLayer)
@@ -75,14 +76,17 @@ class CompiledDecoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [B, vocab] of final hidden states [B, hidden], through the compiled
         kernels: an int8 LM head as the eager int8pack kernel computes it (below
-        :data:`DEQUANTIZE_FROM_TOKENS` rows, as the eager path does), a floating one as
+        :data:`DEQUANTIZE_FROM_TOKENS` rows, as the eager path does; Kunlun's rows or torch's
+        kernel, whichever was measured faster at the count), a floating one as
         ``F.linear`` does (``float_matmul``: its own kernel for a few rows)."""
         head = self._model.lm_head
         if head.int8 is None:
             return torch.ops.kunlun.float_matmul(hidden, head.weight, None).float()
         if hidden.shape[0] >= DEQUANTIZE_FROM_TOKENS:
             return self._model.compute_logits(hidden).float()
-        logits = torch.ops.kunlun.int8_matmul(hidden, head.int8.weight, head.int8.scale)
+        logits = torch.ops.kunlun.int8_matmul(
+            hidden, head.int8.weight, head.int8.scale, self._int8_rows_up_to
+        )
         return logits.to(hidden.dtype).float()  # rounded as the eager head rounds them
 
 
