@@ -4,11 +4,15 @@ are reaped on restart: tests/daemon/test_worker_sandbox.py)."""
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
+from pathlib import Path
 
 from tests import loopback
-from tests.daemons import TINY, Daemon, Daemons, Profile
+from tests.daemons import TINY, Daemon, Daemons, Profile, free_port
+
+from kunlun.daemon.pidfile import pid_info
 
 STREAM_TOKENS = 900
 """Each stream's length (``ignore_eos``): long enough that all are still going when the
@@ -30,6 +34,33 @@ def stream(url: str, results: list[list[str]], started: threading.Event) -> None
             if len(lines) == 2:
                 started.set()
     results.append(lines)
+
+
+def test_the_port_takes_connections_only_once_the_pid_file_says_where(tmp_path: Path) -> None:
+    """A script that waits for the daemon's port and then runs ``kunlun-cli`` finds the
+    daemon: the CLI reads the address from the pid file, and the port takes connections only
+    once it is written. (The port used to listen first, while the app was still being built,
+    and an air-gap test's CLI call in that window went to the default port.)"""
+    daemon = Daemon(tmp_path / "home", free_port())
+    daemon.home.mkdir()
+    daemon.proc = daemon._spawn((), None)
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            assert daemon.proc.poll() is None, daemon.log()
+            try:
+                socket.create_connection(("127.0.0.1", daemon.port), timeout=5).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, daemon.log()
+                time.sleep(0.001)
+        found = pid_info(daemon.home)  # at once: what the CLI reads
+        assert found is not None and found["port"] == daemon.port, daemon.log()
+        while loopback.get(daemon.url + "/healthz", timeout=60).status_code != 200:
+            time.sleep(0.1)
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+    assert pid_info(daemon.home) is None  # removed when it stops
 
 
 def test_sigterm_drains_in_flight_streams(daemons: Daemons) -> None:

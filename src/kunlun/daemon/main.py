@@ -60,7 +60,10 @@ def _holder(port: int) -> str:
     return "another process"
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+LISTEN_BACKLOG = 2048
+
+
+def bind_socket(host: str, port: int, listen: bool = True) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(
         family, socket.SOCK_STREAM, socket.IPPROTO_TCP
@@ -79,7 +82,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise DaemonError(
             f"cannot bind {host}:{port}: {exc.strerror}", location=Location("--host")
         ) from None
-    sock.listen(2048)
+    if listen:
+        sock.listen(LISTEN_BACKLOG)
     sock.set_inheritable(True)
     return sock
 
@@ -104,11 +108,36 @@ def serve(ctx: typer.Context, settings: DaemonSettings) -> None:
     settings = check(settings, home)
     platform = make_daemon_platform(settings, home)
     sock, proxies = bind(settings, platform)
-    if settings.demo:
-        _ensure_demo(platform)
-    if settings.model is not None:
-        _serve_at_start(platform, settings.model, settings.served_fields())
-    run(settings, platform, home, sock, proxies)
+    pid_path = write_pid_file(home, settings, platform)
+    try:
+        # only now does the port take connections: whoever reaches it (a script that waits
+        # for the port, then runs kunlun-cli) finds the pid file, and with it the address
+        sock.listen(LISTEN_BACKLOG)
+        if settings.demo:
+            _ensure_demo(platform)
+        if settings.model is not None:
+            _serve_at_start(platform, settings.model, settings.served_fields())
+        run(settings, platform, sock, proxies)
+    finally:
+        pid_path.unlink(missing_ok=True)
+
+
+def write_pid_file(home: Path, settings: DaemonSettings, platform: Platform) -> Path:
+    """The pid file under ``home``, by which the CLI finds this daemon's address."""
+    cluster = platform.cluster
+    pid_path = home / PID_FILE
+    pid_path.write_text(
+        json.dumps(
+            {
+                "pid": os.getpid(),
+                "create_time": psutil.Process().create_time(),
+                "host": settings.host,
+                "port": settings.port,
+                "cluster": None if cluster is None else cluster.config.node_name,
+            }
+        )
+    )
+    return pid_path
 
 
 def check(settings: DaemonSettings, home: Path) -> DaemonSettings:
@@ -235,7 +264,8 @@ def serve_peers(platform: Platform, cluster: ClusterConfig, peer_sock: socket.so
 
 
 def bind(settings: DaemonSettings, platform: Platform) -> tuple[socket.socket, tuple[str, ...]]:
-    """The listening socket and the proxies believed; the last refusals first: a bad
+    """The bound socket (listening once the pid file is written) and the proxies believed;
+    the last refusals first: a bad
     ``--forwarded-allow-ips``, ``KUNLUN_BUDGET_*`` or ``KUNLUN_UI_SAMPLE_S``, a non-loopback
     bind with no API key."""
     from kunlun.ui.history import interval_from_env as ui_history_interval
@@ -250,18 +280,16 @@ def bind(settings: DaemonSettings, platform: Platform) -> tuple[socket.socket, t
             location=Location("--host"),
             hint="kunlun-cli apikey create NAME first, or pass --allow-insecure",
         )
-    return bind_socket(host, settings.port), proxies
+    return bind_socket(host, settings.port, listen=False), proxies
 
 
 def run(
     settings: DaemonSettings,
     platform: Platform,
-    home: Path,
     sock: socket.socket,
     proxies: tuple[str, ...],
 ) -> None:
-    """Serve ``platform`` on ``sock`` until SIGTERM has drained it, with the pid file
-    written meanwhile; exits 0."""
+    """Serve ``platform`` on ``sock`` until SIGTERM has drained it; exits 0."""
     import uvicorn
 
     from kunlun.daemon.app import create_asgi
@@ -278,26 +306,11 @@ def run(
         ),
         platform,
     )
-    cluster = platform.cluster
-    pid_path = home / PID_FILE
-    pid_path.write_text(
-        json.dumps(
-            {
-                "pid": os.getpid(),
-                "create_time": psutil.Process().create_time(),
-                "host": settings.host,
-                "port": settings.port,
-                "cluster": None if cluster is None else cluster.config.node_name,
-            }
-        )
-    )
     console.print(
-        f"Kunlun Platform listening on http://{settings.host}:{settings.port} (KUNLUN_HOME={home})"
+        f"Kunlun Platform listening on http://{settings.host}:{settings.port} "
+        f"(KUNLUN_HOME={kunlun_home()})"
     )
-    try:
-        server.run(sockets=[sock])
-    finally:
-        pid_path.unlink(missing_ok=True)
+    server.run(sockets=[sock])
     raise SystemExit(0)
 
 
