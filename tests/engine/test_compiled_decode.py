@@ -342,6 +342,8 @@ def test_the_int4_kernel_is_chosen_by_a_measurement_recorded_per_cpu(
         else max([0, *(n for n in INT8_TOKENS if n < slower[0])])
     )
     assert f"Kunlun's int8 rows up to {measured.int8_rows_up_to} token" in measured.describe()
+    native.choice()  # recorded per torch thread count: the faster kernel depends on it
+    assert native._record_path(native._loaded(), torch.get_num_threads()).exists()
     assert set(measured.figures) == set(native.MEASURED_DTYPES) == {"float32", "bfloat16"}
     for dtype, figures in measured.figures.items():
         assert set(figures) == {"int4_matmul", "int4pack"}

@@ -22,10 +22,10 @@ Where torch has a kernel for the same job as one of the library's operators (int
 ``torch._weight_int4pack_mm_for_cpu``; int8 weights: ``torch._weight_int8pack_mm``), which one
 runs on a CPU is measured, not assumed: the first process that loads a library times both on
 the same products, for each activation dtype a model runs in (:data:`MEASURED_DTYPES`; int8's
-arithmetic is the same for both: for token counts :data:`INT8_TOKENS` instead), and records
-the outcome beside it
-(``<library>.choice.json``, :class:`NativeChoice`); every later model load reads the record
-for its dtype, and the planner reports from it (:func:`recorded_choice`), so a plan says what
+arithmetic is the same for both: for token counts
+:data:`kunlun.engine.native.measure.INT8_TOKENS` instead), and records the outcome beside it
+(``<library>.choice.t<threads>.json``, :class:`NativeChoice`: one per torch thread count);
+every later model load with as many threads reads the record for its dtype, and the planner reports from it (:func:`recorded_choice`), so a plan says what
 was measured on the CPU for its dtype.
 """
 
@@ -336,8 +336,12 @@ def load(setting: str | None = None) -> NativeStatus:
     return NativeStatus("compiled", f"compiled decode library {path}")
 
 
-def _record_path(library: Path) -> Path:
-    return library.with_name(library.stem + ".choice.json")
+def _record_path(library: Path, threads: int) -> Path:
+    """Where the measurement of ``library`` with ``threads`` torch threads is recorded: one
+    per thread count, since which kernel is faster depends on it (at one token, torch's int8
+    kernel took 6.5 ms on one thread of a Zen 5 machine against 1.2 on two; Kunlun's rows 1.4
+    against 1.0)."""
+    return library.with_name(f"{library.stem}.choice.t{threads}.json")
 
 
 def recorded_choice() -> NativeChoice | None:
@@ -346,7 +350,7 @@ def recorded_choice() -> NativeChoice | None:
     records = []
     for folder in build_dirs():
         try:
-            records += [(p.stat().st_mtime, p) for p in folder.glob("kunlun_decode_*.choice.json")]
+            records += [(p.stat().st_mtime, p) for p in folder.glob("kunlun_decode_*.choice*.json")]
         except OSError:
             continue
     for _, path in sorted(records, reverse=True):
@@ -361,10 +365,13 @@ def recorded_choice() -> NativeChoice | None:
 
 @cache
 def choice() -> NativeChoice:
-    """The loaded library's measured choice: its record, or measured now and recorded (where
-    the folder is writable; a worker's may not be: then it is measured once per process)."""
+    """The loaded library's measured choice for this process's torch threads: its record,
+    or measured now and recorded (where the folder is writable; a worker's may not be: then it
+    is measured once per process)."""
+    import torch
+
     library = _loaded()
-    record = _record_path(library)
+    record = _record_path(library, torch.get_num_threads())
     try:
         found = NativeChoice.from_record(json.loads(record.read_text(encoding="utf-8")))
     except (OSError, ValueError, TypeError):
