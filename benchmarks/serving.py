@@ -205,9 +205,10 @@ async def client_run(url: str, model: str, batch: list[tuple[Any, int]], in_flig
     return summary(started, ttfts, ends, counted[0])
 
 
-_TEXT = re.compile(rb'"text":"(?!")')
-"""An event's choice with text (JSON escapes a quote inside the text)."""
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":(\d+)')
+_TEXT = re.compile(rb'"text":\s*"(?!")')
+"""An event's choice with text (JSON escapes a quote inside the text; llama.cpp's Python
+server writes a space after the colon, Kunlun none)."""
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 _JSON = [(b"content-type", b"application/json")]
 
 
