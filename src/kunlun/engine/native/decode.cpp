@@ -48,7 +48,8 @@ namespace {
 
 // exp16(x): e^x of 16 floats x <= 0 (attention's scores less their largest), within 1 ulp of
 // glibc's expf over [-87, 0] (every 64th float, and every one within 1e-3 of 0, checked on the
-// AVX-512 and AVX2 code when written), and 0 below kExpFloor (where expf is 1e-38 or less): x = n ln 2 + r, |r| <= ln 2 / 2 (ln 2 in two parts, so n ln 2 is
+// AVX-512 and AVX2 code when written), 0 below kExpFloor (where expf is 1e-38 or less) and NaN
+// for NaN (a model whose scores went NaN gives NaN, as the reference path does): x = n ln 2 + r, |r| <= ln 2 / 2 (ln 2 in two parts, so n ln 2 is
 // exact), e^r by a polynomial of degree 7 (1 + r + r^2 p(r), Cephes' coefficients for p),
 // times 2^n.
 constexpr float kExpFloor = -87.f, kLog2e = 1.44269504088896341f;
@@ -80,8 +81,9 @@ inline V16 exp16(V16 x) {  // exp_poly below, scaled by 2^n with vscalefps
   __m512 y = _mm512_set1_ps(kExpPoly[0]);
   for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(kExpPoly[i]));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __mmask16 kept = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(kExpFloor), _CMP_GE_OQ);
-  return {_mm512_maskz_mov_ps(kept, _mm512_scalef_ps(y, n))};
+  const __mmask16 low = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(kExpFloor), _CMP_LT_OQ);
+  const __mmask16 nan = _mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q);
+  return {_mm512_mask_mov_ps(_mm512_maskz_mov_ps(~low, _mm512_scalef_ps(y, n)), nan, x.v)};
 }
 inline V16 from_bf16(const uint16_t* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
@@ -122,7 +124,8 @@ inline __m256 exp8(__m256 x) {  // exp_poly below, scaled by 2^n through the exp
   for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(kExpPoly[i]));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(bits)), _mm256_cmp_ps(x, floor, _CMP_GE_OQ));
+  const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x, floor, _CMP_LT_OQ), _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+  return _mm256_blendv_ps(e, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
 }
 inline V16 exp16(V16 x) { return {exp8(x.a), exp8(x.b)}; }
 inline V16 from_bf16(const uint16_t* p) {
