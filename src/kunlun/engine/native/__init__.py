@@ -25,8 +25,9 @@ the same products, for each activation dtype a model runs in (:data:`MEASURED_DT
 arithmetic is the same for both: for token counts
 :data:`kunlun.engine.native.measure.INT8_TOKENS` instead), and records the outcome beside it
 (``<library>.choice.t<threads>.json``, :class:`NativeChoice`: one per torch thread count);
-every later model load with as many threads reads the record for its dtype, and the planner reports from it (:func:`recorded_choice`), so a plan says what
-was measured on the CPU for its dtype.
+every later model load with as many threads reads the record for its dtype, and the planner
+reports from it (:func:`recorded_choice`), so a plan says what was measured on the CPU for
+its dtype.
 """
 
 from __future__ import annotations

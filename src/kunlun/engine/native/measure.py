@@ -5,6 +5,7 @@ torch's kernels for the same job runs faster on this CPU, timed on the demo mode
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -59,12 +60,7 @@ def measure() -> NativeChoice:
                     xs[k].to(torch.bfloat16), packed, INT4_GROUP, pairs
                 )
 
-        best = {"int4_matmul": float("inf"), "int4pack": float("inf")}
-        for _ in range(ROUNDS):
-            for name, run in (("int4_matmul", own), ("int4pack", int4pack)):
-                start = time.perf_counter()
-                run()
-                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+        best = _best_of({"int4_matmul": own, "int4pack": int4pack})
         chosen[dtype] = ("int4_matmul",) if best["int4_matmul"] < best["int4pack"] else ()
         figures[dtype] = {k: round(v, 4) for k, v in best.items()}
     int8_up_to, int8_figures = _measure_int8(generator)
@@ -88,15 +84,28 @@ def _measure_int8(generator: torch.Generator) -> tuple[int, dict[str, dict[str, 
     up_to, before = DEQUANTIZE_FROM_TOKENS - 1, 0
     for tokens in INT8_TOKENS:
         xs = {k: torch.randn(tokens, k, generator=generator) for k in {k for _, k in INT4_LAYER}}
-        best = {"int8_rows": float("inf"), "int8pack": float("inf")}
-        for _ in range(ROUNDS):
-            for name, rows_up_to in (("int8_rows", tokens), ("int8pack", 0)):
-                start = time.perf_counter()
+
+        def products(rows_up_to: int, xs: dict[int, torch.Tensor] = xs) -> Callable[[], None]:
+            def run() -> None:
                 for weight, scale in weights:
                     torch.ops.kunlun.int8_matmul(xs[weight.shape[1]], weight, scale, rows_up_to)
-                best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+
+            return run
+
+        best = _best_of({"int8_rows": products(tokens), "int8pack": products(0)})
         figures[str(tokens)] = {k: round(v, 4) for k, v in best.items()}
         if best["int8pack"] < best["int8_rows"] and up_to == DEQUANTIZE_FROM_TOKENS - 1:
             up_to = before
         before = tokens
     return up_to, figures
+
+
+def _best_of(runs: dict[str, Callable[[], None]]) -> dict[str, float]:
+    """Each run's best time in milliseconds over :data:`ROUNDS` rounds, the runs in turn."""
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(ROUNDS):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
+    return best
