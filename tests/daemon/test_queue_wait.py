@@ -16,12 +16,17 @@ NUM_QUEUED = 6
 CONTEXT = 2048
 """The workload's max_model_len (the tiny model's every position): room for a stream that
 holds the slot well past the queue's bound (asserted)."""
+STEP_DELAY_MS = 20
+"""Every engine step of the one replica comes this much later (an injected slow device), so
+the holder's stream lasts at least ``CONTEXT * STEP_DELAY_MS`` (about 40 s) however fast the
+machine decodes the tiny model: its length no longer races the queue's bound."""
 
 
 ONE_SLOT = Profile(
     "queue-wait-home",
     (TINY.replace("max_num_seqs: 8", "max_num_seqs: 1").replace("max_model_len: 1024",
-                                                            f"max_model_len: {CONTEXT}"),),
+                                                            f"max_model_len: {CONTEXT}")
+     + f"faults:\n  step_delay_ms: {STEP_DELAY_MS}\n",),
     files=(("scheduler_config.yaml", "max_queue_wait_s: 0.5\n"),),
 )  # fmt: skip
 
