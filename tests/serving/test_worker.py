@@ -43,8 +43,9 @@ def idle(worker: WorkerProcess) -> bool:
 def test_ready_file_and_startup_log(worker: WorkerProcess) -> None:
     ready = worker.ready
     assert set(ready) == {"pid", "port", "load_time_s", "warmup_ttft_ms", "compile_time_s",
-                          "ranks"}  # fmt: skip
+                          "ranks", "handoff"}  # fmt: skip
     assert ready["pid"] == worker.process.pid
+    assert ready["handoff"].startswith(f"kunlun-worker-{worker.process.pid}-")
     assert [(r["rank"], r["pid"]) for r in ready["ranks"]] == [(0, worker.process.pid)]
     assert ready["warmup_ttft_ms"] > 0 and ready["compile_time_s"] == 0
     log = worker.log()

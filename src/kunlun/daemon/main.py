@@ -225,6 +225,7 @@ def make_daemon_platform(settings: DaemonSettings, home: Path) -> Platform:
     if cluster is not None and peer_sock is not None:
         serve_peers(platform, cluster, peer_sock)
     platform.gateway.max_sequences_per_request = settings.max_sequences_per_request
+    platform.gateway.direct_streams = settings.direct_streams
     if settings.api_key is not None:
         platform.keyring.add_fixed(settings.api_key, "--api-key / KUNLUN_API_KEY")
     platform.allowed_origins = settings.origins()
@@ -294,10 +295,11 @@ def run(
 
     from kunlun.daemon.app import create_asgi
     from kunlun.daemon.drain import DrainingServer
+    from kunlun.serving.handoff import ClientSocketScope
 
     server = DrainingServer(
         uvicorn.Config(
-            create_asgi(platform),
+            ClientSocketScope(create_asgi(platform)),
             log_level="warning",
             lifespan="on",  # a start-up that fails stops the daemon (auto: it served on, idle)
             timeout_graceful_shutdown=30,

@@ -328,6 +328,13 @@ class DaemonSettings(BaseModel):
         description="Seconds a node stays in the cluster without renewing its lease (a lost "
         "node is noticed, and a new leader elected, within this).",
     )
+    direct_streams: Annotated[
+        bool, Flag(("--direct-streams/--no-direct-streams",), envvar="KUNLUN_DIRECT_STREAMS")
+    ] = Field(
+        True,
+        description="A worker on this node writes a streamed answer to the client's "
+        "connection itself; off: every answer goes through the gateway's relay.",
+    )
     upstream_read_timeout_s: Annotated[float, Flag(envvar="KUNLUN_UPSTREAM_READ_TIMEOUT_S")] = (
         Field(
             300.0,

@@ -323,6 +323,9 @@ class ReadyInfo(BaseModel):
     """The warm-up generation's time to first token (the embedded engine)."""
     ranks: tuple[Rank, ...] = ()
     """Each process of the replica, rank 0 first (the embedded engine)."""
+    handoff: str | None = None
+    """The worker's direct-stream socket, an abstract Unix socket name (the embedded
+    engine; :mod:`kunlun.serving.handoff`)."""
 
     def write(self, path: str | Path) -> Path:
         """Write to ``path`` as JSON, atomically (a reader never sees half a file)."""

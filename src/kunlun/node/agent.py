@@ -346,6 +346,7 @@ class NodeAgent:
         port = info.port
         w.info = info
         w.replica.base_url = f"http://127.0.0.1:{port}"
+        w.replica.handoff = info.handoff
         w.replica.ready, w.replica.fault = True, None
         w.ready_at = time.monotonic()
         w.liveness, w.next_probe = Liveness(self.liveness, w.ready_at), w.ready_at

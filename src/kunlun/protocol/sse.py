@@ -12,6 +12,9 @@ from kunlun.protocol.openai_errors import error_json
 
 MEDIA_TYPE = "text/event-stream"
 DONE = b"data: [DONE]\n\n"
+ERROR_EVENT_START = b'data: {"error"'
+"""How an error event (:func:`error_event`) starts; generated text inside an event is
+JSON-escaped, so a body piece holding this holds one."""
 
 
 def dumps(obj: Any) -> bytes:

@@ -104,6 +104,9 @@ class Ticket:
     """The replica it was admitted to (its slot is held until :meth:`Admission.release`)."""
     future: asyncio.Future[Replica] | None = None
     """Set while it waits; resolved with its replica when admitted."""
+    streams: bool = False
+    """It asks for a streamed answer (``"stream": true``): a worker on this node may write
+    it to the client's connection itself (:mod:`kunlun.serving.handoff`)."""
 
 
 class Backlog:

@@ -44,6 +44,10 @@ class GatewayState:
     read_timeout_s: float | None = 300.0
     """Longest silence between two pieces of a worker's response body (None: no limit):
     past it, the stream ends with a 504 error event."""
+    direct_streams: bool = True
+    """Streamed answers of this node's workers go straight from the worker to the client's
+    connection (:mod:`kunlun.serving.handoff`; ``kunlun-platform --no-direct-streams``: all
+    through the gateway's relay)."""
     num_active: int = 0
     """Requests admitted or waiting and not yet answered, over all replicas (for draining)."""
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES

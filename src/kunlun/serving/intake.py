@@ -132,6 +132,7 @@ def ticket(
     )
     estimate = _token_estimate(payload, len(body), scope["path"] not in EMBEDDING_PATHS)
     ticket = Ticket(model, priority, pool, estimate)
+    ticket.streams = payload.get("stream") is True
     split = state.splits.get(model)
     if split is not None:
         version = split.choose(headers.session)

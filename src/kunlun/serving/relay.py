@@ -35,6 +35,7 @@ from kunlun.protocol.openai_errors import (
 )
 from kunlun.serving.admission import Ticket
 from kunlun.serving.external import external_body
+from kunlun.serving.handoff import DirectLink, client_socket, shut, wait_flushed
 from kunlun.serving.replica import Replica
 from kunlun.serving.upstream import (
     UpstreamBroken,
@@ -54,10 +55,11 @@ _REQUEST_ID, _REPLICA, _DEVICE, _PRIORITY, _VERSION = map(http_headers.raw, (
 _FORWARDED = (b"content-type", b"content-length", _REQUEST_ID, b"cache-control")
 """Upstream response headers passed to the client."""
 _SSE = sse.MEDIA_TYPE.encode()
-_ERROR_EVENT = b'data: {"error"'
-"""How an SSE error event starts (generated text inside an event is JSON-escaped)."""
 MAX_RETRIES = 2
 """Other replicas a request is sent to when one fails before answering anything."""
+LEFT_GRACE_S = 0.05
+"""How long a direct stream's end is waited for once its client has left (the worker sends
+the end right after the answer's last piece, so a client that closed on it had it all)."""
 REMOTE_EJECT_S = 5.0
 """Another node's replica that could not be connected to stays out of routing this long."""
 
@@ -97,11 +99,20 @@ class Relay(Response):
         self.stream_error = False
         """A rollout's request whose streamed answer ended with an error event."""
         self.retries = 0
+        self.direct = False
+        """The worker wrote the answer's body to the client's connection (telemetry)."""
+        self._left: asyncio.Event | None = None
+        """Set when the client leaves while a worker writes it a direct stream."""
+        self.client: Any = None
+        """The client connection's transport where the answer may be a direct stream
+        (:mod:`kunlun.serving.handoff`), else None."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         admission = self.state.admission
         if admission is None:
             raise RuntimeError("gateway_router() did not set up admission")
+        if self.state.direct_streams and self.ticket.streams and self.recorder is None:
+            self.client = client_socket(scope)
         self.state.num_active += 1
         relay = asyncio.current_task()
         watcher = asyncio.ensure_future(self._watch(receive, relay))
@@ -159,12 +170,14 @@ class Relay(Response):
                 metrics.left(self.ticket.model, self.ticket.priority)
             return
         metrics.finished(r.model, r.replica_id, self.ticket.priority, self.status_code,
-                         self.arrived, self.dispatched)  # fmt: skip
+                         self.arrived, self.dispatched, self.direct)  # fmt: skip
 
     async def _watch(self, receive: Receive, relay: asyncio.Task[Any] | None) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        if not self._ended and relay is not None:
+        if self._left is not None:  # a direct stream: its end may be on its way
+            self._left.set()
+        elif not self._ended and relay is not None:
             relay.cancel()
 
     async def _exchange(self, send: Send, replica: Replica) -> bool:
@@ -184,6 +197,8 @@ class Relay(Response):
                 await self._send_error(send, exc)
                 return False
         self.dispatched = time.perf_counter()  # telemetry: end of the gateway queue time
+        if self.client is not None and replica.handoff is not None and replica.node is None:
+            return await self._hand_off(send, replica, headers)
         try:
             upstream = await pool.post(replica.base_url, self.path, headers, payload)
         except UpstreamError as exc:
@@ -198,6 +213,105 @@ class Relay(Response):
             await upstream.close()
         return False
 
+    async def _hand_off(
+        self, send: Send, replica: Replica, headers: list[tuple[bytes, bytes]]
+    ) -> bool:
+        """:meth:`_exchange` as a direct stream: the worker writes the body to the client's
+        connection itself (:mod:`kunlun.serving.handoff`)."""
+        assert replica.handoff is not None and self.client is not None
+        state = self.state
+        try:
+            link = await DirectLink.open(replica.handoff, self.client, self.path, headers,
+                                         self.payload, state.connect_timeout_s,
+                                         state.read_timeout_s)  # fmt: skip
+        except UpstreamError as exc:
+            error = self._unreachable(replica, exc)
+            if self._may_retry(replica):
+                return True
+            await self._send_error(send, error)
+            return False
+        try:
+            try:
+                status, head, direct = await link.start(state.first_byte_timeout_s)
+            except UpstreamError as exc:
+                error = self._died(replica, exc)
+                if not isinstance(exc, UpstreamTimeout) and self._may_retry(replica):
+                    return True
+                await self._send_error(send, error)
+                return False
+            streamed = direct and any(k == b"content-type" and v.startswith(_SSE) for k, v in head)
+            await send({"type": "http.response.start", "status": status,
+                        "headers": self._answer_headers(head, replica)})  # fmt: skip
+            self.status_code = status  # telemetry
+            if not direct:  # a refusal, or a whole answer: relayed from the link
+                async for piece in link.pieces():
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+                self._ended = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return False
+            if not await wait_flushed(self.client):
+                self.status_code = CLIENT_GONE  # it left before its answer's head had gone
+                return False
+            link.go()
+            self.direct = True  # telemetry
+            try:
+                end = await self._direct_end(link)
+            except UpstreamBroken as exc:
+                error = self._died(replica, exc)
+                self.status_code = error.http_status  # telemetry
+                if streamed:  # the worker writes whole events, one chunk each
+                    event = sse.error_event(error)
+                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                self._ended = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if isinstance(exc, UpstreamTimeout) and await wait_flushed(self.client):
+                    shut(self.client)  # a silent worker may wake: it must not write after this
+                return False
+            if end is None:
+                self.status_code = CLIENT_GONE  # the client left mid-stream
+                return False
+            first_byte = end.get("first_byte")
+            self.first_byte = first_byte if isinstance(first_byte, float) else None
+            self.stream_error = bool(end.get("error_event"))
+            self._ended = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return False
+        finally:
+            link.close()
+
+    async def _direct_end(self, link: DirectLink) -> dict[str, Any] | None:
+        """The worker's end of a direct answer, or None when the client left first. A client
+        that closes its connection on ``[DONE]`` (the openai SDK does) has its whole answer:
+        the end the worker sent right after it is waited for :data:`LEFT_GRACE_S`."""
+        left = self._left = asyncio.Event()
+        ending = asyncio.ensure_future(link.end())
+        leaving = asyncio.ensure_future(left.wait())
+        try:
+            await asyncio.wait((ending, leaving), return_when=asyncio.FIRST_COMPLETED)
+            if not ending.done():
+                await asyncio.wait((ending,), timeout=LEFT_GRACE_S)
+            if not ending.done() or (left.is_set() and ending.exception() is not None):
+                return None  # gone first: the worker may have found it gone too, and stopped
+            end: dict[str, Any] = ending.result()
+            return None if end.get("client_gone") else end
+        finally:
+            self._left = None
+            ending.cancel()
+            leaving.cancel()
+
+    def _answer_headers(
+        self, upstream: list[tuple[bytes, bytes]], replica: Replica
+    ) -> list[tuple[bytes, bytes]]:
+        """The client's answer's headers: the worker's that pass, and the gateway's own."""
+        raw = [(k, v) for k, v in upstream if k in _FORWARDED]
+        raw += [(_REPLICA, replica.replica_id.encode()),
+                (_DEVICE, replica.device.encode()),
+                (_PRIORITY, self.ticket.priority.encode())]  # fmt: skip
+        version = self.ticket.version
+        if version is not None:
+            raw.append((_VERSION, version.header))
+        return raw
+
     def _may_retry(self, failed: Replica) -> bool:
         """Whether another routable replica of the request's model (and version) is left."""
         if self.retries >= MAX_RETRIES or self.state.admission is None:
@@ -209,13 +323,8 @@ class Relay(Response):
                    for r in self.state.admission.replicas.serving(ticket.model))  # fmt: skip
 
     async def _relay(self, upstream: UpstreamResponse, send: Send, replica: Replica) -> None:
-        raw = [(k, v) for k, v in upstream.headers if k in _FORWARDED]
-        raw += [(_REPLICA, replica.replica_id.encode()),
-                (_DEVICE, replica.device.encode()),
-                (_PRIORITY, self.ticket.priority.encode())]  # fmt: skip
+        raw = self._answer_headers(upstream.headers, replica)
         version = self.ticket.version
-        if version is not None:
-            raw.append((_VERSION, version.header))
         self.status_code = upstream.status_code  # telemetry
         await send({"type": "http.response.start", "status": upstream.status_code, "headers": raw})
         last, final = b"\n\n", False
@@ -224,7 +333,7 @@ class Relay(Response):
             async for chunk in upstream.iter_raw():
                 if self.first_byte is None:
                     self.first_byte = time.perf_counter()
-                if version is not None and streamed and _ERROR_EVENT in chunk:
+                if version is not None and streamed and sse.ERROR_EVENT_START in chunk:
                     self.stream_error = True  # an engine error ended the stream
                 final = upstream.complete  # then the end of the body goes with this write
                 # A stream's answer is whole once its [DONE] is out, though the end of the

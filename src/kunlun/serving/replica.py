@@ -53,6 +53,9 @@ class Replica:
     outstanding_tokens: int = 0
     """Maintained by the gateway: estimated tokens (prompt + ``max_tokens``) in flight."""
     pid: int | None = None
+    handoff: str | None = None
+    """The worker's direct-stream socket (its abstract name; :mod:`kunlun.serving.handoff`),
+    None for an external engine or another node's replica."""
     node: str | None = None
     """In a cluster, the other node this replica runs on (None: this node's own worker);
     ``base_url`` is then that node's peer port."""

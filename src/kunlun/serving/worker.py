@@ -216,6 +216,7 @@ async def serve(launch: EngineLaunch, group: Any = None) -> None:
     import uvicorn
 
     from kunlun.engine.launch import ReadyInfo
+    from kunlun.serving.handoff import HandoffServer
     from kunlun.serving.worker_app import create_worker_app
 
     engine, times = build_engine(launch, group)
@@ -233,6 +234,8 @@ async def serve(launch: EngineLaunch, group: Any = None) -> None:
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             timeout_keep_alive=30, proxy_headers=False)  # fmt: skip
     server = uvicorn.Server(config)
+    handoff = HandoffServer(app, say)  # direct streams: the gateway hands requests over
+    handoff.start()
     lost = watch_rank_group(group, engine, server)
     # uvicorn re-raises the SIGTERM it handled once drained: make that a no-op, so the
     # worker shuts the engine down and exits 0
@@ -244,11 +247,13 @@ async def serve(launch: EngineLaunch, group: Any = None) -> None:
         if launch.ready_file is not None:
             ReadyInfo(pid=os.getpid(), port=port, load_time_s=round(load_time, 3),
                       warmup_ttft_ms=round(ttft_ms, 1), compile_time_s=round(compile_time, 3),
-                      ranks=ranks(group, launch.device)).write(launch.ready_file)  # fmt: skip
+                      ranks=ranks(group, launch.device),
+                      handoff=handoff.address).write(launch.ready_file)  # fmt: skip
         say(f"Serving {launch.served_name} on http://{launch.host}:{port}")
     try:
         await task
     finally:
+        await handoff.close()
         await asyncio.to_thread(engine.shutdown)
         if profiler is not None:
             profiler.close()

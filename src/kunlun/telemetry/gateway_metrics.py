@@ -40,6 +40,7 @@ class _ReplicaSeries:
     e2e: Histogram
     queue: Histogram
     routed: Counter
+    direct: Counter
     by_status: dict[int, Counter]
 
 
@@ -76,6 +77,13 @@ class GatewayMetrics:
             [*REPLICA_LABELS, "decision"],
             registry=self.registry,
         )
+        self.direct = Counter(
+            "kunlun_direct_streams",
+            "Streamed answers the replica's worker wrote to the client's connection itself "
+            "(the others went through the gateway's relay).",
+            REPLICA_LABELS,
+            registry=self.registry,
+        )
         self._series: dict[tuple[str, str, str], _ReplicaSeries] = {}
 
     def finished(
@@ -86,9 +94,11 @@ class GatewayMetrics:
         status: int,
         arrived: float,
         dispatched: float | None,
+        direct: bool = False,
     ) -> None:
         """An admitted request ended with ``status``; times are ``time.perf_counter()``
-        readings (``dispatched`` is None when it never reached the replica)."""
+        readings (``dispatched`` is None when it never reached the replica); ``direct``: its
+        worker wrote the answer to the client's connection."""
         now = time.perf_counter()
         key = (model, replica_id, priority)
         series = self._series.get(key) or self._resolve(key)
@@ -97,6 +107,8 @@ class GatewayMetrics:
             counter = series.by_status[status] = self.requests.labels(*key, str(status))
         counter.inc()
         series.routed.inc()
+        if direct:
+            series.direct.inc()
         series.e2e.observe(now - arrived)
         if dispatched is not None:
             series.queue.observe(dispatched - arrived)
@@ -117,6 +129,7 @@ class GatewayMetrics:
             e2e=self.e2e.labels(*key),
             queue=self.queue.labels(*key),
             routed=self.decisions.labels(*key, "routed"),
+            direct=self.direct.labels(*key),
             by_status={},
         )
         self._series[key] = series

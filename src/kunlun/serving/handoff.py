@@ -1,0 +1,446 @@
+"""Direct streams: a local worker writes a streamed answer to the client's own connection.
+
+The gateway relays every other answer byte for byte (:mod:`kunlun.serving.relay`). A
+streamed completion or chat completion to a worker on this node skips that relay: the
+gateway has read the request, checked its key, admitted and routed it, and hands it to the
+worker over a Unix socket together with a duplicate of the client's connection (its file
+descriptor, ``SCM_RIGHTS``). The worker runs it through its own app as if it had come over
+HTTP, and the exchange goes:
+
+1. gateway -> worker: the request (its path, headers and body) with the client's socket;
+2. worker -> gateway: ``S``, the answer's status and headers. Without a ``Content-Length``
+   (a stream) the answer is *direct*: the gateway writes the head to the client itself (its
+   HTTP/1.1 server frames the body as chunks) and, once the head has left, sends ``G``;
+3. the worker writes each piece of the body to the client's socket as one HTTP chunk,
+   from its own event loop: no second process wakes per token;
+4. worker -> gateway: ``P`` at the first piece and then at most once per third of the
+   gateway's read timeout while pieces leave (so its silence backstop holds, within a third
+   more than the timeout, without a wake-up per token), and ``E``, the end (when the first piece left; whether an error event
+   ended the stream); the gateway writes the closing chunk and the connection is its own
+   again, kept alive for the client's next request.
+
+An answer with a ``Content-Length`` (a refusal) comes back to the gateway as ``B`` pieces
+and is relayed as before. The gateway closing the Unix socket means the client left: the
+worker cancels the request, which aborts its generation. The worker dying ends the client's
+stream with the relay's error event. Only one side writes to the client's connection at a
+time: the gateway's head before ``G``, the worker's chunks until ``E``, the gateway's last
+chunk after it.
+
+:func:`client_socket` finds the client's connection under uvicorn's ``send``;
+:class:`DirectLink` is the gateway's side, :class:`HandoffServer` the worker's.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kunlun.protocol import sse
+from kunlun.serving.upstream import UpstreamBroken, UpstreamTimeout, UpstreamUnreachable
+
+CLIENT_SOCKET_SCOPE = "kunlun.client_socket"
+"""Where :class:`ClientSocketScope` puts the client connection's transport in the scope."""
+START, BODY, PROGRESS, END, GO = b"S", b"B", b"P", b"E", b"G"
+"""The frames' kinds (worker -> gateway ``S``, ``B``, ``P``, ``E``; gateway -> worker
+``G``)."""
+_HEAD = struct.Struct(">cI")
+"""A worker frame's head: its kind and its payload's length."""
+_LENGTH = struct.Struct(">I")
+MAX_META_BYTES = 1 << 20
+"""The largest request head (path and headers, JSON) a worker takes."""
+MAX_BODY_BYTES = 64 << 20
+"""The largest request body a worker takes this way (the gateway's own limit is lower)."""
+FLUSH_POLL_S = 0.001
+"""How often the gateway looks whether the answer's head has left, before sending ``G``."""
+
+
+def client_socket(scope: Scope) -> Any | None:
+    """The transport of ``scope``'s client connection, when the worker may write to it:
+    plain (no TLS) HTTP/1.1 under uvicorn, found by :class:`ClientSocketScope`."""
+    return scope.get(CLIENT_SOCKET_SCOPE)
+
+
+class ClientSocketScope:
+    """ASGI wrapper, outermost under uvicorn: records the client connection's transport
+    (``CLIENT_SOCKET_SCOPE``) for :class:`DirectLink`, from the request cycle uvicorn's
+    ``send`` is a method of, when the connection is plain HTTP/1.1."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("http_version") == "1.1":
+            transport = getattr(getattr(send, "__self__", None), "transport", None)
+            if (
+                transport is not None
+                and transport.get_extra_info("sslcontext") is None
+                and transport.get_extra_info("socket") is not None
+            ):
+                scope[CLIENT_SOCKET_SCOPE] = transport
+        await self.app(scope, receive, send)
+
+
+# ---- the gateway's side ----
+
+
+class DirectLink:
+    """The gateway's end of one handed-off request (:meth:`open`, then :meth:`start`;
+    :meth:`go` and :meth:`end` for a direct answer, :meth:`pieces` for one relayed)."""
+
+    def __init__(self, sock: socket.socket, read_timeout_s: float | None = None) -> None:
+        self.sock, self.read_timeout_s = sock, read_timeout_s
+        self._buffer = bytearray()
+
+    @classmethod
+    async def open(
+        cls,
+        address: str,
+        transport: Any,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        connect_timeout_s: float,
+        read_timeout_s: float | None,
+    ) -> DirectLink:
+        """Connect to the worker at ``address`` and send it the request with the client's
+        socket; :class:`UpstreamUnreachable` when the worker takes no connection (nothing
+        was sent). ``read_timeout_s``: the longest silence of the body :meth:`end` allows."""
+        progress_s = None if read_timeout_s is None else read_timeout_s / 3
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, "\0" + address), connect_timeout_s)
+        except (OSError, TimeoutError) as exc:
+            sock.close()
+            raise UpstreamUnreachable(
+                f"the worker's direct-stream socket @{address}: {type(exc).__name__}: {exc}"
+            ) from None
+        meta = json.dumps({"path": path, "body_bytes": len(body), "progress_s": progress_s,
+                           "headers": [[k.decode("latin-1"), v.decode("latin-1")]
+                                       for k, v in headers]}).encode()  # fmt: skip
+        fd = transport.get_extra_info("socket").fileno()
+        try:
+            # the client's socket rides on the first bytes; a fresh Unix socket takes them
+            sock.sendmsg([_LENGTH.pack(len(meta))],
+                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])  # fmt: skip
+            await loop.sock_sendall(sock, meta + body)
+        except OSError as exc:
+            sock.close()
+            raise UpstreamBroken(f"sending the request to the worker failed: {exc}") from None
+        return cls(sock, read_timeout_s)
+
+    async def _read(self, n: int) -> bytes:
+        loop = asyncio.get_running_loop()
+        while len(self._buffer) < n:
+            try:
+                data = await loop.sock_recv(self.sock, max(65536, n - len(self._buffer)))
+            except OSError as exc:
+                raise UpstreamBroken(f"connection to the worker failed: {exc}") from None
+            if not data:
+                raise UpstreamBroken("connection to the worker failed: closed by the worker")
+            self._buffer += data
+        out = bytes(self._buffer[:n])
+        del self._buffer[:n]
+        return out
+
+    async def frame(self) -> tuple[bytes, bytes]:
+        """The worker's next frame: ``(kind, payload)``."""
+        kind, length = _HEAD.unpack(await self._read(_HEAD.size))
+        return kind, await self._read(length)
+
+    async def start(self, timeout_s: float | None) -> tuple[int, list[tuple[bytes, bytes]], bool]:
+        """The answer's status, headers and whether it is direct (the worker writes it)."""
+        try:
+            kind, payload = await asyncio.wait_for(self.frame(), timeout_s)
+        except TimeoutError:
+            raise UpstreamTimeout(
+                f"the worker sent no response head within {timeout_s:g} s "
+                "(upstream first-byte timeout)"
+            ) from None
+        if kind != START:
+            raise UpstreamBroken(f"the worker answered with frame {kind!r} before its head")
+        head = json.loads(payload)
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in head["headers"]]
+        return int(head["status"]), headers, bool(head["direct"])
+
+    def go(self) -> None:
+        """Tell the worker the head has left: it writes the body from now on."""
+        self.sock.send(GO)  # one byte on an otherwise idle socket: never blocks
+
+    async def end(self) -> dict[str, Any]:
+        """The end of a direct answer: ``first_byte`` (``time.perf_counter`` of its first
+        piece, the same clock in every process here) and ``error_event``, or
+        ``client_gone`` when a write to the client's connection failed;
+        :class:`UpstreamTimeout` after a silence longer than the read timeout."""
+        timeout = None if self.read_timeout_s is None else self.read_timeout_s * 4 / 3
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(self.frame(), timeout)
+            except TimeoutError:
+                raise UpstreamTimeout(
+                    f"the worker sent nothing more of its response for "
+                    f"{self.read_timeout_s:g} s (upstream read timeout)"
+                ) from None
+            if kind == END:
+                result: dict[str, Any] = json.loads(payload)
+                return result
+            if kind != PROGRESS:
+                raise UpstreamBroken(f"the worker sent frame {kind!r} into a direct answer")
+
+    async def pieces(self) -> Any:
+        """The pieces of a relayed answer's body, until its end."""
+        while True:
+            kind, payload = await self.frame()
+            if kind == END:
+                return
+            yield payload
+
+    def close(self) -> None:
+        """Done, or the client left (the worker then cancels the request)."""
+        self.sock.close()
+
+
+async def wait_flushed(transport: Any) -> bool:
+    """Until everything written to ``transport`` has left for the client (True), or the
+    connection closed (False)."""
+    while transport.get_write_buffer_size():
+        if transport.is_closing():
+            return False
+        await asyncio.sleep(FLUSH_POLL_S)
+    return not transport.is_closing()
+
+
+def shut(transport: Any) -> None:
+    """Shut the client's connection down for every process holding it (a worker that was
+    silent past the read timeout may still hold a duplicate and wake up later)."""
+    fd = transport.get_extra_info("socket").fileno()
+    with contextlib.suppress(OSError):
+        sock = socket.socket(fileno=os.dup(fd))
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        finally:
+            sock.close()
+
+
+# ---- the worker's side ----
+
+
+class HandoffServer:
+    """The worker's Unix socket (abstract: nothing on disk, gone with the process) where
+    the gateway hands it requests with their clients' sockets; each runs through ``app``."""
+
+    def __init__(self, app: ASGIApp, log: Callable[[str], None]) -> None:
+        self.app, self.log = app, log
+        self.address = f"kunlun-worker-{os.getpid()}-{os.urandom(6).hex()}"
+        """The socket's abstract name (without its leading NUL), for the ready file."""
+        self._sock: socket.socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind("\0" + self.address)
+        sock.listen(socket.SOMAXCONN)
+        sock.setblocking(False)
+        self._sock = sock
+        self._spawn(self._accept())
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            conn, _ = await loop.sock_accept(self._sock)
+            conn.setblocking(False)
+            self._spawn(self._serve(conn))
+
+    async def _serve(self, conn: socket.socket) -> None:
+        client: socket.socket | None = None
+        try:
+            meta, body, client = await _receive_request(conn)
+            await _Exchange(conn, client, self.app).run(meta, body)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bad hand-off: said once, the gateway sees the close
+            self.log(f"direct stream: {type(exc).__name__}: {exc}")
+        finally:
+            conn.close()
+            if client is not None:
+                client.close()  # our duplicate only: the gateway keeps the connection
+
+
+async def _receive_request(conn: socket.socket) -> tuple[dict[str, Any], bytes, socket.socket]:
+    """The request the gateway sent on ``conn``: its head, its body and the client's socket."""
+    loop = asyncio.get_running_loop()
+    readable: asyncio.Future[None] = loop.create_future()
+
+    def ready() -> None:
+        if not readable.done():
+            readable.set_result(None)
+
+    loop.add_reader(conn.fileno(), ready)
+    try:
+        await readable
+    finally:
+        loop.remove_reader(conn.fileno())
+    data, fds, _, _ = socket.recv_fds(conn, _LENGTH.size, 1)
+    if not fds:
+        raise ValueError("the hand-off carried no client socket")
+    client = socket.socket(fileno=fds[0])
+    for extra in fds[1:]:
+        os.close(extra)
+    buffer = bytearray(data)
+    need = _LENGTH.size
+    while True:
+        if len(buffer) >= need:
+            if need == _LENGTH.size:
+                (meta_bytes,) = _LENGTH.unpack(buffer[: _LENGTH.size])
+                if meta_bytes > MAX_META_BYTES:
+                    raise ValueError(f"a request head of {meta_bytes} bytes")
+                need += meta_bytes
+                continue
+            break
+        chunk = await loop.sock_recv(conn, 65536)
+        if not chunk:
+            raise ValueError("the gateway closed the hand-off before the whole request")
+        buffer += chunk
+    meta = json.loads(buffer[_LENGTH.size : need])
+    body_bytes = int(meta["body_bytes"])
+    if not 0 <= body_bytes <= MAX_BODY_BYTES:
+        raise ValueError(f"a request body of {body_bytes} bytes")
+    while len(buffer) < need + body_bytes:
+        chunk = await loop.sock_recv(conn, max(65536, need + body_bytes - len(buffer)))
+        if not chunk:
+            raise ValueError("the gateway closed the hand-off before the whole request")
+        buffer += chunk
+    return meta, bytes(buffer[need : need + body_bytes]), client
+
+
+class _Exchange:
+    """One handed-off request run through the worker's app."""
+
+    def __init__(self, conn: socket.socket, client: socket.socket, app: ASGIApp) -> None:
+        self.conn, self.client, self.app = conn, client, app
+        self.loop = asyncio.get_running_loop()
+        self.direct = False
+        self.go: asyncio.Future[None] = self.loop.create_future()
+        self.gone = asyncio.Event()
+        self.first_byte: float | None = None
+        self.error_event = False
+        self.started = False
+        self.progress_s: float | None = None
+        self.progress_at = 0.0
+
+    async def run(self, meta: dict[str, Any], body: bytes) -> None:
+        progress = meta.get("progress_s")
+        self.progress_s = None if progress is None else float(progress)
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in meta["headers"]]
+        headers.append((b"content-length", str(len(body)).encode()))
+        path = str(meta["path"])
+        scope: Scope = {
+            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+            "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+            "raw_path": path.encode(), "query_string": b"", "root_path": "",
+            "headers": headers, "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
+            "state": {},
+        }  # fmt: skip
+        sent = False
+
+        async def receive() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await self.gone.wait()
+            return {"type": "http.disconnect"}
+
+        app = asyncio.ensure_future(self.app(scope, receive, self._send))
+        watch = asyncio.ensure_future(self._watch(app))
+        try:
+            await app
+        except asyncio.CancelledError:
+            if not self.gone.is_set():
+                raise
+            return  # the client left: the app has aborted the request
+        except (OSError, ClientDisconnect):  # a write to the client's connection failed
+            with contextlib.suppress(OSError):  # the gateway may have closed first
+                await self._frame(END, json.dumps({"client_gone": True}).encode())
+            return
+        finally:
+            watch.cancel()
+        await self._frame(END, json.dumps({"first_byte": self.first_byte,
+                                           "error_event": self.error_event}).encode())  # fmt: skip
+
+    async def _watch(self, app: asyncio.Future[None]) -> None:
+        """Read the gateway's ``G``, then wait for its close (the client left): cancel."""
+        while True:
+            try:
+                data = await self.loop.sock_recv(self.conn, 64)
+            except OSError:
+                data = b""
+            if not data:
+                self.gone.set()
+                if not self.go.done():
+                    self.go.set_exception(ConnectionResetError("the client left"))
+                    self.go.exception()  # retrieved: nobody may be waiting
+                app.cancel()
+                return
+            if GO in data and not self.go.done():
+                self.go.set_result(None)
+
+    async def _frame(self, kind: bytes, payload: bytes) -> None:
+        await self.loop.sock_sendall(self.conn, _HEAD.pack(kind, len(payload)) + payload)
+
+    async def _send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", [])]
+            self.direct = not any(k.lower() == b"content-length" for k, _ in headers)
+            head = {"status": message["status"], "direct": self.direct,
+                    "headers": [[k.decode("latin-1"), v.decode("latin-1")]
+                                for k, v in headers]}  # fmt: skip
+            self.started = True
+            await self._frame(START, json.dumps(head).encode())
+            if self.direct:
+                await self.go
+            return
+        if message["type"] != "http.response.body":
+            return
+        piece = bytes(message.get("body", b""))
+        if not self.direct:
+            if piece:
+                await self._frame(BODY, piece)
+            return
+        if not piece:
+            return  # the closing chunk is the gateway's
+        now = time.perf_counter()
+        first = self.first_byte is None
+        if first:
+            self.first_byte = now
+        if sse.ERROR_EVENT_START in piece:
+            self.error_event = True
+        await self.loop.sock_sendall(self.client, b"%x\r\n%b\r\n" % (len(piece), piece))
+        if self.progress_s is not None and (first or now - self.progress_at >= self.progress_s):
+            self.progress_at = now
+            await self._frame(PROGRESS, b"")
