@@ -35,6 +35,10 @@ thread (how the worker ran before: weights loaded on the main thread, steps on t
 thread, two OpenMP pools) against the same engine on the thread that built it (how the worker
 runs now), and the ratio.
 
+``--no-direct-streams``: the platform relays every stream through its gateway instead of
+having its worker write it to the client's connection (``direct_streams`` in the JSON counts
+the streams written directly: 0 then).
+
 ``--profile``: py-spy (when installed) samples the platform's worker during one more ``16``
 run; ``profile`` gives each worker thread's share of the samples, the top functions by own
 time, and each process's CPU use (cores) over that run.
@@ -71,6 +75,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 from kunlun.device.inventory import build_inventory
@@ -148,11 +153,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_platform(home: Path, port: int) -> subprocess.Popen[bytes]:
+def start_platform(home: Path, port: int, *flags: str) -> subprocess.Popen[bytes]:
     env = dict(os.environ, KUNLUN_HOME=str(home))
     log = (home / "platform.log").open("wb")
-    return subprocess.Popen([str(BIN / "kunlun-platform"), "--demo", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    return subprocess.Popen([str(BIN / "kunlun-platform"), "--demo", "--port", str(port),
+                             *flags], env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def direct_streams(url: str) -> int:
+    """The streams the platform's worker wrote to the client's connection itself."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return round(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("kunlun_direct_streams_total{")))  # fmt: skip
 
 
 async def wait_serving(url: str, model: str, timeout_s: float = 600) -> None:
@@ -391,6 +403,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer and shorter requests")
     parser.add_argument("--profile", action="store_true", help="py-spy on the worker")
     parser.add_argument(
+        "--no-direct-streams",
+        action="store_true",
+        help="the platform relays every stream through its gateway (kunlun-platform's flag)",
+    )
+    parser.add_argument(
         "--client",
         choices=sorted(CLIENTS),
         default="lean",
@@ -410,7 +427,8 @@ def main() -> None:
     report: dict[str, Any] = {"plan": plan.summary()}
     with tempfile.TemporaryDirectory(prefix="kunlun-serving-") as home:
         port = free_port()
-        proc = start_platform(Path(home), port)  # loads while the engine below does
+        flags = ("--no-direct-streams",) if args.no_direct_streams else ()
+        proc = start_platform(Path(home), port, *flags)  # loads while the engine below does
         url = f"http://127.0.0.1:{port}"
         try:
             launch = engine_launch(plan, load_plugins().plugins["cpu"], demo_model_dir(),
@@ -444,6 +462,7 @@ def main() -> None:
                        with_cores(functools.partial(engine_run, engine, one, 1)))
                       for _ in range(3)]  # fmt: skip
             del engine
+            report["direct_streams"] = direct_streams(url)
             if args.profile:
                 report["profile"] = profile_worker(url, proc, *sets["16"], CLIENTS[args.client])
         finally:

@@ -61,6 +61,8 @@ MAX_META_BYTES = 1 << 20
 """The largest request head (path and headers, JSON) a worker takes."""
 MAX_BODY_BYTES = 64 << 20
 """The largest request body a worker takes this way (the gateway's own limit is lower)."""
+ACCEPT_RETRY_S = 0.1
+"""How long the worker waits before accepting again after a failed accept."""
 FLUSH_POLL_S = 0.001
 """How often the gateway looks whether the answer's head has left, before sending ``G``."""
 
@@ -272,7 +274,12 @@ class HandoffServer:
         loop = asyncio.get_running_loop()
         assert self._sock is not None
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as exc:  # out of descriptors, say: the gateway's wait times out
+                self.log(f"direct stream: accepting a hand-off failed: {exc}")
+                await asyncio.sleep(ACCEPT_RETRY_S)
+                continue
             conn.setblocking(False)
             self._spawn(self._serve(conn))
 

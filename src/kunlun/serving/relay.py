@@ -233,9 +233,9 @@ class Relay(Response):
         try:
             try:
                 status, head, direct = await link.start(state.first_byte_timeout_s)
-            except UpstreamError as exc:
-                error = self._died(replica, exc)
-                if not isinstance(exc, UpstreamTimeout) and self._may_retry(replica):
+            except UpstreamError as exc:  # as the relay's: no head yet, so another may take it
+                error = self._unreachable(replica, exc)
+                if self._may_retry(replica):
                     return True
                 await self._send_error(send, error)
                 return False
@@ -244,8 +244,12 @@ class Relay(Response):
                         "headers": self._answer_headers(head, replica)})  # fmt: skip
             self.status_code = status  # telemetry
             if not direct:  # a refusal, or a whole answer: relayed from the link
-                async for piece in link.pieces():
-                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+                try:
+                    async for piece in link.pieces():
+                        await send({"type": "http.response.body", "body": piece,
+                                    "more_body": True})  # fmt: skip
+                except UpstreamBroken as exc:
+                    self.status_code = self._died(replica, exc).http_status  # telemetry
                 self._ended = True
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return False
