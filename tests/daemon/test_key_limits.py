@@ -262,15 +262,24 @@ def test_tpm_gives_429_once_the_minutes_tokens_are_used(limited: Limited) -> Non
     assert counter(text, "kunlun_rate_limited_requests_total", key="frugal", limit="tpm") >= 1
 
 
-def test_tpm_charge_is_corrected_to_the_usage(limited: Limited) -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_tpm_charge_is_corrected_to_the_usage(limited: Limited, stream: bool) -> None:
     """1,200 tokens a minute; each request is estimated at over 1,000 (its max_tokens) but
-    stops at the first space: kept at the estimate, the third would be refused."""
+    stops at the first space: kept at the estimate, the third would be refused. A stream's
+    usage is read off its end as it passes the gateway (such a stream is never direct)."""
+    extra = {"stream": True, "stream_options": {"include_usage": True}} if stream else {}
     for _ in range(3):
         resp = limited.post("/v1/completions", "refunded", {
             "model": "tiny", "prompt": "Once upon a time", "max_tokens": 1000,
-            "temperature": 0, "stop": [" ", "\n", ","]})  # fmt: skip
+            "temperature": 0, "stop": [" ", "\n", ","], **extra})  # fmt: skip
         assert resp.status_code == 200, resp.text
-        assert resp.json()["usage"]["total_tokens"] < 50
+        if stream:
+            events = [e.removeprefix("data: ") for e in resp.text.split("\n\n") if e]
+            assert events[-1] == "[DONE]"
+            usage = json.loads(events[-2])["usage"]
+        else:
+            usage = resp.json()["usage"]
+        assert usage["total_tokens"] < 50
 
 
 def import_gguf(limited: Limited, path: str | Path) -> httpx.Response:

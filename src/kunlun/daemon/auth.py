@@ -27,6 +27,7 @@ from kunlun.errors import KunlunError, Location, PermissionDenied, RequestError
 from kunlun.protocol.openai_errors import AuthenticationError, RateLimited, error_status_and_body
 from kunlun.serving.endpoints import PREFIX as ENDPOINT_CALLS
 from kunlun.serving.gateway import ENDPOINTS
+from kunlun.serving.handoff import relayed_only
 from kunlun.serving.key_limits import KEY_TOKENS_SCOPE, KeyLimiter, KeyPolicy, TokenCharge
 from kunlun.serving.routing import KEY_PRIORITY_SCOPE
 from kunlun.state.api_keys import ActiveKey, KeyRing, masked
@@ -112,6 +113,7 @@ class ApiKeyMiddleware:
         if charge is None:
             await self.app(scope, receive, send)
             return
+        relayed_only(scope)  # the charge is settled from the usage at the answer's end
         watch = _AnswerTail(send)
         try:
             await self.app(scope, receive, watch)

@@ -47,6 +47,7 @@ from kunlun.serving.endpoints import (
     render_prompt,
 )
 from kunlun.serving.gateway import respond
+from kunlun.serving.handoff import relayed_only
 from kunlun.state.store import EndpointRecord
 
 if TYPE_CHECKING:
@@ -142,6 +143,7 @@ async def _chat(
     sent theirs (see the module docstring): status, the passed-on headers, body."""
     scope = dict(request.scope)
     scope.update(path=CHAT_PATH, raw_path=CHAT_PATH.encode(), query_string=b"")
+    relayed_only(scope)  # the answer comes back here, reshaped before it goes out
     answer = respond(scope, body, platform.replicas, platform.gateway)
     status, headers, pieces = 500, {}, []
 

@@ -73,6 +73,13 @@ def client_socket(scope: Scope) -> Any | None:
     return scope.get(CLIENT_SOCKET_SCOPE)
 
 
+def relayed_only(scope: Scope) -> None:
+    """Every answer to ``scope`` passes through the gateway: called by a layer that reads
+    the answer's body (a key's token charge settled from the usage at its end) or sends it
+    somewhere other than the client's connection (an endpoint call's answer, reshaped)."""
+    scope.pop(CLIENT_SOCKET_SCOPE, None)
+
+
 class ClientSocketScope:
     """ASGI wrapper, outermost under uvicorn: records the client connection's transport
     (``CLIENT_SOCKET_SCOPE``) for :class:`DirectLink`, from the request cycle uvicorn's
