@@ -27,7 +27,8 @@ time: the gateway's head before ``G``, the worker's chunks until ``E``, the gate
 chunk after it.
 
 :func:`client_socket` finds the client's connection under uvicorn's ``send``;
-:class:`DirectLink` is the gateway's side, :class:`HandoffServer` the worker's.
+:class:`DirectLink` is the gateway's side,
+:class:`~kunlun.serving.handoff_worker.HandoffServer` the worker's.
 """
 
 from __future__ import annotations
@@ -39,14 +40,10 @@ import json
 import os
 import socket
 import struct
-import time
-from collections.abc import Callable
 from typing import Any
 
-from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kunlun.protocol import sse
 from kunlun.serving.upstream import UpstreamBroken, UpstreamTimeout, UpstreamUnreachable
 
 CLIENT_SOCKET_SCOPE = "kunlun.client_socket"
@@ -54,15 +51,13 @@ CLIENT_SOCKET_SCOPE = "kunlun.client_socket"
 START, BODY, PROGRESS, END, GO = b"S", b"B", b"P", b"E", b"G"
 """The frames' kinds (worker -> gateway ``S``, ``B``, ``P``, ``E``; gateway -> worker
 ``G``)."""
-_HEAD = struct.Struct(">cI")
+HEAD = struct.Struct(">cI")
 """A worker frame's head: its kind and its payload's length."""
-_LENGTH = struct.Struct(">I")
+LENGTH = struct.Struct(">I")
 MAX_META_BYTES = 1 << 20
 """The largest request head (path and headers, JSON) a worker takes."""
 MAX_BODY_BYTES = 64 << 20
 """The largest request body a worker takes this way (the gateway's own limit is lower)."""
-ACCEPT_RETRY_S = 0.1
-"""How long the worker waits before accepting again after a failed accept."""
 FLUSH_POLL_S = 0.001
 """How often the gateway looks whether the answer's head has left, before sending ``G``."""
 
@@ -142,7 +137,7 @@ class DirectLink:
         fd = transport.get_extra_info("socket").fileno()
         try:
             # the client's socket rides on the first bytes; a fresh Unix socket takes them
-            sock.sendmsg([_LENGTH.pack(len(meta))],
+            sock.sendmsg([LENGTH.pack(len(meta))],
                          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])  # fmt: skip
             await loop.sock_sendall(sock, meta + body)
         except OSError as exc:
@@ -166,7 +161,7 @@ class DirectLink:
 
     async def frame(self) -> tuple[bytes, bytes]:
         """The worker's next frame: ``(kind, payload)``."""
-        kind, length = _HEAD.unpack(await self._read(_HEAD.size))
+        kind, length = HEAD.unpack(await self._read(HEAD.size))
         return kind, await self._read(length)
 
     async def start(self, timeout_s: float | None) -> tuple[int, list[tuple[bytes, bytes]], bool]:
@@ -241,220 +236,3 @@ def shut(transport: Any) -> None:
             sock.shutdown(socket.SHUT_RDWR)
         finally:
             sock.close()
-
-
-# ---- the worker's side ----
-
-
-class HandoffServer:
-    """The worker's Unix socket (abstract: nothing on disk, gone with the process) where
-    the gateway hands it requests with their clients' sockets; each runs through ``app``."""
-
-    def __init__(self, app: ASGIApp, log: Callable[[str], None]) -> None:
-        self.app, self.log = app, log
-        self.address = f"kunlun-worker-{os.getpid()}-{os.urandom(6).hex()}"
-        """The socket's abstract name (without its leading NUL), for the ready file."""
-        self._sock: socket.socket | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def start(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind("\0" + self.address)
-        sock.listen(socket.SOMAXCONN)
-        sock.setblocking(False)
-        self._sock = sock
-        self._spawn(self._accept())
-
-    def _spawn(self, work: Any) -> None:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _accept(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._sock is not None
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(self._sock)
-            except OSError as exc:  # out of descriptors, say: the gateway's wait times out
-                self.log(f"direct stream: accepting a hand-off failed: {exc}")
-                await asyncio.sleep(ACCEPT_RETRY_S)
-                continue
-            conn.setblocking(False)
-            self._spawn(self._serve(conn))
-
-    async def _serve(self, conn: socket.socket) -> None:
-        client: socket.socket | None = None
-        try:
-            meta, body, client = await _receive_request(conn)
-            await _Exchange(conn, client, self.app).run(meta, body)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a bad hand-off: said once, the gateway sees the close
-            self.log(f"direct stream: {type(exc).__name__}: {exc}")
-        finally:
-            conn.close()
-            if client is not None:
-                client.close()  # our duplicate only: the gateway keeps the connection
-
-
-async def _receive_request(conn: socket.socket) -> tuple[dict[str, Any], bytes, socket.socket]:
-    """The request the gateway sent on ``conn``: its head, its body and the client's socket."""
-    loop = asyncio.get_running_loop()
-    readable: asyncio.Future[None] = loop.create_future()
-
-    def ready() -> None:
-        if not readable.done():
-            readable.set_result(None)
-
-    loop.add_reader(conn.fileno(), ready)
-    try:
-        await readable
-    finally:
-        loop.remove_reader(conn.fileno())
-    data, fds, _, _ = socket.recv_fds(conn, _LENGTH.size, 1)
-    if not fds:
-        raise ValueError("the hand-off carried no client socket")
-    client = socket.socket(fileno=fds[0])
-    for extra in fds[1:]:
-        os.close(extra)
-    buffer = bytearray(data)
-    need = _LENGTH.size
-    while True:
-        if len(buffer) >= need:
-            if need == _LENGTH.size:
-                (meta_bytes,) = _LENGTH.unpack(buffer[: _LENGTH.size])
-                if meta_bytes > MAX_META_BYTES:
-                    raise ValueError(f"a request head of {meta_bytes} bytes")
-                need += meta_bytes
-                continue
-            break
-        chunk = await loop.sock_recv(conn, 65536)
-        if not chunk:
-            raise ValueError("the gateway closed the hand-off before the whole request")
-        buffer += chunk
-    meta = json.loads(buffer[_LENGTH.size : need])
-    body_bytes = int(meta["body_bytes"])
-    if not 0 <= body_bytes <= MAX_BODY_BYTES:
-        raise ValueError(f"a request body of {body_bytes} bytes")
-    while len(buffer) < need + body_bytes:
-        chunk = await loop.sock_recv(conn, max(65536, need + body_bytes - len(buffer)))
-        if not chunk:
-            raise ValueError("the gateway closed the hand-off before the whole request")
-        buffer += chunk
-    return meta, bytes(buffer[need : need + body_bytes]), client
-
-
-class _Exchange:
-    """One handed-off request run through the worker's app."""
-
-    def __init__(self, conn: socket.socket, client: socket.socket, app: ASGIApp) -> None:
-        self.conn, self.client, self.app = conn, client, app
-        self.loop = asyncio.get_running_loop()
-        self.direct = False
-        self.go: asyncio.Future[None] = self.loop.create_future()
-        self.gone = asyncio.Event()
-        self.first_byte: float | None = None
-        self.error_event = False
-        self.started = False
-        self.progress_s: float | None = None
-        self.progress_at = 0.0
-
-    async def run(self, meta: dict[str, Any], body: bytes) -> None:
-        progress = meta.get("progress_s")
-        self.progress_s = None if progress is None else float(progress)
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in meta["headers"]]
-        headers.append((b"content-length", str(len(body)).encode()))
-        path = str(meta["path"])
-        scope: Scope = {
-            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
-            "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
-            "raw_path": path.encode(), "query_string": b"", "root_path": "",
-            "headers": headers, "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
-            "state": {},
-        }  # fmt: skip
-        sent = False
-
-        async def receive() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await self.gone.wait()
-            return {"type": "http.disconnect"}
-
-        app = asyncio.ensure_future(self.app(scope, receive, self._send))
-        watch = asyncio.ensure_future(self._watch(app))
-        try:
-            await app
-        except asyncio.CancelledError:
-            if not self.gone.is_set():
-                raise
-            return  # the client left: the app has aborted the request
-        except (OSError, ClientDisconnect):  # a write to the client's connection failed
-            with contextlib.suppress(OSError):  # the gateway may have closed first
-                await self._frame(END, json.dumps({"client_gone": True}).encode())
-            return
-        finally:
-            watch.cancel()
-        await self._frame(END, json.dumps({"first_byte": self.first_byte,
-                                           "error_event": self.error_event}).encode())  # fmt: skip
-
-    async def _watch(self, app: asyncio.Future[None]) -> None:
-        """Read the gateway's ``G``, then wait for its close (the client left): cancel."""
-        while True:
-            try:
-                data = await self.loop.sock_recv(self.conn, 64)
-            except OSError:
-                data = b""
-            if not data:
-                self.gone.set()
-                if not self.go.done():
-                    self.go.set_exception(ConnectionResetError("the client left"))
-                    self.go.exception()  # retrieved: nobody may be waiting
-                app.cancel()
-                return
-            if GO in data and not self.go.done():
-                self.go.set_result(None)
-
-    async def _frame(self, kind: bytes, payload: bytes) -> None:
-        await self.loop.sock_sendall(self.conn, _HEAD.pack(kind, len(payload)) + payload)
-
-    async def _send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", [])]
-            self.direct = not any(k.lower() == b"content-length" for k, _ in headers)
-            head = {"status": message["status"], "direct": self.direct,
-                    "headers": [[k.decode("latin-1"), v.decode("latin-1")]
-                                for k, v in headers]}  # fmt: skip
-            self.started = True
-            await self._frame(START, json.dumps(head).encode())
-            if self.direct:
-                await self.go
-            return
-        if message["type"] != "http.response.body":
-            return
-        piece = bytes(message.get("body", b""))
-        if not self.direct:
-            if piece:
-                await self._frame(BODY, piece)
-            return
-        if not piece:
-            return  # the closing chunk is the gateway's
-        now = time.perf_counter()
-        first = self.first_byte is None
-        if first:
-            self.first_byte = now
-        if sse.ERROR_EVENT_START in piece:
-            self.error_event = True
-        await self.loop.sock_sendall(self.client, b"%x\r\n%b\r\n" % (len(piece), piece))
-        if self.progress_s is not None and (first or now - self.progress_at >= self.progress_s):
-            self.progress_at = now
-            await self._frame(PROGRESS, b"")

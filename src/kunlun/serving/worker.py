@@ -216,7 +216,7 @@ async def serve(launch: EngineLaunch, group: Any = None) -> None:
     import uvicorn
 
     from kunlun.engine.launch import ReadyInfo
-    from kunlun.serving.handoff import HandoffServer
+    from kunlun.serving.handoff_worker import HandoffServer
     from kunlun.serving.worker_app import create_worker_app
 
     engine, times = build_engine(launch, group)

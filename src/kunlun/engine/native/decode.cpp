@@ -464,8 +464,10 @@ constexpr int64_t kDequantizeFrom = 48;  // quant_linear.DEQUANTIZE_FROM_TOKENS
 // float32 [tokens, out] for x [tokens, in] (any floating dtype) and int8 rows [out, in]:
 // int8_rows up to rows_up_to tokens, past them torch's int8pack kernel, whose arithmetic is
 // the same (which is faster at how many tokens is measured per CPU: kunlun/engine/native)
-at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
-                       int64_t rows_up_to) {
+// unit: bf16 ones [out], the scale torch's kernel is given (the float32 scale follows it);
+// undefined: made here (a Decoder's linear keeps its own, made once)
+at::Tensor int8_matmul_with(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                            int64_t rows_up_to, const at::Tensor& unit) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.scalar_type() == at::kChar &&
                   weight.is_contiguous() && x.size(1) == weight.size(1) &&
                   weight.size(1) % 16 == 0 && scale.scalar_type() == at::kFloat &&
@@ -473,14 +475,20 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::
               "int8_matmul: expected x [T, in], int8 weight [out, in] (in a multiple of 16) "
               "and float32 scale [out]");
   if (x.size(0) > rows_up_to) {
-    const at::Tensor unit = at::ones({weight.size(0)}, x.options().dtype(at::kBFloat16));
-    return at::_weight_int8pack_mm(x.to(at::kBFloat16), weight, unit).to(at::kFloat) * scale;
+    const at::Tensor ones =
+        unit.defined() ? unit : at::ones({weight.size(0)}, x.options().dtype(at::kBFloat16));
+    return at::_weight_int8pack_mm(x.to(at::kBFloat16), weight, ones).to(at::kFloat) * scale;
   }
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({xf.size(0), weight.size(0)}, xf.options());
   int8_rows(xf.data_ptr<float>(), xf.size(0), weight.data_ptr<int8_t>(),
             scale.data_ptr<float>(), xf.size(1), weight.size(0), out.data_ptr<float>());
   return out;
+}
+
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                       int64_t rows_up_to) {
+  return int8_matmul_with(x, weight, scale, rows_up_to, at::Tensor());
 }
 
 // Int4 weights in tiles of 32 output rows (packed once at load by
@@ -688,10 +696,10 @@ struct Linear {
   int64_t group = 0;
   int64_t int8_rows_up_to = kDequantizeFrom - 1;  // tokens int8_rows takes (int8_matmul)
   // kFloat: weight [out, in]; kInt8, kInt8Act: weight int8 [out, in], scale float32 [out],
-  // ones float32 [out]; kInt4: weight the int4pack layout, scale the bf16 (scale, zero)
-  // pairs, group the group size; kInt4Tiles: weight and scale int4_matmul's tiles and
-  // float16 scales and minimums, group the group size
-  at::Tensor weight, scale, ones, bias;
+  // ones float32 [out], unit bf16 ones [out] (int8_matmul_with); kInt4: weight the int4pack
+  // layout, scale the bf16 (scale, zero) pairs, group the group size; kInt4Tiles: weight and
+  // scale int4_matmul's tiles and float16 scales and minimums, group the group size
+  at::Tensor weight, scale, ones, unit, bias;
 
   // y [tokens, out] for x [tokens, in], in x's dtype
   at::Tensor operator()(const at::Tensor& x) const {
@@ -705,13 +713,13 @@ struct Linear {
       y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight, group, scale);
     } else if (kind == kInt8) {  // float32 rows from kDequantizeFrom tokens, as eager
       y = x.size(0) >= kDequantizeFrom ? at::linear(x.to(at::kFloat), weight.to(at::kFloat)) * scale
-                                       : int8_matmul(x, weight, scale, int8_rows_up_to);
+                                       : int8_matmul_with(x, weight, scale, int8_rows_up_to, unit);
     } else {  // w8a8: activations quantized per token, symmetric
       const at::Tensor xf = x.to(at::kFloat);
       const at::Tensor xs = xf.abs().amax(-1, true).clamp_min_(1e-12) / 127.0;
       const at::Tensor q = at::round(xf / xs).clamp_(-127, 127);
       y = x.size(0) >= kDequantizeFrom ? at::linear(q, weight.to(at::kFloat))
-                                       : int8_matmul(q, weight, ones, int8_rows_up_to);
+                                       : int8_matmul_with(q, weight, ones, int8_rows_up_to, unit);
       y = y * xs * scale;
     }
     y = y.to(x.scalar_type());
@@ -781,10 +789,13 @@ struct Decoder : torch::CustomClassHolder {
                   std::optional<at::Tensor> bias, int64_t group) {
     TORCH_CHECK(kind >= kFloat && kind <= kInt4Tiles, "Decoder: unknown linear kind ", kind);
     TORCH_CHECK(kind == kFloat || scale, "Decoder: a quantized linear needs its scales");
-    at::Tensor ones;
-    if (kind == kInt8 || kind == kInt8Act) ones = at::ones({weight.size(0)}, at::kFloat);
+    at::Tensor ones, unit;
+    if (kind == kInt8 || kind == kInt8Act) {
+      ones = at::ones({weight.size(0)}, at::kFloat);
+      unit = at::ones({weight.size(0)}, at::kBFloat16);
+    }
     pending.push_back(Linear{kind, group, int8_rows_up_to, weight, scale.value_or(at::Tensor()),
-                             ones, bias.value_or(at::Tensor())});
+                             ones, unit, bias.value_or(at::Tensor())});
   }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
