@@ -51,7 +51,8 @@ PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
 MAX_OPEN_FILES = 4096
 """``RLIMIT_NOFILE`` of a worker: its model files, its loopback connections (one per request
-the gateway has in flight to it, at most a few hundred) and Python's own."""
+the gateway has in flight to it, at most a few hundred; two for a direct stream, its hand-off
+and the client's socket) and Python's own."""
 RUNTIME_MEMORY_MB = 1024
 """Host memory of a worker beyond its weights and host-side KV cache: the interpreter, torch's
 CPU runtime and allocator caches, uvicorn, the tokenizer (a serving demo-model worker holds
