@@ -84,10 +84,10 @@ from kunlun.engine.gguf import demo_model_dir
 from kunlun.engine.llm_engine import LLMEngine
 from kunlun.engine.sampling_params import SamplingParams
 from kunlun.engine.tokenizer import Tokenizer
+from kunlun.http_client import UpstreamPool
 from kunlun.planner.launch import engine_launch
 from kunlun.planner.model_info import inspect_model
 from kunlun.planner.plan import ExecutionPlan
-from kunlun.serving.upstream import UpstreamPool
 from kunlun.workload.placement import place
 from kunlun.workload.spec import WorkloadSpec
 
@@ -227,7 +227,7 @@ _JSON = [(b"content-type", b"application/json")]
 async def lean_run(url: str, model: str, batch: list[tuple[Any, int]], in_flight: int,
                    extra: dict[str, Any], count_chunks: bool = False) -> dict[str, float]:  # fmt: skip
     """:func:`client_run` with the gateway's own client to its workers for its client
-    (:class:`~kunlun.serving.upstream.UpstreamPool`: keep-alive connections, the ``httptools``
+    (:class:`~kunlun.http_client.UpstreamPool`: keep-alive connections, the ``httptools``
     parser): the answer's text is not decoded; its usage event (``count_chunks``: its events
     with text) gives its tokens."""
     pool = UpstreamPool()

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from kunlun.serving.upstream import (
+from kunlun.http_client import (
     UpstreamBroken,
     UpstreamPool,
     UpstreamTimeout,
@@ -132,7 +132,7 @@ def test_server_closing_without_answer_on_a_fresh_connection_is_broken() -> None
 
 
 def test_a_slow_reader_pauses_the_worker_side_and_gets_every_byte() -> None:
-    from kunlun.serving.upstream import HIGH_WATER_BYTES
+    from kunlun.http_client import HIGH_WATER_BYTES
 
     total = 8 * HIGH_WATER_BYTES
     piece = bytes(range(256)) * 256  # 64 KiB

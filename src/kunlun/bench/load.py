@@ -4,7 +4,10 @@ Every request is a streamed ``POST /v1/completions`` whose prompt is a list of t
 (exactly ``input_len`` of them, drawn at random per request from ids 1000..1999 so the
 prefix cache does not shortcut them) with ``max_tokens = output_len``, ``ignore_eos`` and
 ``temperature`` 0, so every request does the same work. ``stream_options.include_usage``
-asks for the token counts. Two ways to send them:
+asks for the token counts. They go over kept-alive connections of the gateway's own HTTP
+client (:class:`~kunlun.http_client.UpstreamPool`), and of each event only the text's presence
+is looked at, the usage and errors parsed: on a machine the benchmark shares with the server,
+its CPU per streamed token is taken from what it measures. Two ways to send them:
 
 - :func:`closed_loop`: ``concurrency`` clients, each sending its next request as soon as
   the previous one ends;
@@ -23,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import random
+import ssl
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -32,6 +36,7 @@ import httpx
 
 from kunlun.bench.stats import RequestRecord
 from kunlun.errors import ConfigError, Location
+from kunlun.http_client import UpstreamError, UpstreamPool, UpstreamResponse
 from kunlun.telemetry.view import PLATFORM_MEMORY as MEMORY_GAUGE
 from kunlun.telemetry.view import parse
 
@@ -69,6 +74,20 @@ class Target:
             base_url=self.base_url, headers=headers, limits=limits, timeout=self.timeout_s
         )
 
+    @contextlib.asynccontextmanager
+    async def pool(self) -> AsyncIterator[UpstreamPool]:
+        """Kept-alive connections for the load (the gateway's own client: its CPU per
+        streamed token is a fraction of a general-purpose one's, and on a machine the
+        benchmark shares with the server that CPU is taken from what it measures)."""
+        tls = ssl.create_default_context() if self.base_url.startswith("https://") else None
+        pool = UpstreamPool(connect_timeout_s=self.timeout_s, max_idle_per_host=1024,
+                            first_byte_timeout_s=self.timeout_s, read_timeout_s=self.timeout_s,
+                            ssl_context=tls)  # fmt: skip
+        try:
+            yield pool
+        finally:
+            await pool.close()
+
 
 def make_prompts(count: int, input_len: int, seed: int) -> list[list[int]]:
     """``count`` prompts of ``input_len`` random token ids each (reproducible by ``seed``)."""
@@ -77,7 +96,7 @@ def make_prompts(count: int, input_len: int, seed: int) -> list[list[int]]:
 
 
 async def send(
-    client: httpx.AsyncClient, target: Target, prompt: list[int], output_len: int
+    pool: UpstreamPool, target: Target, prompt: list[int], output_len: int
 ) -> RequestRecord:
     """Stream one completion and time it (see the module docstring for the request)."""
     body = {
@@ -89,27 +108,38 @@ async def send(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    headers = [(b"content-type", b"application/json")]
+    if target.api_key:
+        headers.append((b"authorization", f"Bearer {target.api_key}".encode()))
     record = RequestRecord(start=time.perf_counter())
+    response: UpstreamResponse | None = None
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {text[:200]}"
-            else:
-                async for payload, arrival in _events(response):
-                    _take(record, payload, arrival)
-    except (httpx.HTTPError, ValueError) as exc:
+        response = await pool.post(target.base_url, "/v1/completions", headers,
+                                   json.dumps(body).encode())  # fmt: skip
+        if response.status_code != 200:
+            text = b"".join([piece async for piece in response.iter_raw()])
+            record.error = f"HTTP {response.status_code}: {text.decode(errors='replace')[:200]}"
+        else:
+            async for event, arrival in _events(response):
+                _take(record, event, arrival)
+    except (UpstreamError, ValueError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        if response is not None:
+            await response.close()  # whole: the connection goes back to the pool
     record.end = time.perf_counter()
     return record
 
 
-async def _events(response: httpx.Response) -> AsyncIterator[tuple[dict[str, Any], float]]:
-    """The JSON payloads of an SSE stream up to ``[DONE]``, each with the time of the network
-    read that completed it (events that arrived in one read share that time)."""
-    pending = b""
-    async for data in response.aiter_bytes():
+async def _events(response: UpstreamResponse) -> AsyncIterator[tuple[bytes, float]]:
+    """The JSON texts of an SSE stream's events up to ``[DONE]``, each with the time of the
+    network read that completed it (events that arrived in one read share that time); the
+    body is read to its end, so that its connection can be used again."""
+    pending, done = b"", False
+    async for data in response.iter_raw():
         arrival = time.perf_counter()
+        if done:
+            continue
         lines = (pending + data).split(b"\n")
         pending = lines.pop()
         for line in lines:
@@ -117,11 +147,29 @@ async def _events(response: httpx.Response) -> AsyncIterator[tuple[dict[str, Any
                 continue
             text = line[5:].strip()
             if text == b"[DONE]":
-                return
-            yield json.loads(text), arrival
+                done = True
+                break
+            yield text, arrival
 
 
-def _take(record: RequestRecord, payload: dict[str, Any], now: float) -> None:
+_EMPTY_TEXT = (b'"text":""', b'"text": ""')
+"""How a chunk whose choice added no text reads, compact or spaced (text inside a JSON string
+is escaped, so neither can occur inside one)."""
+_PARSED = (b'"error"', b'"usage":{', b'"usage": {')
+"""What only a parsed event tells: an error, the token counts."""
+
+
+def _take(record: RequestRecord, event: bytes, now: float) -> None:
+    """Note one event: a chunk with text (its arrival), the usage, an error. Only an event
+    that may carry the usage or an error is parsed: the benchmark's own CPU per token is CPU
+    taken from the server it measures when both share a machine."""
+    if any(marker in event for marker in _PARSED) or b'"text"' not in event:
+        _take_parsed(record, json.loads(event), now)
+    elif not any(empty in event for empty in _EMPTY_TEXT):
+        record.chunk_times.append(now)
+
+
+def _take_parsed(record: RequestRecord, payload: dict[str, Any], now: float) -> None:
     if "error" in payload:
         record.error = str(payload["error"].get("message", payload["error"]))
         return
@@ -139,11 +187,11 @@ async def closed_loop(
     """Send ``prompts`` from ``concurrency`` clients, each waiting for its previous answer."""
     pending = iter(prompts)
     records: list[RequestRecord] = []
-    async with target.client(concurrency) as client:
+    async with target.pool() as pool:
 
         async def one_client() -> None:
             for prompt in pending:
-                records.append(await send(client, target, prompt, output_len))
+                records.append(await send(pool, target, prompt, output_len))
 
         await asyncio.gather(*(one_client() for _ in range(concurrency)))
     return records
@@ -154,10 +202,10 @@ async def poisson(
 ) -> list[RequestRecord]:
     """Send ``prompts`` at Poisson arrivals of ``rate`` per second, not waiting for answers."""
     rng = random.Random(seed)
-    async with target.client() as client:
+    async with target.pool() as pool:
         tasks = []
         for prompt in prompts:
-            tasks.append(asyncio.ensure_future(send(client, target, prompt, output_len)))
+            tasks.append(asyncio.ensure_future(send(pool, target, prompt, output_len)))
             await asyncio.sleep(rng.expovariate(rate))
         return list(await asyncio.gather(*tasks))
 

@@ -20,8 +20,8 @@ from typing import Any
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
+from kunlun.http_client import UpstreamError, UpstreamPool
 from kunlun.serving.replica import ReplicaSet
-from kunlun.serving.upstream import UpstreamError, UpstreamPool
 
 PREFIX = "/cluster/replicas/"
 

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kunlun.errors import KunlunError, Location, RequestError
 from kunlun.headers import PREVIOUS_RESPONSE, raw
+from kunlun.http_client import UpstreamError
 from kunlun.protocol.embedding_request import EmbeddingRequest
 from kunlun.protocol.openai_api import ChatCompletionRequest, CompletionRequest
 from kunlun.protocol.openai_errors import (
@@ -52,7 +53,6 @@ from kunlun.serving.replica import ReplicaSet
 from kunlun.serving.replica_calls import default_model, error_response, only_model
 from kunlun.serving.response_state import RESPONSES_PATH, Recorder
 from kunlun.serving.sglang_gateway import GENERATE_PATH, add_sglang_routes
-from kunlun.serving.upstream import UpstreamError
 from kunlun.serving.vllm_gateway import add_vllm_routes
 
 _CHAT_BODY = openapi_body(ChatCompletionRequest)

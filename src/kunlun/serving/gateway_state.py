@@ -11,6 +11,7 @@ import signal
 import ssl
 from dataclasses import dataclass, field
 
+from kunlun.http_client import UpstreamPool
 from kunlun.limits import DEFAULT_MAX_SEQUENCES
 from kunlun.serving.admission import Admission
 from kunlun.serving.canary_split import Split
@@ -18,7 +19,6 @@ from kunlun.serving.canary_window import RolloutStats
 from kunlun.serving.response_state import ResponseState
 from kunlun.serving.routing import DeviceSamples, Router
 from kunlun.serving.scheduler_config import SchedulerConfigSource
-from kunlun.serving.upstream import UpstreamPool
 from kunlun.telemetry.gateway_metrics import GatewayMetrics  # telemetry
 
 TICK_S = 0.2

@@ -44,7 +44,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kunlun.serving.upstream import UpstreamBroken, UpstreamTimeout, UpstreamUnreachable
+from kunlun.http_client import UpstreamBroken, UpstreamTimeout, UpstreamUnreachable
 
 CLIENT_SOCKET_SCOPE = "kunlun.client_socket"
 """Where :class:`ClientSocketScope` puts the client connection's transport in the scope."""

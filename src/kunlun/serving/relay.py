@@ -24,6 +24,13 @@ from starlette.types import Receive, Scope, Send
 from kunlun import headers as http_headers
 from kunlun.engine.launch import EMBEDDED_ENGINE
 from kunlun.errors import KunlunError
+from kunlun.http_client import (
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from kunlun.limits import CLIENT_GONE
 from kunlun.protocol import sse
 from kunlun.protocol.openai_errors import (
@@ -37,13 +44,6 @@ from kunlun.serving.admission import Ticket
 from kunlun.serving.external import external_body
 from kunlun.serving.handoff import DirectLink, client_socket, shut, wait_flushed
 from kunlun.serving.replica import Replica
-from kunlun.serving.upstream import (
-    UpstreamBroken,
-    UpstreamError,
-    UpstreamResponse,
-    UpstreamTimeout,
-    UpstreamUnreachable,
-)
 
 if TYPE_CHECKING:
     from kunlun.serving.gateway_state import GatewayState

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from kunlun.http_client import UpstreamError
 from kunlun.protocol.openai_errors import (
     ModelNotFound,
     ServiceUnavailable,
@@ -24,7 +25,6 @@ from kunlun.protocol.openai_errors import (
     param_error,
 )
 from kunlun.serving.replica import Replica, ReplicaSet
-from kunlun.serving.upstream import UpstreamError
 
 
 def only_model(given: Any, replicas: ReplicaSet, default: str | None = None) -> str:

@@ -32,9 +32,10 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from kunlun.event_loop import run_event_loop
 
 if TYPE_CHECKING:
     from kunlun.engine.launch import EngineLaunch, Rank
@@ -308,17 +309,6 @@ def start_profiler(engine: Any, launch: EngineLaunch) -> Any:
     say(f"Advanced profiling: engine steps traced to {path} "
         f"(at most one step per {launch.profiling_interval_ms:g} ms)")  # fmt: skip
     return profiler
-
-
-def run_event_loop(main: Coroutine[Any, Any, None]) -> None:
-    """Run ``main`` on uvloop where it is installed, as uvicorn does for the daemon (a loop
-    and transports written in C: less CPU per request on the worker's HTTP side)."""
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
 
 
 def import_trusted_modules(launch: EngineLaunch) -> None:

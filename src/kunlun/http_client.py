@@ -1,12 +1,13 @@
-"""Keep-alive HTTP/1.1 connections from the gateway to its engine workers.
+"""Keep-alive HTTP/1.1 connections: the gateway's to its engine workers (and to other
+cluster nodes' peer ports), and ``kunlun-cli bench``'s to the endpoint it loads.
 
 The gateway's hot path: each request is one write on a pooled loopback connection, and the
 response is parsed by ``httptools`` (the C parser uvicorn uses) straight from the
 connection's ``data_received`` callback: no stream reader, no per-event Python parsing.
 Measured in the gateway benchmark's process, the pure-Python ``h11`` parser this replaced
 took about as much CPU as the socket writes themselves, and ``httpx`` about four times that.
-It speaks only what workers answer: one request at a time per connection,
-``Content-Length`` or chunked bodies.
+It speaks only what workers and OpenAI-compatible servers answer: one request at a time per
+connection, ``Content-Length`` or chunked bodies.
 
 Errors: :class:`UpstreamUnreachable` when no connection could be made (nothing was sent);
 :class:`UpstreamBroken` when the connection failed after the request was sent;
@@ -91,7 +92,7 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self.error = f"the worker's response is not valid HTTP: {exc}"
+            self.error = f"the server's response is not valid HTTP: {exc}"
             self.close()
         if self.buffered >= HIGH_WATER_BYTES and not self._paused and self.transport:
             self._paused = True
@@ -104,8 +105,8 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         if self.error is None and not self.complete:
-            reason = f"{type(exc).__name__}: {exc}" if exc else "closed by the worker"
-            self.error = f"connection to the worker failed: {reason}"
+            reason = f"{type(exc).__name__}: {exc}" if exc else "closed by the server"
+            self.error = f"connection to the server failed: {reason}"
         self._wake()
 
     # ---- httptools callbacks ----
@@ -189,10 +190,10 @@ class UpstreamResponse:
             elif connection.complete:
                 return
             elif connection.error is not None:
-                raise UpstreamBroken(f"the worker's response was cut off: {connection.error}")
+                raise UpstreamBroken(f"the server's response was cut off: {connection.error}")
             elif not await connection.wait(timeout_s):
                 raise UpstreamTimeout(
-                    f"the worker sent nothing more of its response for {timeout_s:g} s "
+                    f"the server sent nothing more of its response for {timeout_s:g} s "
                     "(upstream read timeout)"
                 )
 
@@ -252,7 +253,7 @@ class UpstreamPool:
         try:
             return await self._exchange(key, connection, request)
         except _Stale:
-            raise UpstreamBroken("the worker closed the connection without answering") from None
+            raise UpstreamBroken("the server closed the connection without answering") from None
 
     async def close(self) -> None:
         idle, self._idle = self._idle, {}
@@ -323,12 +324,12 @@ class UpstreamPool:
                     if connection.closed and not connection.received:
                         raise _Stale()
                     raise UpstreamBroken(
-                        f"the worker's response was cut off or invalid: {connection.error}"
+                        f"the server's response was cut off or invalid: {connection.error}"
                     )
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if not await connection.wait(left):
                     raise UpstreamTimeout(
-                        f"the worker sent no response within {limit:g} s of the request "
+                        f"the server sent no response within {limit:g} s of the request "
                         "(upstream first-byte timeout)"
                     )
             return UpstreamResponse(self, key, connection)
