@@ -145,7 +145,9 @@ class DirectLink:
             raise UpstreamBroken(f"sending the request to the worker failed: {exc}") from None
         return cls(sock, read_timeout_s)
 
-    async def _read(self, n: int) -> bytes:
+    async def _fill(self, n: int) -> None:
+        """Until ``n`` bytes are buffered (nothing is taken: a wait cancelled halfway through
+        a frame leaves it whole for the next reader)."""
         loop = asyncio.get_running_loop()
         while len(self._buffer) < n:
             try:
@@ -155,14 +157,37 @@ class DirectLink:
             if not data:
                 raise UpstreamBroken("connection to the worker failed: closed by the worker")
             self._buffer += data
-        out = bytes(self._buffer[:n])
-        del self._buffer[:n]
-        return out
+
+    def _take_frame(self) -> tuple[bytes, bytes] | None:
+        """The next frame if the buffer holds all of it."""
+        if len(self._buffer) < HEAD.size:
+            return None
+        kind, length = HEAD.unpack(self._buffer[: HEAD.size])
+        if len(self._buffer) < HEAD.size + length:
+            return None
+        payload = bytes(self._buffer[HEAD.size : HEAD.size + length])
+        del self._buffer[: HEAD.size + length]
+        return kind, payload
 
     async def frame(self) -> tuple[bytes, bytes]:
         """The worker's next frame: ``(kind, payload)``."""
-        kind, length = HEAD.unpack(await self._read(HEAD.size))
-        return kind, await self._read(length)
+        await self._fill(HEAD.size)
+        await self._fill(HEAD.size + HEAD.unpack(self._buffer[: HEAD.size])[1])
+        taken = self._take_frame()
+        assert taken is not None
+        return taken
+
+    def end_if_here(self) -> dict[str, Any] | None:
+        """The end of a direct answer if it has already arrived, read without waiting (a
+        loop that runs its timers before its reads may not have read it yet)."""
+        with contextlib.suppress(BlockingIOError, InterruptedError, OSError):
+            while data := self.sock.recv(65536, socket.MSG_DONTWAIT):
+                self._buffer += data
+        while (taken := self._take_frame()) is not None:
+            if taken[0] == END:
+                result: dict[str, Any] = json.loads(taken[1])
+                return result
+        return None
 
     async def start(self, timeout_s: float | None) -> tuple[int, list[tuple[bytes, bytes]], bool]:
         """The answer's status, headers and whether it is direct (the worker writes it)."""

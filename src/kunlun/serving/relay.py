@@ -294,10 +294,15 @@ class Relay(Response):
             await asyncio.wait((ending, leaving), return_when=asyncio.FIRST_COMPLETED)
             if not ending.done():
                 await asyncio.wait((ending,), timeout=LEFT_GRACE_S)
-            if not ending.done() or (left.is_set() and ending.exception() is not None):
+            if not ending.done():  # the end may have come unread: the timer ran first
+                ending.cancel()
+                await asyncio.gather(ending, return_exceptions=True)
+                end = link.end_if_here()
+            elif left.is_set() and ending.exception() is not None:
                 return None  # gone first: the worker may have found it gone too, and stopped
-            end: dict[str, Any] = ending.result()
-            return None if end.get("client_gone") else end
+            else:
+                end = ending.result()
+            return None if end is None or end.get("client_gone") else end
         finally:
             self._left = None
             ending.cancel()
