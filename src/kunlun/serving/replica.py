@@ -38,6 +38,7 @@ class Replica:
     max_model_len: int | None = None
     """The context window its engine was planned with (None: not known, another engine)."""
     created: int = 0
+    """When its workload was created (Unix seconds): ``created`` of ``GET /v1/models``."""
     engine: str = EMBEDDED_ENGINE
     """The engine serving it: Kunlun's own worker, or an external server (``llama.cpp``,
     ``vllm``, ``sglang``) whose requests the gateway checks against what it supports."""
@@ -46,7 +47,6 @@ class Replica:
     an external engine's health path (its answer, liveness only)."""
     task: str = "generate"
     """What its model is served for: ``generate`` or ``embed`` (``/v1/embeddings`` only)."""
-    """When its workload was created (Unix seconds): ``created`` of ``GET /v1/models``."""
     ready: bool = False
     in_flight: int = 0
     """Maintained by the gateway: requests sent and not yet finished."""
