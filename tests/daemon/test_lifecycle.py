@@ -14,9 +14,13 @@ from tests.daemons import TINY, Daemon, Daemons, Profile, free_port
 
 from kunlun.daemon.pidfile import pid_info
 
-STREAM_TOKENS = 900
-"""Each stream's length (``ignore_eos``): long enough that all are still going when the
-daemon is told to stop and its late request is refused (asserted)."""
+STREAM_TOKENS = 400
+"""Each stream's length (``ignore_eos``): with every engine step :data:`STEP_DELAY_MS` later,
+at least 4 s however fast the machine, so all are still going when the daemon is told to stop
+and its late request is refused (asserted)."""
+STEP_DELAY_MS = 10
+"""An injected slow device (``faults.step_delay_ms``): a stream's length no longer races the
+test's own steps on a machine that decodes the tiny model fast."""
 
 
 def stream(url: str, results: list[list[str]], started: threading.Event) -> None:
@@ -64,7 +68,8 @@ def test_the_port_takes_connections_only_once_the_pid_file_says_where(tmp_path: 
 
 
 def test_sigterm_drains_in_flight_streams(daemons: Daemons) -> None:
-    with daemons.serve(Profile("drain-home", (TINY,))) as daemon:
+    slow = TINY + f"faults:\n  step_delay_ms: {STEP_DELAY_MS}\n"
+    with daemons.serve(Profile("drain-home", (slow,))) as daemon:
         drains_in_flight_streams(daemon)
 
 
