@@ -62,6 +62,16 @@ FLUSH_POLL_S = 0.001
 """How often the gateway looks whether the answer's head has left, before sending ``G``."""
 
 
+def headers_json(headers: list[tuple[bytes, bytes]]) -> list[list[str]]:
+    """HTTP headers as a frame's JSON carries them (latin-1, as HTTP/1.1 defines them)."""
+    return [[k.decode("latin-1"), v.decode("latin-1")] for k, v in headers]
+
+
+def headers_from_json(items: list[list[str]]) -> list[tuple[bytes, bytes]]:
+    """The headers of :func:`headers_json` back."""
+    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in items]
+
+
 def client_socket(scope: Scope) -> Any | None:
     """The transport of ``scope``'s client connection, when the worker may write to it:
     plain (no TLS) HTTP/1.1 under uvicorn, found by :class:`ClientSocketScope`."""
@@ -132,8 +142,7 @@ class DirectLink:
                 f"the worker's direct-stream socket @{address}: {type(exc).__name__}: {exc}"
             ) from None
         meta = json.dumps({"path": path, "body_bytes": len(body), "progress_s": progress_s,
-                           "headers": [[k.decode("latin-1"), v.decode("latin-1")]
-                                       for k, v in headers]}).encode()  # fmt: skip
+                           "headers": headers_json(headers)}).encode()  # fmt: skip
         fd = transport.get_extra_info("socket").fileno()
         try:
             # the client's socket rides on the first bytes; a fresh Unix socket takes them
@@ -201,7 +210,7 @@ class DirectLink:
         if kind != START:
             raise UpstreamBroken(f"the worker answered with frame {kind!r} before its head")
         head = json.loads(payload)
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in head["headers"]]
+        headers = headers_from_json(head["headers"])
         return int(head["status"]), headers, bool(head["direct"])
 
     def go(self) -> None:

@@ -27,6 +27,8 @@ from kunlun.serving.handoff import (
     MAX_META_BYTES,
     PROGRESS,
     START,
+    headers_from_json,
+    headers_json,
 )
 
 ACCEPT_RETRY_S = 0.1
@@ -150,14 +152,13 @@ class _Exchange:
         self.gone = asyncio.Event()
         self.first_byte: float | None = None
         self.error_event = False
-        self.started = False
         self.progress_s: float | None = None
         self.progress_at = 0.0
 
     async def run(self, meta: dict[str, Any], body: bytes) -> None:
         progress = meta.get("progress_s")
         self.progress_s = None if progress is None else float(progress)
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in meta["headers"]]
+        headers = headers_from_json(meta["headers"])
         headers.append((b"content-length", str(len(body)).encode()))
         path = str(meta["path"])
         scope: Scope = {
@@ -219,9 +220,7 @@ class _Exchange:
             headers = [(bytes(k), bytes(v)) for k, v in message.get("headers", [])]
             self.direct = not any(k.lower() == b"content-length" for k, _ in headers)
             head = {"status": message["status"], "direct": self.direct,
-                    "headers": [[k.decode("latin-1"), v.decode("latin-1")]
-                                for k, v in headers]}  # fmt: skip
-            self.started = True
+                    "headers": headers_json(headers)}  # fmt: skip
             await self._frame(START, json.dumps(head).encode())
             if self.direct:
                 await self.go
