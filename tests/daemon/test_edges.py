@@ -291,12 +291,14 @@ def _requests_total(daemon: Daemon, status: str, replica: str | None = None) -> 
 one_slot = daemon_fixture(Profile(
     "edges-one-slot",
     (TINY.replace("max_num_seqs: 8", "max_num_seqs: 1").replace("max_model_len: 1024",
-                                                            f"max_model_len: {LONG_CONTEXT}"),),
+                                                            f"max_model_len: {LONG_CONTEXT}")
+     + "faults:\n  step_delay_ms: 10\n",),
     env=(("KUNLUN_MAX_SEQUENCES_PER_REQUEST", "4"),),
 ))  # fmt: skip
 """A daemon whose replica runs one request at a time (``max_num_seqs: 1``), taking at most 4
 sequences per request (set by its environment variable). Its context holds the tiny model's
-2,048 positions, so a stream can outlast what the test does meanwhile."""
+2,048 positions and each step is followed by an injected 10 ms wait (``faults``), so a long
+stream lasts at least 20 s on any machine: longer than what the test does meanwhile."""
 
 
 def test_clients_that_leave_queued_or_mid_stream_are_counted_and_logged_499(
