@@ -150,7 +150,8 @@ def gateway_over(worker_url: str) -> Iterator[GatewayServer]:
     from kunlun.state.sqlite import SQLiteStore
 
     replicas, state = ReplicaSet(), GatewayState()
-    state.responses = ResponseState(SQLiteStore(Path(tempfile.mkdtemp()) / "state.db"))
+    folder = tempfile.TemporaryDirectory(prefix="kunlun-gateway-")
+    state.responses = ResponseState(SQLiteStore(Path(folder.name) / "state.db"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -162,6 +163,9 @@ def gateway_over(worker_url: str) -> Iterator[GatewayServer]:
     app = FastAPI(lifespan=lifespan)
     mount_gateway(app, replicas, state)
     server, base_url, thread = serve_in_thread(app)
-    yield GatewayServer(replicas, state, base_url, server)
-    server.should_exit = True  # type: ignore[attr-defined]
-    thread.join(10)
+    try:
+        yield GatewayServer(replicas, state, base_url, server)
+    finally:
+        server.should_exit = True  # type: ignore[attr-defined]
+        thread.join(10)
+        folder.cleanup()
