@@ -186,6 +186,13 @@ class Daemon:
     def get(self, path: str, **kw: Any) -> httpx.Response:
         return loopback.get(self.url + path, timeout=30, **kw)
 
+    def worker_key(self, replica_id: str) -> dict[str, str]:
+        """The header ``replica_id``'s worker asks of every request (the key of its start,
+        from the launch file only the daemon's user may read): for tests that read a worker
+        directly."""
+        launch = self.home / "run" / "workers" / f"{replica_id}.launch.json"
+        return {"X-Kunlun-Worker-Key": json.loads(launch.read_text())["access_key"]}
+
     def describe(self, job: str, key: str | None = None) -> dict[str, Any]:
         proc = self.cli("workload", "describe", job, "--json", key=key)
         assert proc.returncode == 0, proc.stderr

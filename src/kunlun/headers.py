@@ -23,6 +23,10 @@ VERSION = "X-Kunlun-Version"
 """During a rollout, the version that answered (``canary:wl-3f2a1b``)."""
 HEALTH_PROBE = "X-Kunlun-Health-Probe"
 """Sent by the platform's own health probes (exempt from injected faults)."""
+WORKER_KEY = "X-Kunlun-Worker-Key"
+"""Sent by a node's daemon with every request to one of its own workers: the key of that
+worker's start (its launch's ``access_key``). A worker started with a key answers 401 to any
+request without it, so that no other local process reaches the model past the gateway."""
 PREVIOUS_RESPONSE = "X-Kunlun-Previous-Response"
 """Sent by the gateway to a worker with a Responses API request whose ``previous_response_id``
 it resolved (the worker echoes the id; :mod:`kunlun.serving.response_state`)."""

@@ -230,12 +230,13 @@ def test_disconnect_aborts_and_frees_blocks(daemon: Daemon) -> None:
         lines = resp.iter_lines()  # keep a reference: a dropped generator closes the stream
         for _ in range(6):
             next(lines)
-        running = loopback.get(replica["base_url"] + "/stats").json()
+        key = daemon.worker_key(replica["replica_id"])
+        running = loopback.get(replica["base_url"] + "/stats", headers=key).json()
         assert running["num_running"] == 1 and running["num_blocks_used"] > 0
     # leaving the block closes the connection: the client is gone
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
-        stats = loopback.get(replica["base_url"] + "/stats").json()
+        stats = loopback.get(replica["base_url"] + "/stats", headers=key).json()
         if stats["num_running"] == 0 and stats["num_blocks_used"] == 0:
             break
         time.sleep(0.05)

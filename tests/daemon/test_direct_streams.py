@@ -5,15 +5,21 @@ kept-alive socket, and through the real ``openai`` SDK."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import signal
 import socket
+import stat
 import time
+from typing import Any
 
 import openai
+from tests import loopback
 from tests.daemons import TINY, Daemon, Daemons, Profile
+
+from kunlun.serving.handoff import DirectLink
 
 DIRECT = re.compile(r'^kunlun_direct_streams_total\{model="tiny",[^}]*\} (\S+)$', re.M)
 LEFT = re.compile(r'^kunlun_requests_total\{model="tiny",[^}]*status="499"\} (\S+)$', re.M)
@@ -111,6 +117,70 @@ def test_streams_are_written_by_the_worker_and_the_connection_stays_alive(
     assert count(tiny_daemon) - before == 3
     # the SDK closes its connection on [DONE]: a whole answer, not a client that left first
     assert count(tiny_daemon, LEFT) == left
+
+
+class _Held:
+    """A connection's socket where the gateway would find it (its transport)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def get_extra_info(self, name: str) -> Any:
+        return self.sock if name == "socket" else None
+
+
+def _handed_over(address: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, bytes]:
+    """A completion handed to the worker's direct-stream socket as its daemon would hand it:
+    the answer's status and body."""
+
+    async def main() -> tuple[int, bytes]:
+        client, _ = socket.socketpair()
+        body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1}).encode()
+        link = await DirectLink.open(address, _Held(client), "/v1/completions",
+                                     [(b"content-type", b"application/json"), *headers],
+                                     body, 30, 60)  # fmt: skip
+        try:
+            status, _, direct = await link.start(60)
+            assert not direct  # a whole answer: relayed
+            return status, b"".join([piece async for piece in link.pieces()])
+        finally:
+            link.close()
+            client.close()
+
+    return asyncio.run(main())
+
+
+def test_a_worker_answers_its_own_daemon_only(tiny_daemon: Daemon) -> None:
+    """Its port and its direct-stream socket take a request only with the key of its start,
+    which its daemon alone was given: no other local process reaches the model past the
+    daemon's API keys."""
+    assert tiny_daemon.job is not None
+    (replica,) = tiny_daemon.describe(tiny_daemon.job)["replicas"]
+    worker, address = replica["base_url"], replica["startup"]["handoff"]
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+    for headers in ({}, {"X-Kunlun-Worker-Key": "k" * 43}):
+        refused = loopback.post(worker + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert refused.status_code == 401, refused.text
+        assert "no valid X-Kunlun-Worker-Key" in refused.json()["error"]["message"]
+        assert loopback.get(worker + "/metrics", headers=headers).status_code == 401
+        status, answer = _handed_over(address, [(k.lower().encode(), v.encode())
+                                                for k, v in headers.items()])  # fmt: skip
+        assert status == 401 and b"X-Kunlun-Worker-Key" in answer, answer
+    # the key: in this start's launch file, which only its owner may read; shown nowhere
+    launch = tiny_daemon.home / "run" / "workers" / f"{replica['replica_id']}.launch.json"
+    assert stat.S_IMODE(launch.stat().st_mode) == 0o600
+    given = tiny_daemon.worker_key(replica["replica_id"])
+    key = given["X-Kunlun-Worker-Key"]
+    assert len(key) >= 40
+    assert loopback.post(worker + "/v1/completions", json=body, headers=given,
+                         timeout=60).status_code == 200  # fmt: skip
+    assert _handed_over(address, [(b"x-kunlun-worker-key", key.encode())])[0] == 200
+    shown = [json.dumps(tiny_daemon.describe(tiny_daemon.job)), tiny_daemon.log(),
+             tiny_daemon.cli("workload", "logs", tiny_daemon.job).stdout]  # fmt: skip
+    assert not any(key in text for text in shown)
+    # through the daemon, with no key of the client's
+    assert loopback.post(tiny_daemon.url + "/v1/completions", json=body,
+                         timeout=60).status_code == 200  # fmt: skip
 
 
 KEEP_ALIVE_S = 5.0

@@ -66,6 +66,7 @@ class PeerApp:
             if not message.get("more_body"):
                 break
         headers = [(k, v) for k, v in scope["headers"] if k in (b"content-type", b"x-request-id")]
+        headers += replica.key_headers
         relay = asyncio.current_task()
         watcher = asyncio.ensure_future(_watch(receive, relay))
         self.in_flight[rid] = self.in_flight.get(rid, 0) + 1

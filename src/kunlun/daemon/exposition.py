@@ -112,7 +112,8 @@ class PlatformTelemetry:
         if not (replica.ready and replica.base_url and self._http is not None):
             return None
         try:
-            response = await self._http.get(replica.base_url + "/metrics")
+            response = await self._http.get(replica.base_url + "/metrics",
+                                            headers=replica.key_headers)  # fmt: skip
         except httpx.HTTPError:
             return None
         return response.text if response.status_code == 200 else None

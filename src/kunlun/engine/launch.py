@@ -170,6 +170,14 @@ class EngineLaunch(BaseModel):
         le=19,
         description="Scheduling niceness; None: KUNLUN_WORKER_NICE or the worker's default.",
     )
+    access_key: str | None = Field(
+        None,
+        min_length=16,
+        repr=False,
+        description="The key the worker asks of every request (the X-Kunlun-Worker-Key "
+        "header), new at each start; set by the node agent, absent when the worker is "
+        "started by hand (then nothing is asked).",
+    )
     sandbox: dict[str, Any] | None = Field(
         None,
         description="The worker's confinement, a WorkerSandbox (kunlun.sandbox) as a "
@@ -273,11 +281,14 @@ class EngineLaunch(BaseModel):
 
 def write_atomically(path: str | Path, text: str) -> Path:
     """``text`` to ``path`` through a temporary file renamed into place: a reader never sees
-    half of it. Returns the path."""
+    half of it; only its owner may read it (a worker's launch holds its key). Returns the
+    path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(text, encoding="utf-8")
+    with os.fdopen(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w",
+                   encoding="utf-8") as out:  # fmt: skip
+        out.write(text)
     os.replace(temporary, path)
     return path
 

@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -205,8 +206,7 @@ class NodeAgent:
         try:
             try:
                 r = w.replica
-                stats = await probe(client, r.base_url, self.liveness.probe_timeout_s,
-                                    r.stats_path, r.engine)  # fmt: skip
+                stats = await probe(client, r, self.liveness.probe_timeout_s)
             except (httpx.HTTPError, ValueError) as exc:
                 stats, why = None, f"{type(exc).__name__}: {exc}".rstrip(": ")
             if w.proc is not proc or w.liveness is None or w.stopping:
@@ -288,9 +288,11 @@ class NodeAgent:
         if w.launch is None:
             return external.start_argv(w.command, w.sandbox)
         w.ready_file.unlink(missing_ok=True)
-        launch = w.launch.model_copy(
-            update={"ready_file": w.ready_file, "sandbox": json.loads(w.sandbox.to_json())}
-        )
+        w.replica.worker_key = secrets.token_urlsafe(32)  # this start's: kunlun.headers
+        launch = w.launch.model_copy(update={
+            "ready_file": w.ready_file, "sandbox": json.loads(w.sandbox.to_json()),
+            "access_key": w.replica.worker_key,
+        })  # fmt: skip
         launch.write(self.launch_file(w.replica.replica_id))
         return list(w.command.argv)
 

@@ -329,7 +329,7 @@ class HealthChecker:
     ) -> tuple[_Answer, dict[str, Any] | None, bool]:
         """The probe's answer, ``/stats`` after it (None: not read, or no answer) and whether
         it came late: past ``timeout_s`` the probe goes on only while ``/stats`` answers."""
-        probe = asyncio.ensure_future(self._generate(client, tracked.base_url, r.model, r.task))
+        probe = asyncio.ensure_future(self._generate(client, r))
         done, _ = await asyncio.wait({probe}, timeout=self.config.probe_timeout_s)
         if done:
             answer = probe.result()
@@ -346,18 +346,17 @@ class HealthChecker:
         answer = await probe  # alive: the rest of slow_s
         return answer, await self._stats(client, r), answer.generated
 
-    async def _generate(
-        self, client: httpx.AsyncClient, base_url: str, model: str, task: str = "generate"
-    ) -> _Answer:
+    async def _generate(self, client: httpx.AsyncClient, r: Replica) -> _Answer:
         timeout = max(self.config.slow_s, self.config.probe_timeout_s)
+        task = r.task
         path, body = ("/v1/embeddings", EMBED_PROBE_BODY) if task == "embed" else (
             "/v1/completions", PROBE_BODY)  # fmt: skip
         try:
             async with asyncio.timeout(timeout):  # the whole answer, not each read
                 response = await client.post(
-                    base_url + path,
-                    json={"model": model, **body},
-                    headers={PROBE_HEADER: "1"},
+                    r.base_url + path,
+                    json={"model": r.model, **body},
+                    headers=[(PROBE_HEADER.encode(), b"1"), *r.key_headers],
                     timeout=timeout,
                 )
         except (httpx.HTTPError, TimeoutError) as exc:
@@ -376,7 +375,7 @@ class HealthChecker:
         timeout = self.config.stats_timeout_s
         try:
             async with asyncio.timeout(timeout):
-                return await read_stats(client, r.base_url, timeout, r.stats_path, r.engine)
+                return await read_stats(client, r, timeout)
         except (httpx.HTTPError, ValueError, TimeoutError):
             return None
 

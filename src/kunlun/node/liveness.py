@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from kunlun.engine.launch import EMBEDDED_ENGINE
+from kunlun.serving.replica import Replica
 
 EventSink = Callable[[str, str, str], None]
 """How the node's supervisors (the agent, the health checker) report what befalls a
@@ -96,16 +96,15 @@ class Liveness:
         return None
 
 
-async def probe(
-    client: httpx.AsyncClient, base_url: str, timeout_s: float, path: str = "/stats",
-    engine: str = EMBEDDED_ENGINE,
-) -> dict[str, Any]:  # fmt: skip
-    """The worker's ``GET /stats`` answer; for an external ``engine``, its ``path``: its
-    Prometheus ``/metrics`` read into the same counters
+async def probe(client: httpx.AsyncClient, replica: Replica, timeout_s: float) -> dict[str, Any]:
+    """The worker's ``GET /stats`` answer (with its key); for an external engine, its
+    ``stats_path``: its Prometheus ``/metrics`` read into the same counters
     (:meth:`~kunlun.engines.adapter.EngineAdapter.progress`), or its health path's JSON
     object (liveness only). Raises :class:`httpx.HTTPError` (or ValueError for a body that
     is neither) when there is none within ``timeout_s``."""
-    response = await client.get(base_url + path, timeout=timeout_s)
+    path, engine = replica.stats_path, replica.engine
+    response = await client.get(replica.base_url + path, headers=replica.key_headers,
+                                timeout=timeout_s)  # fmt: skip
     response.raise_for_status()
     if response.headers.get("content-type", "").startswith("text/plain"):
         from kunlun.engines.registry import engine_named

@@ -177,7 +177,8 @@ async def _to_a_worker(
         raise ServiceUnavailable("the gateway is not started", retry_after_s=state.retry_after_s)
     try:
         answer = await state.upstream.post(chosen.base_url, path,
-                                           [(b"content-type", b"application/json")], body)  # fmt: skip
+                                           [(b"content-type", b"application/json"),
+                                            *chosen.key_headers], body)  # fmt: skip
         try:
             content = b"".join([piece async for piece in answer.iter_raw()])
         finally:

@@ -188,7 +188,8 @@ class Relay(Response):
         if pool is None:
             raise RuntimeError("GatewayState.start() was not called")
         headers = [(b"content-type", b"application/json"),
-                   (_REQUEST_ID, self.request_id.encode()), *self.worker_headers]  # fmt: skip
+                   (_REQUEST_ID, self.request_id.encode()), *self.worker_headers,
+                   *replica.key_headers]  # fmt: skip
         payload = self.payload
         if replica.engine != EMBEDDED_ENGINE:  # an external engine: no Kunlun worker checks it
             try:

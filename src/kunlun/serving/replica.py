@@ -13,6 +13,7 @@ from functools import cached_property
 from typing import Any
 
 from kunlun.engine.launch import DEFAULT_MAX_NUM_SEQS, EMBEDDED_ENGINE
+from kunlun.headers import WORKER_KEY, raw
 from kunlun.serving.pools import names_of
 
 
@@ -53,6 +54,9 @@ class Replica:
     outstanding_tokens: int = 0
     """Maintained by the gateway: estimated tokens (prompt + ``max_tokens``) in flight."""
     pid: int | None = None
+    worker_key: str | None = field(default=None, repr=False)
+    """The key its worker asks of every request (:data:`kunlun.headers.WORKER_KEY`), new at
+    each start; None: nothing is asked (an external engine, another node's replica)."""
     handoff: str | None = None
     """The worker's direct-stream socket (its abstract name; :mod:`kunlun.serving.handoff`),
     None for an external engine or another node's replica."""
@@ -70,6 +74,12 @@ class Replica:
     """Why the node agent took this replica out of routing and killed its worker (it was
     unresponsive or stalled); cleared when a new worker is ready. The gateway answers its
     cut-off requests with this reason (504)."""
+
+    @property
+    def key_headers(self) -> list[tuple[bytes, bytes]]:
+        """The header its worker asks for (:attr:`worker_key`), as raw headers; none when
+        nothing is asked."""
+        return [] if self.worker_key is None else [(raw(WORKER_KEY), self.worker_key.encode())]
 
     @property
     def routable(self) -> bool:

@@ -56,7 +56,7 @@ async def ask_replica(state: Any, replica: Replica, path: str) -> tuple[int, byt
     if state.upstream is None:
         raise ServiceUnavailable("the gateway is not started", retry_after_s=state.retry_after_s)
     try:
-        answer = await state.upstream.post(replica.base_url, path, [], b"")
+        answer = await state.upstream.post(replica.base_url, path, replica.key_headers, b"")
         try:
             return answer.status_code, b"".join([p async for p in answer.iter_raw()])
         finally:

@@ -218,7 +218,7 @@ async def serve(launch: EngineLaunch, group: Any = None) -> None:
 
     from kunlun.engine.launch import ReadyInfo
     from kunlun.serving.handoff_worker import HandoffServer
-    from kunlun.serving.worker_app import create_worker_app
+    from kunlun.serving.worker_app import KeyGuard, create_worker_app
 
     engine, times = build_engine(launch, group)
     await engine.ready()
@@ -230,8 +230,10 @@ async def serve(launch: EngineLaunch, group: Any = None) -> None:
     profiler = start_profiler(engine, launch)
     sock = bind_socket(launch.host, launch.port)
     port = sock.getsockname()[1]
-    app = create_worker_app(engine, launch.served_name, say, launch.faults,
-                            task=launch.task, pooling=launch.pooling)  # fmt: skip
+    app: Any = create_worker_app(engine, launch.served_name, say, launch.faults,
+                                 task=launch.task, pooling=launch.pooling)  # fmt: skip
+    if launch.access_key is not None:  # its node's daemon only (kunlun.headers.WORKER_KEY)
+        app = KeyGuard(app, launch.access_key)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                             timeout_keep_alive=30, proxy_headers=False)  # fmt: skip
     server = uvicorn.Server(config)

@@ -16,6 +16,7 @@ extends with the OpenAI routes.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +38,7 @@ from kunlun.protocol.openai_api import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from kunlun.protocol.openai_errors import error_status_and_body, param_error
+from kunlun.protocol.openai_errors import AuthenticationError, error_status_and_body, param_error
 from kunlun.protocol.request_body import parse_request
 from kunlun.protocol.tools import ToolUse
 from kunlun.serving.embeddings import Embeddings
@@ -249,3 +250,26 @@ def create_worker_app(
     app.add_exception_handler(KunlunError, worker.error)
     app.add_exception_handler(Exception, worker.error)
     return app
+
+
+class KeyGuard:
+    """The worker's door when its launch has a key: every HTTP request (direct streams' too)
+    must carry it (:data:`kunlun.headers.WORKER_KEY`); any other is answered 401, unread. Only
+    the node's daemon knows the key, so no other local process reaches the model past the
+    gateway's API keys."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app = app
+        self._key = key.encode()
+        self._header = http_headers.raw(http_headers.WORKER_KEY)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            given = next((v for k, v in scope["headers"] if k == self._header), b"")
+            if not hmac.compare_digest(given, self._key):
+                status, body, _ = error_status_and_body(AuthenticationError(
+                    f"this worker answers its node's daemon only: the request has no valid "
+                    f"{http_headers.WORKER_KEY}", hint="send requests to the daemon's port"))  # fmt: skip
+                await JSONResponse(body, status_code=status)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
