@@ -77,7 +77,9 @@ def test_plan_cache_hit_reuses_conversion_and_a_changed_declaration_misses(
         (replica_launch,) = home.glob("run/workers/*.launch.json")
         started = read_launch(replica_launch)
         assert started.ready_file is not None and started.sandbox is not None
-        assert started.model_copy(update={"ready_file": None, "sandbox": None}) == launch
+        assert started.access_key and launch.access_key is None  # this start's key only
+        unique = {"ready_file": None, "sandbox": None, "access_key": None}
+        assert started.model_copy(update=unique) == launch
         (pid,) = (json.loads(p.read_text())["pid"] for p in home.glob("run/workers/*.pid"))
         assert psutil.Process(pid).cmdline()[-2:] == ["--launch", str(replica_launch)]
         # started through its adapter's command, logged like an external engine's
