@@ -231,7 +231,19 @@ def test_llama_cpp_metrics_are_in_the_daemon_metrics(client: openai.OpenAI, daem
     assert info and 'engine="llama.cpp"' in info[0]
     # the health checker reads the server's progress from its own metrics, as from /stats
     (described,) = daemon.describe(daemon.job)["replicas"]  # type: ignore[attr-defined]
-    own = loopback.get(described["base_url"] + "/metrics", timeout=30).text
+    server = described["base_url"]
+    # it answers the daemon only: its start's key is in its environment (its user's to read)
+    # and nowhere else, and nothing is answered without it
+    environ = Path(f"/proc/{described['pid']}/environ").read_bytes().split(b"\0")
+    (key,) = [v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"LLAMA_API_KEY=")]
+    assert len(key) >= 40 and key not in json.dumps(described) and key not in daemon.log()
+    assert key not in " ".join(Path(f"/proc/{described['pid']}/cmdline").read_text().split("\0"))
+    assert loopback.get(server + "/metrics", timeout=30).status_code == 401
+    refused = loopback.post(server + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                            headers={"Authorization": "Bearer " + "k" * 43}, timeout=30)  # fmt: skip
+    assert refused.status_code == 401, refused.text
+    own = loopback.get(server + "/metrics", headers={"Authorization": f"Bearer {key}"},
+                       timeout=30).text  # fmt: skip
     progress = LlamaCppEngine().progress(own)
     assert progress["num_steps"] >= 3 and progress["num_unfinished_requests"] == 0
 

@@ -87,6 +87,10 @@ class EngineCommand:
     (liveness only)."""
     log_file: Path
     """Where the process's stdout and stderr go."""
+    key_env: str | None = None
+    """The variable through which the server takes a key it then asks of every request but
+    its health path (``Authorization: Bearer``): the node agent sets a new one at each start
+    (:attr:`~kunlun.serving.replica.Replica.worker_key`). None: the server is given none."""
     stop_signal: signal.Signals = signal.SIGTERM
     stop_grace_s: float = 30.0
     """Seconds between ``stop_signal`` and SIGKILL."""

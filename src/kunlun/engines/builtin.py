@@ -56,6 +56,9 @@ class ExternalEngine(EngineAdapter):
     vendors: Mapping[str, VendorRow] = MappingProxyType({})
     dtype_flags: Mapping[str, str] = MappingProxyType({})
     quantization_flags: Mapping[str, str | None] = MappingProxyType({})
+    key_env: str | None = None
+    """Where its server takes a key it asks of every request (:attr:`EngineCommand.key_env`);
+    set only where that was run against the real server (llama.cpp)."""
 
     def row(self, device_type: str) -> VendorRow | None:
         """This engine's row for ``device_type``, or None."""
@@ -126,6 +129,7 @@ class ExternalEngine(EngineAdapter):
             metrics_path="/metrics",
             stats_path="/metrics" if self.progress_metrics else "/health",
             log_file=context.log_file,
+            key_env=self.key_env,
             stop_signal=signal.SIGTERM,
             stop_grace_s=30.0,
             notes=[vendor.note] if vendor.note else [],
@@ -239,6 +243,7 @@ class LlamaCppEngine(ExternalEngine):
     """llama.cpp's ``llama-server``: one GGUF file, continuous batching over parallel slots."""
 
     name = "llama.cpp"
+    key_env = "LLAMA_API_KEY"
     version_command = ("llama-server", "--version")
     vendors = MappingProxyType(
         {

@@ -285,10 +285,11 @@ class NodeAgent:
         """The argv to start: the embedded worker's, once its launch file is written with
         this start's ready file and sandbox (the worker confines itself by it); an external
         engine's server's, confined (:func:`kunlun.node.external.start_argv`)."""
+        keyed = w.launch is not None or w.command.key_env is not None
+        w.replica.worker_key = secrets.token_urlsafe(32) if keyed else None  # this start's
         if w.launch is None:
             return external.start_argv(w.command, w.sandbox)
         w.ready_file.unlink(missing_ok=True)
-        w.replica.worker_key = secrets.token_urlsafe(32)  # this start's: kunlun.headers
         launch = w.launch.model_copy(update={
             "ready_file": w.ready_file, "sandbox": json.loads(w.sandbox.to_json()),
             "access_key": w.replica.worker_key,
@@ -312,7 +313,7 @@ class NodeAgent:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=w.env,
+                env=w.start_env,
                 cwd=w.sandbox.workdir,
                 start_new_session=True,
             )

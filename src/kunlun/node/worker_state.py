@@ -65,6 +65,13 @@ class Worker:
     """An external engine's readiness check in flight."""
 
     @property
+    def start_env(self) -> dict[str, str]:
+        """Its process's environment: :attr:`env`, and an external server's key for this
+        start where its engine takes one (:attr:`EngineCommand.key_env`)."""
+        key_env, key = self.command.key_env, self.replica.worker_key
+        return self.env if key_env is None or key is None else {**self.env, key_env: key}
+
+    @property
     def asks_ready(self) -> bool:
         """Readiness is asked on the server's ready path; otherwise the process writes its
         ready file (the embedded engine's worker)."""

@@ -55,8 +55,8 @@ class Replica:
     """Maintained by the gateway: estimated tokens (prompt + ``max_tokens``) in flight."""
     pid: int | None = None
     worker_key: str | None = field(default=None, repr=False)
-    """The key its worker asks of every request (:data:`kunlun.headers.WORKER_KEY`), new at
-    each start; None: nothing is asked (an external engine, another node's replica)."""
+    """The key its worker asks of every request (:attr:`key_headers`), new at each start;
+    None: nothing is asked (an external server that takes no key, another node's replica)."""
     handoff: str | None = None
     """The worker's direct-stream socket (its abstract name; :mod:`kunlun.serving.handoff`),
     None for an external engine or another node's replica."""
@@ -77,9 +77,14 @@ class Replica:
 
     @property
     def key_headers(self) -> list[tuple[bytes, bytes]]:
-        """The header its worker asks for (:attr:`worker_key`), as raw headers; none when
+        """The header its worker asks for (:attr:`worker_key`: Kunlun's worker its own
+        header, an external server ``Authorization: Bearer``), as raw headers; none when
         nothing is asked."""
-        return [] if self.worker_key is None else [(raw(WORKER_KEY), self.worker_key.encode())]
+        if self.worker_key is None:
+            return []
+        if self.engine == EMBEDDED_ENGINE:
+            return [(raw(WORKER_KEY), self.worker_key.encode())]
+        return [(b"authorization", b"Bearer " + self.worker_key.encode())]
 
     @property
     def routable(self) -> bool:
