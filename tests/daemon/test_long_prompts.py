@@ -9,15 +9,23 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 from tests import loopback
-from tests.daemons import Daemon
+from tests.daemons import TINY, Daemon, Profile, daemon_fixture
 
 HUGE = 10 << 20
 """A 10 MB prompt."""
 MAX_MODEL_LEN = 1024
 """The shared daemon's workload (``tests.daemons.TINY_SPEC``)."""
-STREAM_TOKENS = 900
+STREAM_TOKENS = 400
 """The stream that goes on meanwhile: long (``ignore_eos``) so that it is still running
 when the long prompts have been answered (asserted)."""
+STEP_DELAY_MS = 20
+"""Every engine step of ``paced``'s replica comes this much later (an injected slow device),
+so the stream lasts at least ``STREAM_TOKENS * STEP_DELAY_MS`` (8 s) however fast the
+machine decodes the tiny model: beside ``stress-ng --cpu 2`` 900 unpaced tokens once ended
+before the four long prompts were answered."""
+paced = daemon_fixture(
+    Profile("long-prompts-paced", (TINY + f"faults:\n  step_delay_ms: {STEP_DELAY_MS}\n",))
+)
 
 
 def completion(daemon: Daemon, prompt: object, **extra: object) -> httpx.Response:
@@ -89,8 +97,8 @@ def test_a_10_mb_prompt_is_refused_naming_max_model_len(tiny_daemon: Daemon) -> 
     assert f"the max_model_len is {MAX_MODEL_LEN} tokens" in ids.json()["error"]["message"]
 
 
-def test_other_streams_go_on_while_long_prompts_are_tokenized(tiny_daemon: Daemon) -> None:
-    daemon = tiny_daemon
+def test_other_streams_go_on_while_long_prompts_are_tokenized(paced: Daemon) -> None:
+    daemon = paced
     bound = assert_refused_untokenized(completion(daemon, "a" * HUGE))
     lines: list[str] = []
     started = threading.Event()
