@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,17 +89,18 @@ def _objects(text: str) -> list[Any] | None:
         values.append(value)
 
 
-class ToolStream:
+class ToolStream(ABC):
     """Parses one streamed answer: :meth:`feed` each text delta, then :meth:`finish`; each
     gives ``(content, calls)``: the text to send as content now and the calls completed."""
 
+    @abstractmethod
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        raise NotImplementedError
+        """The next text delta in: the content to send now and the calls it completed."""
 
+    @abstractmethod
     def finish(self, cut: bool = False) -> tuple[str, list[ToolCall]]:
         """What is left once the answer ended; ``cut``: it ended at ``max_tokens``, so an
         unfinished call is dropped, never sent as content (its markup is no answer)."""
-        raise NotImplementedError
 
     def partial(self) -> tuple[str | None, str]:
         """The call being written now, as :func:`partial_call` reads it: ``(name,
@@ -112,7 +114,7 @@ class ToolStream:
         return call.arguments
 
 
-class ToolFormat:
+class ToolFormat(ABC):
     """One way of writing tool calls (see the module's docstring)."""
 
     name = ""
@@ -126,13 +128,14 @@ class ToolFormat:
         content = (content + rest).strip()
         return content or None, calls + more
 
+    @abstractmethod
     def stream(self) -> ToolStream:
-        raise NotImplementedError
+        """A parser of one streamed answer in this format."""
 
+    @abstractmethod
     def grammar(self, call_schemas: list[dict[str, Any]], parallel: bool) -> str:
         """A Lark grammar of one call (or, ``parallel``, one or more) to one of the functions
         whose JSON schemas (``{"name": const, arguments: schema}``) are given."""
-        raise NotImplementedError
 
     def repeat_end(self, text: str) -> int | None:
         """Where an answer of calls written under this format's grammar ends when its last
@@ -155,9 +158,9 @@ class ToolFormat:
 
     arguments_key = "arguments"
 
+    @abstractmethod
     def as_text(self, name: str, arguments: Any) -> str:
         """A past call written back into a prompt as the model would have written it."""
-        raise NotImplementedError
 
 
 def _call_key(value: Any) -> str:
