@@ -78,8 +78,11 @@ def test_a_slow_canary_fails_the_p95_gate(platform: Daemon, tiny_model: Path) ->
     # 400 ms passed the gate on a loaded machine (canary p95 913 ms against a baseline bound
     # of 650 ms), as it should; the tiny model answers in tens of ms, so 1.5 s stands out.
     started = create(platform.url, workload="chat", model=str(tiny_model), steps="50",
-                     overrides={"faults": {"delay_ms": 1500}}, **FAST)  # fmt: skip
-    with Load(platform.url, "chat"):
+                     overrides={"faults": {"delay_ms": 1500}, "max_num_seqs": 16}, **FAST)  # fmt: skip
+    # A regression counts once two windows of 20 canary samples show it: sixteen clients and
+    # as many slots on the canary keep many of its 1.5 s requests in flight at once, so the
+    # samples come in seconds (at the baseline's 4 slots, about 10 s a window).
+    with Load(platform.url, "chat", concurrency=16):
         ended = wait_for(platform.url, started["rollout_id"])
     assert ended["state"] == "ROLLED_BACK", ended
     assert "gate p95_ttft failed" in ended["reason"] or "gate p95_e2e failed" in ended["reason"]

@@ -22,7 +22,7 @@ from kunlun.engine.config import ModelConfig
 from kunlun.engine.device import resolve_device
 from kunlun.engine.graphs import GraphedDecoder, graphed_decoder
 from kunlun.engine.loader import load_weights, stored_quantized_layers
-from kunlun.engine.models import build_model
+from kunlun.engine.models import build_model, materialize
 from kunlun.engine.models.llama import LlamaForCausalLM
 from kunlun.engine.models.quant_linear import quantize_linears
 from kunlun.engine.native import native_ops
@@ -158,8 +158,7 @@ class ModelRunner:
     def _load_model(self, model_dir: Path) -> LlamaForCausalLM:
         with torch.device("meta"):
             model = build_model(self.config, self.max_model_len, self.group)
-        model.to_empty(device=self.device)
-        model.to(self.dtype)
+        materialize(model, self.device, self.dtype)
         model.model.rotary.build(self.dtype)
         if self.quant_spec is not None:
             quantize_linears(
