@@ -340,12 +340,17 @@ def test_32_concurrent_streams_complete(client: openai.OpenAI, gateway: GatewayS
     assert wait_until(lambda: gateway.replicas.get("r1").in_flight == 0)
 
 
-class LateEndingWorker:
-    """A worker on loopback whose streamed answers end late: it sends one event and
-    ``[DONE]``, then the end of the chunked body a second later (a loaded worker's last
-    write can reach the gateway in a read of its own)."""
+EVENT = b'data: {"choices": [{"index": 0, "text": "hi"}]}\n\n'
+DONE = b"data: [DONE]\n\n"
 
-    def __init__(self) -> None:
+
+class RawWorker:
+    """A worker on loopback that answers every request with the same streamed body: each of
+    ``pieces`` as one HTTP chunk, then, ``pause_s`` later, the end of the chunked body, or
+    (``cut``) a closed connection instead, as a worker that dies does."""
+
+    def __init__(self, pieces: tuple[bytes, ...], pause_s: float = 0.0, cut: bool = False) -> None:
+        self.pieces, self.pause_s, self.cut = pieces, pause_s, cut
         self.server = socket.create_server(("127.0.0.1", 0))
         self.base_url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
         threading.Thread(target=self._serve, daemon=True).start()
@@ -358,8 +363,7 @@ class LateEndingWorker:
                 return
             threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
-    @staticmethod
-    def _answer(conn: socket.socket) -> None:
+    def _answer(self, conn: socket.socket) -> None:
         with conn:
             request = b""
             while b"\r\n\r\n" not in request:
@@ -368,14 +372,15 @@ class LateEndingWorker:
             length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
             while len(body) < length:
                 body += conn.recv(65536)
-            event = b'data: {"choices": [{"index": 0, "text": "hi"}]}\n\n'
             conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                          b"transfer-encoding: chunked\r\n\r\n")  # fmt: skip
-            for piece in (event, b"data: [DONE]\n\n"):
+            for piece in self.pieces:
                 conn.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
-            time.sleep(1.0)
+                time.sleep(0.05)  # each its own read at the gateway
+            time.sleep(self.pause_s)
             with contextlib.suppress(OSError):
-                conn.sendall(b"0\r\n\r\n")
+                if not self.cut:
+                    conn.sendall(b"0\r\n\r\n")
 
     def close(self) -> None:
         self.server.close()
@@ -383,8 +388,10 @@ class LateEndingWorker:
 
 def test_a_client_that_closes_on_done_is_counted_200() -> None:
     """The openai SDK closes a stream on ``[DONE]``, maybe before the gateway has the end of
-    the chunked body: the client has its whole answer, so the exchange is a 200, not a 499."""
-    worker = LateEndingWorker()
+    the chunked body: the client has its whole answer, so the exchange is a 200, not a 499.
+    (The worker's last write, the end of the body, comes a second late: a loaded worker's
+    last write can reach the gateway in a read of its own.)"""
+    worker = RawWorker((EVENT, DONE), pause_s=1.0)
     try:
         with gateway_over(worker.base_url) as gateway:
             client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="x", max_retries=0)
@@ -406,3 +413,38 @@ def test_a_client_that_closes_on_done_is_counted_200() -> None:
             assert wait_until(lambda: gateway.replicas.get("r1").in_flight == 0)
     finally:
         worker.close()
+
+
+def test_a_worker_that_dies_mid_event_leaves_the_client_whole_events_and_the_error() -> None:
+    """Events reach the client whole: one split over two of the worker's writes arrives as
+    one event, and a worker that dies halfway through writing one (its connection closes)
+    leaves the client the events before it and the error event, not a line of broken JSON
+    (which the openai SDK fails to parse)."""
+    split = EVENT[:20], EVENT[20:] + DONE
+    for pieces, cut in (((EVENT, split[0]), True), (split, False)):
+        worker = RawWorker(pieces, cut=cut)
+        try:
+            with gateway_over(worker.base_url) as gateway:
+                client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="x",
+                                       max_retries=0)  # fmt: skip
+                texts = []
+                if cut:
+                    with pytest.raises(openai.APIError) as raised:
+                        for chunk in client.completions.create(
+                            model=MODEL, prompt="Hi", stream=True
+                        ):
+                            texts.append(chunk.choices[0].text)
+                    assert raised.value.body["code"] == "worker_died", raised.value.body  # type: ignore[index]
+                    assert "cut off" in raised.value.message
+                    raw = loopback.post(f"{gateway.base_url}/v1/completions", timeout=30,
+                                        json={"model": MODEL, "prompt": "Hi", "stream": True})  # fmt: skip
+                    assert raw.content.startswith(EVENT) and raw.content.count(b"data: ") == 2
+                    assert (
+                        json.loads(raw.content[len(EVENT) + 6 :])["error"]["code"] == "worker_died"
+                    )
+                else:
+                    stream = client.completions.create(model=MODEL, prompt="Hi", stream=True)
+                    texts = [chunk.choices[0].text for chunk in stream]
+                assert texts == ["hi"]
+        finally:
+            worker.close()

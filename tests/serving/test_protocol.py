@@ -235,6 +235,15 @@ def test_error_message_keeps_location_and_hint() -> None:
     assert json.loads(event[6:])["error"]["code"] == "worker_died"
 
 
+@pytest.mark.parametrize(
+    ("data", "whole"),
+    [(b"", 0), (b"data: {", 0), (b"data: 1\n\n", 9), (b"data: 1\n\ndata: {", 9),
+     (b"data: 1\r\n\r\ndata: 2\r\n", 11), (b"data: 1\n\ndata: 2\n\n", 18)],
+)  # fmt: skip
+def test_whole_events_ends_at_the_last_blank_line(data: bytes, whole: int) -> None:
+    assert sse.whole_events(data) == whole
+
+
 class _Tokens:
     """Token text by id, for shape tests."""
 

@@ -17,6 +17,13 @@ ERROR_EVENT_START = b'data: {"error"'
 JSON-escaped, so a body piece holding this holds one."""
 
 
+def whole_events(data: bytes) -> int:
+    """How many bytes at the start of ``data`` are whole events: up to the end of its last
+    blank line (``\\n\\n`` or ``\\r\\n\\r\\n``); 0 when no event in it has ended."""
+    ends = [at + len(blank) for blank in (b"\n\n", b"\r\n\r\n") if (at := data.rfind(blank)) >= 0]
+    return max(ends, default=0)
+
+
 def dumps(obj: Any) -> bytes:
     """Compact UTF-8 JSON, as every Kunlun response body is encoded."""
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()

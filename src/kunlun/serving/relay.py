@@ -4,7 +4,8 @@ It is an ASGI response (built by :func:`kunlun.serving.gateway.respond`) that ta
 replica slot, sends the request to the replica's worker over the gateway's upstream pool
 and relays the answer byte for byte, adding ``X-Kunlun-Replica``, ``X-Kunlun-Device`` and
 ``X-Kunlun-Priority``. A worker that dies mid-stream ends the client's stream with one SSE
-error event (code ``worker_died``) and no ``[DONE]``; one that dies or cannot be reached before answering has the request sent to another
+error event (code ``worker_died``) and no ``[DONE]``, after the last whole event it sent (a
+stream's bytes go on at event ends: a cut-off event would reach the client as broken JSON); one that dies or cannot be reached before answering has the request sent to another
 replica of its model (and rollout version), at most :data:`MAX_RETRIES` times, and gives
 502 or 503 when none is left; once the first byte went to the client nothing is retried. A worker the node agent killed for being unresponsive (``Replica.fault``), or one silent
 past the upstream pool's first-byte or read timeout, gives 504 (code ``worker_unresponsive``)
@@ -55,6 +56,9 @@ _REQUEST_ID, _REPLICA, _DEVICE, _PRIORITY, _VERSION = map(http_headers.raw, (
 _FORWARDED = (b"content-type", b"content-length", _REQUEST_ID, b"cache-control")
 """Upstream response headers passed to the client."""
 _SSE = sse.MEDIA_TYPE.encode()
+MAX_HELD_BYTES = 1 << 20
+"""The most of an unfinished event held back from the client until its end arrives (a longer
+event goes on in pieces, as it comes)."""
 MAX_RETRIES = 2
 """Other replicas a request is sent to when one fails before answering anything."""
 LEFT_GRACE_S = 0.05
@@ -337,15 +341,24 @@ class Relay(Response):
         version = self.ticket.version
         self.status_code = upstream.status_code  # telemetry
         await send({"type": "http.response.start", "status": upstream.status_code, "headers": raw})
-        last, final = b"\n\n", False
+        last, final, held = b"\n\n", False, b""
         streamed = (upstream.header(b"content-type") or b"").startswith(_SSE)
         try:
-            async for chunk in upstream.iter_raw():
+            async for piece in upstream.iter_raw():
                 if self.first_byte is None:
                     self.first_byte = time.perf_counter()
+                final = upstream.complete  # then the end of the body goes with this write
+                chunk = held + piece if held else piece
+                if streamed and not final:  # an unfinished event waits for its end
+                    whole = sse.whole_events(chunk)
+                    if whole < len(chunk) and len(chunk) - whole <= MAX_HELD_BYTES:
+                        chunk, held = chunk[:whole], chunk[whole:]
+                        if not chunk:
+                            continue
+                    else:
+                        held = b""
                 if version is not None and streamed and sse.ERROR_EVENT_START in chunk:
                     self.stream_error = True  # an engine error ended the stream
-                final = upstream.complete  # then the end of the body goes with this write
                 # A stream's answer is whole once its [DONE] is out, though the end of the
                 # chunked body may come in a later read: a client that closes on [DONE] (the
                 # openai SDK does) has its answer, and is not one that left first.
