@@ -6,7 +6,8 @@ weights are read into it. The stock way allocates float32 tensors and then casts
 the served dtype: a pass over memory that the weights overwrite anyway, and ``to_empty``
 imports torch's symbolic-shape machinery (sympy) on the way. Each way runs in a fresh
 process (``import torch`` is paid before the clock starts), interleaved for ``--rounds``
-rounds, for the demo model's shape (135M) and a 1.1B Llama shape (TinyLlama's), in
+rounds, for the demo model's shape (135M, its own ``config.json``) and a 1.1B Llama shape
+(TinyLlama's), in
 ``--dtype`` (bf16: the dtype a GPU and an AVX-512 BF16 CPU serve). No weights are read,
 and none are needed: only the shape counts.
 
@@ -21,23 +22,32 @@ import statistics
 import subprocess
 import sys
 
-SHAPES = {
-    "smollm2-135m": {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-                     "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152},
-    "llama-1.1b": {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
-                   "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000},
+LLAMA_1B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "max_position_embeddings": 2048, "hidden_size": 2048,
+    "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "vocab_size": 32000,
 }  # fmt: skip
-"""The shapes built (the demo's is SmolLM2-135M's ``config.json``; the other TinyLlama's)."""
+"""TinyLlama's shape: a 1.1B Llama, built from its shape alone (no weights are read)."""
+
+
+def demo_config() -> dict[str, object]:
+    """The demo model's ``config.json``, from its import (made once per machine)."""
+    from kunlun.engine.gguf import ImportOptions, demo_gguf_path, import_gguf
+    from kunlun.paths import model_cache_dir
+
+    model_dir = import_gguf(demo_gguf_path(), model_cache_dir() / "smollm2-gguf-w4a16",
+                            ImportOptions())  # fmt: skip
+    return dict(json.loads((model_dir / "config.json").read_text()))
+
 
 CHILD = """
 import json, resource, sys, time
 import torch
 from kunlun.engine.config import ModelConfig
 from kunlun.engine.models import build_model, materialize
-way, shape, dtype = sys.argv[1], json.loads(sys.argv[2]), getattr(torch, sys.argv[3])
-config = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                                "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-                                "max_position_embeddings": 2048, **shape})
+way, raw, dtype = sys.argv[1], json.loads(sys.argv[2]), getattr(torch, sys.argv[3])
+config = ModelConfig.from_dict(raw)
 cpu, wall = time.process_time(), time.perf_counter()
 with torch.device("meta"):
     model = build_model(config, 2048)
@@ -52,8 +62,8 @@ print(json.dumps({"cpu_s": time.process_time() - cpu, "wall_s": time.perf_counte
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
-def one(way: str, shape: dict[str, int], dtype: str) -> dict[str, float]:
-    done = subprocess.run([sys.executable, "-c", CHILD, way, json.dumps(shape), DTYPES[dtype]],
+def one(way: str, config: dict[str, object], dtype: str) -> dict[str, float]:
+    done = subprocess.run([sys.executable, "-c", CHILD, way, json.dumps(config), DTYPES[dtype]],
                           capture_output=True, text=True, check=True, timeout=600)  # fmt: skip
     return dict(json.loads(done.stdout.splitlines()[-1]))
 
@@ -64,11 +74,11 @@ def main() -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     args = parser.parse_args()
     result: dict[str, object] = {"dtype": args.dtype, "rounds": args.rounds}
-    for name, shape in SHAPES.items():
+    for name, config in {"smollm2-135m": demo_config(), "llama-1.1b": LLAMA_1B}.items():
         runs: dict[str, list[dict[str, float]]] = {"stock": [], "materialize": []}
         for _ in range(args.rounds):
             for way in runs:
-                runs[way].append(one(way, shape, args.dtype))
+                runs[way].append(one(way, config, args.dtype))
         figures = {way: {key: round(statistics.median(r[key] for r in rs), 3)
                          for key in ("cpu_s", "wall_s")} for way, rs in runs.items()}  # fmt: skip
         for way, rs in runs.items():

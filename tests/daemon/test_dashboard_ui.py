@@ -7,6 +7,7 @@ leaving the daemon. Screenshots of every page are taken (``SHOTS``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import stat
@@ -20,9 +21,8 @@ import openai
 import pytest
 from tests.daemons import TINY, Daemon, Profile, daemon_fixture
 
-import kunlun.ui
-
-TEMPLATES = Path(kunlun.ui.__file__).with_name("templates")
+TEMPLATES = Path(str(importlib.util.find_spec("kunlun.ui").origin)).with_name("templates")  # type: ignore[union-attr]
+"""The dashboard's page templates (found without importing the dashboard at collection)."""
 
 sync_api = pytest.importorskip("playwright.sync_api")
 CHROMIUM = Path("/usr/bin/chromium")
