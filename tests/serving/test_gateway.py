@@ -448,3 +448,18 @@ def test_a_worker_that_dies_mid_event_leaves_the_client_whole_events_and_the_err
                 assert texts == ["hi"]
         finally:
             worker.close()
+
+
+def test_a_stream_that_ends_inside_an_event_reaches_the_client_whole() -> None:
+    """Held back until its end, an event the body ends inside (no blank line after it) still
+    reaches the client when the worker ends the body normally: nothing the worker sent is
+    lost."""
+    tail = b"data: [DONE]"
+    worker = RawWorker((EVENT, tail), pause_s=0.2)  # the body's end in a read of its own
+    try:
+        with gateway_over(worker.base_url) as gateway:
+            raw = loopback.post(f"{gateway.base_url}/v1/completions", timeout=30,
+                                json={"model": MODEL, "prompt": "Hi", "stream": True})  # fmt: skip
+            assert raw.status_code == 200 and raw.content == EVENT + tail, raw.content
+    finally:
+        worker.close()

@@ -371,6 +371,11 @@ class Relay(Response):
                 if final:
                     break
                 last = chunk
+            if held:  # the body ended inside an event (no blank line after it): it goes on
+                if self.recorder is not None:
+                    self.recorder.feed(held)
+                await send({"type": "http.response.body", "body": held, "more_body": True})
+                last = held
             await self._keep(upstream.status_code)
         except UpstreamBroken as exc:
             error = self._died(replica, exc)
