@@ -137,15 +137,17 @@ def gateway(worker: WorkerProcess) -> Iterator[GatewayServer]:
 
 
 @contextlib.contextmanager
-def gateway_over(worker_url: str) -> Iterator[GatewayServer]:
+def gateway_over(worker_url: str, handoff: str | None = None) -> Iterator[GatewayServer]:
     """A gateway serving ``MODEL`` through one ready replica ``r1`` at ``worker_url``, keeping
-    Responses API answers in a state store of its own (as the daemon's gateway does)."""
+    Responses API answers in a state store of its own (as the daemon's gateway does);
+    ``handoff``: the replica's direct-stream socket, the app wrapped as the daemon's is."""
     import tempfile
 
     from fastapi import FastAPI
 
     from kunlun.serving.gateway import mount_gateway
     from kunlun.serving.gateway_state import GatewayState
+    from kunlun.serving.handoff import ClientSocketScope
     from kunlun.serving.response_state import ResponseState
     from kunlun.state.sqlite import SQLiteStore
 
@@ -159,10 +161,10 @@ def gateway_over(worker_url: str) -> Iterator[GatewayServer]:
         yield
         await state.close()
 
-    replicas.upsert(Replica("r1", "w1", MODEL, "cpu:0", worker_url, ready=True))
+    replicas.upsert(Replica("r1", "w1", MODEL, "cpu:0", worker_url, ready=True, handoff=handoff))
     app = FastAPI(lifespan=lifespan)
     mount_gateway(app, replicas, state)
-    server, base_url, thread = serve_in_thread(app)
+    server, base_url, thread = serve_in_thread(ClientSocketScope(app) if handoff else app)
     try:
         yield GatewayServer(replicas, state, base_url, server)
     finally:

@@ -1,12 +1,22 @@
 """The gateway's end of a direct stream (:class:`kunlun.serving.handoff.DirectLink`) reading
 the worker's frames over a real socket pair: a wait cancelled halfway through a frame loses
-nothing, and an end that arrived unread is found without waiting."""
+nothing, and an end that arrived unread is found without waiting. And a worker process (the
+real hand-off server) killed while its client's connection holds part of a chunk: the
+client gets a cut body, never the gateway's error event spliced into that chunk."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.serving.conftest import MODEL, gateway_over
 
 from kunlun.serving.handoff import END, HEAD, PROGRESS, DirectLink
 
@@ -52,3 +62,79 @@ def test_an_end_already_arrived_is_read_without_waiting() -> None:
     finally:
         link.close()
         worker.close()
+
+
+def _largest_send_buffer() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    except (OSError, ValueError, IndexError):
+        return 4 << 20  # Linux's default
+
+
+BIG = 2 * _largest_send_buffer()
+"""An event larger than any send buffer the kernel grows, with a client whose receive
+buffer is held small: the worker's connection takes it only in part while the client does
+not read."""
+WORKER = f"""
+import asyncio, sys
+from kunlun.serving.handoff_worker import HandoffServer
+
+async def app(scope, receive, send):
+    await receive()
+    await send({{"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]}})
+    await send({{"type": "http.response.body", "body": b'data: {{"n": 1}}\\n\\n', "more_body": True}})
+    big = b'data: {{"x": "' + b"a" * {BIG} + b'"}}\\n\\n'
+    await send({{"type": "http.response.body", "body": big, "more_body": True}})
+    await asyncio.sleep(3600)
+
+async def main():
+    server = HandoffServer(app, lambda line: print(line, file=sys.stderr, flush=True))
+    server.start()
+    print(server.address, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_a_worker_killed_inside_a_chunk_leaves_the_client_a_cut_body() -> None:
+    worker = subprocess.Popen([sys.executable, "-c", WORKER], stdout=subprocess.PIPE)
+    try:
+        assert worker.stdout is not None
+        address = worker.stdout.readline().decode().strip()
+        assert address, "the worker did not start"
+        with gateway_over("http://127.0.0.1:9", handoff=address) as gateway:
+            host, port = gateway.base_url.removeprefix("http://").rsplit(":", 1)
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)  # no autotuning
+            sock.settimeout(30)
+            sock.connect((host, int(port)))
+            payload = json.dumps({"model": MODEL, "prompt": "Hi", "stream": True}).encode()
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: k\r\ncontent-type: "
+                         b"application/json\r\ncontent-length: %d\r\n\r\n%b"
+                         % (len(payload), payload))  # fmt: skip
+            received = b""
+            while b'{"n": 1}' not in received:  # the head and the first, whole event
+                data = sock.recv(65536)
+                assert data, received
+                received += data
+            time.sleep(0.5)  # the worker writes what the connection takes of the big event
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.wait(30)
+            while data := sock.recv(1 << 20):  # to the connection's end (a 30 s timeout)
+                received += data
+            sock.close()
+    finally:
+        worker.kill()
+        worker.wait(30)
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+    first = b'data: {"n": 1}\n\n'
+    assert body.startswith(b"%x\r\n%b\r\n" % (len(first), first))
+    cut = body[len(first) + 6 :]
+    size_line, _, part = cut.partition(b"\r\n")
+    assert int(size_line, 16) == len(b'data: {"x": ""}\n\n') + BIG
+    # part of the big event, then the end: no error event or last chunk spliced into it
+    assert 0 < len(part) < BIG and part.startswith(b'data: {"x": "aaa')
+    assert part.strip(b"a") == b'data: {"x": "', part[-200:]

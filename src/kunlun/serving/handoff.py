@@ -17,7 +17,12 @@ HTTP, and the exchange goes:
    gateway's read timeout while pieces leave (so its silence backstop holds, within a third
    more than the timeout, without a wake-up per token), and ``E``, the end (when the first piece left; whether an error event
    ended the stream); the gateway writes the closing chunk and the connection is its own
-   again, kept alive for the client's next request.
+   again, kept alive for the client's next request. A chunk the client's connection takes
+   only in part (the client reads slower than the stream comes) is bracketed by ``H``
+   (from its first part on, the connection is inside a chunk) and ``W`` (whole again): a
+   worker that dies or goes silent between them leaves a chunk the gateway cannot finish,
+   so it shuts the connection down instead of writing its error event into the middle of
+   that chunk, and the client sees a body cut off, not one spliced together.
 
 An answer with a ``Content-Length`` (a refusal) comes back to the gateway as ``B`` pieces
 and is relayed as before. The gateway closing the Unix socket means the client left: the
@@ -51,6 +56,9 @@ CLIENT_SOCKET_SCOPE = "kunlun.client_socket"
 START, BODY, PROGRESS, END, GO = b"S", b"B", b"P", b"E", b"G"
 """The frames' kinds (worker -> gateway ``S``, ``B``, ``P``, ``E``; gateway -> worker
 ``G``)."""
+INSIDE_CHUNK, WHOLE = b"H", b"W"
+"""Worker -> gateway: a chunk is partly written to the client's connection (``H``), and
+finished (``W``)."""
 HEAD = struct.Struct(">cI")
 """A worker frame's head: its kind and its payload's length."""
 LENGTH = struct.Struct(">I")
@@ -115,6 +123,9 @@ class DirectLink:
     def __init__(self, sock: socket.socket, read_timeout_s: float | None = None) -> None:
         self.sock, self.read_timeout_s = sock, read_timeout_s
         self._buffer = bytearray()
+        self.inside_chunk = False
+        """Whether the worker last said it is inside a chunk (``H`` without its ``W``): the
+        client's connection then ends in part of a chunk, and nothing can follow it."""
 
     @classmethod
     async def open(
@@ -196,6 +207,8 @@ class DirectLink:
             if taken[0] == END:
                 result: dict[str, Any] = json.loads(taken[1])
                 return result
+            if taken[0] in (INSIDE_CHUNK, WHOLE):
+                self.inside_chunk = taken[0] == INSIDE_CHUNK
         return None
 
     async def start(self, timeout_s: float | None) -> tuple[int, list[tuple[bytes, bytes]], bool]:
@@ -234,7 +247,9 @@ class DirectLink:
             if kind == END:
                 result: dict[str, Any] = json.loads(payload)
                 return result
-            if kind != PROGRESS:
+            if kind in (INSIDE_CHUNK, WHOLE):
+                self.inside_chunk = kind == INSIDE_CHUNK
+            elif kind != PROGRESS:
                 raise UpstreamBroken(f"the worker sent frame {kind!r} into a direct answer")
 
     async def pieces(self) -> Any:

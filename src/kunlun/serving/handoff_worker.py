@@ -22,11 +22,13 @@ from kunlun.serving.handoff import (
     END,
     GO,
     HEAD,
+    INSIDE_CHUNK,
     LENGTH,
     MAX_BODY_BYTES,
     MAX_META_BYTES,
     PROGRESS,
     START,
+    WHOLE,
     headers_from_json,
     headers_json,
 )
@@ -97,17 +99,7 @@ class HandoffServer:
 async def _receive_request(conn: socket.socket) -> tuple[dict[str, Any], bytes, socket.socket]:
     """The request the gateway sent on ``conn``: its head, its body and the client's socket."""
     loop = asyncio.get_running_loop()
-    readable: asyncio.Future[None] = loop.create_future()
-
-    def ready() -> None:
-        if not readable.done():
-            readable.set_result(None)
-
-    loop.add_reader(conn.fileno(), ready)
-    try:
-        await readable
-    finally:
-        loop.remove_reader(conn.fileno())
+    await _ready(conn.fileno(), writable=False)
     data, fds, _, _ = socket.recv_fds(conn, LENGTH.size, 1)
     if not fds:
         raise ValueError("the hand-off carried no client socket")
@@ -240,7 +232,43 @@ class _Exchange:
             self.first_byte = now
         if sse.ERROR_EVENT_START in piece:
             self.error_event = True
-        await self.loop.sock_sendall(self.client, b"%x\r\n%b\r\n" % (len(piece), piece))
+        await self._write_chunk(b"%x\r\n%b\r\n" % (len(piece), piece))
         if self.progress_s is not None and (first or now - self.progress_at >= self.progress_s):
             self.progress_at = now
             await self._frame(PROGRESS, b"")
+
+    async def _write_chunk(self, chunk: bytes) -> None:
+        """``chunk`` to the client's connection. One the connection takes only in part (the
+        client reads slower than the stream comes) is bracketed by ``H`` and ``W`` to the
+        gateway, which must not write into the middle of it should this process die."""
+        view, sent, inside = memoryview(chunk), 0, False
+        while True:
+            with contextlib.suppress(BlockingIOError, InterruptedError):
+                sent += self.client.send(view[sent:])
+            if sent == len(chunk):
+                break
+            if sent and not inside:  # part of it has left: inside a chunk until it all has
+                inside = True
+                await self._frame(INSIDE_CHUNK, b"")
+            await _ready(self.client.fileno(), writable=True)  # or failed: the send says
+        if inside:
+            await self._frame(WHOLE, b"")
+
+
+async def _ready(fd: int, writable: bool) -> None:
+    """Until ``fd`` is readable (``writable``: takes more)."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    add, remove = (
+        (loop.add_writer, loop.remove_writer) if writable else (loop.add_reader, loop.remove_reader)
+    )
+    add(fd, wake)
+    try:
+        await ready
+    finally:
+        remove(fd)

@@ -5,7 +5,9 @@ replica slot, sends the request to the replica's worker over the gateway's upstr
 and relays the answer byte for byte, adding ``X-Kunlun-Replica``, ``X-Kunlun-Device`` and
 ``X-Kunlun-Priority``. A worker that dies mid-stream ends the client's stream with one SSE
 error event (code ``worker_died``) and no ``[DONE]``, after the last whole event it sent (a
-stream's bytes go on at event ends: a cut-off event would reach the client as broken JSON); one that dies or cannot be reached before answering has the request sent to another
+stream's bytes go on at event ends: a cut-off event would reach the client as broken JSON;
+a direct stream's worker that dies with part of an event written to the client's connection
+has the connection shut down after that part instead, :mod:`kunlun.serving.handoff`); one that dies or cannot be reached before answering has the request sent to another
 replica of its model (and rollout version), at most :data:`MAX_RETRIES` times, and gives
 502 or 503 when none is left; once the first byte went to the client nothing is retried. A worker the node agent killed for being unresponsive (``Replica.fault``), or one silent
 past the upstream pool's first-byte or read timeout, gives 504 (code ``worker_unresponsive``)
@@ -268,7 +270,9 @@ class Relay(Response):
             except UpstreamBroken as exc:
                 error = self._died(replica, exc)
                 self.status_code = error.http_status  # telemetry
-                if streamed:  # the worker writes whole events, one chunk each
+                if link.inside_chunk:  # it left part of a chunk: nothing may follow it
+                    shut(self.client)  # the client reads what came, then the connection's end
+                elif streamed:  # the worker writes whole events, one chunk each
                     event = sse.error_event(error)
                     await send({"type": "http.response.body", "body": event, "more_body": True})
                 self._ended = True
