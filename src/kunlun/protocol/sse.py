@@ -26,9 +26,14 @@ def whole_events(data: bytes) -> int:
     return max(ends, default=0)
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+"""Made once: ``json.dumps`` with options builds an encoder per call (a quarter of the time
+of a stream's event)."""
+
+
 def dumps(obj: Any) -> bytes:
     """Compact UTF-8 JSON, as every Kunlun response body is encoded."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+    return _ENCODER.encode(obj).encode()
 
 
 def event(obj: Any) -> bytes:
