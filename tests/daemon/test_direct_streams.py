@@ -235,3 +235,40 @@ def test_a_worker_silent_past_the_read_timeout_ends_the_stream_and_writes_no_mor
         sock.settimeout(KEEP_ALIVE_S / 2)
         assert sock.recv(65536) == b""
         sock.close()
+
+
+def test_a_stream_the_engine_thread_writes_reads_as_the_whole_answer(tiny_daemon: Daemon) -> None:
+    """A plain direct stream's events after its first are written by the worker's engine
+    thread: one event a token, the same id, time and model throughout, the chat's role in its
+    first event only, and text and usage that add up to the answer not streamed."""
+    conn = Conn(tiny_daemon)
+    for path, body in (
+        ("/v1/completions", {"model": "tiny", "prompt": "Count:", "max_tokens": 60}),
+        ("/v1/chat/completions", {"model": "tiny", "max_tokens": 60,
+                                  "messages": [{"role": "user", "content": "hi"}]}),
+    ):  # fmt: skip
+        body = {**body, "ignore_eos": True, "temperature": 0}
+        status, _, whole = conn.post(path, body)
+        assert status == 200
+        answer = json.loads(whole)
+        status, _, streamed = conn.post(
+            path, {**body, "stream": True, "stream_options": {"include_usage": True}}
+        )
+        assert status == 200
+        chunks = [json.loads(e) for e in events(streamed)[:-1]]
+        assert len({(c["id"], c["created"], c["model"], c["object"]) for c in chunks}) == 1
+        choices = [c["choices"][0] for c in chunks if c["choices"]]
+        if path == "/v1/completions":
+            text, want = "".join(c["text"] for c in choices), answer["choices"][0]["text"]
+        else:
+            assert choices[0]["delta"]["role"] == "assistant"
+            assert not any("role" in c["delta"] for c in choices[1:])
+            text = "".join(c["delta"]["content"] or "" for c in choices)
+            want = answer["choices"][0]["message"]["content"]
+        assert text == want
+        assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["length"]
+        usage = chunks[-1]["usage"]  # (the second asking finds its prompt in the cache)
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert usage[key] == answer["usage"][key]
+        assert usage["completion_tokens"] == 60
+        assert 50 <= len(choices) <= 60  # one a token (a held partial character aside)

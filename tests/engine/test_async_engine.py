@@ -273,3 +273,60 @@ def test_a_step_delay_fault_waits_after_every_step(engine: LLMEngine) -> None:
     assert took >= 0.4  # a wait after each of the first four steps: a floor, never a ceiling
     with pytest.raises(ValueError, match="step_delay_s"):
         AsyncLLMEngine(engine, step_delay_s=-1)
+
+
+def test_a_sink_takes_deltas_on_the_engine_thread_until_it_declines_one(engine: LLMEngine) -> None:
+    """``attach_sink``: the engine thread hands the stream's deltas to the sink right after
+    its steps; the first one the sink declines, and every later one, come through the
+    iterator, so the stream's tokens stay whole and in order. Attaching waits for the
+    consumer to have every delta already handed to it, and an interval refuses it."""
+    import threading
+
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    reference = run(collect_with(engine, params))
+    sunk: list[RequestOutputDelta] = []
+    threads: set[int] = set()
+
+    def sink(delta: RequestOutputDelta) -> bool:
+        threads.add(threading.get_ident())
+        if len(sunk) == 10:
+            return False  # declined: this one and the rest go through the iterator
+        sunk.append(delta)
+        return True
+
+    async def main() -> tuple[list[RequestOutputDelta], list[bool]]:
+        # paced (a slow device's steps), so tokens are left to sink once it is attached
+        async with AsyncLLMEngine(engine, step_delay_s=0.02) as server:
+            stream = server.add_request("Once upon a time", params, request_id="sunk")
+            first = await anext(stream)
+            queue = server._streams["sunk"].queue
+            await wait_until(lambda: queue.qsize() >= 1)  # handed to the loop, not yet taken
+            attached = [server.attach_sink("sunk", sink)]
+            rest = [first, await anext(stream)]  # now everything handed has been taken
+            attached.append(server.attach_sink("sunk", sink))
+            return rest + [d async for d in stream], attached
+
+    through_loop, attached = run(main())
+    assert attached == [False, True]
+    assert len(sunk) == 10 and threading.get_ident() not in threads and len(threads) == 1
+    final = through_loop[-1].final
+    assert final is not None
+    # the iterator's deltas before the sink's, then the sink's, then the iterator's again
+    order = through_loop[:2] + sunk + through_loop[2:]
+    assert [t for d in order for t in d.token_ids] == final.outputs[0].token_ids
+    assert "".join(d.text for d in order) == final.outputs[0].text == reference
+
+    async def with_interval() -> bool:
+        async with AsyncLLMEngine(engine, stream_interval=2) as server:
+            stream = server.add_request("Once upon a time", params, request_id="held")
+            await anext(stream)
+            attached = server.attach_sink("held", sink)
+            await collect(stream)
+            return attached
+
+    assert run(with_interval()) is False
+
+
+async def collect_with(engine: LLMEngine, params: SamplingParams) -> str:
+    async with AsyncLLMEngine(engine) as server:
+        return "".join([d.text async for d in server.add_request("Once upon a time", params)])

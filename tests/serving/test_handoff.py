@@ -13,12 +13,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from tests.serving.conftest import MODEL, gateway_over
 
-from kunlun.serving.handoff import END, HEAD, PROGRESS, DirectLink
+from kunlun.serving.handoff import END, HEAD, INSIDE_CHUNK, PROGRESS, WHOLE, DirectLink
 
 
 def frame(kind: bytes, payload: bytes = b"") -> bytes:
@@ -138,3 +139,84 @@ def test_a_worker_killed_inside_a_chunk_leaves_the_client_a_cut_body() -> None:
     # part of the big event, then the end: no error event or last chunk spliced into it
     assert 0 < len(part) < BIG and part.startswith(b'data: {"x": "aaa')
     assert part.strip(b"a") == b'data: {"x": "', part[-200:]
+
+
+def test_pieces_the_engine_thread_writes_and_the_loops_arrive_whole_and_in_order() -> None:
+    """``_Exchange.write_now`` from another thread (the engine's) between the event loop's
+    pieces: while the client does not read, the connection fills and the engine thread's
+    writing stops (a piece refused, or taken in part); the event loop then writes the rest of
+    a part-taken chunk before its own piece. Every chunk reaches the client whole and in
+    order, and the engine thread's writing tells the gateway the answer is alive."""
+    from kunlun.serving.handoff_worker import _chunk, _Exchange
+
+    pieces = [b"data: %d %s\n\n" % (i, b"x" * 5000) for i in range(100)]
+
+    async def main() -> tuple[bytes, int, list[bytes], int]:
+        listener = socket.create_server(("127.0.0.1", 0))
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(listener.getsockname())
+        served, _ = listener.accept()
+        listener.close()
+        served.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+        served.setblocking(False)
+        gateway, worker = socket.socketpair()
+        worker.setblocking(False)
+        link = bytearray()  # what the gateway reads of the worker's frames, as it goes
+
+        def listen() -> None:
+            while data := gateway.recv(65536):
+                link.extend(data)
+
+        listening = threading.Thread(target=listen, daemon=True)
+        listening.start()
+        exchange = _Exchange(worker, served, app=None)  # type: ignore[arg-type]
+        exchange.direct, exchange.progress_s = True, 0.0
+        exchange.go.set_result(None)
+        body = {"type": "http.response.body", "more_body": True}
+        await exchange._send({**body, "body": pieces[0]})
+        taken: list[bytes] = []
+
+        def engine() -> None:
+            for piece in pieces[1:]:
+                if not exchange.write_now(piece):
+                    return
+                taken.append(piece)
+            raise AssertionError("the connection took every piece: nothing was left to test")
+
+        thread = threading.Thread(target=engine)
+        thread.start()
+        thread.join()
+        left = len(exchange.rest)  # of a piece the connection took only in part
+        received = bytearray()
+
+        def read() -> None:
+            want = sum(len(_chunk(p)) for p in pieces)
+            while len(received) < want:
+                data = client.recv(65536)
+                if not data:
+                    return
+                received.extend(data)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        for piece in pieces[1 + len(taken) :]:
+            await exchange._send({**body, "body": piece})
+        await asyncio.get_running_loop().run_in_executor(None, reader.join, 60)
+        worker.close()
+        await asyncio.get_running_loop().run_in_executor(None, listening.join, 60)
+        frames = []
+        while link:
+            kind, length = HEAD.unpack(link[: HEAD.size])
+            frames.append(kind)
+            del link[: HEAD.size + length]
+        for sock in (client, served, gateway):
+            sock.close()
+        return bytes(received), len(taken), frames, left
+
+    received, taken, frames, left = asyncio.run(main())
+    assert received == b"".join(_chunk(p) for p in pieces)
+    assert 0 < taken < len(pieces) - 1  # the engine thread wrote some, then the loop
+    assert left > 0  # its last piece in part: the loop wrote the rest of it first
+    assert INSIDE_CHUNK in frames and WHOLE in frames  # around that rest
+    assert PROGRESS in frames  # sent by the engine thread's writing too

@@ -15,6 +15,13 @@ waiting when the consumer reads are merged into one (a consumer that fell behind
 one event instead of one per token: no token waits for this), and with ``stream_interval`` N > 1
 a completion's tokens are held until N are there (or it finishes), for fewer, larger events.
 
+A stream may also be written by the engine thread itself (:meth:`AsyncLLMEngine.attach_sink`):
+its deltas then go to the stream's :data:`Sink` right after the step, not through the event
+loop, until the sink declines one; that delta and every later one go the usual way, so the
+stream keeps its order. A server uses it to write a plain stream's events to its client's
+connection without waking its event loop per token (``docs/benchmarks.md``, "The engine
+thread writing each event").
+
 The event loop never waits on the model. :meth:`AsyncLLMEngine.add_request` validates the
 request in the caller (bad input raises there, at once), hands it to the engine thread and
 returns an async iterator of :class:`RequestOutputDelta`. The engine thread takes new
@@ -49,10 +56,21 @@ from kunlun.errors import EngineError, RequestError
 logger = logging.getLogger(__name__)
 
 
+Sink = Callable[[RequestOutputDelta], bool]
+"""Called on the engine thread with a delta of its stream: True when it took the delta (wrote
+it), False to have it and every later delta of the stream go through the event loop. It
+must not block, and it is called with the engine's lock held."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutputDelta | BaseException]
+    sink: Sink | None = None
+    handed: int = 0
+    """Deltas handed to the event loop (counted by the engine thread, under the lock)."""
+    taken: int = 0
+    """Deltas the consumer has been given (counted by the event loop)."""
 
 
 class AsyncLLMEngine:
@@ -162,6 +180,20 @@ class AsyncLLMEngine:
         self._wake.set()
         return self._iterate(request.request_id, stream)
 
+    def attach_sink(self, request_id: str, sink: Sink) -> bool:
+        """From the event loop that consumes ``request_id``'s stream: the engine thread hands
+        the stream's next deltas to ``sink`` (:data:`Sink`). Only where every delta handed to
+        the event loop so far has been taken (a sink would otherwise write ahead of them) and
+        deltas are not held for ``stream_interval``: False, nothing attached, otherwise."""
+        if self.stream_interval > 1:
+            return False
+        with self._lock:
+            stream = self._streams.get(request_id)
+            if stream is None or stream.handed != stream.taken:
+                return False
+            stream.sink = sink
+            return True
+
     async def embed(self, inputs: list[list[int]], method: Pooling) -> list[torch.Tensor]:
         """The unit-norm float32 vectors of ``inputs`` (token ids, checked with
         :func:`kunlun.engine.pooling.check_input`), run by the engine thread's pooling path;
@@ -207,6 +239,7 @@ class AsyncLLMEngine:
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutputDelta]:
         done = False
         held: dict[int, RequestOutputDelta] = {}  # per completion index: not handed out yet
+        merged: dict[int, int] = {}  # per completion index: the deltas held in it
         started: set[int] = set()
         try:
             while not done:
@@ -225,6 +258,7 @@ class AsyncLLMEngine:
                         break
                     before = held.get(item.index)
                     held[item.index] = item if before is None else _merged(before, item)
+                    merged[item.index] = merged.get(item.index, 0) + 1
                 done = failure is not None or any(d.final is not None for d in held.values())
                 # the delta that finishes the request goes last
                 for index, delta in sorted(held.items(), key=lambda kv: kv[1].final is not None):
@@ -232,6 +266,7 @@ class AsyncLLMEngine:
                            or len(delta.token_ids) >= self.stream_interval)  # fmt: skip
                     if due:
                         del held[index]
+                        stream.taken += merged.pop(index)
                         started.add(index)
                         yield delta
                 if failure is not None:
@@ -324,8 +359,14 @@ class AsyncLLMEngine:
         with self._lock:
             for item in items:
                 stream = self._streams.get(item.request_id)
-                if stream is not None:
-                    by_loop.setdefault(stream.loop, []).append((stream, item))
+                if stream is None:
+                    continue
+                if stream.sink is not None:
+                    if _sunk(stream.sink, item):
+                        continue
+                    stream.sink = None  # this delta and the later ones: the event loop's
+                stream.handed += 1
+                by_loop.setdefault(stream.loop, []).append((stream, item))
         for loop, pairs in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
                 loop.call_soon_threadsafe(_put_all, pairs)
@@ -346,6 +387,16 @@ class AsyncLLMEngine:
         for stream in streams.values():
             with contextlib.suppress(RuntimeError):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+
+
+def _sunk(sink: Sink, item: RequestOutputDelta) -> bool:
+    """Whether ``sink`` took ``item``; a sink that fails declines it (said once in the log:
+    the event loop writes the rest of that stream)."""
+    try:
+        return sink(item)
+    except Exception:
+        logger.exception("a stream's writer on the engine thread failed; the event loop goes on")
+        return False
 
 
 def _resolve(aborts: list[tuple[str, concurrent.futures.Future[None] | None]]) -> None:

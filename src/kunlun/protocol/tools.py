@@ -185,9 +185,14 @@ class ToolUse:
             return {"tools": self.template_tools}
         return {}
 
+    @property
+    def reads_calls(self) -> bool:
+        """Whether answers are read for calls (:meth:`stream` gives a parser)."""
+        return self.format is not None and bool(self.template_tools)
+
     def stream(self) -> ToolStream | None:
         """A parser for one streamed choice, or None when answers are not read for calls."""
-        return None if self.format is None or not self.template_tools else self.format.stream()
+        return self.format.stream() if self.reads_calls and self.format is not None else None
 
     def answer(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The assistant message of a finished answer, and its finish reason."""

@@ -53,6 +53,9 @@ from kunlun.http_client import UpstreamBroken, UpstreamTimeout, UpstreamUnreacha
 
 CLIENT_SOCKET_SCOPE = "kunlun.client_socket"
 """Where :class:`ClientSocketScope` puts the client connection's transport in the scope."""
+DIRECT_WRITER_SCOPE = "kunlun.direct_writer"
+"""Where the worker's side puts, in a handed-off request's scope, what writes a piece of a
+direct answer from the engine thread (``handoff_worker._Exchange.write_now``)."""
 START, BODY, PROGRESS, END, GO = b"S", b"B", b"P", b"E", b"G"
 """The frames' kinds (worker -> gateway ``S``, ``B``, ``P``, ``E``; gateway -> worker
 ``G``)."""

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Scope
 from kunlun.protocol import sse
 from kunlun.serving.handoff import (
     BODY,
+    DIRECT_WRITER_SCOPE,
     END,
     GO,
     HEAD,
@@ -146,6 +147,12 @@ class _Exchange:
         self.error_event = False
         self.progress_s: float | None = None
         self.progress_at = 0.0
+        self.written = False
+        """Whether the event loop has written the answer's first piece: from then on the
+        engine thread may write pieces (:meth:`write_now`)."""
+        self.rest = b""
+        """What the client's connection did not take of a piece the engine thread wrote:
+        the event loop writes it before its next piece."""
 
     async def run(self, meta: dict[str, Any], body: bytes) -> None:
         progress = meta.get("progress_s")
@@ -158,7 +165,7 @@ class _Exchange:
             "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
             "raw_path": path.encode(), "query_string": b"", "root_path": "",
             "headers": headers, "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0),
-            "state": {},
+            "state": {}, DIRECT_WRITER_SCOPE: self,
         }  # fmt: skip
         sent = False
 
@@ -232,16 +239,47 @@ class _Exchange:
             self.first_byte = now
         if sse.ERROR_EVENT_START in piece:
             self.error_event = True
-        await self._write_chunk(b"%x\r\n%b\r\n" % (len(piece), piece))
+        if self.rest:  # the end of the engine thread's last piece goes first
+            rest, self.rest = self.rest, b""
+            await self._write_chunk(rest, started=True)
+        await self._write_chunk(_chunk(piece))
+        self.written = True
         if self.progress_s is not None and (first or now - self.progress_at >= self.progress_s):
             self.progress_at = now
             await self._frame(PROGRESS, b"")
 
-    async def _write_chunk(self, chunk: bytes) -> None:
+    def write_now(self, piece: bytes) -> bool:
+        """On the engine thread, between the event loop's pieces: ``piece`` as one chunk to
+        the client's connection, if it takes at least part of it now (True; what it does not
+        take the event loop writes before its next piece). False, nothing written: the
+        connection is full or gone, or the event loop has not written the first piece or
+        still has some of one to write; the event loop writes this piece and says what
+        happened."""
+        if not self.written or self.rest or self.gone.is_set():
+            return False
+        chunk = _chunk(piece)
+        try:
+            sent = self.client.send(chunk)
+        except OSError:  # full (BlockingIOError) or failed: the event loop's write will tell
+            return False
+        if sent < len(chunk):
+            self.rest = chunk[sent:]
+        now = time.perf_counter()
+        if self.progress_s is not None and now - self.progress_at >= self.progress_s:
+            self.progress_at = now  # the gateway hears the answer is alive, as from the loop
+            with contextlib.suppress(OSError):  # a few bytes to a reader: taken whole, or not
+                self.conn.send(HEAD.pack(PROGRESS, 0))
+        return True
+
+    async def _write_chunk(self, chunk: bytes, started: bool = False) -> None:
         """``chunk`` to the client's connection. One the connection takes only in part (the
         client reads slower than the stream comes) is bracketed by ``H`` and ``W`` to the
-        gateway, which must not write into the middle of it should this process die."""
+        gateway, which must not write into the middle of it should this process die;
+        ``started``: the rest of a chunk begun already."""
         view, sent, inside = memoryview(chunk), 0, False
+        if started:
+            inside = True
+            await self._frame(INSIDE_CHUNK, b"")
         while True:
             with contextlib.suppress(BlockingIOError, InterruptedError):
                 sent += self.client.send(view[sent:])
@@ -253,6 +291,11 @@ class _Exchange:
             await _ready(self.client.fileno(), writable=True)  # or failed: the send says
         if inside:
             await self._frame(WHOLE, b"")
+
+
+def _chunk(piece: bytes) -> bytes:
+    """``piece`` as one HTTP/1.1 chunk."""
+    return b"%x\r\n%b\r\n" % (len(piece), piece)
 
 
 async def _ready(fd: int, writable: bool) -> None:

@@ -42,12 +42,13 @@ from kunlun.protocol.openai_errors import AuthenticationError, error_status_and_
 from kunlun.protocol.request_body import parse_request
 from kunlun.protocol.tools import ToolUse
 from kunlun.serving.embeddings import Embeddings
+from kunlun.serving.handoff import DIRECT_WRITER_SCOPE
 from kunlun.serving.ollama_api import OllamaRoutes, add_ollama_routes
 from kunlun.serving.responses_api import ResponsesRoute
 from kunlun.serving.sglang_api import add_sglang_routes
-from kunlun.serving.worker_calls import json_response, new_call, off_loop_if_large
+from kunlun.serving.worker_calls import Call, json_response, new_call, off_loop_if_large
 from kunlun.serving.worker_core import Submitted, WorkerCore
-from kunlun.serving.worker_stream import chat_events, completion_events
+from kunlun.serving.worker_stream import EngineWrites, chat_events, completion_events
 
 
 class WorkerApp(WorkerCore):
@@ -110,8 +111,12 @@ class WorkerApp(WorkerCore):
         tokens = self.tokens_for(req)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
+            plain = params.logprobs is None and params.n == 1 and not tools.reads_calls
+            writes = self.engine_writes(
+                request, submitted, call, plain and not req.continuous_usage
+            )
             events = chat_events(self.deltas(call, submitted.streams), call, req, response_id,
-                                 tokens, params.logprobs, tools)  # fmt: skip
+                                 tokens, params.logprobs, tools, writes)  # fmt: skip
             return self.sse(call, submitted, events)
         outputs = await self.collect(request, call, submitted)
         if outputs is None:
@@ -135,9 +140,11 @@ class WorkerApp(WorkerCore):
         tokens = self.tokens_for(req)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
+            plain = params.logprobs is None and params.n == 1 and not req.continuous_usage
+            writes = self.engine_writes(request, submitted, call, plain)
             events = completion_events(self.deltas(call, submitted.streams), call, req,
                                        response_id, tokens, params.logprobs,
-                                       echo_texts)  # fmt: skip
+                                       echo_texts, writes)  # fmt: skip
             return self.sse(call, submitted, events)
         outputs = await self.collect(request, call, submitted)
         if outputs is None:
@@ -152,6 +159,18 @@ class WorkerApp(WorkerCore):
                     outputs[index // n], req.prompt_logprobs
                 )
         return self.finish(call, json_response(call, body))
+
+    def engine_writes(
+        self, request: Request, submitted: Submitted, call: Call, plain: bool
+    ) -> EngineWrites | None:
+        """The engine thread's writing of a stream's events (:class:`EngineWrites`): for a
+        ``plain`` stream (one prompt, one choice, no logprobs, tool calls or usage in every
+        event) handed to this worker as a direct answer; None otherwise."""
+        writer = request.scope.get(DIRECT_WRITER_SCOPE)
+        if writer is None or not plain or len(submitted.request_ids) != 1:
+            return None
+        return EngineWrites(self.engine.attach_sink, submitted.request_ids[0], writer.write_now,
+                            call)  # fmt: skip
 
     async def tokenize(self, request: Request) -> dict[str, Any]:
         """``POST /tokenize``: the token ids a prompt (or chat) would be given, as the

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kunlun.engine.outputs import RequestOutputDelta
@@ -30,27 +30,122 @@ Deltas = AsyncIterator[tuple[int, RequestOutputDelta]]
 """Engine deltas, each tagged with the index of its prompt."""
 
 
-async def chat_events(
+class EngineWrites:
+    """A plain stream's events written by the engine thread (:meth:`AsyncLLMEngine.attach_sink
+    <kunlun.engine.async_engine.AsyncLLMEngine.attach_sink>`): once the event loop has written
+    the stream's first event to a direct answer, each later delta that does not end it is
+    made into its event and written to the client's connection right after the step, with no
+    wake-up of the event loop; the delta that ends it, and any the connection will not take
+    now, go through the event loop as before (which attaches the engine's writing again after
+    its next event). The event's bytes are made by the same ``event`` the event loop calls.
+
+    ``write``: ``handoff_worker._Exchange.write_now``; ``attach``: the engine's
+    ``attach_sink`` for the stream's one request."""
+
+    def __init__(
+        self,
+        attach: Callable[[str, Callable[[RequestOutputDelta], bool]], bool],
+        request_id: str,
+        write: Callable[[bytes], bool],
+        call: Call,
+    ) -> None:
+        self.attach_sink, self.request_id, self.write, self.call = attach, request_id, write, call
+        self.event: Callable[[int, RequestOutputDelta], bytes | None] | None = None
+
+    def attach(self, event: Callable[[int, RequestOutputDelta], bytes | None]) -> None:
+        """From the event loop, after it wrote an event: the engine thread writes the next."""
+        self.event = event
+        self.attach_sink(self.request_id, self)
+
+    def __call__(self, delta: RequestOutputDelta) -> bool:
+        """On the engine thread: write ``delta``'s event (True), or leave it to the loop."""
+        if delta.final is not None or delta.finish_reason is not None or self.event is None:
+            return False
+        body = self.event(0, delta)
+        if body is not None and not self.write(body):
+            return False
+        self.call.observe(0, delta)  # as the event loop counts the deltas it takes
+        return True
+
+
+async def _events(
     deltas: Deltas,
-    call: Call,
-    req: ChatCompletionRequest,
-    response_id: str,
-    tokens: responses.TokenText,
-    top_k: int | None,
-    tools: ToolUse,
+    event: Callable[[int, RequestOutputDelta], bytes | None],
+    end: Callable[[], list[bytes]],
+    writes: EngineWrites | None,
 ) -> AsyncIterator[bytes]:
-    """The SSE events of a streamed chat completion."""
-    created, with_usage = int(time.time()), req.include_usage
-    started: set[int] = set()
-    calls = ToolCallDeltas(tools)
-    async for _, delta in deltas:
-        wants_logprobs = top_k is not None and bool(delta.logprobs)
-        text, tool_calls, finish_reason = calls.read(delta)
+    """Each delta's event (none for one that adds nothing a client sees), then the ending
+    events; with ``writes``, the engine thread writes what it can in between."""
+    async for prompt_index, delta in deltas:
+        body = event(prompt_index, delta)
+        if body is not None:
+            yield body
+            if writes is not None and delta.finish_reason is None:
+                writes.attach(event)
+    for body in end():
+        yield body
+
+
+class _Chunks:
+    """What the events of one streamed answer share: its id, time, model and usage."""
+
+    obj = ""
+    """The chunks' ``object``."""
+
+    def __init__(
+        self,
+        call: Call,
+        req: ChatCompletionRequest | CompletionRequest,
+        response_id: str,
+        tokens: responses.TokenText,
+        top_k: int | None,
+    ) -> None:
+        self.call, self.req, self.response_id, self.tokens = call, req, response_id, tokens
+        self.top_k = top_k
+        self.created, self.with_usage = int(time.time()), req.include_usage
+
+    def _event(self, choice: dict[str, Any]) -> bytes:
+        running = self.call.usage() if self.req.continuous_usage else None
+        return sse.event(responses.chunk(self.response_id, self.obj, self.created,
+                                         self.req.model, [choice], running,
+                                         self.with_usage))  # fmt: skip
+
+    def end(self) -> list[bytes]:
+        """The usage event (when asked for) and ``[DONE]``."""
+        if not self.with_usage:
+            return [sse.DONE]
+        body = responses.chunk(self.response_id, self.obj, self.created, self.req.model, [],
+                               self.call.usage(), True)  # fmt: skip
+        return [sse.event(body), sse.DONE]
+
+
+class ChatChunks(_Chunks):
+    """The events of a streamed chat completion, one engine delta at a time."""
+
+    obj = "chat.completion.chunk"
+
+    def __init__(
+        self,
+        call: Call,
+        req: ChatCompletionRequest,
+        response_id: str,
+        tokens: responses.TokenText,
+        top_k: int | None,
+        tools: ToolUse,
+    ) -> None:
+        super().__init__(call, req, response_id, tokens, top_k)
+        self.started: set[int] = set()
+        self.calls = ToolCallDeltas(tools)
+
+    def event(self, _: int, delta: RequestOutputDelta) -> bytes | None:
+        """``delta``'s event; None when it adds nothing a client sees."""
+        wants_logprobs = self.top_k is not None and bool(delta.logprobs)
+        text, tool_calls, finish_reason = self.calls.read(delta)
         if not (text or tool_calls or finish_reason or wants_logprobs):
-            continue  # text held back (partial character, stop string, call)
+            return None  # text held back (partial character, stop string, call)
         message: dict[str, Any] = {"content": text}
-        if delta.index not in started:
-            started.add(delta.index)
+        if delta.index not in self.started:
+            self.started.add(delta.index)
             message = {"role": "assistant", "content": text}
         if tool_calls:
             message["content"] = text or None
@@ -58,21 +153,68 @@ async def chat_events(
         logprobs = None
         if wants_logprobs:
             logprobs = responses.chat_logprobs(
-                tokens, delta.token_ids, delta.logprobs or [], top_k or 0
+                self.tokens, delta.token_ids, delta.logprobs or [], self.top_k or 0
             )
-        choice = {"index": delta.index, "delta": message, "logprobs": logprobs,
-                  "finish_reason": finish_reason}  # fmt: skip
-        running = call.usage() if req.continuous_usage else None
-        yield sse.event(responses.chunk(response_id, "chat.completion.chunk", created,
-                                        req.model, [choice], running, with_usage))  # fmt: skip
-    if with_usage:
-        body = responses.chunk(response_id, "chat.completion.chunk", created, req.model, [],
-                               call.usage(), True)  # fmt: skip
-        yield sse.event(body)
-    yield sse.DONE
+        return self._event({"index": delta.index, "delta": message, "logprobs": logprobs,
+                            "finish_reason": finish_reason})  # fmt: skip
 
 
-async def completion_events(
+def chat_events(
+    deltas: Deltas,
+    call: Call,
+    req: ChatCompletionRequest,
+    response_id: str,
+    tokens: responses.TokenText,
+    top_k: int | None,
+    tools: ToolUse,
+    writes: EngineWrites | None = None,
+) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed chat completion."""
+    chunks = ChatChunks(call, req, response_id, tokens, top_k, tools)
+    return _events(deltas, chunks.event, chunks.end, writes)
+
+
+class CompletionChunks(_Chunks):
+    """The events of a streamed text completion (choice ``prompt x n + index``), one engine
+    delta at a time."""
+
+    obj = "text_completion"
+
+    def __init__(
+        self,
+        call: Call,
+        req: CompletionRequest,
+        response_id: str,
+        tokens: responses.TokenText,
+        top_k: int | None,
+        echo_texts: list[str] | None,
+    ) -> None:
+        super().__init__(call, req, response_id, tokens, top_k)
+        self.n, self.echo_texts = req.n, echo_texts
+        self.offsets: dict[int, int] = {}
+
+    def event(self, prompt_index: int, delta: RequestOutputDelta) -> bytes | None:
+        """``delta``'s event; None when it adds nothing a client sees."""
+        index = prompt_index * self.n + delta.index
+        text = delta.text
+        if self.echo_texts is not None and index not in self.offsets:
+            text = self.echo_texts[prompt_index] + text
+        wants_logprobs = self.top_k is not None and bool(delta.logprobs)
+        if not (text or delta.finish_reason or wants_logprobs):
+            return None
+        offset = self.offsets.get(index, 0)
+        self.offsets[index] = offset + len(text)
+        logprobs = None
+        if wants_logprobs:
+            logprobs = responses.completion_logprobs(
+                self.tokens, delta.token_ids, delta.logprobs or [], self.top_k or 0,
+                offset + len(text) - len(delta.text),
+            )  # fmt: skip
+        return self._event({"index": index, "text": text, "logprobs": logprobs,
+                            "finish_reason": delta.finish_reason})  # fmt: skip
+
+
+def completion_events(
     deltas: Deltas,
     call: Call,
     req: CompletionRequest,
@@ -80,37 +222,11 @@ async def completion_events(
     tokens: responses.TokenText,
     top_k: int | None,
     echo_texts: list[str] | None,
+    writes: EngineWrites | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE events of a streamed text completion (choice ``prompt x n + index``)."""
-    created, with_usage = int(time.time()), req.include_usage
-    offsets: dict[int, int] = {}
-    async for prompt_index, delta in deltas:
-        index = prompt_index * req.n + delta.index
-        text = delta.text
-        if echo_texts is not None and index not in offsets:
-            text = echo_texts[prompt_index] + text
-        wants_logprobs = top_k is not None and bool(delta.logprobs)
-        if not (text or delta.finish_reason or wants_logprobs):
-            continue
-        offset = offsets.get(index, 0)
-        offsets[index] = offset + len(text)
-        logprobs = None
-        if wants_logprobs:
-            logprobs = responses.completion_logprobs(
-                tokens, delta.token_ids, delta.logprobs or [], top_k or 0,
-                offset + len(text) - len(delta.text),
-            )  # fmt: skip
-        choice = {"index": index, "text": text, "logprobs": logprobs,
-                  "finish_reason": delta.finish_reason}  # fmt: skip
-        running = call.usage() if req.continuous_usage else None
-        yield sse.event(responses.chunk(
-            response_id, "text_completion", created, req.model, [choice], running, with_usage
-        ))  # fmt: skip
-    if with_usage:
-        yield sse.event(responses.chunk(
-            response_id, "text_completion", created, req.model, [], call.usage(), True
-        ))  # fmt: skip
-    yield sse.DONE
+    chunks = CompletionChunks(call, req, response_id, tokens, top_k, echo_texts)
+    return _events(deltas, chunks.event, chunks.end, writes)
 
 
 class ToolCallDeltas:
