@@ -239,8 +239,9 @@ def test_a_worker_silent_past_the_read_timeout_ends_the_stream_and_writes_no_mor
 
 def test_a_stream_the_engine_thread_writes_reads_as_the_whole_answer(tiny_daemon: Daemon) -> None:
     """A plain direct stream's events after its first are written by the worker's engine
-    thread: one event a token, the same id, time and model throughout, the chat's role in its
-    first event only, and text and usage that add up to the answer not streamed."""
+    thread: the same id, time and model throughout, the chat's role in its first event only,
+    the finish reason on its last, and text and usage that add up to the answer not
+    streamed."""
     conn = Conn(tiny_daemon)
     for path, body in (
         ("/v1/completions", {"model": "tiny", "prompt": "Count:", "max_tokens": 60}),
@@ -271,4 +272,6 @@ def test_a_stream_the_engine_thread_writes_reads_as_the_whole_answer(tiny_daemon
         for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
             assert usage[key] == answer["usage"][key]
         assert usage["completion_tokens"] == 60
-        assert 50 <= len(choices) <= 60  # one a token (a held partial character aside)
+        # at most one a token; fewer where deltas waited for the event loop and were merged
+        # (before the engine thread took the stream over, or when the connection was full)
+        assert 2 <= len(choices) <= 60

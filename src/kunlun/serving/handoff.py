@@ -12,7 +12,9 @@ HTTP, and the exchange goes:
    (a stream) the answer is *direct*: the gateway writes the head to the client itself (its
    HTTP/1.1 server frames the body as chunks) and, once the head has left, sends ``G``;
 3. the worker writes each piece of the body to the client's socket as one HTTP chunk,
-   from its own event loop: no second process wakes per token;
+   from its own event loop: no second process wakes per token; a plain stream's events
+   after its first are written by the worker's engine thread right after its step
+   (``worker_stream.EngineWrites``), so not even the worker's event loop wakes per token;
 4. worker -> gateway: ``P`` at the first piece and then at most once per third of the
    gateway's read timeout while pieces leave (so its silence backstop holds, within a third
    more than the timeout, without a wake-up per token), and ``E``, the end (when the first piece left; whether an error event
