@@ -266,9 +266,11 @@ class _Exchange:
             self.rest = chunk[sent:]
         now = time.perf_counter()
         if self.progress_s is not None and now - self.progress_at >= self.progress_s:
-            self.progress_at = now  # the gateway hears the answer is alive, as from the loop
-            with contextlib.suppress(OSError):  # a few bytes to a reader: taken whole, or not
+            # the gateway hears the answer is alive, as from the loop; a few bytes to a
+            # reader are taken whole or not at all, and one not taken is tried again next time
+            with contextlib.suppress(OSError):
                 self.conn.send(HEAD.pack(PROGRESS, 0))
+                self.progress_at = now
         return True
 
     async def _write_chunk(self, chunk: bytes, started: bool = False) -> None:

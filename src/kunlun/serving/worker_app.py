@@ -111,10 +111,9 @@ class WorkerApp(WorkerCore):
         tokens = self.tokens_for(req)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if req.stream:
-            plain = params.logprobs is None and params.n == 1 and not tools.reads_calls
-            writes = self.engine_writes(
-                request, submitted, call, plain and not req.continuous_usage
-            )
+            plain = (params.logprobs is None and params.n == 1 and not req.continuous_usage
+                     and not tools.reads_calls)  # fmt: skip
+            writes = self.engine_writes(request, submitted, call, plain)
             events = chat_events(self.deltas(call, submitted.streams), call, req, response_id,
                                  tokens, params.logprobs, tools, writes)  # fmt: skip
             return self.sse(call, submitted, events)
